@@ -1,0 +1,38 @@
+# Every target sets up .venv itself, so each works on a fresh clone.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: demo test bench venv lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# Stamp files re-run the install only when pyproject.toml changes.
+$(VENV)/.installed-all: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[all]'
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[all,test]'
+	touch $@ $(VENV)/.installed-all
+
+demo: $(VENV)/.installed-all
+	$(BIN)/lightning-sdp demo
+
+test: $(VENV)/.installed-test
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed-all
+	@set -e; for script in benchmarks/*.py; do \
+	  case $$(basename $$script) in _*) continue;; esac; \
+	  echo "== $$script"; $(BIN)/python $$script; done
+
+lint: $(VENV)/.installed-test
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/ruff check lightning_sdp tests benchmarks
+
+clean:
+	rm -rf $(VENV) demo_report .pytest_cache

@@ -1,0 +1,121 @@
+"""Shared helper for benchmarks: machine facts and writing ``results/<name>.{json,md,png}``.
+
+Every benchmark measures the plugin and its baseline side by side in one run and calls :func:`write_results`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, usable cores, memory, load, library versions and GPU (if any) of the running machine."""
+    import torch
+
+    info: dict[str, Any] = {
+        "cpu": _cpu_model(),
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        info["load_avg_1m"] = round(os.getloadavg()[0], 2)
+    except OSError:
+        pass
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        info["memory_gib"] = round(pages / 2**30, 1)
+    except (ValueError, OSError):
+        pass
+    try:
+        import lightning
+
+        info["lightning"] = lightning.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def machine_line(info: dict[str, Any] | None = None) -> str:
+    info = info or machine_info()
+    gpu = f", GPU {info['gpu']}" if "gpu" in info else ""
+    load = f", load {info['load_avg_1m']}" if "load_avg_1m" in info else ""
+    return f"{info['cpu']}, {info['cores']} cores{gpu}, torch {info['torch']}{load}, {info['date']}"
+
+
+def write_results(name: str, payload: dict[str, Any], markdown: str, figure: Any = None) -> dict[str, Path]:
+    """Write ``results/<name>.json`` (payload + machine), ``.md`` (markdown + machine line) and ``.png``.
+
+    Args:
+        name: file stem, e.g. ``"gpt_char_cpu"``.
+        payload: JSON-serialisable results; a ``machine`` entry is added.
+        markdown: the table(s) to show; a header and the machine line are added.
+        figure: a matplotlib ``Figure`` saved as the PNG (closed afterwards), or ``None``.
+    """
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    info = payload.setdefault("machine", machine_info())
+    paths = {"json": RESULTS_DIR / f"{name}.json", "md": RESULTS_DIR / f"{name}.md"}
+    paths["json"].write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+    paths["md"].write_text(f"# {name}\n\nMachine: {machine_line(info)}\n\n{markdown.strip()}\n")
+    if figure is not None:
+        import matplotlib.pyplot as plt
+
+        paths["png"] = RESULTS_DIR / f"{name}.png"
+        figure.savefig(paths["png"], dpi=120, bbox_inches="tight")
+        plt.close(figure)
+    for p in paths.values():
+        print(f"wrote {p}")
+    return paths
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[str] | None = None, floatfmt: str = "{:.4g}") -> str:
+    """A GitHub markdown table from a list of dicts."""
+    if not rows:
+        return "(no rows)"
+    columns = columns or list(rows[0])
+
+    def fmt(v: Any) -> str:
+        return floatfmt.format(v) if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _jsonable(obj: Any) -> Any:
+    try:
+        import numpy as np
+
+        if isinstance(obj, np.generic):
+            return obj.item()
+        if isinstance(obj, np.ndarray):
+            return obj.tolist()
+    except ImportError:
+        pass
+    if isinstance(obj, Path):
+        return str(obj)
+    return str(obj)

@@ -1,0 +1,12 @@
+"""LightningModules. Imported lazily: naming a model imports only its own module."""
+
+from lightning_sdp._lazy import lazy_exports
+
+_EXPORTS = {
+    "GPT": "lightning_sdp.models.gpt",
+    "FastCLIPModule": "lightning_sdp.models.fastclip",
+    "SimpleXModule": "lightning_sdp.models.simplex",
+    "PtychoNN": "lightning_sdp.models.ptychonn",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -1,0 +1,55 @@
+"""Test set-up shared by the whole suite.
+
+``TRITON_INTERPRET=1`` must be set before any kernel module (and so triton) is imported: this file is imported by
+pytest before any test module, so setting it here runs every Triton kernel in the CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+# Two cores in CI: keep each process to few threads so multi-process tests do not oversubscribe.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from lightning_sdp._imports import (  # noqa: E402
+    _NUMBA_AVAILABLE,
+    _OPEN_CLIP_AVAILABLE,
+    _SKLEARN_AVAILABLE,
+    _TRITON_AVAILABLE,
+)
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+_MARKER_CHECKS = {
+    "cuda": (lambda: torch.cuda.is_available(), "needs a CUDA device"),
+    "triton": (lambda: bool(_TRITON_AVAILABLE), "needs triton (pip install 'lightning-sdp[triton]')"),
+    "open_clip": (lambda: bool(_OPEN_CLIP_AVAILABLE), "needs open_clip_torch (pip install 'lightning-sdp[clip]')"),
+    "numba": (lambda: bool(_NUMBA_AVAILABLE), "needs numba (pip install 'lightning-sdp[cpu]')"),
+    "sklearn": (lambda: bool(_SKLEARN_AVAILABLE), "needs scikit-learn (pip install 'lightning-sdp[clip]')"),
+    "shared_data": (lambda: SHARED_DATA.is_dir(), f"needs the real data sets in {SHARED_DATA}"),
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for name, (available, reason) in _MARKER_CHECKS.items():
+            if item.get_closest_marker(name) is not None and not available():
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_threads() -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    """Path of ``../shared/data``; tests using it must also carry ``@pytest.mark.shared_data``."""
+    return SHARED_DATA

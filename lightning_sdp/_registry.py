@@ -56,7 +56,17 @@ ACCELERATOR_ALIASES: tuple[_Alias, ...] = (
 def _resolve(alias: _Alias) -> type | None:
     if importlib.util.find_spec(alias.module) is None:
         return None
-    module = importlib.import_module(alias.module)
+    try:
+        module = importlib.import_module(alias.module)
+    except Exception as err:  # noqa: BLE001 - a broken plugin must not break `import lightning.pytorch`
+        _log.warning(
+            "lightning-sdp: alias %r is not registered because %s failed to import: %s: %s",
+            alias.name,
+            alias.module,
+            type(err).__name__,
+            err,
+        )
+        return None
     return getattr(module, alias.cls, None)
 
 

@@ -118,3 +118,12 @@ def test_missing_extra_names_the_extra(monkeypatch):
         _imports.require("numba", "the HEAT kernels")
     _imports.require("h5py")  # installed with the core: no error
     importlib.reload(_imports)
+
+
+def test_a_plugin_that_fails_to_import_is_reported_not_fatal(monkeypatch, caplog):
+    broken = _Alias("lsdp_broken", "tests._broken_plugin", "Broken", "broken")
+    monkeypatch.setattr(_registry, "STRATEGY_ALIASES", (broken,))
+    monkeypatch.setattr(_registry, "ACCELERATOR_ALIASES", ())
+    with caplog.at_level("WARNING"):
+        assert _registry.register_all() == {}
+    assert "failed to import" in caplog.text and "lsdp_broken" in caplog.text

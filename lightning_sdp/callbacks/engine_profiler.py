@@ -1,0 +1,507 @@
+"""EngineProfiler: where a training step's time goes, matrix engine or vector engines.
+
+Working form of the study by Zhang et al., "Benchmarking and In-depth Performance Study of Large Language Models on
+Habana Gaudi Processors" (SC-W 2023, arXiv 2309.16976), which compares Gaudi's matrix engine (MME) with its vector
+cores (TPC) and finds Transformers held back by non-matrix work such as softmax, worst at long sequences. Add
+``callbacks=[EngineProfiler()]`` to any Trainer: for a few steps it splits the step time into ``matrix``,
+``attention_fused``, ``vector``, ``memory``, ``communication`` and ``host_other``, per module group, with achieved
+TFLOPS against the device's peaks and findings with advice. The helpers live in :mod:`lightning_sdp.profiling`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils._pytree import tree_flatten
+from typing_extensions import override
+
+_MODEL_DIM_KEYS = {
+    "d_model": ("n_embd", "d_model", "hidden_size", "embed_dim", "dim"),
+    "n_heads": ("n_head", "n_heads", "num_heads", "num_attention_heads"),
+    "attention": ("attention", "attn_impl", "attention_impl"),
+}
+
+
+class EngineProfiler(Callback):
+    """Profile a few training steps and report matrix-engine vs vector-engine time.
+
+    The window follows ``torch.profiler.schedule``: per cycle, ``wait`` batches with no work at all, ``warmup``
+    batches (the last one counts FLOPs and vector work under ``FlopCounterMode``, so the timed steps carry no
+    counting overhead), then ``active`` batches under ``torch.profiler``; ``repeat`` cycles (0 = until the end).
+    Outside the window the hooks only compare integers.
+
+    Backends (from ``trainer.strategy.root_device``): CPU (operator self times), CUDA (kernel device times attributed
+    to the launching operators; tensor-core kernels detected by name), HPU (Gaudi: engine lanes of the exported
+    trace, overlap states MME-only / TPC-only / both / DMA-only / idle).
+
+    Outputs in ``dirpath``: ``<filename>-rank<R>.json`` (all windows of global rank R),
+    ``<filename>-rank<R>-window<C>.pt.trace.json.gz`` (Chrome/Perfetto trace), and from rank 0
+    ``<filename>-summary.json`` (merged over ranks) and ``<filename>.png``. Metrics ``engine/*`` go to the Trainer's
+    loggers; the summary table is printed at the end of training.
+
+    Args:
+        wait: batches to skip at the start of each cycle. Default 2.
+        warmup: batches before the active ones; the last counts FLOPs (needs ``>= 1`` for TFLOPS). Default 1.
+        active: profiled batches per cycle. Default 3.
+        repeat: number of cycles; 0 repeats until training ends. Default 1.
+        dirpath: output folder; default ``<trainer.log_dir or default_root_dir>/engine_profiler``.
+        filename: stem of the output files. Default ``"engine_profile"``.
+        export_trace: write the gzip Chrome trace per rank and window. Default True.
+        save_plot: rank 0 writes the PNG at the end. Default True.
+        count_flops: count FLOPs and vector work in the last warm-up batch. Default True.
+        module_view: open a ``record_function`` scope per module during active batches for the per-module view
+            (attention, MLP, norms, embeddings, head, loss, optimizer). Default True.
+        peaks: overrides of the device peaks: ``matrix_tflops``, ``vector_tflops``, ``mem_gbps``. Needed for
+            utilisation on the CPU or on devices missing from :data:`lightning_sdp.profiling.peaks.PEAKS`.
+        d_model: model width for the analytic attention model; read from the module's hparams
+            (``n_embd``/``d_model``/``hidden_size``) when ``None``.
+        n_heads: attention heads, likewise (``n_head``/``n_heads``/``num_heads``).
+        softmax_k: element operations per attention score in the analytic model (5-8 unfused). Default 6.
+        print_summary: print the summary table at the end of training (rank 0). Default True.
+        log_metrics: log ``engine/*`` metrics to the Trainer's loggers. Default True.
+    """
+
+    def __init__(
+        self,
+        wait: int = 2,
+        warmup: int = 1,
+        active: int = 3,
+        repeat: int = 1,
+        dirpath: str | None = None,
+        filename: str = "engine_profile",
+        export_trace: bool = True,
+        save_plot: bool = True,
+        count_flops: bool = True,
+        module_view: bool = True,
+        peaks: dict[str, float] | None = None,
+        d_model: int | None = None,
+        n_heads: int | None = None,
+        softmax_k: float = 6.0,
+        print_summary: bool = True,
+        log_metrics: bool = True,
+    ) -> None:
+        super().__init__()
+        for name, value, low in (("wait", wait, 0), ("warmup", warmup, 0), ("active", active, 1), ("repeat", repeat, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"EngineProfiler: {name} must be an integer >= {low}, got {value!r}")
+        if not filename or "/" in filename:
+            raise ValueError(f"EngineProfiler: filename must be a plain file stem, got {filename!r}")
+        if softmax_k <= 0:
+            raise ValueError(f"EngineProfiler: softmax_k must be positive, got {softmax_k}")
+        from lightning_sdp.profiling.peaks import resolve_peaks
+
+        resolve_peaks(None, "fp32", peaks)  # validates the override keys and values now, not mid-training
+        self.wait = wait
+        self.warmup = warmup
+        self.active = active
+        self.repeat = repeat
+        self.dirpath = dirpath
+        self.filename = filename
+        self.export_trace = export_trace
+        self.save_plot = save_plot
+        self.count_flops = count_flops
+        self.module_view = module_view
+        self.peaks = dict(peaks) if peaks else None
+        self.d_model = d_model
+        self.n_heads = n_heads
+        self.softmax_k = softmax_k
+        self.print_summary = print_summary
+        self.log_metrics = log_metrics
+        if count_flops and warmup == 0:
+            rank_zero_warn("EngineProfiler: FLOPs are counted in the last warm-up batch; with warmup=0 no TFLOPS.")
+
+        self.reports: list[dict[str, Any]] = []
+        self.merged: dict[str, Any] | None = None
+        self._batches_seen = 0
+        self._cycles_done = 0
+        self._disabled = False
+        self._device_type = "cpu"
+        self._dir: Path | None = None
+        self._rank = 0
+        self._world_size = 1
+        self._reset_window()
+
+    # ------------------------------------------------------------------ schedule
+
+    @property
+    def cycle_length(self) -> int:
+        return self.wait + self.warmup + self.active
+
+    def _phase(self, batch: int) -> tuple[str | None, int, int]:
+        """(phase, position in the cycle, cycle) of a batch index; phase None after the last cycle."""
+        cycle, pos = divmod(batch, self.cycle_length)
+        if self.repeat and cycle >= self.repeat:
+            return None, pos, cycle
+        if pos < self.wait:
+            return "wait", pos, cycle
+        if pos < self.wait + self.warmup:
+            return "warmup", pos, cycle
+        return "active", pos, cycle
+
+    def _reset_window(self) -> None:
+        self._prof: Any = None
+        self._work_counter: Any = None
+        self._work: Any = None
+        self._hooks: list[Any] = []
+        self._scope_stack: list[Any] = []
+        self._t_start = 0.0
+        self._active_steps = 0
+        self._batch_shapes: list[list[list[int]]] = []
+        self._window_start_batch = 0
+
+    # ------------------------------------------------------------------ Lightning hooks
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        from lightning.pytorch.profilers import PyTorchProfiler
+
+        if isinstance(trainer.profiler, PyTorchProfiler):
+            rank_zero_warn(
+                "EngineProfiler: the Trainer already runs a PyTorchProfiler and only one torch profiler session can "
+                "run at a time; EngineProfiler stays off. Remove `profiler=` to use it."
+            )
+            self._disabled = True
+            return
+        self._device_type = trainer.strategy.root_device.type
+        self._rank = trainer.global_rank
+        self._world_size = trainer.world_size
+        base = Path(self.dirpath) if self.dirpath else Path(trainer.log_dir or trainer.default_root_dir) / "engine_profiler"
+        self._dir = base
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._disabled:
+            return
+        total = self._total_batches(trainer)
+        remaining = None if total is None else total - self._batches_seen
+        if remaining is not None and self._phase(self._batches_seen)[0] is not None:
+            need = self.cycle_length - self._phase(self._batches_seen)[1]
+            if need > remaining:
+                rank_zero_warn(
+                    f"EngineProfiler: the profiling window needs {need} more batches (wait={self.wait}, "
+                    f"warmup={self.warmup}, active={self.active}) but the run has {remaining} left; the window will "
+                    "be cut short or not reached. Lower `wait`/`active` or train longer."
+                )
+
+    @staticmethod
+    def _total_batches(trainer: Trainer) -> int | None:
+        try:
+            steps = trainer.estimated_stepping_batches
+        except Exception:  # noqa: BLE001 - an estimate only; unknown is fine
+            return None
+        if steps is None or steps == float("inf"):
+            return None
+        return int(steps) * max(1, int(trainer.accumulate_grad_batches))
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._disabled:
+            return
+        phase, pos, cycle = self._phase(self._batches_seen)
+        if phase is None or phase == "wait":
+            return
+        self._batch_shapes.append(_batch_shapes(batch))
+        if phase == "warmup":
+            if self.count_flops and pos == self.wait + self.warmup - 1:
+                from lightning_sdp.profiling.flops import WorkCounter
+
+                accel = None if self._device_type == "cpu" else self._device_type
+                self._work_counter = WorkCounter(accelerator=accel)
+                self._work_counter.__enter__()
+            return
+        if pos == self.wait + self.warmup:
+            self._start_profiler(pl_module)
+            self._window_start_batch = self._batches_seen
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._disabled:
+            return
+        phase, pos, cycle = self._phase(self._batches_seen)
+        self._batches_seen += 1
+        if phase is None or phase == "wait":
+            return
+        if self._work_counter is not None:
+            self._work_counter.__exit__(None, None, None)
+            self._work = self._work_counter.count
+            self._work_counter = None
+        if phase != "active":
+            return
+        if self._prof is not None:
+            self._active_steps += 1
+        if pos == self.cycle_length - 1:
+            if self._prof is None:
+                rank_zero_warn(
+                    f"EngineProfiler: window {cycle} was entered mid-way (resumed from a checkpoint); skipped."
+                )
+                self._cycles_done = cycle + 1
+                self._reset_window()
+                return
+            report = self._finish_window(trainer, pl_module, cycle)
+            if report is not None and self.log_metrics:
+                from lightning_sdp.profiling.report import metrics
+
+                pl_module.log_dict(metrics(report), on_step=True, on_epoch=False, batch_size=1)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._disabled:
+            return
+        if self._work_counter is not None:
+            self._work_counter.__exit__(None, None, None)
+            self._work_counter = None
+        if self._prof is not None:
+            rank_zero_warn(
+                f"EngineProfiler: training ended inside the profiling window after {self._active_steps} of "
+                f"{self.active} active batches; reporting the partial window."
+            )
+            cycle = self._phase(self._window_start_batch)[2]
+            report = self._finish_window(trainer, pl_module, cycle)
+            if report is not None and self.log_metrics:
+                from lightning_sdp.profiling.report import metrics
+
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics(report), step=trainer.global_step)
+        self._merge_and_summarise(trainer)
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """Stop the profiler and the counters; keep the trace of the interrupted window."""
+        if self._work_counter is not None:
+            try:
+                self._work_counter.__exit__(None, None, None)
+            finally:
+                self._work_counter = None
+        self._remove_module_hooks()
+        if self._prof is not None:
+            prof = self._prof
+            self._prof = None
+            try:
+                prof.stop()
+                if self.export_trace and self._dir is not None:
+                    cycle = self._phase(self._window_start_batch)[2]
+                    path = self._trace_path(cycle)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    prof.export_chrome_trace(str(path))
+                    rank_zero_warn(f"EngineProfiler: training raised {type(exception).__name__}; trace kept at {path}")
+            except Exception as err:  # noqa: BLE001 - never mask the original exception
+                rank_zero_warn(f"EngineProfiler: could not save the trace after an exception: {err}")
+        self._reset_window()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"batches_seen": self._batches_seen, "cycles_done": self._cycles_done}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        missing = {"batches_seen", "cycles_done"} - set(state_dict)
+        if missing:
+            raise KeyError(f"EngineProfiler checkpoint state lacks {sorted(missing)}; was it written by this callback?")
+        self._batches_seen = int(state_dict["batches_seen"])
+        self._cycles_done = int(state_dict["cycles_done"])
+
+    # ------------------------------------------------------------------ window
+
+    def _start_profiler(self, pl_module: LightningModule) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        if torch._C._autograd._profiler_enabled():
+            rank_zero_warn("EngineProfiler: another torch profiler session is running; this window is skipped.")
+            return
+        activities = [ProfilerActivity.CPU]
+        if self._device_type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        elif self._device_type == "hpu" and hasattr(ProfilerActivity, "HPU"):
+            activities.append(ProfilerActivity.HPU)
+        if self.module_view:
+            self._add_module_hooks(pl_module)
+        self._module_types = {n: type(m).__name__ for n, m in pl_module.named_modules()}
+        self._prof = profile(activities=activities, record_shapes=False, with_stack=False, profile_memory=False)
+        self._prof.start()
+        self._sync()
+        self._t_start = time.perf_counter()
+        self._active_steps = 0
+
+    def _sync(self) -> None:
+        if self._device_type == "cuda":
+            torch.cuda.synchronize()
+        elif self._device_type == "hpu":
+            hpu = getattr(torch, "hpu", None)
+            if hpu is not None and hasattr(hpu, "synchronize"):
+                hpu.synchronize()
+
+    def _add_module_hooks(self, pl_module: LightningModule) -> None:
+        from torch.autograd.profiler import record_function
+
+        stack = self._scope_stack
+
+        def make_pre(name: str) -> Any:
+            def pre(module: torch.nn.Module, args: Any) -> None:
+                scope = record_function(f"module::{name}")
+                scope.__enter__()
+                stack.append(scope)
+
+            return pre
+
+        def post(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if stack:
+                stack.pop().__exit__(None, None, None)
+
+        for name, module in pl_module.named_modules():
+            if not name:
+                continue
+            self._hooks.append(module.register_forward_pre_hook(make_pre(name)))
+            self._hooks.append(module.register_forward_hook(post))
+
+    def _remove_module_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        while self._scope_stack:
+            self._scope_stack.pop().__exit__(None, None, None)
+
+    def _trace_path(self, cycle: int) -> Path:
+        assert self._dir is not None
+        return self._dir / f"{self.filename}-rank{self._rank}-window{cycle}.pt.trace.json.gz"
+
+    def _finish_window(self, trainer: Trainer, pl_module: LightningModule, cycle: int) -> dict[str, Any] | None:
+        from lightning_sdp.profiling.categories import categorize_events
+        from lightning_sdp.profiling.report import build_report
+
+        self._sync()
+        span_us = (time.perf_counter() - self._t_start) * 1e6
+        prof = self._prof
+        self._prof = None
+        steps = self._active_steps
+        try:
+            prof.stop()
+        finally:
+            self._remove_module_hooks()
+        self._cycles_done = cycle + 1
+        assert self._dir is not None
+        self._dir.mkdir(parents=True, exist_ok=True)
+        trace_path = None
+        if self.export_trace or self._device_type == "hpu":
+            trace_path = self._trace_path(cycle)
+            prof.export_chrome_trace(str(trace_path))
+        if steps == 0:
+            self._reset_window()
+            return None
+        events = prof.events()
+        breakdown = categorize_events(
+            events,
+            span_us,
+            device="cuda" if self._device_type == "cuda" else "cpu",
+            module_types=self._module_types,
+        )
+        overlap = None
+        if self._device_type == "hpu" and trace_path is not None:
+            from lightning_sdp.profiling.hpu_trace import analyze_trace
+
+            try:
+                overlap = analyze_trace(trace_path)
+            except ValueError as err:
+                rank_zero_warn(f"EngineProfiler: no HPU engine lanes in the trace ({err}); host view only.")
+        device, peaks = self._device_and_peaks(trainer)
+        dims = self._model_dims(pl_module)
+        report = build_report(
+            breakdown=breakdown,
+            steps=steps,
+            device=device,
+            work=self._work,
+            peaks=peaks,
+            batch_shapes=self._batch_shapes,
+            model_dims=dims,
+            softmax_k=self.softmax_k,
+            overlap=overlap,
+            rank=self._rank,
+            world_size=self._world_size,
+            cycle=cycle,
+            start_batch=self._window_start_batch,
+        )
+        report["trace_file"] = str(trace_path) if trace_path is not None and self.export_trace else None
+        self.reports.append(report)
+        (self._dir / f"{self.filename}-rank{self._rank}.json").write_text(json.dumps(self.reports, indent=1) + "\n")
+        self._reset_window()
+        return report
+
+    def _device_and_peaks(self, trainer: Trainer) -> tuple[dict[str, Any], dict[str, float | None]]:
+        from lightning_sdp.profiling.peaks import device_key, device_name_of, matrix_dtype_key, resolve_peaks
+
+        index = trainer.strategy.root_device.index or 0
+        name = device_name_of(self._device_type, index)
+        tf32 = self._device_type == "cuda" and (
+            torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+        )
+        dtype = matrix_dtype_key(str(trainer.precision), allow_tf32=tf32)
+        if self._device_type not in ("cpu", "cuda", "hpu"):
+            rank_zero_warn(
+                f"EngineProfiler: device type {self._device_type!r} is not known; reporting time shares without "
+                "utilisation."
+            )
+        peaks = resolve_peaks(name, dtype, self.peaks)
+        device = {
+            "type": self._device_type,
+            "name": name,
+            "key": device_key(name),
+            "precision": str(trainer.precision),
+            "matrix_dtype": dtype,
+        }
+        return device, peaks
+
+    def _model_dims(self, pl_module: LightningModule) -> dict[str, Any]:
+        hp = dict(getattr(pl_module, "hparams", {}) or {})
+        dims: dict[str, Any] = {}
+        explicit = {"d_model": self.d_model, "n_heads": self.n_heads}
+        for key, names in _MODEL_DIM_KEYS.items():
+            value = explicit.get(key)
+            if value is None:
+                value = next((hp[n] for n in names if hp.get(n) is not None), None)
+            dims[key] = value
+        shapes = self._batch_shapes[-1] if self._batch_shapes else []
+        seq = next((s[1] for s in shapes if len(s) >= 2), None)
+        dims["seq_len"] = seq
+        return dims
+
+    def _merge_and_summarise(self, trainer: Trainer) -> None:
+        from lightning_sdp.profiling.report import merge_reports, plot_reports, summary_table
+
+        last = self.reports[-1] if self.reports else None
+        gathered: list[Any] = [last]
+        if self._world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            gathered = [None] * self._world_size
+            torch.distributed.all_gather_object(gathered, last)
+        if self._rank != 0:
+            return
+        reports = [r for r in gathered if r is not None]
+        if not reports:
+            rank_zero_warn("EngineProfiler: no profiling window completed; nothing to report.")
+            return
+        self.merged = merge_reports(reports)
+        assert self._dir is not None
+        self._dir.mkdir(parents=True, exist_ok=True)
+        (self._dir / f"{self.filename}-summary.json").write_text(json.dumps(self.merged, indent=1) + "\n")
+        if self.save_plot:
+            plot_reports(reports, self._dir / f"{self.filename}.png")
+        if self.print_summary:
+            print(summary_table(reports[0]))
+            if len(reports) > 1:
+                print(
+                    "EngineProfiler ranks: "
+                    + ", ".join(f"rank {r['rank']} {r['step_time_s'] * 1e3:.2f} ms/step" for r in reports)
+                )
+
+
+def _batch_shapes(batch: Any) -> list[list[int]]:
+    flat, _ = tree_flatten(batch)
+    return [list(t.shape) for t in flat if isinstance(t, torch.Tensor)]

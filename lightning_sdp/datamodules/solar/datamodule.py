@@ -1,0 +1,351 @@
+"""``SolarDataModule``: SOLAR's schedule-aware loading of a large HDF5 training set as a LightningDataModule.
+
+Sun et al., "SOLAR: A Highly Optimized Data Loading Framework for Distributed Training of CNN-based Scientific
+Surrogates", arXiv 2211.00224. See :mod:`lightning_sdp.datamodules.solar.schedule` for the algorithm.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_sdp._imports import require
+from lightning_sdp.datamodules.solar.buffer import parse_size
+from lightning_sdp.datamodules.solar.loader import BatchReader, SolarLoader, _no_collate
+from lightning_sdp.datamodules.solar.reader import DatasetInfo, HDF5Reader, StorageThrottle, inspect_h5
+from lightning_sdp.datamodules.solar.schedule import SolarSchedule, even_split
+
+_log = logging.getLogger(__name__)
+
+
+class SolarMetrics(Callback):
+    """Logs the SOLAR loader's counters through ``pl_module.log`` (so every Trainer logger shows them).
+
+    Per training step (and averaged or summed per epoch): ``solar/hit_rate`` (buffer hits / local batch),
+    ``solar/storage_bytes`` (bytes read from storage by this rank), ``solar/samples_per_s`` (local samples per
+    second of wall time between batches) and ``solar/load_time_s`` (time the loop waited for the batch). The values
+    are this rank's (not synchronised, to keep the step free of collectives).
+    """
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        dm = trainer.datamodule
+        loader = getattr(dm, "train_loader", None)
+        if not isinstance(loader, SolarLoader) or not loader.last_stats:
+            return
+        s = loader.last_stats
+        n = max(int(s["samples"]), 1)
+        pl_module.log("solar/hit_rate", s["hit_rate"], on_step=True, on_epoch=True, batch_size=n)
+        pl_module.log("solar/samples_per_s", s["samples_per_s"], on_step=True, on_epoch=True, batch_size=n)
+        pl_module.log("solar/load_time_s", s["wait_s"], on_step=True, on_epoch=True, batch_size=n)
+        pl_module.log("solar/storage_bytes", s["bytes"], on_step=True, on_epoch=True, reduce_fx="sum", batch_size=n)
+
+
+class SolarDataModule(LightningDataModule):
+    """SOLAR data loading for a large HDF5 training set (Sun et al., arXiv 2211.00224).
+
+    Every epoch's shuffled order is drawn ahead from ``seed``; each rank keeps a buffer of ``buffer_size / P``
+    samples with Belady eviction, buffered samples are re-routed to the rank that holds them inside their global
+    batch, and the step's storage reads are split evenly across ranks (local batch sizes vary; each batch carries
+    ``loss_scale = P / G`` so that ``loss = loss_scale * per_sample_losses.sum()`` gives the global-mean gradient
+    under DDP). Misses are read with one hyperslab per run of consecutive indices, in ``num_workers`` processes.
+
+    Batches are dicts: ``input`` (B, ...), ``target`` (B, ...; several target keys concatenated along dim 1),
+    ``index`` (B,) sample ids, ``loss_scale`` (scalar).
+
+    Needs ``Trainer(use_distributed_sampler=False)``.
+
+    Args:
+        path: training HDF5 file.
+        input_key: dataset holding the inputs (first axis = samples). Default ``"x"``.
+        target_key: dataset (or list of datasets) holding the targets. Default ``"y"``.
+        batch_size: nominal per-rank batch size ``B`` (global batch ``P * B``). Default 32.
+        buffer_size: buffer for all ranks together: an int number of samples, or bytes as a string (``"8GB"``,
+            ``"512MiB"``). 0 (default) disables buffering; more than the data caches everything.
+        num_workers: reader processes per rank (0: read in the main process). Default 0.
+        eviction: ``"belady"`` (default), ``"lru"``, ``"fifo"`` or ``"solar"`` (artifact-style).
+        reroute: serve buffered samples on the rank holding them. Default True.
+        balance: split storage reads evenly across ranks with variable local batches. Default True.
+        epoch_order: ``"identity"`` (default) or ``"tsp"`` (order epochs for overlap; needs a fixed horizon).
+        max_local_batch: cap on a local batch when balancing. Default ``2 * batch_size``.
+        seed: seed of the shuffled orders. Default 0.
+        max_epochs: epochs to plan. Default: the Trainer's ``max_epochs`` (or enough for ``max_steps``).
+        val_path: separate validation HDF5 file with the same keys. Default None.
+        val_split: fraction of ``path`` held out for validation (its last samples) when ``val_path`` is None.
+            Default 0 (no validation).
+        val_batch_size: validation batch size per rank. Default ``batch_size``.
+        max_gap: merge read runs separated by at most this many unrequested samples. Default 0.
+        prefetch_factor: read requests in flight per worker. Default 2.
+        drop_last: drop the smaller last global batch of each epoch. Default False.
+        storage_latency_s: emulate shared storage: seconds added per read request. Default 0 (off).
+        storage_bandwidth: emulate shared storage: bytes/s per request (0: unlimited). Default 0.
+        generate_if_missing: when ``path`` does not exist, write the synthetic PtychoNN-like set there first
+            (``lightning_sdp.datamodules.solar.ptycho``; keys ``diffraction`` -> ``amplitude``, ``phase``).
+            Default False.
+        synthetic_samples: samples of the generated set. Default 2048.
+        synthetic_size: patch side of the generated set. Default 64.
+        log_metrics: add a :class:`SolarMetrics` callback to the Trainer. Default True.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        input_key: str = "x",
+        target_key: str | list[str] = "y",
+        batch_size: int = 32,
+        buffer_size: int | str = 0,
+        num_workers: int = 0,
+        eviction: Literal["belady", "lru", "fifo", "solar"] = "belady",
+        reroute: bool = True,
+        balance: bool = True,
+        epoch_order: Literal["identity", "tsp"] = "identity",
+        max_local_batch: int | None = None,
+        seed: int = 0,
+        max_epochs: int | None = None,
+        val_path: str | None = None,
+        val_split: float = 0.0,
+        val_batch_size: int | None = None,
+        max_gap: int = 0,
+        prefetch_factor: int = 2,
+        drop_last: bool = False,
+        storage_latency_s: float = 0.0,
+        storage_bandwidth: float = 0.0,
+        generate_if_missing: bool = False,
+        synthetic_samples: int = 2048,
+        synthetic_size: int = 64,
+        log_metrics: bool = True,
+    ) -> None:
+        super().__init__()
+        require("h5py", feature="SolarDataModule")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not 0.0 <= val_split < 1.0:
+            raise ValueError(f"val_split must be in [0, 1), got {val_split}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        self.save_hyperparameters()
+        self.path = os.fspath(path)
+        self.input_key = input_key
+        self.target_keys = [target_key] if isinstance(target_key, str) else list(target_key)
+        if not self.target_keys:
+            raise ValueError("target_key must name at least one dataset")
+        self.batch_size = batch_size
+        self.buffer_size = buffer_size
+        self.num_workers = num_workers
+        self.eviction, self.reroute, self.balance, self.epoch_order = eviction, reroute, balance, epoch_order
+        self.max_local_batch, self.seed, self.max_epochs = max_local_batch, seed, max_epochs
+        self.val_path, self.val_split = val_path, val_split
+        self.val_batch_size = val_batch_size or batch_size
+        self.max_gap, self.prefetch_factor, self.drop_last = max_gap, prefetch_factor, drop_last
+        self.throttle = (
+            StorageThrottle(storage_latency_s, storage_bandwidth) if storage_latency_s or storage_bandwidth else None
+        )
+        self.generate_if_missing = generate_if_missing
+        self.synthetic_samples, self.synthetic_size = synthetic_samples, synthetic_size
+        self.log_metrics = log_metrics
+        self.schedule: SolarSchedule | None = None
+        self.info: DatasetInfo | None = None
+        self.train_loader: SolarLoader | None = None
+        self.rank, self.world_size = 0, 1
+        self.num_train = 0
+        self._val_ids: np.ndarray | None = None
+        self._pending_state: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ data preparation
+    @override
+    def prepare_data(self) -> None:
+        """Write the synthetic set when ``generate_if_missing`` and the file is missing (local rank 0 only)."""
+        if self.generate_if_missing and not Path(self.path).exists():
+            from lightning_sdp.datamodules.solar.ptycho import make_ptycho_h5
+
+            _log.warning("SolarDataModule: %s is missing; generating the synthetic PtychoNN-like set", self.path)
+            make_ptycho_h5(self.path, self.synthetic_samples, self.synthetic_size, seed=self.seed)
+
+    def _num_epochs(self, trainer: Trainer | None, steps_per_epoch: int) -> int:
+        if self.max_epochs is not None:
+            return self.max_epochs
+        if trainer is not None:
+            if trainer.max_epochs is not None and trainer.max_epochs > 0:
+                return trainer.max_epochs
+            if trainer.max_steps is not None and trainer.max_steps > 0:
+                return max(1, math.ceil(trainer.max_steps / steps_per_epoch))
+        if self.epoch_order == "tsp":
+            raise ValueError(
+                "epoch_order='tsp' needs a fixed number of epochs: set SolarDataModule(max_epochs=...) or "
+                "Trainer(max_epochs=...)"
+            )
+        return 1
+
+    @override
+    def setup(self, stage: str) -> None:
+        """Check the files and the Trainer, and build the schedule for this rank."""
+        trainer = self.trainer
+        if trainer is not None:
+            if trainer._accelerator_connector.use_distributed_sampler:
+                raise ValueError(
+                    "SolarDataModule brings its own distributed batch schedule: create the Trainer with "
+                    "`Trainer(use_distributed_sampler=False)` (YAML: `trainer: {use_distributed_sampler: false}`)"
+                )
+            self.rank, self.world_size = trainer.global_rank, trainer.world_size
+            if self.log_metrics and not any(isinstance(c, SolarMetrics) for c in trainer.callbacks):
+                trainer.callbacks.append(SolarMetrics())
+        if self.schedule is not None and self.schedule.world_size == self.world_size:
+            return
+        if not Path(self.path).exists():
+            hint = " (or set generate_if_missing=True to write the synthetic PtychoNN-like set)"
+            raise FileNotFoundError(f"SOLAR training file {self.path!r} does not exist{hint}")
+        keys = [self.input_key, *self.target_keys]
+        self.info = inspect_h5(self.path, keys)
+        n = self.info.num_samples
+        if self.val_path is not None:
+            val_info = inspect_h5(self.val_path, keys)
+            if val_info.shapes != self.info.shapes:
+                raise ValueError(
+                    f"validation file {self.val_path!r} has sample shapes {val_info.shapes}, but the training file "
+                    f"has {self.info.shapes}"
+                )
+            self.num_train = n
+            self._val_ids = np.arange(val_info.num_samples, dtype=np.int64)
+        elif self.val_split > 0:
+            n_val = max(1, int(round(n * self.val_split)))
+            if n_val >= n:
+                raise ValueError(f"val_split={self.val_split} leaves no training samples out of {n}")
+            self.num_train = n - n_val
+            self._val_ids = np.arange(self.num_train, n, dtype=np.int64)
+        else:
+            self.num_train = n
+            self._val_ids = None
+        capacity = parse_size(self.buffer_size, self.info.sample_nbytes)
+        if capacity > self.num_train:
+            _log.info("SolarDataModule: buffer (%d samples) holds the whole training set", capacity)
+        g = self.world_size * self.batch_size
+        steps = self.num_train // g if self.drop_last else -(-self.num_train // g)
+        self.schedule = SolarSchedule(
+            num_samples=self.num_train,
+            num_epochs=self._num_epochs(trainer, max(steps, 1)),
+            world_size=self.world_size,
+            local_batch_size=self.batch_size,
+            buffer_size=capacity,
+            seed=self.seed,
+            eviction=self.eviction,
+            reroute=self.reroute,
+            balance=self.balance,
+            epoch_order=self.epoch_order,
+            max_local_batch=self.max_local_batch,
+            drop_last=self.drop_last,
+        )
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self.load_state_dict(state)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Per-sample input shape (after ``setup``)."""
+        self._require_setup()
+        assert self.info is not None
+        return self.info.shapes[self.input_key]
+
+    def _require_setup(self) -> None:
+        if self.schedule is None:
+            raise RuntimeError("call SolarDataModule.setup() (or Trainer.fit) first")
+
+    def _reader(self, path: str) -> HDF5Reader:
+        return HDF5Reader(path, [self.input_key, *self.target_keys], max_gap=self.max_gap, throttle=self.throttle)
+
+    # ------------------------------------------------------------------ loaders
+    @override
+    def train_dataloader(self) -> SolarLoader:
+        self._require_setup()
+        assert self.schedule is not None
+        if self.train_loader is None or self.train_loader.schedule is not self.schedule:
+            self.train_loader = SolarLoader(
+                self.schedule,
+                self.rank,
+                self._reader(self.path),
+                self.input_key,
+                self.target_keys,
+                num_workers=self.num_workers,
+                prefetch_factor=self.prefetch_factor,
+                trainer=lambda: self.trainer,
+            )
+        if self._pending_position is not None:
+            self.train_loader.load_state_dict(self._pending_position)
+            self._pending_position = None
+        return self.train_loader
+
+    _pending_position: dict[str, Any] | None = None
+
+    @override
+    def val_dataloader(self) -> DataLoader | list:
+        self._require_setup()
+        if self._val_ids is None:
+            return []
+        ids = self._val_ids
+        sizes = even_split(len(ids), self.world_size)
+        lo = int(sizes[: self.rank].sum())
+        shard = ids[lo : lo + int(sizes[self.rank])]
+        batches = [shard[i : i + self.val_batch_size] for i in range(0, len(shard), self.val_batch_size)]
+        dataset = BatchReader(
+            self._reader(self.val_path or self.path), self.input_key, self.target_keys, batches=batches
+        )
+        return DataLoader(dataset, batch_size=None, num_workers=self.num_workers, collate_fn=_no_collate)
+
+    # ------------------------------------------------------------------ checkpointing
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """Configuration, schedule hash and position (epoch, step) of the training order."""
+        if self.schedule is None:
+            return {}
+        position = (
+            self.train_loader.state_dict()
+            if self.train_loader is not None
+            else {"epoch": 0, "step": 0, "schedule_hash": self.schedule.schedule_hash}
+        )
+        return {"config": self.schedule.config, "schedule_hash": self.schedule.schedule_hash, "position": position}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Check that the checkpoint's schedule is this one, then continue from its position."""
+        if not state_dict:
+            return
+        if self.schedule is None:
+            self._pending_state = state_dict
+            return
+        saved, current = state_dict.get("config", {}), self.schedule.config
+        diff = {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)}
+        if diff or state_dict.get("schedule_hash") != self.schedule.schedule_hash:
+            detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items()) or "same options"
+            raise ValueError(
+                f"the checkpoint's SOLAR schedule does not match this configuration ({detail}; schedule hash "
+                f"{state_dict.get('schedule_hash')} vs {self.schedule.schedule_hash}). Resume with the same data, "
+                "batch size, world size, buffer size, seed and SOLAR options, or start a new run."
+            )
+        position = state_dict["position"]
+        if self.train_loader is not None:
+            self.train_loader.load_state_dict(position)
+        else:
+            self._pending_position = position
+
+    @override
+    def teardown(self, stage: str) -> None:
+        if self.train_loader is not None and stage == "fit":
+            self.train_loader.close()
+
+
+def per_sample_loss_scale(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The factor to multiply the *sum* of per-sample losses by (``P / G``; ``1 / B`` for plain batches)."""
+    scale = batch.get("loss_scale")
+    if scale is None:
+        return torch.tensor(1.0 / max(len(batch["input"]), 1))
+    return scale

@@ -1,0 +1,296 @@
+"""Runtime side of SOLAR: the per-rank loader that follows a :class:`SolarSchedule`.
+
+Worker processes (a ``torch.utils.data.DataLoader`` with ``batch_size=None``) only read: each request is one step's
+storage reads, served by :class:`~lightning_sdp.datamodules.solar.reader.HDF5Reader` with coalesced hyperslab reads.
+The main process holds the buffered samples (the *store*), assembles every local batch from store and reads, and
+applies the plan's inserts and evictions. Since the plan is known ahead, the workers read future steps while the
+model trains (``prefetch_factor``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from lightning_sdp.datamodules.solar.reader import HDF5Reader
+from lightning_sdp.datamodules.solar.schedule import SolarSchedule
+
+
+def _no_collate(item: Any) -> Any:
+    return item
+
+
+def assemble_targets(arrays: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Concatenate several target arrays ``(n, c_i, ...)`` along dim 1 (a ``(n,)`` array counts as one channel)."""
+    parts = [a.unsqueeze(1) if a.dim() == 1 else a for a in arrays]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+class ReadRequests(Dataset):
+    """Map-style dataset whose "index" is a read request ``(tag, ids)``; returns the rows and I/O counters.
+
+    Args:
+        reader: the HDF5 reader (pickled into each worker; it opens the file lazily there).
+    """
+
+    def __init__(self, reader: HDF5Reader) -> None:
+        self.reader = reader
+
+    def __getitem__(self, request: tuple[int, np.ndarray]) -> dict[str, Any]:
+        tag, ids = request
+        start, before = time.perf_counter(), self.reader.bytes_read
+        rows = self.reader.read(ids)
+        return {
+            "tag": tag,
+            "ids": ids,
+            "data": {k: torch.from_numpy(v) for k, v in rows.items()},
+            "bytes": self.reader.bytes_read - before,
+            "seconds": time.perf_counter() - start,
+        }
+
+    def __len__(self) -> int:  # requests come from the sampler; the length is not used
+        return 0
+
+
+class _RequestSampler(Sampler):
+    """Yields the read requests set for the coming epoch (mutable, so persistent workers can be kept)."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[int, np.ndarray]] = []
+
+    def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
+        return iter(self.requests)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class BatchReader(Dataset):
+    """Map-style dataset whose index is an array of sample ids; returns a ready batch (validation, baselines).
+
+    Args:
+        reader: the HDF5 reader.
+        input_key: dataset name of the inputs.
+        target_keys: dataset names of the targets (concatenated along dim 1).
+        batches: the id arrays, one per batch; ``len`` is their number and ``__getitem__(int)`` reads one.
+    """
+
+    def __init__(
+        self,
+        reader: HDF5Reader,
+        input_key: str,
+        target_keys: Sequence[str],
+        batches: Sequence[np.ndarray] = (),
+    ) -> None:
+        self.reader, self.input_key, self.target_keys = reader, input_key, list(target_keys)
+        self.batches = list(batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, item: int | np.ndarray) -> dict[str, torch.Tensor]:
+        ids = self.batches[item] if isinstance(item, (int, np.integer)) else np.asarray(item)
+        rows = self.reader.read(ids)
+        n = len(ids)
+        return {
+            "input": torch.from_numpy(rows[self.input_key]),
+            "target": assemble_targets([torch.from_numpy(rows[k]) for k in self.target_keys]),
+            "index": torch.from_numpy(np.asarray(ids, dtype=np.int64)),
+            "loss_scale": torch.tensor(1.0 / max(n, 1), dtype=torch.float32),
+        }
+
+
+class SolarLoader:
+    """The training iterable of one rank: yields ``{"input", "target", "index", "loss_scale"}`` batches.
+
+    Implements ``state_dict``/``load_state_dict`` so Lightning treats it as resumable; it resumes at any step of
+    any epoch with the identical remaining sequence (samples the plan expects buffered are re-read once).
+
+    Args:
+        schedule: the shared schedule.
+        rank: this rank.
+        reader: reader of the training file (keys ``input_key`` + ``target_keys``).
+        input_key: dataset name of the inputs.
+        target_keys: dataset names of the targets.
+        num_workers: reader processes (0: read in the main process). Default 0.
+        prefetch_factor: read requests in flight per worker. Default 2.
+        trainer: callable returning the attached Trainer (or ``None``), for the epoch and the resume position.
+    """
+
+    def __init__(
+        self,
+        schedule: SolarSchedule,
+        rank: int,
+        reader: HDF5Reader,
+        input_key: str,
+        target_keys: Sequence[str],
+        num_workers: int = 0,
+        prefetch_factor: int = 2,
+        trainer: Callable[[], Any] | None = None,
+    ) -> None:
+        if not 0 <= rank < schedule.world_size:
+            raise ValueError(f"rank {rank} is outside 0..{schedule.world_size - 1}")
+        self.schedule, self.rank, self.reader = schedule, rank, reader
+        self.input_key, self.target_keys = input_key, list(target_keys)
+        self.num_workers, self.prefetch_factor = int(num_workers), int(prefetch_factor)
+        self._trainer = trainer or (lambda: None)
+        self.store: dict[int, dict[str, torch.Tensor]] = {}
+        self._sampler = _RequestSampler()
+        self._loader: DataLoader | None = None
+        self._next_pos = (0, 0)
+        self._epoch_counter = 0
+        self._resume: tuple[int, int] | None = None
+        self._last_yield: float | None = None
+        self.last_stats: dict[str, float] = {}
+        self.epoch_stats: dict[str, float] = {}
+
+    def __len__(self) -> int:
+        return self.schedule.steps_per_epoch
+
+    # ------------------------------------------------------------------ state
+    def position(self) -> tuple[int, int]:
+        """``(epoch, step)`` of the next batch the training loop has not processed yet."""
+        trainer = self._trainer()
+        if trainer is not None and getattr(trainer, "training", False):
+            progress = trainer.fit_loop.epoch_loop.batch_progress.current
+            return int(trainer.current_epoch), int(progress.processed)
+        return self._next_pos
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position and schedule hash (the buffer content is not saved; it is re-read on resume)."""
+        epoch, step = self.position()
+        return {"epoch": epoch, "step": step, "schedule_hash": self.schedule.schedule_hash}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at ``state``'s position at the next ``iter``."""
+        if state.get("schedule_hash") != self.schedule.schedule_hash:
+            raise ValueError(
+                "this checkpoint's SOLAR schedule does not match the current configuration (schedule hash "
+                f"{state.get('schedule_hash')} != {self.schedule.schedule_hash}); resume with the same data, "
+                "batch size, world size, buffer size, seed and SOLAR options"
+            )
+        self._resume = (int(state["epoch"]), int(state["step"]))
+        self._epoch_counter = int(state["epoch"])
+
+    def set_epoch(self, epoch: int) -> None:
+        """Epoch of the next ``iter`` when no Trainer is attached."""
+        self._epoch_counter = int(epoch)
+
+    # ------------------------------------------------------------------ iteration
+    def _dataloader(self) -> DataLoader:
+        if self._loader is None:
+            extra: dict[str, Any] = {}
+            if self.num_workers > 0:
+                extra = {"prefetch_factor": self.prefetch_factor, "persistent_workers": True}
+            self._loader = DataLoader(
+                ReadRequests(self.reader),
+                sampler=self._sampler,
+                batch_size=None,
+                num_workers=self.num_workers,
+                collate_fn=_no_collate,
+                **extra,
+            )
+        return self._loader
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        trainer = self._trainer()
+        epoch = int(trainer.current_epoch) if trainer is not None else self._epoch_counter
+        start = 0
+        if self._resume is not None and self._resume[0] == epoch:
+            start = self._resume[1]
+        self._resume = None
+        if (epoch, start) != self._next_pos:
+            self.store.clear()  # the store no longer matches the plan: rebuild it from reads
+        return self._generate(epoch, start)
+
+    def _requests(self, steps: list) -> list[tuple[int, np.ndarray]]:
+        """Per step: the plan's misses plus the planned hits the store lacks (after a resume)."""
+        have = set(self.store)
+        requests = []
+        for sp in steps:
+            rs = sp.ranks[self.rank]
+            hits = rs.indices[rs.hit]
+            refill = [x for x in hits.tolist() if x not in have]
+            reads = np.concatenate([rs.reads, np.asarray(refill, dtype=np.int64)])
+            have.update(refill)
+            have.difference_update(rs.evicts.tolist())
+            have.update(rs.inserts.tolist())
+            requests.append((sp.step, reads))
+        return requests
+
+    def _generate(self, epoch: int, start: int) -> Iterator[dict[str, torch.Tensor]]:
+        plan = self.schedule.epoch_plan(epoch)
+        self.schedule.release(epoch)
+        steps = plan[start:]
+        self._sampler.requests = self._requests(steps)
+        self.epoch_stats = dict.fromkeys(("samples", "hits", "reads", "bytes", "wait_s", "read_s"), 0.0)
+        if not steps:
+            return
+        results = iter(self._dataloader())
+        self._last_yield = None
+        shapes = self.reader.info.shapes
+        dtypes = self.reader.info.dtypes
+        for sp in steps:
+            rs = sp.ranks[self.rank]
+            t0 = time.perf_counter()
+            res = next(results)
+            if res["tag"] != sp.step:
+                raise RuntimeError(f"SOLAR loader out of order: expected step {sp.step}, got {res['tag']}")
+            ids = rs.indices
+            n = len(ids)
+            read_pos = {x: k for k, x in enumerate(res["ids"].tolist())}
+            out = {}
+            for key in (self.input_key, *self.target_keys):
+                arr = torch.empty((n, *shapes[key]), dtype=torch.from_numpy(np.empty(0, dtypes[key])).dtype)
+                from_read = [(i, read_pos[x]) for i, x in enumerate(ids.tolist()) if x in read_pos]
+                if from_read:
+                    dst, src = zip(*from_read)
+                    arr[list(dst)] = res["data"][key][list(src)]
+                for i, x in enumerate(ids.tolist()):
+                    if x not in read_pos:
+                        arr[i] = self.store[x][key]
+                out[key] = arr
+            for x in rs.evicts.tolist():
+                self.store.pop(x, None)
+            keep = set(rs.inserts.tolist()) | {x for x in ids[rs.hit].tolist() if x in read_pos}
+            for x in keep:
+                k = read_pos[x]
+                self.store[x] = {key: res["data"][key][k].clone() for key in out}
+            wait = time.perf_counter() - t0
+            now = time.perf_counter()
+            step_time = now - self._last_yield if self._last_yield is not None else wait
+            n_hits = n - sum(1 for x in ids.tolist() if x in read_pos)
+            self.last_stats = {
+                "samples": float(n),
+                "hits": float(n_hits),
+                "hit_rate": n_hits / n if n else 0.0,
+                "reads": float(len(res["ids"])),
+                "bytes": float(res["bytes"]),
+                "wait_s": wait,
+                "read_s": float(res["seconds"]),
+                "samples_per_s": n / step_time if step_time > 0 else 0.0,
+            }
+            for k in self.epoch_stats:
+                self.epoch_stats[k] += self.last_stats[k]
+            last = sp.step + 1 == self.schedule.steps_per_epoch
+            self._next_pos = (epoch + 1, 0) if last else (epoch, sp.step + 1)
+            if last:
+                self._epoch_counter = epoch + 1
+            batch = {
+                "input": out[self.input_key],
+                "target": assemble_targets([out[k] for k in self.target_keys]),
+                "index": torch.from_numpy(ids.copy()),
+                "loss_scale": torch.tensor(sp.loss_scale, dtype=torch.float32),
+            }
+            self._last_yield = time.perf_counter()
+            yield batch
+
+    def close(self) -> None:
+        """Stop worker processes and drop the store."""
+        self._loader = None
+        self.store.clear()

@@ -1,0 +1,302 @@
+"""Coalesced HDF5 reads: sort a step's misses, read runs of consecutive indices with one hyperslab each.
+
+h5py is imported lazily. A reader opens its file on first use in each process (h5py handles survive neither
+``fork`` nor pickling), with HDF5's chunk cache off (``rdcc_nbytes=0``) because the SOLAR buffer is the cache.
+:class:`ThrottledFile` emulates shared storage (latency + bandwidth per request, counting bytes) for benchmarks.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def coalesce_runs(sorted_ids: np.ndarray, max_gap: int = 0) -> list[tuple[int, int]]:
+    """Half-open runs ``[a, b)`` covering sorted, unique ids; ids at most ``max_gap`` apart share a run.
+
+    Args:
+        sorted_ids: strictly increasing sample ids.
+        max_gap: largest number of *unrequested* ids inside a run (0: only consecutive ids merge).
+    """
+    ids = np.asarray(sorted_ids, dtype=np.int64)
+    if ids.size == 0:
+        return []
+    if max_gap < 0:
+        raise ValueError(f"max_gap must be >= 0, got {max_gap}")
+    breaks = np.flatnonzero(np.diff(ids) > max_gap + 1)
+    starts = np.concatenate(([ids[0]], ids[breaks + 1]))
+    stops = np.concatenate((ids[breaks], [ids[-1]])) + 1
+    return list(zip(starts.tolist(), stops.tolist()))
+
+
+def read_coalesced(dset: Any, ids: Sequence[int] | np.ndarray, max_gap: int = 0) -> tuple[np.ndarray, int, int]:
+    """Read rows ``ids`` (any order, repeats allowed) of an array-like with one slice read per run.
+
+    Args:
+        dset: an h5py dataset (or any array supporting ``dset[a:b]`` and ``shape``/``dtype``).
+        ids: requested row ids, returned in this order.
+        max_gap: merge runs separated by at most this many unrequested rows (reads them and drops them).
+
+    Returns:
+        ``(rows, bytes_read, requests)``: the rows in request order, bytes transferred, slice reads issued.
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    out = np.empty((len(ids), *dset.shape[1:]), dtype=dset.dtype)
+    if ids.size == 0:
+        return out, 0, 0
+    n = dset.shape[0]
+    if ids.min() < 0 or ids.max() >= n:
+        bad = ids[(ids < 0) | (ids >= n)][0]
+        raise IndexError(f"sample id {int(bad)} is outside the dataset's {n} rows")
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    rows = np.empty((len(uniq), *dset.shape[1:]), dtype=dset.dtype)
+    nbytes = 0
+    row_bytes = int(np.prod(dset.shape[1:], dtype=np.int64)) * dset.dtype.itemsize
+    runs = coalesce_runs(uniq, max_gap)
+    for a, b in runs:
+        block = np.asarray(dset[a:b])
+        nbytes += (b - a) * row_bytes
+        lo, hi = np.searchsorted(uniq, [a, b])
+        rows[lo:hi] = block[uniq[lo:hi] - a]
+    out[:] = rows[inverse.reshape(-1)]
+    return out, nbytes, len(runs)
+
+
+def read_per_sample(dset: Any, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Reference path: one read per requested id, in request order."""
+    ids = np.asarray(ids, dtype=np.int64)
+    out = np.empty((len(ids), *dset.shape[1:]), dtype=dset.dtype)
+    for k, i in enumerate(ids.tolist()):
+        out[k] = dset[i]
+    return out
+
+
+@dataclass(frozen=True)
+class StorageThrottle:
+    """Emulated shared storage: every request costs ``latency_s + bytes / bandwidth_bytes_per_s``.
+
+    Args:
+        latency_s: seconds per request (e.g. 0.002 for a busy parallel file system).
+        bandwidth_bytes_per_s: bytes per second of one client; ``0`` means unlimited.
+    """
+
+    latency_s: float = 0.0
+    bandwidth_bytes_per_s: float = 0.0
+
+    def cost(self, nbytes: int) -> float:
+        """Seconds one request of ``nbytes`` takes."""
+        bw = self.bandwidth_bytes_per_s
+        return self.latency_s + (nbytes / bw if bw > 0 else 0.0)
+
+
+class ThrottledFile(io.RawIOBase):
+    """A read-only file object for ``h5py.File(fileobj)`` that sleeps per request and counts bytes and requests.
+
+    Args:
+        path: file to open.
+        throttle: the per-request cost; ``None`` only counts.
+    """
+
+    def __init__(self, path: str | os.PathLike, throttle: StorageThrottle | None = None) -> None:
+        super().__init__()
+        self.fd = os.open(os.fspath(path), os.O_RDONLY)
+        self.throttle = throttle
+        self.pos = 0
+        self.bytes_read = 0
+        self.requests = 0
+        self.size = os.fstat(self.fd).st_size
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_SET:
+            self.pos = offset
+        elif whence == io.SEEK_CUR:
+            self.pos += offset
+        else:
+            self.pos = self.size + offset
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        start = time.perf_counter()
+        n = os.preadv(self.fd, [view], self.pos)
+        self.pos += n
+        self.bytes_read += n
+        self.requests += 1
+        if self.throttle is not None:
+            left = self.throttle.cost(n) - (time.perf_counter() - start)
+            if left > 0:
+                time.sleep(left)
+        return n
+
+    def drop_page_cache(self) -> None:
+        """Ask the kernel to forget this file's cached pages (``POSIX_FADV_DONTNEED``)."""
+        drop_page_cache(self.fd)
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self.fd)
+        super().close()
+
+
+def drop_page_cache(path_or_fd: str | os.PathLike | int) -> None:
+    """Evict a file from the OS page cache with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (no-op where missing)."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    if isinstance(path_or_fd, int):
+        os.posix_fadvise(path_or_fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return
+    fd = os.open(os.fspath(path_or_fd), os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """Length, per-sample shapes and dtypes of the datasets a reader serves."""
+
+    num_samples: int
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, np.dtype]
+
+    @property
+    def sample_nbytes(self) -> int:
+        """Bytes of one sample over all keys."""
+        return int(sum(int(np.prod(s, dtype=np.int64)) * self.dtypes[k].itemsize for k, s in self.shapes.items()))
+
+
+def _open_h5(path: str, fileobj: Any = None, rdcc_nbytes: int = 0) -> Any:
+    import h5py
+
+    target = fileobj if fileobj is not None else path
+    try:
+        return h5py.File(target, "r", rdcc_nbytes=rdcc_nbytes)
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        raise ValueError(
+            f"{path!s} is not a readable HDF5 file ({err}); it may be corrupt or truncated. "
+            "Regenerate or re-copy it."
+        ) from err
+
+
+def inspect_h5(path: str | os.PathLike, keys: Sequence[str]) -> DatasetInfo:
+    """Check that ``path`` is an HDF5 file holding ``keys`` of equal length, and describe them.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: corrupt file, missing key, a key that is not a dataset, or lengths that differ.
+    """
+    path = os.fspath(path)
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"HDF5 file {path!r} does not exist")
+    import h5py
+
+    with _open_h5(path) as f:
+        lengths, shapes, dtypes = {}, {}, {}
+        for key in keys:
+            if key not in f:
+                raise ValueError(f"{path!r} has no dataset {key!r}; it holds {sorted(f.keys())}")
+            dset = f[key]
+            if not isinstance(dset, h5py.Dataset) or dset.ndim < 1:
+                raise ValueError(f"{path!r}:{key} is not an array dataset with a sample axis")
+            lengths[key] = dset.shape[0]
+            shapes[key] = tuple(dset.shape[1:])
+            dtypes[key] = dset.dtype
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"datasets in {path!r} have different lengths {lengths}; inputs and targets must match")
+    n = next(iter(lengths.values()))
+    if n == 0:
+        raise ValueError(f"datasets {list(keys)} in {path!r} are empty")
+    return DatasetInfo(n, shapes, dtypes)
+
+
+class HDF5Reader:
+    """Reads samples of several equal-length datasets of one HDF5 file, opening it lazily per process.
+
+    Args:
+        path: the HDF5 file.
+        keys: dataset names to read (e.g. input and target keys).
+        max_gap: merge runs separated by at most this many unrequested rows. Default 0.
+        rdcc_nbytes: HDF5 chunk cache bytes; 0 (default) because the SOLAR buffer is the cache.
+        throttle: emulate shared storage through a :class:`ThrottledFile`. Default ``None`` (plain file).
+        coalesce: one slice read per run (default); ``False`` reads sample by sample (the baseline).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        keys: Sequence[str],
+        max_gap: int = 0,
+        rdcc_nbytes: int = 0,
+        throttle: StorageThrottle | None = None,
+        coalesce: bool = True,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.keys = list(keys)
+        self.max_gap = int(max_gap)
+        self.rdcc_nbytes = int(rdcc_nbytes)
+        self.throttle = throttle
+        self.coalesce = coalesce
+        self.info = inspect_h5(self.path, self.keys)
+        self._file: Any = None
+        self._fileobj: ThrottledFile | None = None
+        self._pid: int | None = None
+        self.bytes_read = 0
+        self.requests = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_file=None, _fileobj=None, _pid=None)
+        return state
+
+    def _handle(self) -> Any:
+        if self._file is None or self._pid != os.getpid():
+            self._file = None  # never close a handle inherited through fork
+            if self.throttle is not None:
+                self._fileobj = ThrottledFile(self.path, self.throttle)
+                self._file = _open_h5(self.path, self._fileobj, self.rdcc_nbytes)
+            else:
+                self._file = _open_h5(self.path, None, self.rdcc_nbytes)
+            self._pid = os.getpid()
+        return self._file
+
+    def read(self, ids: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
+        """Rows ``ids`` of every key, in request order."""
+        f = self._handle()
+        out = {}
+        for key in self.keys:
+            if self.coalesce:
+                rows, nbytes, requests = read_coalesced(f[key], ids, self.max_gap)
+            else:
+                rows = read_per_sample(f[key], ids)
+                nbytes, requests = rows.nbytes, len(rows)
+            out[key] = rows
+            self.bytes_read += nbytes
+            self.requests += requests
+        return out
+
+    def close(self) -> None:
+        """Close the file if this process opened it."""
+        if self._file is not None and self._pid == os.getpid():
+            self._file.close()
+            if self._fileobj is not None:
+                self._fileobj.close()
+        self._file = self._fileobj = None

@@ -1,0 +1,214 @@
+"""EngineProfiler in real Lightning runs on the CPU (tiny GPT)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_sdp.callbacks import EngineProfiler
+from lightning_sdp.models.gpt import GPT
+from lightning_sdp.profiling.categories import CATEGORIES
+
+V, T, B = 37, 16, 2
+N_LAYER, D, H = 1, 32, 2
+
+
+def _model(attention: str = "explicit") -> GPT:
+    return GPT(vocab_size=V, n_layer=N_LAYER, n_head=H, n_embd=D, block_size=T, attention=attention, warmup_steps=2)
+
+
+def _loader(n: int = 64) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, V, (n, T), generator=g)
+    return DataLoader(TensorDataset(x, torch.roll(x, -1, 1)), batch_size=B)
+
+
+def _trainer(tmp_path: Path, cb: EngineProfiler | None, max_steps: int, **kw) -> Trainer:
+    return Trainer(
+        max_steps=max_steps,
+        callbacks=[cb] if cb is not None else [],
+        default_root_dir=tmp_path,
+        logger=kw.pop("logger", False),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        **kw,
+    )
+
+
+def _gpt_step_flops() -> int:
+    """Analytic matrix FLOPs of one training step of the tiny explicit-attention GPT (forward x 3)."""
+    tokens = B * T
+    linear = tokens * N_LAYER * 24 * D * D + tokens * 2 * D * V
+    attention = N_LAYER * B * 4 * T * T * D
+    return 3 * (linear + attention)
+
+
+def test_fit_writes_reports_metrics_and_exact_flops(tmp_path, capsys):
+    cb = EngineProfiler(wait=1, warmup=1, active=2, dirpath=str(tmp_path / "ep"))
+    logger = CSVLogger(tmp_path, name="csv")
+    _trainer(tmp_path, cb, max_steps=5, logger=logger, log_every_n_steps=1).fit(_model(), _loader())
+    assert len(cb.reports) == 1
+    r = cb.reports[0]
+    assert r["steps"] == 2 and r["start_batch"] == 2
+    assert sum(r["fractions"].values()) == pytest.approx(1.0)
+    # The categories add up to the measured step time.
+    assert sum(r["categories_s"].values()) == pytest.approx(r["step_time_s"], rel=1e-6)
+    assert r["flops"]["matrix_flops"] == _gpt_step_flops()
+    assert r["throughput"]["matrix_tflops"] > 0
+    assert r["model"] == {"d_model": D, "n_heads": H, "attention": "explicit", "seq_len": T}
+    assert {"attention", "mlp", "norm", "embedding", "loss", "optimizer"} <= set(r["modules"])
+    assert r["fractions"]["matrix"] > 0 and r["fractions"]["vector"] > 0
+    # Files: per-rank JSON + gzip trace, merged summary and PNG from rank 0.
+    ep = tmp_path / "ep"
+    assert json.loads((ep / "engine_profile-rank0.json").read_text())[0]["cycle"] == 0
+    assert (ep / "engine_profile-rank0-window0.pt.trace.json.gz").stat().st_size > 0
+    assert json.loads((ep / "engine_profile-summary.json").read_text())["ranks"] == [0]
+    assert (ep / "engine_profile.png").stat().st_size > 0
+    assert "EngineProfiler: rank 0/1" in capsys.readouterr().out
+    # Metrics reached the Trainer's logger.
+    header = next(Path(logger.log_dir).glob("metrics.csv")).read_text().splitlines()[0]
+    for key in ("engine/matrix_frac", "engine/vector_frac", "engine/matrix_tflops", "engine/module_attention_frac"):
+        assert key in header
+
+
+def test_fused_attention_is_counted_and_attributed(tmp_path):
+    cb = EngineProfiler(wait=0, warmup=1, active=1, dirpath=str(tmp_path), export_trace=False, save_plot=False)
+    _trainer(tmp_path, cb, max_steps=2).fit(_model("sdpa"), _loader())
+    r = cb.reports[0]
+    assert r["flops"]["attention_flops"] > 0
+    assert r["fractions"]["attention_fused"] > 0
+    assert r["modules"]["attention"]["by_category_s"].get("attention_fused", 0) > 0
+    assert not (tmp_path / "engine_profile-rank0-window0.pt.trace.json.gz").exists()
+
+
+class _Counting:
+    """Wraps a class and counts instantiations."""
+
+    def __init__(self, cls):
+        self.cls = cls
+        self.calls = 0
+
+    def __call__(self, *a, **k):
+        self.calls += 1
+        return self.cls(*a, **k)
+
+
+def _patch_counters(monkeypatch):
+    import torch.profiler
+
+    import lightning_sdp.profiling.flops as flops
+
+    prof = _Counting(torch.profiler.profile)
+    work = _Counting(flops.WorkCounter)
+    monkeypatch.setattr(torch.profiler, "profile", prof)
+    monkeypatch.setattr(flops, "WorkCounter", work)
+    hooks = {"n": 0}
+    orig = torch.nn.Module.register_forward_pre_hook
+
+    def counting_hook(self, *a, **k):
+        hooks["n"] += 1
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(torch.nn.Module, "register_forward_pre_hook", counting_hook)
+    return prof, work, hooks
+
+
+def test_no_work_outside_the_window(tmp_path, monkeypatch):
+    prof, work, hooks = _patch_counters(monkeypatch)
+    cb = EngineProfiler(wait=100, warmup=1, active=1, dirpath=str(tmp_path))
+    with pytest.warns(UserWarning, match="window needs"):
+        _trainer(tmp_path, cb, max_steps=4).fit(_model(), _loader())
+    assert prof.calls == 0 and work.calls == 0 and hooks["n"] == 0
+    assert cb.reports == []
+    assert cb.state_dict() == {"batches_seen": 4, "cycles_done": 0}
+
+
+def test_repeat_runs_exactly_the_scheduled_windows(tmp_path, monkeypatch):
+    prof, work, hooks = _patch_counters(monkeypatch)
+    cb = EngineProfiler(wait=1, warmup=1, active=1, repeat=2, dirpath=str(tmp_path), save_plot=False)
+    model = _model()
+    _trainer(tmp_path, cb, max_steps=9).fit(model, _loader())
+    assert prof.calls == 2 and work.calls == 2
+    # Module scopes are added for each active window and removed afterwards.
+    assert hooks["n"] == 2 * (len(list(model.modules())) - 1)
+    assert all(not m._forward_pre_hooks for m in model.modules())
+    assert [r["start_batch"] for r in cb.reports] == [2, 5]
+
+
+def test_pytorch_profiler_present_warns_and_stays_off(tmp_path):
+    from lightning.pytorch.profilers import PyTorchProfiler
+
+    cb = EngineProfiler(wait=0, warmup=0, active=1, count_flops=False, dirpath=str(tmp_path))
+    trainer = _trainer(tmp_path, cb, max_steps=2, profiler=PyTorchProfiler(dirpath=str(tmp_path), filename="pt"))
+    with pytest.warns(UserWarning, match="already runs a PyTorchProfiler"):
+        trainer.fit(_model(), _loader())
+    assert cb.reports == []
+
+
+class _Boom(GPT):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:
+            raise RuntimeError("boom in step 2")
+        return super().training_step(batch, batch_idx)
+
+
+def test_exception_stops_cleanly_and_keeps_trace(tmp_path):
+    cb = EngineProfiler(wait=0, warmup=1, active=3, dirpath=str(tmp_path))
+    model = _Boom(vocab_size=V, n_layer=N_LAYER, n_head=H, n_embd=D, block_size=T, attention="explicit")
+    with pytest.raises(RuntimeError, match="boom in step 2"):
+        _trainer(tmp_path, cb, max_steps=6).fit(model, _loader())
+    assert not torch._C._autograd._profiler_enabled()
+    assert (tmp_path / "engine_profile-rank0-window0.pt.trace.json.gz").exists()
+    assert all(not m._forward_pre_hooks for m in model.modules())
+
+
+def test_run_ending_inside_the_window_reports_partial(tmp_path):
+    cb = EngineProfiler(wait=0, warmup=1, active=5, dirpath=str(tmp_path), save_plot=False)
+    with pytest.warns(UserWarning, match="ended inside the profiling window"):
+        _trainer(tmp_path, cb, max_steps=3).fit(_model(), _loader())
+    assert cb.reports[0]["steps"] == 2
+
+
+def test_checkpoint_resume_keeps_the_schedule(tmp_path):
+    ckpt = tmp_path / "mid.ckpt"
+    cb1 = EngineProfiler(wait=3, warmup=1, active=1, dirpath=str(tmp_path / "a"), save_plot=False)
+    t1 = _trainer(tmp_path, cb1, max_steps=2)
+    t1.fit(_model(), _loader())
+    t1.save_checkpoint(ckpt)
+    cb2 = EngineProfiler(wait=3, warmup=1, active=1, dirpath=str(tmp_path / "b"), save_plot=False)
+    _trainer(tmp_path, cb2, max_steps=6).fit(_model(), _loader(), ckpt_path=str(ckpt))
+    uninterrupted = EngineProfiler(wait=3, warmup=1, active=1, dirpath=str(tmp_path / "c"), save_plot=False)
+    _trainer(tmp_path, uninterrupted, max_steps=6).fit(_model(), _loader())
+    assert [r["start_batch"] for r in cb2.reports] == [r["start_batch"] for r in uninterrupted.reports] == [4]
+    assert cb2.state_dict() == uninterrupted.state_dict() == {"batches_seen": 6, "cycles_done": 1}
+    with pytest.raises(KeyError, match="batches_seen"):
+        cb2.load_state_dict({"cycles_done": 1})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"active": 0}, "active must be an integer >= 1"),
+        ({"wait": -1}, "wait must be"),
+        ({"repeat": 1.5}, "repeat must be"),
+        ({"filename": "a/b"}, "plain file stem"),
+        ({"softmax_k": 0}, "softmax_k"),
+        ({"peaks": {"matrix": 1.0}}, "unknown peak"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineProfiler(**kwargs)
+
+
+def test_categories_constant_is_the_public_contract():
+    assert CATEGORIES == ("matrix", "attention_fused", "vector", "memory", "communication", "host_other")

@@ -131,7 +131,7 @@ def build_report(
             "crossover_seq_len": crossover_seq_len(d, h, p_mat, p_vec, softmax_k),
             "vector_to_matrix_attention_ratio": softmax_k / (4.0 * d / h) * p_mat / p_vec,
         }
-        if seq_len:
+        if seq_len and model_dims.get("attention") != "linear":  # the model is for softmax attention
             analytic["predicted_at_seq_len"] = attention_model(
                 seq_len, d, h, p_mat, p_vec, softmax_k, fused=model_dims.get("attention") == "sdpa"
             )

@@ -1,0 +1,261 @@
+"""FastCLIP callbacks: inner learning rate (gamma) schedule, temperature control, zero-shot evaluation.
+
+Paper: Wei et al., "FastCLIP: A Suite of Optimization Techniques to Accelerate CLIP Training with Limited
+Resources", arXiv 2407.01445. The callbacks act on a :class:`~lightning_sdp.models.FastCLIPModule`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+from typing_extensions import override
+
+
+def gamma_at(epoch: int, gamma_min: float, decay_epochs: int, schedule: Literal["cosine", "constant"]) -> float:
+    """FastCLIP's inner learning rate at ``epoch`` (0-based).
+
+    Epoch 0 gives 1. ``cosine``: ``0.5 (1 + cos(pi epoch / E)) (1 - gamma_min) + gamma_min`` for ``epoch < E``,
+    then ``gamma_min``. ``constant`` (SogCLR / iSogCLR): ``gamma_min`` from epoch 1 on.
+
+    Args:
+        epoch: the epoch.
+        gamma_min: final (cosine) or constant value.
+        decay_epochs: ``E``, the number of epochs of the cosine decay.
+        schedule: ``cosine`` or ``constant``.
+    """
+    if epoch <= 0:
+        return 1.0
+    if schedule == "constant" or epoch >= decay_epochs:
+        return float(gamma_min)
+    return 0.5 * (1.0 + math.cos(math.pi * epoch / decay_epochs)) * (1.0 - gamma_min) + gamma_min
+
+
+class GammaScheduler(Callback):
+    """Set the FastCLIP estimators' inner learning rate gamma at the start of every training epoch.
+
+    Args:
+        gamma_min: final gamma of the cosine schedule, or the constant gamma. Default 0.8 (paper scripts: 0.2).
+        decay_epochs: epochs of the cosine decay from 1 to ``gamma_min``. Default 10 (paper: about half the epochs).
+        schedule: ``auto`` (the loss variant's schedule: cosine for FastCLIP, constant for SogCLR / iSogCLR),
+            ``cosine`` or ``constant``. Default ``auto``.
+    """
+
+    def __init__(
+        self, gamma_min: float = 0.8, decay_epochs: int = 10, schedule: Literal["auto", "cosine", "constant"] = "auto"
+    ) -> None:
+        if not 0.0 < gamma_min <= 1.0:
+            raise ValueError(f"gamma_min must be in (0, 1], got {gamma_min}.")
+        if decay_epochs < 1:
+            raise ValueError(f"decay_epochs must be >= 1, got {decay_epochs}.")
+        if schedule not in ("auto", "cosine", "constant"):
+            raise ValueError(f"schedule must be 'auto', 'cosine' or 'constant', got {schedule!r}.")
+        self.gamma_min = float(gamma_min)
+        self.decay_epochs = int(decay_epochs)
+        self.schedule = schedule
+        self.gamma: float | None = None
+        self.epoch: int = -1
+
+    def _schedule_for(self, pl_module: LightningModule) -> Literal["cosine", "constant"]:
+        if self.schedule != "auto":
+            return self.schedule
+        return getattr(pl_module, "variant").gamma_schedule or "constant"
+
+    @override
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        loss = getattr(pl_module, "gcl_loss", None)
+        if loss is None:
+            return  # openclip: no estimators
+        self.epoch = trainer.current_epoch
+        self.gamma = gamma_at(self.epoch, self.gamma_min, self.decay_epochs, self._schedule_for(pl_module))
+        loss.gamma = self.gamma
+        pl_module.log("train/gamma_epoch", self.gamma, on_step=False, on_epoch=True, batch_size=1)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"gamma": self.gamma, "epoch": self.epoch, "gamma_min": self.gamma_min, "decay_epochs": self.decay_epochs}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.gamma = state_dict.get("gamma")
+        self.epoch = int(state_dict.get("epoch", -1))
+
+
+class TemperatureScheduler(Callback):
+    """Keep the temperature in range after each optimizer step, apply v3's threshold rule, log the temperature.
+
+    After every training batch: clamps ``logit_scale`` to ``[0, ln(1 / tau_min)]`` (so ``tau >= tau_min``, the
+    OpenCLIP clamp to 100 with the default); for FastCLIP-v3 switches the temperature's learning rate from
+    ``lr_tau`` to ``lr_tau * thresh_factor`` once ``tau <= step_thresh`` (FastCLIP's ``step_thresh`` rule); logs
+    ``train/tau`` (mean) and, for individual temperatures (v2, iSogCLR), ``train/tau_std``, ``train/tau_min``,
+    ``train/tau_max`` over the samples visited so far.
+
+    Args:
+        tau_min: smallest global temperature. Default 0.01.
+        step_thresh: temperature below which v3's ``lr_tau`` is reduced; ``None`` disables the rule. Default 0.03.
+        thresh_factor: the reduction factor. Default 1/3.
+    """
+
+    def __init__(self, tau_min: float = 0.01, step_thresh: float | None = 0.03, thresh_factor: float = 1.0 / 3.0) -> None:
+        if not 0.0 < tau_min < 1.0:
+            raise ValueError(f"tau_min must be in (0, 1), got {tau_min}.")
+        if not 0.0 < thresh_factor <= 1.0:
+            raise ValueError(f"thresh_factor must be in (0, 1], got {thresh_factor}.")
+        self.tau_min = float(tau_min)
+        self.step_thresh = step_thresh
+        self.thresh_factor = float(thresh_factor)
+        self.switched = False
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        variant = getattr(pl_module, "variant")
+        if variant.temperature != "individual":
+            scale = pl_module._logit_scale()
+            with torch.no_grad():
+                scale.clamp_(0.0, math.log(1.0 / self.tau_min))
+            tau = float(torch.exp(-scale.detach()))
+            if variant.objective == "rgcl_g" and self.step_thresh is not None and not self.switched and tau <= self.step_thresh:
+                pl_module.tau_lr_factor.fill_(self.thresh_factor)
+                self.switched = True
+                rank_zero_info(f"TemperatureScheduler: tau={tau:.4f} <= {self.step_thresh}; lr_tau x {self.thresh_factor:.3g}.")
+            pl_module.log("train/tau", tau, on_step=True, on_epoch=False, batch_size=1)
+            pl_module.log("train/tau_lr_factor", float(pl_module.tau_lr_factor), on_step=True, on_epoch=False, batch_size=1)
+            return
+        if (trainer.global_step % max(1, trainer.log_every_n_steps)) != 0:
+            return
+        loss = pl_module.gcl_loss
+        seen = loss.tau_steps > 0
+        taus = torch.cat([loss.tau1[seen], loss.tau2[seen]]) if bool(seen.any()) else torch.cat([loss.tau1, loss.tau2])
+        pl_module.log("train/tau", float(taus.mean()), on_step=True, on_epoch=False, batch_size=1)
+        pl_module.log("train/tau_std", float(taus.std()) if taus.numel() > 1 else 0.0, on_step=True, on_epoch=False, batch_size=1)
+        pl_module.log("train/tau_min", float(taus.min()), on_step=True, on_epoch=False, batch_size=1)
+        pl_module.log("train/tau_max", float(taus.max()), on_step=True, on_epoch=False, batch_size=1)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"switched": self.switched}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.switched = bool(state_dict.get("switched", False))
+
+
+class ZeroShotEvaluation(Callback):
+    """Zero-shot classification and image-text retrieval on the validation split, every validation epoch.
+
+    Class embeddings are the normalised mean of the text embeddings of ``template.format(classname)`` over the
+    templates; top-k accuracy comes from torchmetrics. Retrieval ranks all validation captions for each image
+    (``i2t``) and all images for each caption (``t2i``); a hit is any pair with an identical caption (built-in
+    sets repeat captions). Logs ``val/zeroshot_top{k}``, ``val/i2t_r{k}``, ``val/t2i_r{k}`` and keeps the last values
+    in :attr:`metrics`.
+
+    Args:
+        classnames: class names; ``None`` takes ``trainer.datamodule.classnames`` (zero-shot is skipped, with a
+            message, when there are none, e.g. CSV data).
+        templates: prompt templates with one ``{}``; ``None`` takes ``trainer.datamodule.templates`` or
+            ``("a photo of a {}.",)``.
+        top_k: accuracies to report. Default (1, 5).
+        recall_k: retrieval recalls to report. Default (1, 5).
+    """
+
+    def __init__(
+        self,
+        classnames: Sequence[str] | None = None,
+        templates: Sequence[str] | None = None,
+        top_k: Sequence[int] = (1, 5),
+        recall_k: Sequence[int] = (1, 5),
+    ) -> None:
+        self.classnames = list(classnames) if classnames is not None else None
+        self.templates = list(templates) if templates is not None else None
+        self.top_k = tuple(int(k) for k in top_k)
+        self.recall_k = tuple(int(k) for k in recall_k)
+        self.metrics: dict[str, float] = {}
+        self._buf: list[tuple[Tensor, Tensor, Tensor]] = []
+        self._warned = False
+
+    @override
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._buf = []
+
+    @override
+    def on_validation_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if not isinstance(outputs, dict) or "image_features" not in outputs:
+            raise ValueError("ZeroShotEvaluation needs validation_step to return image_features, text_features, indices.")
+        self._buf.append((outputs["image_features"].detach(), outputs["text_features"].detach(), outputs["indices"].detach()))
+
+    @override
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._buf or trainer.sanity_checking:
+            return
+        img = torch.cat([b[0] for b in self._buf])
+        txt = torch.cat([b[1] for b in self._buf])
+        idx = torch.cat([b[2] for b in self._buf])
+        self._buf = []
+        if trainer.world_size > 1:
+            img, txt, idx = (pl_module.all_gather(t).flatten(0, 1) for t in (img, txt, idx))
+        idx, first = _unique_first(idx)
+        img, txt = img[first].float(), txt[first].float()
+        dm = getattr(trainer, "datamodule", None)
+        val_set = getattr(dm, "val_set", None)
+        metrics = self.compute(pl_module, img, txt, idx, val_set)
+        for name, value in metrics.items():
+            pl_module.log(name, value, on_step=False, on_epoch=True, batch_size=1, rank_zero_only=True)
+        self.metrics = metrics
+
+    def compute(self, pl_module: Any, img: Tensor, txt: Tensor, idx: Tensor, val_set: Any) -> dict[str, float]:
+        """Metrics for validation features ``img``/``txt`` of the validation samples ``idx``."""
+        from torchmetrics.functional.classification import multiclass_accuracy
+
+        out: dict[str, float] = {}
+        groups = getattr(val_set, "caption_groups", None)
+        groups = groups.to(idx.device)[idx] if groups is not None else idx
+        sims = img @ txt.T
+        same = groups[:, None] == groups[None, :]
+        for k in self.recall_k:
+            kk = min(k, sims.shape[1])
+            top_t = sims.topk(kk, dim=1).indices
+            out[f"val/i2t_r{k}"] = float(same.gather(1, top_t).any(dim=1).float().mean())
+            top_i = sims.T.topk(kk, dim=1).indices
+            out[f"val/t2i_r{k}"] = float(same.gather(1, top_i).any(dim=1).float().mean())
+        classnames = self.classnames or getattr(val_set, "classnames", None)
+        labels = getattr(val_set, "labels", None)
+        if not classnames or labels is None:
+            if not self._warned:
+                rank_zero_info("ZeroShotEvaluation: no class names/labels for this data; reporting retrieval only.")
+                self._warned = True
+            return out
+        templates = self.templates or getattr(val_set, "templates", None) or ["a photo of a {}."]
+        with torch.no_grad():
+            was_training = pl_module.training
+            pl_module.eval()
+            class_emb = []
+            for name in classnames:
+                e = pl_module.encode_texts([t.format(name) for t in templates]).float().mean(dim=0)
+                class_emb.append(e / e.norm())
+            pl_module.train(was_training)
+        cls = torch.stack(class_emb).to(img.device)
+        logits = img @ cls.T
+        target = labels.to(img.device)[idx]
+        for k in self.top_k:
+            kk = min(k, len(classnames))
+            acc = multiclass_accuracy(logits, target, num_classes=len(classnames), top_k=kk, average="micro")
+            out[f"val/zeroshot_top{k}"] = float(acc)
+        return out
+
+
+def _unique_first(idx: Tensor) -> tuple[Tensor, Tensor]:
+    """Sorted unique values of ``idx`` and the position of each one's first occurrence."""
+    uniq, inverse = torch.unique(idx, return_inverse=True)
+    positions = torch.arange(idx.numel(), device=idx.device)
+    first = torch.full((uniq.numel(),), idx.numel(), dtype=torch.long, device=idx.device)
+    first.scatter_reduce_(0, inverse, positions, reduce="amin")
+    return uniq, first

@@ -1,0 +1,503 @@
+"""Image-caption data for CLIP training: OpenCLIP's CSV convention, an image folder with a captions file, and two
+built-in offline sets (procedurally generated captioned shapes; scikit-learn's digits with prompt captions).
+
+Every sample is ``(image, tokens, index)`` where ``index`` is the sample's position in its dataset: FastCLIP's
+per-sample estimators are addressed by it, so ``data_size = len(train_set)``.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningDataModule
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from typing_extensions import override
+
+_log = logging.getLogger(__name__)
+
+SHAPES = ("circle", "square", "triangle", "cross", "ring")
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 40, 40),
+    "green": (40, 180, 60),
+    "blue": (50, 90, 235),
+    "yellow": (235, 215, 40),
+    "purple": (150, 60, 200),
+    "orange": (245, 140, 30),
+    "white": (240, 240, 240),
+    "cyan": (40, 210, 220),
+}
+SIZES = {"small": (0.11, 0.15), "large": (0.2, 0.26)}
+POSITIONS: dict[str, tuple[float, float]] = {
+    "top left": (0.28, 0.28),
+    "top right": (0.28, 0.72),
+    "bottom left": (0.72, 0.28),
+    "bottom right": (0.72, 0.72),
+    "centre": (0.5, 0.5),
+}
+SHAPE_TEMPLATES = ("a {}.", "a picture of a {}.", "a drawing of a {}.", "a {} shape.")
+DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+DIGIT_TEMPLATES = ("a photo of the number {}.", "a handwritten digit {}.", "the digit {}.", "a picture of a {}.")
+
+
+class ImageTextDataset(Dataset):
+    """Base class: images (in memory or files), captions tokenised once, optional class labels.
+
+    Args:
+        captions: one caption per sample.
+        transform: image transform (PIL image -> tensor), e.g. open_clip's preprocess.
+        tokenizer: ``tokenizer(list_of_str) -> LongTensor (n, context_length)``.
+        labels: optional class label per sample (for zero-shot evaluation).
+        classnames: class names that ``labels`` index.
+        templates: prompt templates with one ``{}`` for zero-shot classification.
+    """
+
+    def __init__(
+        self,
+        captions: Sequence[str],
+        transform: Callable[[Any], Tensor],
+        tokenizer: Callable[[list[str]], Tensor],
+        labels: Sequence[int] | None = None,
+        classnames: Sequence[str] | None = None,
+        templates: Sequence[str] | None = None,
+    ) -> None:
+        self.captions = list(captions)
+        self.transform = transform
+        self.tokens = tokenizer(self.captions) if self.captions else torch.zeros(0, 1, dtype=torch.long)
+        self.labels = torch.as_tensor(labels, dtype=torch.long) if labels is not None else None
+        self.classnames = list(classnames) if classnames is not None else None
+        self.templates = list(templates) if templates is not None else None
+        _, groups = np.unique(np.asarray(self.captions, dtype=object).astype(str), return_inverse=True)
+        self.caption_groups = torch.as_tensor(groups.reshape(-1), dtype=torch.long)
+        """Samples with identical captions share a group id (a retrieval hit is any sample of the right group)."""
+
+    def __len__(self) -> int:
+        return len(self.captions)
+
+    def load_image(self, index: int) -> Any:
+        raise NotImplementedError
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor, int]:
+        return self.transform(self.load_image(index)), self.tokens[index], index
+
+
+class ArrayImageText(ImageTextDataset):
+    """Images held as a ``(n, h, w, 3)`` uint8 array."""
+
+    def __init__(self, images: np.ndarray, captions: Sequence[str], **kwargs: Any) -> None:
+        if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != np.uint8:
+            raise ValueError(f"images must be a (n, h, w, 3) uint8 array, got {images.shape} {images.dtype}.")
+        if len(images) != len(captions):
+            raise ValueError(f"{len(images)} images but {len(captions)} captions.")
+        super().__init__(captions, **kwargs)
+        self.images = images
+
+    def load_image(self, index: int) -> Any:
+        from PIL import Image
+
+        return Image.fromarray(self.images[index])
+
+
+class FileImageText(ImageTextDataset):
+    """Images read from files (OpenCLIP's CSV convention or a folder with a captions file).
+
+    Args:
+        paths: image file paths.
+        captions: one caption per image.
+        on_error: ``raise`` (a missing or unreadable image raises an error naming the file) or ``skip`` (every image
+            is opened once at construction; bad ones are dropped, counted in ``skipped`` and warned about).
+        **kwargs: see :class:`ImageTextDataset`.
+    """
+
+    def __init__(
+        self, paths: Sequence[str | Path], captions: Sequence[str], on_error: Literal["raise", "skip"] = "raise", **kwargs: Any
+    ) -> None:
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}.")
+        paths = [Path(p) for p in paths]
+        captions = list(captions)
+        self.skipped: list[str] = []
+        if on_error == "raise":
+            missing = [str(p) for p in paths if not p.is_file()]
+            if missing:
+                raise FileNotFoundError(
+                    f"{len(missing)} image file(s) not found, first: {missing[0]}. Fix the paths, or pass "
+                    "on_error='skip' to drop and count them."
+                )
+        else:
+            keep = []
+            for i, p in enumerate(paths):
+                if _readable_image(p):
+                    keep.append(i)
+                else:
+                    self.skipped.append(str(p))
+            if self.skipped:
+                msg = f"Skipped {len(self.skipped)} missing or unreadable image(s), first: {self.skipped[0]}."
+                warnings.warn(msg, stacklevel=2)
+                _log.warning(msg)
+            paths = [paths[i] for i in keep]
+            captions = [captions[i] for i in keep]
+        super().__init__(captions, **kwargs)
+        self.paths = paths
+
+    def load_image(self, index: int) -> Any:
+        from PIL import Image
+
+        path = self.paths[index]
+        try:
+            with Image.open(path) as img:
+                return img.convert("RGB")
+        except (OSError, ValueError) as err:
+            raise OSError(f"Cannot read image {path}: {err}") from err
+
+
+def _readable_image(path: Path) -> bool:
+    from PIL import Image
+
+    try:
+        with Image.open(path) as img:
+            img.verify()
+        return True
+    except (OSError, ValueError, SyntaxError):
+        return False
+
+
+def read_csv_pairs(path: str | Path, img_key: str = "filepath", caption_key: str = "title", separator: str = "\t") -> tuple[list[Path], list[str]]:
+    """Read OpenCLIP's CSV convention: one row per pair, an image-path column and a caption column.
+
+    Relative image paths are resolved against the CSV file's folder.
+
+    Args:
+        path: CSV/TSV file.
+        img_key: image path column. Default ``filepath``.
+        caption_key: caption column. Default ``title``.
+        separator: column separator. Default tab.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"CSV file not found: {path}")
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f, delimiter=separator)
+        fields = reader.fieldnames or []
+        for key in (img_key, caption_key):
+            if key not in fields:
+                raise KeyError(
+                    f"Column {key!r} not in {path} (columns: {fields}). Set csv_img_key/csv_caption_key/csv_separator."
+                )
+        rows = list(reader)
+    return [_resolve(path.parent, r[img_key]) for r in rows], [r[caption_key] for r in rows]
+
+
+def read_folder_pairs(folder: str | Path, captions_file: str = "captions.tsv") -> tuple[list[Path], list[str]]:
+    """Read an image folder with a captions file of ``file_name<TAB>caption`` lines.
+
+    Args:
+        folder: the image folder.
+        captions_file: captions file inside ``folder``. Default ``captions.tsv``.
+    """
+    folder = Path(folder)
+    cap = folder / captions_file
+    if not cap.is_file():
+        raise FileNotFoundError(f"Captions file not found: {cap} (expected lines 'file_name<TAB>caption').")
+    paths, captions = [], []
+    for n, line in enumerate(cap.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        if "\t" not in line:
+            raise ValueError(f"{cap}:{n}: expected 'file_name<TAB>caption', got {line!r}.")
+        name, caption = line.split("\t", 1)
+        paths.append(_resolve(folder, name))
+        captions.append(caption.strip())
+    return paths, captions
+
+
+def _resolve(base: Path, name: str) -> Path:
+    p = Path(name)
+    return p if p.is_absolute() else base / p
+
+
+def make_captioned_shapes(num_samples: int, seed: int = 0, image_size: int = 32) -> tuple[np.ndarray, list[str], np.ndarray]:
+    """Generate captioned images of coloured shapes, deterministic in ``seed``.
+
+    Each image shows one shape (5 shapes) of one colour (8), size (2) and position (5) on a noisy dark background;
+    the caption composes them ("a large red circle in the top left"). The label is ``colour shape`` (40 classes,
+    index ``colour * 5 + shape``).
+
+    Returns:
+        ``(images (n, s, s, 3) uint8, captions, labels)``.
+    """
+    rng = np.random.default_rng(seed)
+    s = image_size
+    shape_id = rng.integers(0, len(SHAPES), num_samples)
+    colour_id = rng.integers(0, len(COLOURS), num_samples)
+    size_id = rng.integers(0, len(SIZES), num_samples)
+    pos_id = rng.integers(0, len(POSITIONS), num_samples)
+    yy, xx = np.meshgrid((np.arange(s) + 0.5) / s, (np.arange(s) + 0.5) / s, indexing="ij")
+    colours = np.array(list(COLOURS.values()), dtype=np.float32)
+    sizes = list(SIZES.values())
+    positions = list(POSITIONS.values())
+    images = np.empty((num_samples, s, s, 3), dtype=np.uint8)
+    captions = []
+    for i in range(num_samples):
+        bg = rng.uniform(10, 70, 3).astype(np.float32)
+        img = bg + rng.normal(0, 8, (s, s, 3)).astype(np.float32)
+        cy, cx = np.asarray(positions[pos_id[i]]) + rng.uniform(-0.05, 0.05, 2)
+        rad = rng.uniform(*sizes[size_id[i]])
+        dy, dx = yy - cy, xx - cx
+        mask = _shape_mask(SHAPES[shape_id[i]], dy, dx, rad)
+        colour = np.clip(colours[colour_id[i]] + rng.normal(0, 12, 3), 0, 255)
+        img[mask] = colour
+        images[i] = np.clip(img, 0, 255).astype(np.uint8)
+        pos = list(POSITIONS)[pos_id[i]]
+        where = "in the centre" if pos == "centre" else f"in the {pos}"
+        captions.append(f"a {list(SIZES)[size_id[i]]} {list(COLOURS)[colour_id[i]]} {SHAPES[shape_id[i]]} {where}")
+    labels = colour_id * len(SHAPES) + shape_id
+    return images, captions, labels
+
+
+def shape_classnames() -> list[str]:
+    """The 40 ``colour shape`` class names of :func:`make_captioned_shapes`, in label order."""
+    return [f"{c} {s}" for c in COLOURS for s in SHAPES]
+
+
+def _shape_mask(shape: str, dy: np.ndarray, dx: np.ndarray, rad: float) -> np.ndarray:
+    r = np.sqrt(dy * dy + dx * dx)
+    if shape == "circle":
+        return r < rad
+    if shape == "square":
+        return np.maximum(np.abs(dy), np.abs(dx)) < rad * 0.85
+    if shape == "triangle":
+        return (dy < rad * 0.8) & (np.abs(dx) < (dy + rad) * 0.6) & (dy > -rad)
+    if shape == "cross":
+        arm = rad / 3
+        return ((np.abs(dx) < arm) & (np.abs(dy) < rad)) | ((np.abs(dy) < arm) & (np.abs(dx) < rad))
+    if shape == "ring":
+        return (r < rad) & (r > rad * 0.55)
+    raise ValueError(f"unknown shape {shape!r}")
+
+
+def make_digits(image_size: int = 32, seed: int = 0) -> tuple[np.ndarray, list[str], np.ndarray]:
+    """scikit-learn's 1,797 8x8 digits, upscaled to RGB ``image_size`` images, with prompt captions.
+
+    Returns:
+        ``(images (n, s, s, 3) uint8, captions, labels)``.
+    """
+    from lightning_sdp._imports import require
+
+    require("sklearn", feature="the digits image-caption set")
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    rng = np.random.default_rng(seed)
+    raw = (digits.images * (255.0 / 16.0)).astype(np.uint8)
+    images = np.stack(
+        [np.asarray(Image.fromarray(im).resize((image_size, image_size), Image.BILINEAR).convert("RGB")) for im in raw]
+    )
+    labels = digits.target.astype(np.int64)
+    templates = rng.integers(0, len(DIGIT_TEMPLATES), len(labels))
+    captions = [DIGIT_TEMPLATES[t].format(DIGIT_NAMES[y]).rstrip(".") for t, y in zip(templates, labels)]
+    return images, captions, labels
+
+
+class ImageTextDataModule(LightningDataModule):
+    """Image-caption pairs for CLIP training; samples are ``(image, tokens, index)``.
+
+    Args:
+        dataset: ``shapes`` (built-in procedural captioned shapes), ``digits`` (scikit-learn digits with prompt
+            captions), ``csv`` (OpenCLIP's CSV convention) or ``folder`` (images + captions file). Default ``shapes``.
+        train_data: CSV file (``csv``) or image folder (``folder``) of the training pairs.
+        val_data: same for validation; ``None`` holds out ``val_fraction`` of the training pairs.
+        model: model whose tokenizer and image size to use (``"tiny"``, an open_clip name or config dict). Default
+            ``"tiny"``.
+        batch_size: per-device training batch size (FastCLIP's global batch = this times the devices). Default 64.
+        val_batch_size: validation batch size (default ``batch_size``).
+        num_workers: DataLoader workers. Default 0.
+        num_train: number of generated training samples (``shapes``). Default 2000.
+        num_val: number of generated validation samples (``shapes``). Default 500.
+        val_fraction: held-out fraction when ``val_data`` is ``None`` (``digits``, ``csv``, ``folder``). Default 0.1.
+        seed: generation and split seed. Default 0.
+        csv_img_key: image-path column of the CSV. Default ``filepath``.
+        csv_caption_key: caption column of the CSV. Default ``title``.
+        csv_separator: CSV separator. Default tab.
+        captions_file: captions file inside an image folder. Default ``captions.tsv``.
+        on_error: ``raise`` on a missing/unreadable image (naming the file) or ``skip`` (drop and count). Default
+            ``raise``.
+        augment: use open_clip's training transform (random resized crop) for training; else the eval transform.
+            Default True.
+    """
+
+    def __init__(
+        self,
+        dataset: Literal["shapes", "digits", "csv", "folder"] = "shapes",
+        train_data: str | None = None,
+        val_data: str | None = None,
+        model: str | dict[str, Any] = "tiny",
+        batch_size: int = 64,
+        val_batch_size: int | None = None,
+        num_workers: int = 0,
+        num_train: int = 2000,
+        num_val: int = 500,
+        val_fraction: float = 0.1,
+        seed: int = 0,
+        csv_img_key: str = "filepath",
+        csv_caption_key: str = "title",
+        csv_separator: str = "\t",
+        captions_file: str = "captions.tsv",
+        on_error: Literal["raise", "skip"] = "raise",
+        augment: bool = True,
+    ) -> None:
+        super().__init__()
+        if dataset not in ("shapes", "digits", "csv", "folder"):
+            raise ValueError(f"dataset must be 'shapes', 'digits', 'csv' or 'folder', got {dataset!r}.")
+        if dataset in ("csv", "folder") and train_data is None:
+            raise ValueError(f"dataset={dataset!r} needs train_data (a CSV file or an image folder).")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}.")
+        self.save_hyperparameters()
+        self.train_set: ImageTextDataset | None = None
+        self.val_set: ImageTextDataset | None = None
+
+    @property
+    def data_size(self) -> int:
+        """Number of training samples (``FastCLIPModule``'s ``data_size``); builds the sets if needed."""
+        if self.train_set is None:
+            self.setup("fit")
+        return len(self.train_set)
+
+    @property
+    def classnames(self) -> list[str] | None:
+        """Class names for zero-shot evaluation (``None`` for CSV/folder data)."""
+        return self.val_set.classnames if self.val_set is not None else None
+
+    @property
+    def templates(self) -> list[str] | None:
+        """Prompt templates for zero-shot evaluation."""
+        return self.val_set.templates if self.val_set is not None else None
+
+    @override
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        hp = self.hparams
+        from lightning_sdp.models.fastclip.tiny import image_size_of, preprocess_for, tokenizer_for
+
+        tok = tokenizer_for(hp.model)
+        train_tf = preprocess_for(hp.model, is_train=hp.augment)
+        val_tf = preprocess_for(hp.model, is_train=False)
+        size = image_size_of(hp.model)
+        if hp.dataset == "shapes":
+            imgs, caps, labels = make_captioned_shapes(hp.num_train, seed=hp.seed, image_size=size)
+            vimgs, vcaps, vlabels = make_captioned_shapes(hp.num_val, seed=hp.seed + 1_000_003, image_size=size)
+            meta = {"classnames": shape_classnames(), "templates": SHAPE_TEMPLATES}
+            self.train_set = ArrayImageText(imgs, caps, transform=train_tf, tokenizer=tok, labels=labels, **meta)
+            self.val_set = ArrayImageText(vimgs, vcaps, transform=val_tf, tokenizer=tok, labels=vlabels, **meta)
+        elif hp.dataset == "digits":
+            imgs, caps, labels = make_digits(size, seed=hp.seed)
+            tr, va = _split(len(caps), hp.val_fraction, hp.seed)
+            meta = {"classnames": list(DIGIT_NAMES), "templates": DIGIT_TEMPLATES}
+            self.train_set = ArrayImageText(
+                imgs[tr], [caps[i] for i in tr], transform=train_tf, tokenizer=tok, labels=labels[tr], **meta
+            )
+            self.val_set = ArrayImageText(
+                imgs[va], [caps[i] for i in va], transform=val_tf, tokenizer=tok, labels=labels[va], **meta
+            )
+        else:
+            read = (
+                (lambda p: read_csv_pairs(p, hp.csv_img_key, hp.csv_caption_key, hp.csv_separator))
+                if hp.dataset == "csv"
+                else (lambda p: read_folder_pairs(p, hp.captions_file))
+            )
+            paths, caps = read(hp.train_data)
+            if hp.val_data is not None:
+                vpaths, vcaps = read(hp.val_data)
+            else:
+                tr, va = _split(len(caps), hp.val_fraction, hp.seed)
+                vpaths, vcaps = [paths[i] for i in va], [caps[i] for i in va]
+                paths, caps = [paths[i] for i in tr], [caps[i] for i in tr]
+            self.train_set = FileImageText(paths, caps, on_error=hp.on_error, transform=train_tf, tokenizer=tok)
+            self.val_set = FileImageText(vpaths, vcaps, on_error=hp.on_error, transform=val_tf, tokenizer=tok)
+        if len(self.train_set) < 2:
+            raise ValueError(f"The training set has {len(self.train_set)} pairs; CLIP training needs at least 2.")
+
+    def _world(self) -> tuple[int, int]:
+        trainer = self._trainer if hasattr(self, "_trainer") else None
+        if trainer is not None:
+            return trainer.global_rank, trainer.world_size
+        return 0, 1
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        self.setup("fit")
+        rank, world = self._world()
+        hp = self.hparams
+        if world > 1:
+            # drop_last: no padding duplicates (the estimators need distinct samples) and equal shards
+            sampler: Any = DistributedSampler(self.train_set, world, rank, shuffle=True, seed=hp.seed, drop_last=True)
+        else:
+            sampler = EpochSeededSampler(len(self.train_set), seed=hp.seed)
+        if len(self.train_set) // world < hp.batch_size:
+            raise ValueError(
+                f"batch_size={hp.batch_size} is larger than the {len(self.train_set) // world} training pairs per "
+                "device; with drop_last=True no batch would remain."
+            )
+        return DataLoader(
+            self.train_set,
+            batch_size=hp.batch_size,
+            sampler=sampler,
+            drop_last=True,
+            num_workers=hp.num_workers,
+            persistent_workers=hp.num_workers > 0,
+        )
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        self.setup("fit")
+        hp = self.hparams
+        return DataLoader(
+            self.val_set,
+            batch_size=hp.val_batch_size or hp.batch_size,
+            shuffle=False,
+            num_workers=hp.num_workers,
+            persistent_workers=hp.num_workers > 0,
+        )
+
+
+class EpochSeededSampler(torch.utils.data.Sampler[int]):
+    """A random permutation per epoch drawn from ``seed + epoch``, so a resumed run sees the same order.
+
+    Lightning calls :meth:`set_epoch` at the start of every epoch (as for ``DistributedSampler``).
+
+    Args:
+        n: dataset length.
+        seed: base seed.
+    """
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        self.n, self.seed, self.epoch = int(n), int(seed), 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __iter__(self):  # noqa: ANN204
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _split(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    perm = np.random.default_rng(seed).permutation(n)
+    n_val = max(1, int(round(n * val_fraction)))
+    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+

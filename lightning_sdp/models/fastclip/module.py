@@ -1,0 +1,317 @@
+"""``FastCLIPModule``: CLIP training with FastCLIP's compositional losses as a LightningModule.
+
+Paper: Wei et al., "FastCLIP: A Suite of Optimization Techniques to Accelerate CLIP Training with Limited
+Resources", arXiv 2407.01445.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_sdp.models.fastclip.lamb import Lamb
+from lightning_sdp.models.fastclip.losses import GlobalContrastiveLoss, LossOutput, build_loss, get_variant
+
+_DEFAULT_TEMPERATURE = {"individual": 0.03, "learnable": 0.07, "constant": 0.07}
+_DEFAULT_RHO = {"rgcl": 7.0, "rgcl_g": 6.5}
+
+
+class FastCLIPModule(LightningModule):
+    """Contrastive image-text training with OpenCLIP's loss or one of FastCLIP's (default: FastCLIP-v3).
+
+    Batches are ``(images, tokens, indices)``: ``indices`` are the samples' dataset indices, which address the
+    per-sample estimators ``u`` (and v2's per-sample temperatures). Pair it with the callbacks
+    :class:`~lightning_sdp.callbacks.GammaScheduler` (inner learning rate per epoch) and
+    :class:`~lightning_sdp.callbacks.TemperatureScheduler` (temperature clamp, v3's learning-rate rule, logging).
+
+    Args:
+        model: ``"tiny"`` (bundled ~2M-parameter open_clip config for CPUs), an open_clip model name such as
+            ``"ViT-B-32"`` (random init unless ``pretrained``), an open_clip config dict, or any ``nn.Module`` with
+            ``encode_image`` and ``encode_text``. Default ``"tiny"``.
+        loss: ``openclip``, ``sogclr``, ``isogclr``, ``fastclip_v0``, ``fastclip_v1``, ``fastclip_v2`` or
+            ``fastclip_v3``. Default ``fastclip_v3``.
+        data_size: number of training samples; ``None`` takes the datamodule's ``data_size`` at ``setup``.
+        pretrained: path of a local open_clip checkpoint for a named model. Default ``None`` (random init).
+        lr: peak learning rate of the model weights. Default 1e-3.
+        weight_decay: AdamW/LAMB weight decay (not on gains, biases, embeddings' norms or logit_scale). Default 0.1.
+        betas: optimiser moment decays. Default (0.9, 0.98).
+        optimizer_eps: optimiser epsilon. Default 1e-6.
+        optimizer: ``adamw`` or ``lamb``. Default ``adamw``.
+        warmup_steps: linear warm-up steps of the cosine schedule. Default 100.
+        max_steps: length of the cosine schedule; ``None`` uses the trainer's estimated stepping batches.
+        min_lr_ratio: final learning rate as a fraction of ``lr``. Default 0.
+        temperature: initial (learnable), fixed (constant) or initial individual temperature. Default 0.07 for
+            global temperatures, 0.03 for individual ones.
+        lr_tau: learnable global temperature: learning rate of ``logit_scale`` (default ``lr``; v3's paper scripts
+            use 2e-4 to 5e-5). Individual temperatures: step size of their Adam-like update (default 0.0133).
+        rho: KL radius of RGCL (v2, iSogCLR; default 7.0) and RGCL-g (v3; default 6.5).
+        eps: epsilon of the compositional losses. Default 1e-14.
+    """
+
+    def __init__(
+        self,
+        model: str | dict[str, Any] | nn.Module = "tiny",
+        loss: str = "fastclip_v3",
+        data_size: int | None = None,
+        pretrained: str | None = None,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.98),
+        optimizer_eps: float = 1e-6,
+        optimizer: Literal["adamw", "lamb"] = "adamw",
+        warmup_steps: int = 100,
+        max_steps: int | None = None,
+        min_lr_ratio: float = 0.0,
+        temperature: float | None = None,
+        lr_tau: float | None = None,
+        rho: float | None = None,
+        eps: float = 1e-14,
+    ) -> None:
+        super().__init__()
+        self.variant = get_variant(loss)
+        if optimizer not in ("adamw", "lamb"):
+            raise ValueError(f"optimizer must be 'adamw' or 'lamb', got {optimizer!r}.")
+        if data_size is not None and data_size < 2:
+            raise ValueError(f"data_size must be >= 2, got {data_size}.")
+        self.save_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else None)
+        from lightning_sdp.models.fastclip.tiny import build_clip
+
+        self._model_spec = model
+        self.model = build_clip(model, pretrained)
+        mode = self.variant.temperature
+        self.temperature_init = float(temperature if temperature is not None else _DEFAULT_TEMPERATURE[mode])
+        if not 0.0 < self.temperature_init <= 1.0:
+            raise ValueError(f"temperature must be in (0, 1], got {self.temperature_init}.")
+        self.rho = float(rho if rho is not None else _DEFAULT_RHO.get(self.variant.objective, 0.0))
+        if not isinstance(getattr(self.model, "logit_scale", None), nn.Parameter):
+            self.logit_scale = nn.Parameter(torch.tensor(0.0))
+        scale = self._logit_scale()
+        with torch.no_grad():
+            scale.fill_(math.log(1.0 / (self.temperature_init if mode != "individual" else 0.07)))
+        scale.requires_grad_(mode == "learnable")
+        self.register_buffer("tau_lr_factor", torch.tensor(1.0))
+        self.loss_fn: nn.Module | None = None
+        if data_size is not None or self.variant.objective == "mbcl":
+            self._build_loss(data_size)
+        self._tokenizer: Callable[..., Tensor] | None = None
+
+    # ------------------------------------------------------------------ helpers
+    def _logit_scale(self) -> nn.Parameter:
+        own = self.__dict__.get("_parameters", {}).get("logit_scale")
+        return own if own is not None else self.model.logit_scale
+
+    def logit_scale_arg(self) -> Tensor | None:
+        """What the loss receives: the parameter (learnable), a detached copy (constant) or ``None`` (individual)."""
+        mode = self.variant.temperature
+        if mode == "individual":
+            return None
+        scale = self._logit_scale()
+        return scale if mode == "learnable" else scale.detach()
+
+    def _build_loss(self, data_size: int | None) -> None:
+        mode = self.variant.temperature
+        default_lr_tau = 0.0133
+        self.loss_fn = build_loss(
+            self.hparams.loss,
+            data_size,
+            eps=self.hparams.eps,
+            rho=self.rho,
+            tau_init=self.temperature_init if mode == "individual" else 0.03,
+            lr_tau=self.hparams.lr_tau if (mode == "individual" and self.hparams.lr_tau is not None) else default_lr_tau,
+        )
+        if data_size is not None:
+            self.hparams.data_size = int(data_size)
+
+    @property
+    def data_size(self) -> int | None:
+        """Number of training samples the estimators cover (``None`` before it is known)."""
+        return self.loss_fn.data_size if isinstance(self.loss_fn, GlobalContrastiveLoss) else self.hparams.data_size
+
+    @property
+    def gcl_loss(self) -> GlobalContrastiveLoss | None:
+        """The compositional loss (``None`` for ``openclip``)."""
+        return self.loss_fn if isinstance(self.loss_fn, GlobalContrastiveLoss) else None
+
+    @property
+    def tokenizer(self) -> Callable[..., Tensor]:
+        """The open_clip tokenizer of the model (``tokenizer(list_of_str) -> LongTensor``)."""
+        if self._tokenizer is None:
+            from lightning_sdp.models.fastclip.tiny import tokenizer_for
+
+            self._tokenizer = tokenizer_for(self._model_spec)
+        return self._tokenizer
+
+    @property
+    def temperature(self) -> float:
+        """Current global temperature ``1 / exp(logit_scale)`` (mean of the individual ones for v2 / iSogCLR)."""
+        gcl = self.gcl_loss
+        if self.variant.temperature == "individual" and gcl is not None:
+            return float(torch.cat([gcl.tau1, gcl.tau2]).mean())
+        return float(torch.exp(-self._logit_scale().detach()))
+
+    def encode(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """L2-normalised image and text embeddings."""
+        return (
+            F.normalize(self.model.encode_image(images), dim=-1),
+            F.normalize(self.model.encode_text(tokens), dim=-1),
+        )
+
+    @torch.no_grad()
+    def encode_texts(self, texts: Sequence[str]) -> Tensor:
+        """Tokenise and encode a list of strings (normalised embeddings on the module's device)."""
+        tokens = self.tokenizer(list(texts)).to(self.device)
+        return F.normalize(self.model.encode_text(tokens), dim=-1)
+
+    def forward(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Same as :meth:`encode`."""
+        return self.encode(images, tokens)
+
+    # ------------------------------------------------------------------ Lightning hooks
+    @override
+    def setup(self, stage: str) -> None:
+        if self.loss_fn is None:
+            dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+            size = getattr(dm, "data_size", None)
+            if size is None:
+                raise ValueError(
+                    f"The {self.hparams.loss} loss keeps one estimator per training sample: pass "
+                    "FastCLIPModule(data_size=len(train_set)) or use a datamodule with a `data_size` attribute."
+                )
+            self._build_loss(int(size))
+        elif self.data_size is not None and self._trainer is not None:
+            dm = getattr(self.trainer, "datamodule", None)
+            size = getattr(dm, "data_size", None)
+            if size is not None and int(size) > self.data_size:
+                raise ValueError(
+                    f"The datamodule has {size} training samples but the estimators cover data_size={self.data_size}."
+                )
+
+    @override
+    def on_fit_start(self) -> None:
+        if self.variant.objective != "mbcl":
+            if self.trainer.accumulate_grad_batches != 1:
+                raise ValueError(
+                    f"Gradient accumulation is not supported with the {self.hparams.loss} loss: the estimator update "
+                    "assumes one optimizer step per batch. Use accumulate_grad_batches=1 (a larger batch, or more "
+                    "devices)."
+                )
+            if self.variant.gamma_schedule is not None and not any(
+                type(cb).__name__ == "GammaScheduler" for cb in self.trainer.callbacks
+            ):
+                warnings.warn(
+                    f"No GammaScheduler callback: the {self.hparams.loss} loss keeps gamma={self.gcl_loss.gamma} "
+                    "for the whole run. Add lightning_sdp.callbacks.GammaScheduler().",
+                    stacklevel=2,
+                )
+
+    @override
+    def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
+        images, tokens, indices = self._unpack(batch)
+        e1, e2 = self.encode(images, tokens)
+        out: LossOutput = self.loss_fn(e1, e2, indices, self.logit_scale_arg())
+        b = images.shape[0]
+        self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=b)
+        self.log("train/objective", out.value, batch_size=b)
+        if self.gcl_loss is not None:
+            self.log("train/gamma", self.gcl_loss.gamma, batch_size=b)
+        return out.loss
+
+    @override
+    def validation_step(self, batch: Sequence[Tensor], batch_idx: int) -> dict[str, Tensor]:
+        images, tokens, indices = self._unpack(batch, check_range=False)
+        e1, e2 = self.encode(images, tokens)
+        logits = e1 @ e2.T / self.temperature if self.variant.temperature != "individual" else e1 @ e2.T / 0.07
+        labels = torch.arange(e1.shape[0], device=e1.device)
+        clip_loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+        self.log("val/clip_loss", clip_loss, batch_size=e1.shape[0], sync_dist=True)
+        return {"image_features": e1, "text_features": e2, "indices": indices}
+
+    def _unpack(self, batch: Sequence[Tensor], check_range: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+        if not isinstance(batch, (list, tuple)) or len(batch) < 3:
+            raise ValueError(
+                "FastCLIPModule expects batches (images, tokens, indices); the indices are the samples' dataset "
+                "indices (ImageTextDataModule returns them)."
+            )
+        return batch[0], batch[1], batch[2]
+
+    @override
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        decay, no_decay, tau = [], [], []
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                continue
+            if name.endswith("logit_scale"):
+                tau.append(p)
+            elif p.ndim < 2 or "bias" in name or ".ln" in name or "bn" in name:
+                no_decay.append(p)
+            else:
+                decay.append(p)
+        groups = [
+            {"params": decay, "weight_decay": hp.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        lr_tau = hp.lr_tau if (hp.lr_tau is not None and self.variant.temperature == "learnable") else hp.lr
+        if tau:
+            groups.append({"params": tau, "weight_decay": 0.0, "lr": lr_tau})
+        cls = Lamb if hp.optimizer == "lamb" else torch.optim.AdamW
+        opt = cls(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.optimizer_eps)
+        total = hp.max_steps
+        if total is None:
+            total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 10_000
+        cosine = _WarmupCosine(hp.warmup_steps, max(total, 1), hp.min_lr_ratio)
+        lambdas: list[Callable[[int], float]] = [cosine, cosine]
+        if tau:
+            if self.variant.objective == "rgcl_g":  # v3: constant lr_tau, divided by 3 by TemperatureScheduler
+                lambdas.append(lambda step: float(self.tau_lr_factor))
+            else:
+                lambdas.append(cosine)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambdas)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["fastclip"] = {"loss": self.hparams.loss, "data_size": self.data_size}
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        meta = checkpoint.get("fastclip", {})
+        if meta and meta.get("loss") != self.hparams.loss:
+            raise ValueError(
+                f"The checkpoint was trained with loss={meta.get('loss')!r} but this module uses "
+                f"loss={self.hparams.loss!r}; resume with the same loss."
+            )
+        size = meta.get("data_size")
+        state = checkpoint.get("state_dict", {})
+        if size is None and "loss_fn.u1" in state:
+            size = int(state["loss_fn.u1"].shape[0])
+        if size is None:
+            return
+        if self.loss_fn is None:
+            self._build_loss(int(size))
+        elif self.data_size is not None and self.data_size != size:
+            raise ValueError(
+                f"The checkpoint's estimators cover data_size={size} but this module has data_size={self.data_size}; "
+                "resume on the same training set."
+            )
+
+
+class _WarmupCosine:
+    """Learning-rate factor: linear warm-up to 1, then cosine decay to ``min_ratio`` at ``total`` steps."""
+
+    def __init__(self, warmup: int, total: int, min_ratio: float) -> None:
+        self.warmup, self.total, self.min_ratio = int(warmup), int(total), float(min_ratio)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))

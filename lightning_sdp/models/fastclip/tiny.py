@@ -1,0 +1,137 @@
+"""Building the CLIP model, tokenizer and transforms; the bundled tiny open_clip config for CPU runs.
+
+``open_clip`` is imported inside the functions (it is the optional ``clip`` extra).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from copy import deepcopy
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from lightning_sdp._imports import require
+
+TINY_NAME = "fastclip-tiny"
+"""open_clip model name under which :data:`TINY_CONFIG` is registered (``model="tiny"`` is an alias)."""
+
+TINY_CONFIG: dict[str, Any] = {
+    "embed_dim": 64,
+    "vision_cfg": {"image_size": 32, "layers": 2, "width": 64, "head_width": 32, "mlp_ratio": 2.0, "patch_size": 8},
+    "text_cfg": {"context_length": 24, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2, "mlp_ratio": 2.0},
+}
+"""A ~2M-parameter CLIP (ViT on 32x32 images, 2 layers per tower; most weights are the BPE token embedding)."""
+
+
+def _open_clip() -> Any:
+    require("open_clip", feature="FastCLIP models")
+    import open_clip
+
+    return open_clip
+
+
+def register_tiny_config() -> str:
+    """Register :data:`TINY_CONFIG` with ``open_clip.add_model_config`` (idempotent); returns its name.
+
+    The config is written as JSON to a per-user folder in the temporary directory (open_clip reads configs from
+    files).
+    """
+    open_clip = _open_clip()
+    if TINY_NAME in open_clip.list_models():
+        return TINY_NAME
+    folder = Path(tempfile.gettempdir()) / f"lightning_sdp_open_clip_{os.getuid() if hasattr(os, 'getuid') else 0}"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{TINY_NAME}.json"
+    text = json.dumps(TINY_CONFIG, indent=1)
+    if not path.is_file() or path.read_text() != text:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    open_clip.add_model_config(path)
+    return TINY_NAME
+
+
+def resolve_model_name(name: str) -> str:
+    """Map ``"tiny"`` to the registered tiny config and check that an open_clip name is known."""
+    open_clip = _open_clip()
+    if name in ("tiny", TINY_NAME):
+        return register_tiny_config()
+    if name.startswith(("hf-hub:", "local-dir:")):
+        return name
+    if name.replace("/", "-") not in open_clip.list_models():
+        known = ", ".join(open_clip.list_models()[:12])
+        raise ValueError(
+            f"Unknown open_clip model {name!r}. Use 'tiny' (bundled CPU config), an open_clip name such as "
+            f"{known}, ..., a config dict or an nn.Module with encode_image/encode_text."
+        )
+    return name
+
+
+def tokenizer_for(model: str | dict[str, Any] | nn.Module) -> Callable[..., Any]:
+    """The open_clip tokenizer of a model name, config dict or module (BPE vocabulary shipped in the wheel)."""
+    open_clip = _open_clip()
+    if isinstance(model, str):
+        return open_clip.get_tokenizer(resolve_model_name(model))
+    if isinstance(model, dict):
+        context_length = int(model.get("text_cfg", {}).get("context_length", 77))
+    else:
+        context_length = int(getattr(model, "context_length", 77))
+    return open_clip.tokenizer.SimpleTokenizer(context_length=context_length)
+
+
+def image_size_of(model: str | dict[str, Any] | nn.Module) -> int:
+    """Input image size of a model name, config dict or open_clip module (224 when unknown)."""
+    if isinstance(model, str):
+        open_clip = _open_clip()
+        cfg = open_clip.get_model_config(resolve_model_name(model)) or {}
+    elif isinstance(model, dict):
+        cfg = model
+    else:
+        size = getattr(getattr(model, "visual", None), "image_size", 224)
+        return int(size[0] if isinstance(size, (tuple, list)) else size)
+    size = cfg.get("vision_cfg", {}).get("image_size", 224)
+    return int(size[0] if isinstance(size, (tuple, list)) else size)
+
+
+def preprocess_for(model: str | dict[str, Any] | nn.Module, is_train: bool) -> Callable[..., Any]:
+    """open_clip's preprocess transform (PIL image -> normalised tensor) for the model's image size."""
+    open_clip = _open_clip()
+    return open_clip.image_transform(image_size_of(model), is_train=is_train)
+
+
+def build_clip(model: str | dict[str, Any] | nn.Module, pretrained: str | None = None) -> nn.Module:
+    """Build the CLIP module.
+
+    Args:
+        model: ``"tiny"``, an open_clip model name (random init unless ``pretrained``), an open_clip config dict
+            (``embed_dim``, ``vision_cfg``, ``text_cfg``) or a module with ``encode_image`` and ``encode_text``.
+        pretrained: path of a local open_clip checkpoint (weights cannot be downloaded here), or ``None``.
+    """
+    if isinstance(model, nn.Module):
+        for attr in ("encode_image", "encode_text"):
+            if not callable(getattr(model, attr, None)):
+                raise TypeError(f"A custom model must define {attr}(); {type(model).__name__} does not.")
+        if pretrained is not None:
+            raise ValueError("pretrained is only used with an open_clip model name; load your module's weights yourself.")
+        return model
+    open_clip = _open_clip()
+    if isinstance(model, dict):
+        missing = {"embed_dim", "vision_cfg", "text_cfg"} - set(model)
+        if missing:
+            raise ValueError(f"An open_clip config dict needs the keys embed_dim, vision_cfg, text_cfg; missing {sorted(missing)}.")
+        if pretrained is not None:
+            raise ValueError("pretrained is only used with an open_clip model name.")
+        return open_clip.CLIP(**deepcopy(model))
+    name = resolve_model_name(model)
+    if pretrained is not None and not os.path.isfile(pretrained):
+        raise FileNotFoundError(
+            f"pretrained={pretrained!r} is not a file. Pass the path of a local open_clip checkpoint "
+            "(pretrained tags need a download, which this setup does not do), or pretrained=None."
+        )
+    clip, _, _ = open_clip.create_model_and_transforms(name, pretrained=pretrained)
+    return clip

@@ -1,0 +1,199 @@
+"""FastCLIPModule: Lightning training, checkpoint/resume, optimiser groups, bad input, the YAML config."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from lightning_sdp.callbacks import GammaScheduler, TemperatureScheduler, ZeroShotEvaluation
+from lightning_sdp.datamodules import ImageTextDataModule
+from lightning_sdp.models import FastCLIPModule
+from lightning_sdp.models.fastclip.lamb import Lamb
+
+pytestmark = pytest.mark.open_clip
+ROOT = Path(__file__).resolve().parents[2]
+# a micro open_clip config keeps these Lightning runs fast on two shared cores
+MICRO = {
+    "embed_dim": 16,
+    "vision_cfg": {"image_size": 16, "layers": 1, "width": 16, "head_width": 8, "mlp_ratio": 1.0, "patch_size": 8},
+    "text_cfg": {"context_length": 12, "vocab_size": 49408, "width": 8, "heads": 1, "layers": 1, "mlp_ratio": 1.0},
+}
+
+
+def _dm(**kw) -> ImageTextDataModule:
+    args = {"num_train": 48, "num_val": 24, "batch_size": 12, "augment": False, "seed": 3, "model": MICRO}
+    args.update(kw)
+    return ImageTextDataModule(**args)
+
+
+def _trainer(tmp_path, max_epochs: int, **kw) -> pl.Trainer:
+    args = dict(
+        max_epochs=max_epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+        deterministic=True,
+    )
+    args.update(kw)
+    return pl.Trainer(**args)
+
+
+def _callbacks():
+    return [GammaScheduler(gamma_min=0.3, decay_epochs=2), TemperatureScheduler()]
+
+
+def test_fit_updates_estimators_gamma_and_temperature(tmp_path):
+    pl.seed_everything(0)
+    dm = _dm()
+    module = FastCLIPModule(model=MICRO, loss="fastclip_v3", warmup_steps=2, lr_tau=0.05, rho=1.0)
+    before = module.temperature
+    trainer = _trainer(tmp_path, 2, callbacks=_callbacks())
+    trainer.fit(module, dm)
+    loss = module.gcl_loss
+    assert loss.data_size == 48 == dm.data_size  # taken from the datamodule
+    assert bool((loss.u1 > 0).all()) and bool((loss.u2 > 0).all())  # every sample visited (48 = 4 x 12)
+    assert loss.gamma == pytest.approx(0.5 * (1 + math.cos(math.pi / 2)) * 0.7 + 0.3)  # epoch 1 of 2
+    assert module.temperature != pytest.approx(before)  # the temperature is learned
+    assert 0.01 - 1e-6 <= module.temperature <= 1.0
+    assert torch.isfinite(trainer.callback_metrics["train/objective"])
+
+
+@pytest.mark.parametrize("loss", ["fastclip_v3", "fastclip_v2"])
+def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path, loss):
+    def run(epochs: int, ckpt: str | None = None, save: str | None = None) -> FastCLIPModule:
+        pl.seed_everything(0)
+        module = FastCLIPModule(model=MICRO, loss=loss, warmup_steps=2, lr_tau=0.05, max_steps=8)
+        trainer = _trainer(tmp_path, epochs, callbacks=_callbacks())
+        trainer.fit(module, _dm(num_train=24, batch_size=8), ckpt_path=ckpt)
+        if save:
+            trainer.save_checkpoint(save)
+        return module
+
+    straight = run(2)
+    ckpt = str(tmp_path / "half.ckpt")
+    run(1, save=ckpt)
+    resumed = run(2, ckpt=ckpt)
+    a, b = straight.state_dict(), resumed.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    if loss == "fastclip_v2":
+        assert {"loss_fn.tau1", "loss_fn.m1", "loss_fn.bound1"} <= set(a)
+
+
+def test_load_from_checkpoint_rebuilds_estimators_and_refuses_other_loss(tmp_path):
+    module = FastCLIPModule(model=MICRO, loss="fastclip_v1", warmup_steps=2)
+    trainer = _trainer(tmp_path, 1, callbacks=_callbacks())
+    trainer.fit(module, _dm())
+    path = tmp_path / "v1.ckpt"
+    trainer.save_checkpoint(path)
+    loaded = FastCLIPModule.load_from_checkpoint(path)
+    assert loaded.data_size == 48
+    assert torch.equal(loaded.gcl_loss.u1, module.gcl_loss.u1)
+    other = FastCLIPModule(model=MICRO, loss="fastclip_v3", warmup_steps=2)
+    with pytest.raises(ValueError, match="loss='fastclip_v1'"):
+        _trainer(tmp_path, 2).fit(other, _dm(), ckpt_path=str(path))
+
+
+def test_gradient_accumulation_is_refused(tmp_path):
+    module = FastCLIPModule(model=MICRO, loss="fastclip_v3")
+    with pytest.raises(ValueError, match="Gradient accumulation"):
+        _trainer(tmp_path, 1, accumulate_grad_batches=2).fit(module, _dm())
+
+
+def test_data_size_smaller_than_dataset_is_refused(tmp_path):
+    module = FastCLIPModule(model=MICRO, loss="fastclip_v1", data_size=10)
+    with pytest.raises(ValueError, match="data_size=10"):
+        _trainer(tmp_path, 1).fit(module, _dm())
+
+
+def test_bad_model_and_loss_names():
+    with pytest.raises(ValueError, match="Unknown open_clip model"):
+        FastCLIPModule(model="ViT-Q-99")
+    with pytest.raises(ValueError, match="Unknown FastCLIP loss"):
+        FastCLIPModule(loss="clip")
+    with pytest.raises(FileNotFoundError, match="local open_clip checkpoint"):
+        FastCLIPModule(model="tiny", pretrained="laion2b_s34b_b79k")
+    with pytest.raises(TypeError, match="encode_image"):
+        FastCLIPModule(model=nn.Linear(2, 2))
+
+
+class _Towers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.img = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 16))
+        self.emb = nn.EmbeddingBag(49408, 4)
+        self.proj = nn.Linear(4, 16)
+
+    def encode_image(self, x):
+        return self.img(x)
+
+    def encode_text(self, t):
+        return self.proj(self.emb(t))
+
+
+def test_custom_module_and_param_groups(tmp_path):
+    module = FastCLIPModule(model=_Towers(), loss="fastclip_v3", lr=1e-3, lr_tau=5e-4, weight_decay=0.2, max_steps=10)
+    assert isinstance(module.logit_scale, nn.Parameter)  # own temperature for a model without one
+    opt = module.configure_optimizers()["optimizer"]
+    wd = [g["weight_decay"] for g in opt.param_groups]
+    assert wd == [0.2, 0.0, 0.0]
+    assert opt.param_groups[2]["params"][0] is module.logit_scale and opt.param_groups[2]["lr"] == 5e-4
+    assert any(p is module.model.img[1].bias for p in opt.param_groups[1]["params"])
+    _trainer(tmp_path, 1, callbacks=_callbacks(), max_steps=2).fit(module, _dm())
+    assert int((module.gcl_loss.u1 > 0).sum()) == 24
+    # constant temperature is not trained; v1 defaults to tau = 0.07
+    fixed = FastCLIPModule(model=MICRO, loss="fastclip_v1")
+    assert not fixed.model.logit_scale.requires_grad and fixed.temperature == pytest.approx(0.07)
+    names = [n for g in fixed.configure_optimizers()["optimizer"].param_groups for n in g["params"]]
+    assert not any(p is fixed.model.logit_scale for p in names)
+
+
+def test_lamb_step_matches_formula():
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 3))
+    w0 = w.detach().clone()
+    g = torch.randn(4, 3)
+    w.grad = g.clone()
+    Lamb([w], lr=0.1, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01).step()
+    update = (0.1 * g / 0.1) / ((0.01 * g * g / 0.01).sqrt() + 1e-6) + 0.01 * w0
+    expected = w0 - 0.1 * (w0.norm() / update.norm()) * update
+    torch.testing.assert_close(w.detach(), expected)
+    module = FastCLIPModule(model=MICRO, optimizer="lamb", max_steps=5)
+    assert isinstance(module.configure_optimizers()["optimizer"], Lamb)
+
+
+def test_yaml_config_trains_two_steps(tmp_path):
+    from lightning_sdp.cli import main
+
+    main(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "examples" / "configs" / "fastclip_tiny.yaml"),
+            "--trainer.max_steps=2",
+            "--trainer.limit_val_batches=1",
+            "--trainer.val_check_interval=2",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--data.init_args.num_train=32",
+            "--data.init_args.num_val=16",
+            "--data.init_args.batch_size=8",
+        ]
+    )
+    ckpts = list(tmp_path.rglob("*.ckpt"))
+    assert ckpts
+    state = torch.load(ckpts[0], weights_only=False)
+    assert state["global_step"] == 2
+    assert int((state["state_dict"]["loss_fn.u1"] > 0).sum()) == 16  # two batches of 8 visited

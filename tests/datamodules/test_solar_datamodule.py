@@ -107,11 +107,12 @@ def test_fit_follows_schedule_and_logs_metrics(ptycho):
     assert rec.indices == [sp.ranks[0].indices.tolist() for sp in plans]
     assert dm.num_train == 72 and sorted(sum(rec.indices[:9], [])) == list(range(72))
     m = trainer.callback_metrics
-    for key in ("solar/hit_rate_epoch", "solar/storage_bytes_epoch", "solar/samples_per_s_epoch", "val/loss"):
+    for key in ("solar/hit_rate", "solar/storage_bytes", "solar/samples_per_s", "solar/load_time_s", "val/loss"):
         assert key in m
-    assert float(m["solar/hit_rate_epoch"]) > 0.2  # C/N = 24/72 in the second epoch
+    assert float(m["solar/epoch_hit_rate"]) == pytest.approx(24 / 72)  # C/N in the second epoch
     sample_bytes = 3 * 16 * 16 * 4
-    assert float(m["solar/storage_bytes_epoch"]) == (72 - 24) * sample_bytes
+    assert float(m["solar/epoch_storage_bytes"]) == (72 - 24) * sample_bytes
+    assert float(m["solar/epoch_samples_per_s"]) > 0 and float(m["solar/epoch_load_time_s"]) > 0
 
 
 def test_requires_use_distributed_sampler_false(ptycho):

@@ -30,26 +30,45 @@ _log = logging.getLogger(__name__)
 class SolarMetrics(Callback):
     """Logs the SOLAR loader's counters through ``pl_module.log`` (so every Trainer logger shows them).
 
-    Per training step (and averaged or summed per epoch): ``solar/hit_rate`` (buffer hits / local batch),
-    ``solar/storage_bytes`` (bytes read from storage by this rank), ``solar/samples_per_s`` (local samples per
-    second of wall time between batches) and ``solar/load_time_s`` (time the loop waited for the batch). The values
-    are this rank's (not synchronised, to keep the step free of collectives).
+    Per training step, this rank's values (no collective in the step): ``solar/hit_rate`` (buffer hits / local
+    batch), ``solar/storage_bytes`` (bytes read from storage), ``solar/samples_per_s`` (local samples per second
+    of wall time between batches) and ``solar/load_time_s`` (time the loop waited for the batch).
+
+    Per epoch, over all ranks (one all-reduce each at the end of the epoch): ``solar/epoch_hit_rate`` (mean over
+    ranks), ``solar/epoch_storage_bytes`` (sum), ``solar/epoch_samples_per_s`` (sum: global throughput) and
+    ``solar/epoch_load_time_s`` (mean waiting time per step).
     """
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        dm = trainer.datamodule
-        loader = getattr(dm, "train_loader", None)
+        loader = getattr(trainer.datamodule, "train_loader", None)
         if not isinstance(loader, SolarLoader) or not loader.last_stats:
             return
         s = loader.last_stats
         n = max(int(s["samples"]), 1)
-        pl_module.log("solar/hit_rate", s["hit_rate"], on_step=True, on_epoch=True, batch_size=n)
-        pl_module.log("solar/samples_per_s", s["samples_per_s"], on_step=True, on_epoch=True, batch_size=n)
-        pl_module.log("solar/load_time_s", s["wait_s"], on_step=True, on_epoch=True, batch_size=n)
-        pl_module.log("solar/storage_bytes", s["bytes"], on_step=True, on_epoch=True, reduce_fx="sum", batch_size=n)
+        for name, key in (
+            ("hit_rate", "hit_rate"),
+            ("storage_bytes", "bytes"),
+            ("samples_per_s", "samples_per_s"),
+            ("load_time_s", "wait_s"),
+        ):
+            pl_module.log(f"solar/{name}", float(s[key]), on_step=True, on_epoch=False, batch_size=n)
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        loader = getattr(trainer.datamodule, "train_loader", None)
+        if not isinstance(loader, SolarLoader) or not loader.epoch_stats.get("steps"):
+            return
+        e = loader.epoch_stats
+        rate = e["hits"] / e["samples"] if e["samples"] else 0.0
+        throughput = e["samples"] / e["wall_s"] if e["wall_s"] > 0 else 0.0
+        log = dict(on_step=False, on_epoch=True, sync_dist=True, batch_size=1)
+        pl_module.log("solar/epoch_hit_rate", rate, **log)
+        pl_module.log("solar/epoch_storage_bytes", float(e["bytes"]), reduce_fx="sum", **log)
+        pl_module.log("solar/epoch_samples_per_s", throughput, reduce_fx="sum", **log)
+        pl_module.log("solar/epoch_load_time_s", e["wait_s"] / e["steps"], **log)
 
 
 class SolarDataModule(LightningDataModule):

@@ -228,7 +228,9 @@ class SolarLoader:
         self.schedule.release(epoch)
         steps = plan[start:]
         self._sampler.requests = self._requests(steps)
-        self.epoch_stats = dict.fromkeys(("samples", "hits", "reads", "bytes", "wait_s", "read_s"), 0.0)
+        self.epoch_stats = dict.fromkeys(("samples", "hits", "reads", "bytes", "wait_s", "read_s", "steps"), 0.0)
+        self.epoch_stats["wall_s"] = 0.0
+        epoch_start = time.perf_counter()
         if not steps:
             return
         results = iter(self._dataloader())
@@ -275,8 +277,10 @@ class SolarLoader:
                 "read_s": float(res["seconds"]),
                 "samples_per_s": n / step_time if step_time > 0 else 0.0,
             }
-            for k in self.epoch_stats:
+            for k in ("samples", "hits", "reads", "bytes", "wait_s", "read_s"):
                 self.epoch_stats[k] += self.last_stats[k]
+            self.epoch_stats["steps"] += 1
+            self.epoch_stats["wall_s"] = time.perf_counter() - epoch_start
             last = sp.step + 1 == self.schedule.steps_per_epoch
             self._next_pos = (epoch + 1, 0) if last else (epoch, sp.step + 1)
             if last:

@@ -154,3 +154,30 @@ def test_ptycho_cli(tmp_path, capsys):
     assert "8 samples" in capsys.readouterr().out
     with h5py.File(out, "r") as f:
         assert f["diffraction"].shape == (8, 1, 16, 16)
+
+
+@pytest.mark.parametrize("max_gap", [0, 2])
+@pytest.mark.parametrize("throttled", [False, True])
+def test_threaded_direct_reads_match_hyperslab_reference(tmp_path, max_gap, throttled):
+    path = make_ptycho_h5(tmp_path / "p.h5", num_samples=50, size=8, seed=2)
+    keys = ["diffraction", "amplitude", "phase"]
+    throttle = StorageThrottle(latency_s=0.001) if throttled else None
+    fast = HDF5Reader(path, keys, max_gap=max_gap, io_threads=4, throttle=throttle)
+    ref = HDF5Reader(path, keys, max_gap=max_gap)
+    assert fast.direct_layout() is not None
+    rng = np.random.default_rng(max_gap)
+    for size in (1, 7, 40):
+        ids = rng.integers(0, 50, size=size)
+        a, b = fast.read(ids), ref.read(ids)
+        for k in keys:
+            assert np.array_equal(a[k], b[k])
+    assert fast.bytes_read == ref.bytes_read and fast.requests == ref.requests
+    with pytest.raises(IndexError):
+        fast.read([50])
+
+
+def test_threaded_reader_falls_back_on_chunked_data(h5file):
+    reader = HDF5Reader(h5file, ["x", "chunked"], io_threads=3)
+    assert reader.direct_layout() is None
+    ids = [4, 2, 2, 90]
+    assert np.array_equal(reader.read(ids)["chunked"], HDF5Reader(h5file, ["chunked"]).read(ids)["chunked"])

@@ -105,6 +105,8 @@ class SolarDataModule(LightningDataModule):
             Default 0 (no validation).
         val_batch_size: validation batch size per rank. Default ``batch_size``.
         max_gap: merge read runs separated by at most this many unrequested samples. Default 0.
+        io_threads: threads per reader process that issue a step's run reads concurrently (contiguous HDF5
+            layouts; chunked data uses h5py hyperslab reads one after another). Default 4.
         prefetch_factor: read requests in flight per worker. Default 2.
         drop_last: drop the smaller last global batch of each epoch. Default False.
         storage_latency_s: emulate shared storage: seconds added per read request. Default 0 (off).
@@ -136,6 +138,7 @@ class SolarDataModule(LightningDataModule):
         val_split: float = 0.0,
         val_batch_size: int | None = None,
         max_gap: int = 0,
+        io_threads: int = 4,
         prefetch_factor: int = 2,
         drop_last: bool = False,
         storage_latency_s: float = 0.0,
@@ -167,6 +170,7 @@ class SolarDataModule(LightningDataModule):
         self.val_path, self.val_split = val_path, val_split
         self.val_batch_size = val_batch_size or batch_size
         self.max_gap, self.prefetch_factor, self.drop_last = max_gap, prefetch_factor, drop_last
+        self.io_threads = io_threads
         self.throttle = (
             StorageThrottle(storage_latency_s, storage_bandwidth) if storage_latency_s or storage_bandwidth else None
         )
@@ -280,7 +284,13 @@ class SolarDataModule(LightningDataModule):
             raise RuntimeError("call SolarDataModule.setup() (or Trainer.fit) first")
 
     def _reader(self, path: str) -> HDF5Reader:
-        return HDF5Reader(path, [self.input_key, *self.target_keys], max_gap=self.max_gap, throttle=self.throttle)
+        return HDF5Reader(
+            path,
+            [self.input_key, *self.target_keys],
+            max_gap=self.max_gap,
+            throttle=self.throttle,
+            io_threads=self.io_threads,
+        )
 
     # ------------------------------------------------------------------ loaders
     @override

@@ -1,0 +1,144 @@
+"""GammaScheduler, TemperatureScheduler and ZeroShotEvaluation on small stand-ins."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_sdp.callbacks import GammaScheduler, TemperatureScheduler, ZeroShotEvaluation
+from lightning_sdp.callbacks.fastclip import gamma_at
+from lightning_sdp.models.fastclip.losses import VARIANTS, GlobalContrastiveLoss
+
+
+class _Stub(nn.Module):
+    """The parts of FastCLIPModule the callbacks use."""
+
+    def __init__(self, variant: str, data_size: int = 8) -> None:
+        super().__init__()
+        self.variant = VARIANTS[variant]
+        v = self.variant
+        self.gcl_loss = (
+            GlobalContrastiveLoss(data_size, objective=v.objective, temperature=v.temperature)
+            if v.objective != "mbcl"
+            else None
+        )
+        self.scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+        self.register_buffer("tau_lr_factor", torch.tensor(1.0))
+        self.logged: dict[str, float] = {}
+
+    def _logit_scale(self) -> nn.Parameter:
+        return self.scale
+
+    def log(self, name: str, value: float, **kwargs) -> None:
+        self.logged[name] = float(value)
+
+
+def test_gamma_schedule_values():
+    assert gamma_at(0, 0.2, 10, "cosine") == 1.0
+    assert gamma_at(5, 0.2, 10, "cosine") == pytest.approx(0.5 * 0.8 + 0.2)
+    assert gamma_at(1, 0.2, 10, "cosine") == pytest.approx(0.5 * (1 + math.cos(math.pi / 10)) * 0.8 + 0.2)
+    assert gamma_at(10, 0.2, 10, "cosine") == gamma_at(25, 0.2, 10, "cosine") == 0.2
+    assert gamma_at(0, 0.9, 10, "constant") == 1.0 and gamma_at(3, 0.9, 10, "constant") == 0.9
+    values = [gamma_at(e, 0.3, 6, "cosine") for e in range(8)]
+    assert all(a >= b for a, b in zip(values, values[1:]))  # non-increasing
+
+
+@pytest.mark.parametrize(("variant", "expected"), [("fastclip_v1", 0.6), ("sogclr", 0.2)])
+def test_gamma_scheduler_sets_the_loss_and_round_trips(variant, expected):
+    module = _Stub(variant)
+    cb = GammaScheduler(gamma_min=0.2, decay_epochs=4)
+    cb.on_train_epoch_start(SimpleNamespace(current_epoch=2), module)
+    assert module.gcl_loss.gamma == pytest.approx(expected)
+    assert module.logged["train/gamma_epoch"] == pytest.approx(expected)
+    restored = GammaScheduler(gamma_min=0.2, decay_epochs=4)
+    restored.load_state_dict(cb.state_dict())
+    assert restored.gamma == pytest.approx(expected) and restored.epoch == 2
+    GammaScheduler().on_train_epoch_start(SimpleNamespace(current_epoch=3), _Stub("openclip"))  # no-op
+    with pytest.raises(ValueError, match="gamma_min"):
+        GammaScheduler(gamma_min=0.0)
+
+
+def test_temperature_scheduler_clamps_and_applies_v3_threshold_rule():
+    module = _Stub("fastclip_v3")
+    cb = TemperatureScheduler(tau_min=0.01, step_thresh=0.03)
+    trainer = SimpleNamespace(global_step=1, log_every_n_steps=1)
+    with torch.no_grad():
+        module.scale.fill_(math.log(250.0))  # tau = 0.004 < 0.01
+    cb.on_train_batch_end(trainer, module, None, None, 0)
+    assert float(module.scale.detach()) == pytest.approx(math.log(100.0))
+    assert module.logged["train/tau"] == pytest.approx(0.01)
+    assert cb.switched and float(module.tau_lr_factor) == pytest.approx(1 / 3)
+    restored = TemperatureScheduler()
+    restored.load_state_dict(cb.state_dict())
+    assert restored.switched
+    # v1's constant temperature: clamped and logged, no learning-rate rule
+    other = _Stub("fastclip_v1")
+    with torch.no_grad():
+        other.scale.fill_(-1.0)  # tau = e > 1
+    TemperatureScheduler().on_train_batch_end(trainer, other, None, None, 0)
+    assert float(other.scale.detach()) == 0.0 and float(other.tau_lr_factor) == 1.0
+
+
+def test_temperature_scheduler_logs_individual_temperature_spread():
+    module = _Stub("fastclip_v2")
+    loss = module.gcl_loss
+    loss.tau_steps[:4] = 1
+    loss.tau1[:4] = torch.tensor([0.01, 0.02, 0.03, 0.04])
+    TemperatureScheduler().on_train_batch_end(SimpleNamespace(global_step=0, log_every_n_steps=1), module, None, None, 0)
+    assert module.logged["train/tau_min"] == pytest.approx(0.01)
+    assert module.logged["train/tau_max"] == pytest.approx(0.04)
+    assert module.logged["train/tau"] == pytest.approx((0.1 + 4 * 0.03) / 8)
+
+
+class _Encoder:
+    """encode_texts: class prompts map to one-hot directions ('c3' -> e_3)."""
+
+    training = False
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+
+    def encode_texts(self, texts):
+        out = torch.zeros(len(texts), self.dim)
+        for i, t in enumerate(texts):
+            out[i, int(t.split("c")[1].split(" ")[0])] = 1.0
+        return out
+
+    def eval(self):
+        return self
+
+    def train(self, mode=True):
+        return self
+
+
+def test_zero_shot_and_retrieval_metrics():
+    n, dim = 12, 6
+    labels = torch.arange(n) % dim
+    img = F.one_hot(labels, dim).float()
+    val_set = SimpleNamespace(
+        labels=labels,
+        classnames=[f"c{i}" for i in range(dim)],
+        templates=["{} thing", "a {}"],
+        caption_groups=torch.arange(n),
+    )
+    cb = ZeroShotEvaluation(top_k=(1, 5), recall_k=(1, 5))
+    txt = F.normalize(img + 0.01 * torch.arange(n)[:, None].float(), dim=1)  # ties broken towards larger index
+    m = cb.compute(_Encoder(dim), img, txt, torch.arange(n), val_set)
+    assert m["val/zeroshot_top1"] == 1.0 and m["val/zeroshot_top5"] == 1.0
+    # each image matches two captions of its class equally well; R@1 finds the right one for about half
+    assert 0.4 <= m["val/i2t_r1"] <= 0.6 and m["val/i2t_r5"] == 1.0
+    # identical captions count as hits: with groups by class every retrieval is right
+    val_set.caption_groups = labels.clone()
+    m = cb.compute(_Encoder(dim), img, txt, torch.arange(n), val_set)
+    assert m["val/i2t_r1"] == 1.0 and m["val/t2i_r1"] == 1.0
+    # wrong labels lower the zero-shot accuracy
+    val_set.labels = (labels + 1) % dim
+    assert cb.compute(_Encoder(dim), img, txt, torch.arange(n), val_set)["val/zeroshot_top1"] == 0.0
+    # no class names: retrieval only
+    m = ZeroShotEvaluation().compute(_Encoder(dim), img, txt, torch.arange(n), SimpleNamespace(caption_groups=labels))
+    assert "val/zeroshot_top1" not in m and m["val/t2i_r1"] == 1.0

@@ -1,0 +1,145 @@
+"""ImageTextDataModule and its datasets: built-in sets, OpenCLIP CSV convention, image folders, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_sdp.datamodules.image_text import (
+    COLOURS,
+    POSITIONS,
+    SHAPES,
+    EpochSeededSampler,
+    ImageTextDataModule,
+    make_captioned_shapes,
+    shape_classnames,
+)
+
+pytestmark = pytest.mark.open_clip
+MICRO = {
+    "embed_dim": 16,
+    "vision_cfg": {"image_size": 16, "layers": 1, "width": 16, "head_width": 8, "patch_size": 8},
+    "text_cfg": {"context_length": 12, "vocab_size": 49408, "width": 8, "heads": 1, "layers": 1},
+}
+
+
+def test_captioned_shapes_are_deterministic_and_match_their_captions():
+    imgs, caps, labels = make_captioned_shapes(60, seed=5)
+    imgs2, caps2, _ = make_captioned_shapes(60, seed=5)
+    assert np.array_equal(imgs, imgs2) and caps == caps2
+    assert not np.array_equal(imgs, make_captioned_shapes(60, seed=6)[0])
+    names = shape_classnames()
+    assert len(names) == len(COLOURS) * len(SHAPES) == 40
+    hits = 0
+    for img, cap, y in zip(imgs, caps, labels):
+        colour, shape = names[y].split()
+        assert f" {colour} {shape} " in f" {cap} "
+        # the pixels closest to the named colour sit in the named part of the image
+        dist = np.abs(img.astype(float) - np.array(COLOURS[colour])).sum(-1)
+        ys, xs = np.nonzero(dist < 60)
+        if len(ys) == 0:
+            continue
+        cy, cx = ys.mean() / 32, xs.mean() / 32
+        pos = next(p for p in POSITIONS if cap.endswith(p))
+        py, px = POSITIONS[pos]
+        hits += abs(cy - py) < 0.15 and abs(cx - px) < 0.15
+    assert hits >= 50
+
+
+def test_shapes_datamodule_samples_and_loaders():
+    dm = ImageTextDataModule(model=MICRO, num_train=40, num_val=12, batch_size=8, augment=False)
+    assert dm.data_size == 40
+    image, tokens, index = dm.train_set[7]
+    assert image.shape == (3, 16, 16) and image.dtype == torch.float32
+    assert tokens.shape == (12,) and tokens.dtype == torch.long and index == 7
+    assert dm.classnames == shape_classnames() and "{}" in dm.templates[0]
+    loader = dm.train_dataloader()
+    batches = list(loader)
+    assert len(batches) == 5 and all(b[0].shape[0] == 8 for b in batches)
+    seen = torch.cat([b[2] for b in batches])
+    assert sorted(seen.tolist()) == list(range(40))  # one epoch visits every index once
+    # the order depends only on (seed, epoch): a fresh loader repeats it, a new epoch changes it
+    assert torch.equal(torch.cat([b[2] for b in dm.train_dataloader()]), seen)
+    sampler = loader.sampler
+    assert isinstance(sampler, EpochSeededSampler)
+    sampler.set_epoch(1)
+    assert list(sampler) != seen.tolist()
+    val = next(iter(dm.val_dataloader()))
+    assert len(val) == 3 and val[0].shape[0] == 8
+    with pytest.raises(ValueError, match="batch_size=64"):
+        ImageTextDataModule(model=MICRO, num_train=40, batch_size=64).train_dataloader()
+
+
+@pytest.mark.sklearn
+def test_digits_set_has_prompt_captions():
+    dm = ImageTextDataModule(dataset="digits", model=MICRO, val_fraction=0.2)
+    dm.setup()
+    assert dm.data_size + len(dm.val_set) == 1797
+    assert dm.classnames[3] == "three"
+    for i in range(0, 200, 37):
+        assert dm.classnames[int(dm.train_set.labels[i])] in dm.train_set.captions[i]
+
+
+def _write_images(folder, n, size=20):
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    names = []
+    for i in range(n):
+        arr = np.full((size, size, 3), 20 * i, dtype=np.uint8)
+        name = f"img_{i}.png"
+        Image.fromarray(arr).save(folder / name)
+        names.append(name)
+    return names
+
+
+def test_csv_convention_with_custom_columns_and_separator(tmp_path):
+    names = _write_images(tmp_path / "images", 6)
+    csv_path = tmp_path / "pairs.csv"
+    csv_path.write_text("path,caption\n" + "".join(f"images/{n},picture number {i}\n" for i, n in enumerate(names)))
+    dm = ImageTextDataModule(
+        dataset="csv", train_data=str(csv_path), model=MICRO, csv_img_key="path", csv_caption_key="caption",
+        csv_separator=",", val_fraction=0.34, batch_size=2,
+    )
+    dm.setup()
+    assert dm.data_size == 4 and len(dm.val_set) == 2
+    image, tokens, index = dm.train_set[1]
+    assert image.shape == (3, 16, 16) and index == 1
+    assert dm.classnames is None  # retrieval only
+    # OpenCLIP's default: tab separator, filepath/title columns; a wrong column names the columns
+    tsv = tmp_path / "pairs.tsv"
+    tsv.write_text("filepath\ttitle\n" + "".join(f"images/{n}\tpicture {i}\n" for i, n in enumerate(names)))
+    assert ImageTextDataModule(dataset="csv", train_data=str(tsv), model=MICRO).data_size == 5
+    with pytest.raises(KeyError, match="columns"):
+        ImageTextDataModule(dataset="csv", train_data=str(tsv), model=MICRO, csv_caption_key="text").setup()
+
+
+def test_missing_and_unreadable_images_raise_or_are_skipped_and_counted(tmp_path):
+    names = _write_images(tmp_path, 5)
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    lines = [f"{n}\tcaption {i}" for i, n in enumerate(names)] + ["missing.png\tgone", "broken.png\tbad"]
+    (tmp_path / "captions.tsv").write_text("\n".join(lines) + "\n")
+    with pytest.raises(FileNotFoundError, match="missing.png"):
+        ImageTextDataModule(dataset="folder", train_data=str(tmp_path), val_data=str(tmp_path), model=MICRO).setup()
+    with pytest.warns(UserWarning, match="Skipped 2"):
+        dm = ImageTextDataModule(
+            dataset="folder", train_data=str(tmp_path), val_data=str(tmp_path), model=MICRO, on_error="skip"
+        )
+        dm.setup()
+    assert dm.data_size == 5 and len(dm.train_set.skipped) == 2
+    # raise mode: an unreadable file fails when it is loaded, naming the file
+    (tmp_path / "captions.tsv").write_text("\n".join(lines[:5] + [lines[6]]) + "\n")
+    dm = ImageTextDataModule(dataset="folder", train_data=str(tmp_path), val_data=str(tmp_path), model=MICRO)
+    dm.setup()
+    with pytest.raises(OSError, match="broken.png"):
+        dm.train_set[5]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="train_data"):
+        ImageTextDataModule(dataset="csv")
+    with pytest.raises(ValueError, match="dataset must be"):
+        ImageTextDataModule(dataset="laion")
+    with pytest.raises(FileNotFoundError, match="nowhere.tsv"):
+        ImageTextDataModule(dataset="csv", train_data="nowhere.tsv", model=MICRO).setup()

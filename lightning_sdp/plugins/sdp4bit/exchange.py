@@ -1,0 +1,413 @@
+"""The two collectives of SDP4Bit: quantised gradient reduce-scatter and quantised weight all-gather.
+
+Both work on one flat, zero-padded fp32 buffer of ``P = world_size * S`` values in which rank ``r`` owns the shard
+``[r * S, (r + 1) * S)`` and ``S`` is a whole number of quantisation groups and Hadamard blocks.
+
+Gradient reduce-scatter (TLq-HS, Jia et al. 2024, Sec. 3.2), on a grid of ``N`` nodes x ``L`` ranks per node:
+
+1. quantise the whole buffer (after the block Hadamard transform for ``tlq_hs``) to ``intra_bits``;
+2. all-to-all inside the node: local peer ``j`` receives the codes of every shard ``n * L + j``;
+3. dequantise the ``L`` contributions, sum them, re-quantise the node's partial sums to ``inter_bits``;
+4. all-to-all between the ranks with the same local index: rank ``n * L + j`` receives its own shard from every
+   node;
+5. dequantise the ``N`` contributions, sum, apply ``H`` once and divide by the block size.
+
+A level of size 1 is skipped (one node: 8-bit only; one rank per node: 4-bit only). ``"none"`` runs the same
+two-level routing in fp32 (a hierarchical reduce-scatter).
+
+Weight all-gather (qWD, Sec. 3.1): rank ``r`` quantises ``master_shard - model[shard r]`` (the model weights are the
+reconstructed copy every rank holds), all ranks all-gather the codes and add the decoded differences to their
+model weights, so all ranks stay bit-identical and the quantisation error is corrected at the next step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_sdp.kernels import quantization as ref
+from lightning_sdp.kernels.quantization import Rounding
+from lightning_sdp.plugins.sdp4bit.topology import Topology
+
+WeightCompression = Literal["qwd", "qw", "none"]
+GradientCompression = Literal["tlq_hs", "tlq", "ulq", "none"]
+WEIGHT_MODES = ("qwd", "qw", "none")
+GRADIENT_MODES = ("tlq_hs", "tlq", "ulq", "none")
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class CollectiveStats:
+    """Bytes and values one collective sent to other ranks (this rank's view).
+
+    Attributes:
+        bytes: payload + scale bytes sent to other ranks.
+        elements: number of values those bytes represent.
+        calls: number of collective calls.
+    """
+
+    bytes: int = 0
+    elements: int = 0
+    calls: int = 0
+
+    @property
+    def bits_per_element(self) -> float:
+        """Bits on the wire per value (codes + scales); 0 when nothing was sent."""
+        return 8.0 * self.bytes / self.elements if self.elements else 0.0
+
+    def add(self, nbytes: int, elements: int) -> None:
+        """Account one collective call."""
+        self.bytes += int(nbytes)
+        self.elements += int(elements)
+        self.calls += 1
+
+
+@dataclass
+class CommStats:
+    """Per-collective accounting of one optimizer step (``last``) and of the whole run (``total``)."""
+
+    last: dict[str, CollectiveStats] = field(default_factory=dict)
+    total: dict[str, CollectiveStats] = field(default_factory=dict)
+    steps: int = 0
+
+    def record(self, name: str, nbytes: int, elements: int) -> None:
+        """Account ``nbytes`` sent for ``elements`` values by collective ``name`` in the current step."""
+        self.last.setdefault(name, CollectiveStats()).add(nbytes, elements)
+        self.total.setdefault(name, CollectiveStats()).add(nbytes, elements)
+
+    def new_step(self) -> None:
+        """Start accounting a new step."""
+        self.last = {}
+        self.steps += 1
+
+    def bits_per_element(self, name: str, total: bool = False) -> float:
+        """Bits per value of collective ``name`` (``"weight"``, ``"grad_intra"``, ``"grad_inter"``)."""
+        stats = (self.total if total else self.last).get(name)
+        return stats.bits_per_element if stats else 0.0
+
+    @property
+    def bytes_per_step(self) -> int:
+        """Bytes this rank sent in the last step, all collectives together."""
+        return sum(s.bytes for s in self.last.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain-dict summary (JSON friendly)."""
+        return {
+            "steps": self.steps,
+            "bytes_per_step": self.bytes_per_step,
+            "last": {k: {**vars(v), "bits_per_element": v.bits_per_element} for k, v in self.last.items()},
+            "total": {k: {**vars(v), "bits_per_element": v.bits_per_element} for k, v in self.total.items()},
+        }
+
+
+class RoundingRNG:
+    """Reproducible randomness for stochastic rounding: reseeded from ``(seed, step, rank)`` every step.
+
+    The torch path draws from a ``torch.Generator``; the Triton path takes one integer seed per kernel call. Both
+    depend only on the step counter, so a resumed run draws the same numbers as an uninterrupted one.
+
+    Args:
+        seed: user seed.
+        rank: global rank.
+        device: device of the generator.
+    """
+
+    def __init__(self, seed: int, rank: int, device: torch.device) -> None:
+        self.seed = int(seed)
+        self.rank = int(rank)
+        self.generator = torch.Generator(device=device)
+        self._base = 0
+        self._calls = 0
+
+    def reset(self, step: int) -> None:
+        """Reseed for optimizer step ``step``."""
+        self._base = ((self.seed * 1_000_003 + step) * 10_007 + self.rank) % (2**31 - 1)
+        self.generator.manual_seed(self._base)
+        self._calls = 0
+
+    def next_seed(self) -> int:
+        """A fresh 31-bit seed for one Triton kernel call."""
+        self._calls += 1
+        return (self._base * 7_919 + self._calls * 104_729) % (2**31 - 1)
+
+
+class TorchOps:
+    """Quantisation steps through the plain-torch reference kernels (CPU, and CUDA without Triton)."""
+
+    name = "torch"
+
+    def encode(
+        self, x: Tensor, bits: int, group: int, rounding: Rounding, rng: RoundingRNG,
+        reference: Tensor | None = None, hadamard: int | None = None,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """(subtract) (Hadamard) quantise (pack)."""
+        if reference is not None:
+            return ref.quantize_difference(x, reference, bits, group, rounding, rng.generator)
+        if hadamard is not None:
+            return ref.hadamard_quantize(x, bits, group, hadamard, rounding, rng.generator)
+        return ref.encode(x, bits, group, rounding, rng.generator)
+
+    def dequantize_sum_requantize(
+        self, payloads: Tensor, scales: Tensor, bits_in: int, bits_out: int, group: int, rounding: Rounding,
+        rng: RoundingRNG,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """Decode ``K`` rows, sum, encode again."""
+        return ref.dequantize_sum_requantize(payloads, scales, bits_in, group, bits_out, group, rounding, rng.generator)
+
+    def dequantize_sum_hadamard(
+        self, payloads: Tensor, scales: Tensor, bits: int, group: int, hadamard: int | None
+    ) -> Tensor:
+        """Decode ``K`` rows, sum (, inverse Hadamard)."""
+        return ref.dequantize_sum_hadamard(payloads, scales, bits, group, hadamard)
+
+    def dequantize_add_(self, target: Tensor, payload: Tensor, scales: Tensor, bits: int, group: int) -> None:
+        """``target += decode(payload)``."""
+        ref.dequantize_add_(target, payload, scales, bits, group)
+
+
+class TritonOps(TorchOps):
+    """The same steps through the fused Triton kernels (CUDA)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from lightning_sdp.kernels import triton_quant
+
+        self._k = triton_quant
+
+    def encode(
+        self, x: Tensor, bits: int, group: int, rounding: Rounding, rng: RoundingRNG,
+        reference: Tensor | None = None, hadamard: int | None = None,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        return self._k.encode(
+            x, bits, group, rounding, seed=rng.next_seed(), reference=reference, hadamard_size=hadamard
+        )
+
+    def dequantize_sum_requantize(
+        self, payloads: Tensor, scales: Tensor, bits_in: int, bits_out: int, group: int, rounding: Rounding,
+        rng: RoundingRNG,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        return self._k.dequantize_sum_requantize(
+            payloads, scales, bits_in, group, bits_out, group, rounding, seed=rng.next_seed()
+        )
+
+    def dequantize_sum_hadamard(
+        self, payloads: Tensor, scales: Tensor, bits: int, group: int, hadamard: int | None
+    ) -> Tensor:
+        return self._k.dequantize_sum_hadamard(payloads, scales, bits, group, hadamard)
+
+    def dequantize_add_(self, target: Tensor, payload: Tensor, scales: Tensor, bits: int, group: int) -> None:
+        self._k.dequantize_add_(target, payload, scales, bits, group)
+
+
+@dataclass(frozen=True)
+class GradientFormat:
+    """Bit widths and transform of one gradient mode.
+
+    Attributes:
+        intra_bits: bits inside a node (``None``: fp32).
+        inter_bits: bits between nodes (``None``: fp32).
+        hadamard: Hadamard block size, or ``None``.
+    """
+
+    intra_bits: int | None
+    inter_bits: int | None
+    hadamard: int | None
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any level is quantised."""
+        return self.intra_bits is not None
+
+
+def gradient_format(mode: str, intra_bits: int, inter_bits: int, hadamard_size: int) -> GradientFormat:
+    """The :class:`GradientFormat` of ``gradient_compression=mode``.
+
+    ``"ulq"`` uses 4 bits at every level and no transform (the uniform baseline the paper compares against).
+    """
+    if mode == "tlq_hs":
+        return GradientFormat(intra_bits, inter_bits, hadamard_size)
+    if mode == "tlq":
+        return GradientFormat(intra_bits, inter_bits, None)
+    if mode == "ulq":
+        return GradientFormat(4, 4, None)
+    if mode == "none":
+        return GradientFormat(None, None, None)
+    raise ValueError(f"gradient_compression must be one of {GRADIENT_MODES}, got {mode!r}.")
+
+
+def _all_to_all(out: Tensor, inp: Tensor, group: Any) -> None:
+    dist.all_to_all_single(out, inp, group=group)
+
+
+def _sent_fraction(k: int) -> float:
+    return (k - 1) / k
+
+
+def reduce_scatter_gradients(
+    flat: Tensor,
+    topo: Topology,
+    fmt: GradientFormat,
+    group_size: int,
+    rounding: Rounding,
+    rng: RoundingRNG,
+    ops: TorchOps,
+    stats: CommStats | None = None,
+) -> Tensor:
+    """Sum ``flat`` over all ranks and return this rank's shard (``flat`` should already be divided by W).
+
+    Args:
+        flat: fp32 buffer of ``world_size * S`` values, identical layout on every rank.
+        topo: process topology.
+        fmt: bit widths / transform (see :func:`gradient_format`).
+        group_size: quantisation group (``S`` must be a multiple of it when quantising).
+        rounding: ``"stochastic"`` or ``"nearest"``.
+        rng: per-step rounding randomness.
+        ops: torch or Triton kernels.
+        stats: accounting, updated in place.
+
+    Returns:
+        The reduced shard ``[rank * S, (rank + 1) * S)`` as a new fp32 tensor.
+    """
+    w, n_inter, n_intra = topo.world_size, topo.inter_size, topo.intra_size
+    if flat.numel() % w:
+        raise ValueError(f"The gradient buffer ({flat.numel()}) is not divisible by the world size ({w}).")
+    s = flat.numel() // w
+    if w == 1:
+        return flat.clone()
+    if not fmt.quantized:
+        return _reduce_scatter_fp32(flat, topo, s, stats)
+    if s % group_size or (fmt.hadamard and s % fmt.hadamard):
+        raise ValueError(f"The shard size {s} is not a whole number of groups of {group_size}; pad the buffer.")
+    first_bits = fmt.intra_bits if n_intra > 1 else fmt.inter_bits
+    assert first_bits is not None and fmt.inter_bits is not None
+    payload, scales = ops.encode(flat, first_bits, group_size, rounding, rng, hadamard=fmt.hadamard)
+    bytes_per_shard = ref.payload_bytes(s, first_bits)
+    groups_per_shard = s // group_size
+    bits = first_bits
+    if n_intra > 1:
+        # (N, L, S) -> (L, N, S): chunk j goes to local peer j and holds the shards {n * L + j}.
+        send_p = payload.view(n_inter, n_intra, bytes_per_shard).transpose(0, 1).contiguous()
+        send_s = scales.view(n_inter, n_intra, groups_per_shard).transpose(0, 1).contiguous()
+        recv_p, recv_s = torch.empty_like(send_p), torch.empty_like(send_s)
+        _all_to_all(recv_p, send_p, topo.intra_group)
+        _all_to_all(recv_s, send_s, topo.intra_group)
+        if stats is not None:
+            frac = _sent_fraction(n_intra)
+            stats.record("grad_intra", frac * (send_p.numel() + 4 * send_s.numel()), frac * n_inter * n_intra * s)
+        recv_p, recv_s = recv_p.view(n_intra, -1), recv_s.view(n_intra, -1)
+        if n_inter == 1:
+            return ops.dequantize_sum_hadamard(recv_p, recv_s, bits, group_size, fmt.hadamard)
+        # The node's partial sums of shards {n * L + local}, re-quantised for the inter-node level.
+        payload, scales = ops.dequantize_sum_requantize(
+            recv_p, recv_s, bits, fmt.inter_bits, group_size, rounding, rng
+        )
+        bits = fmt.inter_bits
+        bytes_per_shard = ref.payload_bytes(s, bits)
+    send_p = payload.view(n_inter, -1)
+    send_s = scales.view(n_inter, -1)
+    recv_p, recv_s = torch.empty_like(send_p), torch.empty_like(send_s)
+    _all_to_all(recv_p, send_p, topo.inter_group if n_intra > 1 else None)
+    _all_to_all(recv_s, send_s, topo.inter_group if n_intra > 1 else None)
+    if stats is not None:
+        frac = _sent_fraction(n_inter)
+        stats.record("grad_inter", frac * (send_p.numel() + 4 * send_s.numel()), frac * n_inter * s)
+    return ops.dequantize_sum_hadamard(recv_p, recv_s, bits, group_size, fmt.hadamard)
+
+
+def _reduce_scatter_fp32(flat: Tensor, topo: Topology, s: int, stats: CommStats | None) -> Tensor:
+    n_inter, n_intra = topo.inter_size, topo.intra_size
+    data = flat.float()
+    if n_intra > 1:
+        send = data.view(n_inter, n_intra, s).transpose(0, 1).contiguous()
+        recv = torch.empty_like(send)
+        _all_to_all(recv, send, topo.intra_group)
+        if stats is not None:
+            frac = _sent_fraction(n_intra)
+            stats.record("grad_intra", frac * 4 * send.numel(), frac * send.numel())
+        data = recv.view(n_intra, n_inter * s).sum(dim=0)
+    if n_inter > 1:
+        send = data.view(n_inter, s)
+        recv = torch.empty_like(send)
+        _all_to_all(recv, send, topo.inter_group if n_intra > 1 else None)
+        if stats is not None:
+            frac = _sent_fraction(n_inter)
+            stats.record("grad_inter", frac * 4 * send.numel(), frac * send.numel())
+        data = recv.sum(dim=0)
+    return data
+
+
+def all_gather_weights(
+    model_flat: Tensor,
+    master_shard: Tensor,
+    topo: Topology,
+    mode: str,
+    bits: int,
+    group_size: int,
+    rounding: Rounding,
+    rng: RoundingRNG,
+    ops: TorchOps,
+    stats: CommStats | None = None,
+) -> None:
+    """Bring every rank's full model copy ``model_flat`` up to date with the master shards (in place).
+
+    Args:
+        model_flat: the model weights every rank holds (flat, model dtype, ``world_size * S`` values).
+        master_shard: this rank's exact fp32 shard (``S`` values).
+        topo: process topology.
+        mode: ``"qwd"`` (quantised differences), ``"qw"`` (quantised weights) or ``"none"``.
+        bits: bits of the weight codes.
+        group_size: weight quantisation group.
+        rounding: ``"stochastic"`` or ``"nearest"``.
+        rng: per-step rounding randomness.
+        ops: torch or Triton kernels.
+        stats: accounting, updated in place.
+    """
+    w, s = topo.world_size, master_shard.numel()
+    if model_flat.numel() != w * s:
+        raise ValueError(f"model buffer ({model_flat.numel()}) != world size ({w}) x shard ({s}).")
+    lo = topo.rank * s
+    if w == 1:
+        model_flat.copy_(master_shard)
+        return
+    frac = _sent_fraction(w)
+    if mode == "none":
+        send = master_shard.to(model_flat.dtype)
+        _all_gather_single(model_flat, send)
+        if stats is not None:
+            stats.record("weight", frac * w * send.numel() * send.element_size(), frac * w * s)
+        return
+    if mode not in ("qwd", "qw"):
+        raise ValueError(f"weight_compression must be one of {WEIGHT_MODES}, got {mode!r}.")
+    if s % group_size:
+        raise ValueError(f"The shard size {s} is not a whole number of weight groups of {group_size}.")
+    reference = model_flat[lo : lo + s] if mode == "qwd" else None
+    payload, scales = ops.encode(master_shard, bits, group_size, rounding, rng, reference=reference)
+    all_p = torch.empty(w * payload.numel(), dtype=payload.dtype, device=payload.device)
+    all_s = torch.empty(w * scales.numel(), dtype=scales.dtype, device=scales.device)
+    _all_gather_single(all_p, payload)
+    _all_gather_single(all_s, scales)
+    if stats is not None:
+        stats.record("weight", frac * w * (payload.numel() + 4 * scales.numel()), frac * w * s)
+    if mode == "qw":
+        model_flat.zero_()
+    ops.dequantize_add_(model_flat, all_p, all_s, bits, group_size)
+
+
+def expected_bits(bits: int, group_size: int) -> float:
+    """Bits per value of a ``bits``-bit format with one fp32 scale per ``group_size`` values."""
+    return bits + 32.0 / group_size
+
+
+def padded_shard_size(numel: int, world_size: int, alignment: int) -> int:
+    """Smallest shard size ``S`` (a multiple of ``alignment``) with ``world_size * S >= numel``."""
+    if alignment < 1:
+        raise ValueError(f"alignment must be positive, got {alignment}.")
+    per_rank = math.ceil(numel / world_size) if numel else 1
+    return max(alignment, math.ceil(per_rank / alignment) * alignment)

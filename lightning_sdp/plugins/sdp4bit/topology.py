@@ -1,0 +1,80 @@
+"""Two-level (intra-node / inter-node) process topology for SDP4Bit's hierarchical gradient exchange."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+
+@dataclass
+class Topology:
+    """Where this rank sits in a ``inter_size x intra_size`` grid of processes.
+
+    Rank ``r`` lives on node ``r // intra_size`` with local index ``r % intra_size`` (Lightning's global rank is
+    ``node_rank * num_processes + local_rank``). ``intra_group`` holds the ranks of this rank's node,
+    ``inter_group`` the ranks of every node with the same local index. Groups of size 1 are ``None``.
+
+    Attributes:
+        rank: global rank.
+        world_size: data-parallel world size.
+        intra_size: processes per (real or emulated) node.
+        inter_size: number of nodes.
+        intra_group: process group of this node, or ``None``.
+        inter_group: process group of the ranks with this local index, or ``None``.
+    """
+
+    rank: int
+    world_size: int
+    intra_size: int
+    inter_size: int
+    intra_group: Any = None
+    inter_group: Any = None
+
+    @property
+    def node(self) -> int:
+        """Index of this rank's node."""
+        return self.rank // self.intra_size
+
+    @property
+    def local(self) -> int:
+        """Index of this rank inside its node."""
+        return self.rank % self.intra_size
+
+    @classmethod
+    def single(cls) -> Topology:
+        """The trivial topology of a one-process run."""
+        return cls(rank=0, world_size=1, intra_size=1, inter_size=1)
+
+
+def build_topology(rank: int, world_size: int, intra_size: int) -> Topology:
+    """Create the intra- and inter-node process groups. Every rank must call this, in the same order.
+
+    Args:
+        rank: global rank of the caller.
+        world_size: size of the default process group.
+        intra_size: processes per node; must divide ``world_size``.
+    """
+    if intra_size < 1 or world_size % intra_size:
+        raise ValueError(
+            f"The intra-node size ({intra_size}) must divide the world size ({world_size}). Set "
+            "`SDP4BitStrategy(intra_node_size=...)` to the number of processes per node."
+        )
+    inter_size = world_size // intra_size
+    topo = Topology(rank=rank, world_size=world_size, intra_size=intra_size, inter_size=inter_size)
+    if world_size == 1:
+        return topo
+    if intra_size > 1:
+        for node in range(inter_size):
+            ranks = list(range(node * intra_size, (node + 1) * intra_size))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                topo.intra_group = group
+    if inter_size > 1:
+        for local in range(intra_size):
+            ranks = list(range(local, world_size, intra_size))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                topo.inter_group = group
+    return topo

@@ -379,7 +379,8 @@ class EngineProfiler(Callback):
         from lightning_sdp.profiling.report import build_report
 
         self._sync()
-        span_us = (time.perf_counter() - self._t_start) * 1e6
+        t_stop = time.perf_counter()
+        span_us = (t_stop - self._t_start) * 1e6
         prof = self._prof
         self._prof = None
         steps = self._active_steps
@@ -430,6 +431,8 @@ class EngineProfiler(Callback):
             start_batch=self._window_start_batch,
         )
         report["trace_file"] = str(trace_path) if trace_path is not None and self.export_trace else None
+        # One-off cost after the window: stopping the profiler, exporting the trace, parsing and classifying.
+        report["analysis_s"] = time.perf_counter() - t_stop
         self.reports.append(report)
         (self._dir / f"{self.filename}-rank{self._rank}.json").write_text(json.dumps(self.reports, indent=1) + "\n")
         self._reset_window()

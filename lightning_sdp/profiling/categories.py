@@ -329,7 +329,7 @@ def module_group(path: str, module_types: Mapping[str, str] | None = None) -> st
         comp = parts[i - 1].lower()
         if "attn" in comp or "attention" in comp:
             return "attention"
-        if comp in ("mlp", "ffn", "ff", "feed_forward", "feedforward", "fc") or "mlp" in comp:
+        if comp in _MLP_NAMES or "mlp" in comp or "ffn" in comp:
             return "mlp"
         if comp.startswith("ln") or "norm" in comp:
             return "norm"
@@ -341,6 +341,11 @@ def module_group(path: str, module_types: Mapping[str, str] | None = None) -> st
             return "loss"
     return "other"
 
+
+_MLP_NAMES = {
+    "ff", "fc", "fc1", "fc2", "c_fc", "feed_forward", "feedforward", "linear1", "linear2", "intermediate",
+    "up_proj", "down_proj", "gate_proj", "dense_h_to_4h", "dense_4h_to_h", "w1", "w2", "w3",
+}
 
 _LOSS_OPS = re.compile(r"(cross_entropy|nll_loss|log_softmax|_log_softmax|mse_loss|l1_loss|binary_cross_entropy|"
                        r"smooth_l1|kl_div|ctc_loss|huber_loss)")
@@ -422,18 +427,23 @@ def _enclosing_scope(event: Any) -> tuple[str | None, Any, Any]:
 
 
 def _closure_ends(events: list[Any]) -> dict[int, float]:
-    """For each ``Optimizer.step`` event: end time of the last backward node inside it (the training closure).
+    """For each ``Optimizer.step`` event: end time of the last backward node that ran during it (the closure).
 
     Operators inside the optimizer step that start after this are the optimizer's own math; the ones before belong
-    to the forward/backward closure that Lightning runs inside ``optimizer.step(closure)``.
+    to the forward/backward closure that Lightning runs inside ``optimizer.step(closure)``. Backward nodes are
+    matched by time, not by parent, because on CUDA the autograd engine runs them on its own device thread.
     """
+    steps = [e for e in events if e.name.startswith("Optimizer.step")]
     ends: dict[int, float] = {}
+    if not steps:
+        return ends
     for e in events:
         if not e.name.startswith("autograd::engine::evaluate_function"):
             continue
-        _, opt, _ = _enclosing_scope(e)
-        if opt is not None:
-            ends[id(opt)] = max(ends.get(id(opt), float("-inf")), float(e.time_range.end))
+        start, end = float(e.time_range.start), float(e.time_range.end)
+        for opt in steps:
+            if float(opt.time_range.start) <= start <= float(opt.time_range.end):
+                ends[id(opt)] = max(ends.get(id(opt), float("-inf")), end)
     return ends
 
 

@@ -189,7 +189,7 @@ def attention_model(
     }
 
 
-def calibrate_cpu(size: int = 384, elements: int = 1 << 21, repeats: int = 3) -> dict[str, float]:
+def calibrate_cpu(size: int = 384, elements: int = 1 << 21, repeats: int = 5) -> dict[str, float]:
     """Measure this host's matrix and vector throughput (the CPU has no datasheet peak in the table).
 
     Matrix: best of ``repeats`` fp32 ``size×size`` matmuls. Vector: best of ``repeats`` ``exp`` + ``mul`` passes

@@ -81,13 +81,15 @@ def test_fit_writes_reports_metrics_and_exact_flops(tmp_path, capsys):
 
 
 def test_fused_attention_is_counted_and_attributed(tmp_path):
-    cb = EngineProfiler(wait=0, warmup=1, active=1, dirpath=str(tmp_path), export_trace=False, save_plot=False)
+    cb = EngineProfiler(wait=0, warmup=1, active=1, export_trace=False, save_plot=False)
     _trainer(tmp_path, cb, max_steps=2).fit(_model("sdpa"), _loader())
+    # Default folder: <default_root_dir>/engine_profiler.
+    assert (tmp_path / "engine_profiler" / "engine_profile-rank0.json").is_file()
     r = cb.reports[0]
     assert r["flops"]["attention_flops"] > 0
     assert r["fractions"]["attention_fused"] > 0
     assert r["modules"]["attention"]["by_category_s"].get("attention_fused", 0) > 0
-    assert not (tmp_path / "engine_profile-rank0-window0.pt.trace.json.gz").exists()
+    assert not list(tmp_path.rglob("*.pt.trace.json.gz"))
 
 
 class _Counting:
@@ -212,3 +214,31 @@ def test_bad_arguments(kwargs, match):
 
 def test_categories_constant_is_the_public_contract():
     assert CATEGORIES == ("matrix", "attention_fused", "vector", "memory", "communication", "host_other")
+
+
+def test_shipped_yaml_parses_and_runs(tmp_path):
+    from lightning_sdp.cli import main
+
+    config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "gpt_engine_profiler.yaml"
+    main(
+        [
+            "fit",
+            "--config",
+            str(config),
+            "--trainer.max_steps=3",
+            "--trainer.accelerator=cpu",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.callbacks.init_args.wait=0",
+            "--trainer.callbacks.init_args.active=2",
+            f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ep'}",
+            "--model.init_args.n_layer=1",
+            "--model.init_args.n_embd=32",
+            "--model.init_args.block_size=16",
+            "--data.init_args.block_size=16",
+            "--data.init_args.batch_size=2",
+        ]
+    )
+    report = json.loads((tmp_path / "ep" / "engine_profile-rank0.json").read_text())[0]
+    assert report["steps"] == 2 and report["model"]["attention"] == "explicit"
+    assert (tmp_path / "ep" / "engine_profile.png").is_file()

@@ -80,6 +80,11 @@ def test_module_groups():
     assert module_group("lm_head", types) == "head"
     assert module_group("crit", types) == "loss"
     assert module_group("encoder.block3", types) == "other"
+    # torch.nn.TransformerEncoderLayer and LLaMA-style names.
+    assert module_group("layers.0.linear1", {}) == "mlp"
+    assert module_group("layers.0.self_attn.out_proj", {}) == "attention"
+    assert module_group("model.layers.3.mlp.down_proj", {}) == "mlp"
+    assert module_group("layers.0.norm2", {}) == "norm"
 
 
 def _profile(fn, steps=3):
@@ -211,3 +216,15 @@ def test_optimizer_math_separated_from_training_closure():
 def test_negative_span_rejected():
     with pytest.raises(ValueError, match="span_us"):
         categorize_events([], -1.0)
+
+
+def test_backward_on_another_thread_still_ends_the_closure():
+    # CUDA: the autograd engine runs backward nodes on a device thread, outside the Optimizer.step parent chain.
+    opt = _ev("Optimizer.step#AdamW.step", 5, 0, 100)
+    loss = _ev("aten::cross_entropy_loss", 10, 1, 20, opt, seq=1)
+    bwd = _ev("autograd::engine::evaluate_function: NllLossBackward0", 1, 20, 40, None, seq=1)
+    inner = _ev("aten::nll_loss_backward", 10, 21, 39, bwd)
+    step = _ev("aten::_foreach_add_", 30, 50, 90, opt)
+    br = categorize_events([opt, loss, bwd, inner, step], span_us=100.0)
+    assert br.module_times_us["optimizer"]["vector"] == pytest.approx(30.0)
+    assert br.module_times_us["loss"]["vector"] == pytest.approx(20.0)

@@ -45,7 +45,9 @@ class _StepTimer(Callback):
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.starts.append(time.perf_counter())
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.ends.append(time.perf_counter())
 
     def per_step(self, first: int, last: int) -> float:
@@ -87,8 +89,14 @@ def measure_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         outside.append(t.per_step(first, last))
         t = _StepTimer()
         # Profiled batches 2..steps-1 (warm-up batch 1 counts FLOPs and is not timed here).
-        cb = EngineProfiler(wait=1, warmup=1, active=steps - 2, dirpath=str(tmp / f"i{rep}"), save_plot=False,
-                            print_summary=False)
+        cb = EngineProfiler(
+            wait=1,
+            warmup=1,
+            active=steps - 2,
+            dirpath=str(tmp / f"i{rep}"),
+            save_plot=False,
+            print_summary=False,
+        )
         _run(args, [t, cb], steps, seq_len)
         inside.append(cb.reports[0]["step_time_s"])  # the step time the profiler measured (profiler running)
         window.append(cb.reports[0]["analysis_s"])  # one-off: profiler stop, trace export, parsing, report
@@ -126,7 +134,10 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="tiny smoke run")
     p.add_argument("--seq-lens", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048])
     p.add_argument(
-        "--attention", nargs="+", default=["explicit", "sdpa", "linear"], choices=["explicit", "sdpa", "linear"]
+        "--attention",
+        nargs="+",
+        default=["explicit", "sdpa", "linear"],
+        choices=["explicit", "sdpa", "linear"],
     )
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--n-layer", type=int, default=2)

@@ -87,7 +87,12 @@ class EngineProfiler(Callback):
         log_metrics: bool = True,
     ) -> None:
         super().__init__()
-        for name, value, low in (("wait", wait, 0), ("warmup", warmup, 0), ("active", active, 1), ("repeat", repeat, 0)):
+        for name, value, low in (
+            ("wait", wait, 0),
+            ("warmup", warmup, 0),
+            ("active", active, 1),
+            ("repeat", repeat, 0),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"EngineProfiler: {name} must be an integer >= {low}, got {value!r}")
         if not filename or "/" in filename:
@@ -114,7 +119,9 @@ class EngineProfiler(Callback):
         self.print_summary = print_summary
         self.log_metrics = log_metrics
         if count_flops and warmup == 0:
-            rank_zero_warn("EngineProfiler: FLOPs are counted in the last warm-up batch; with warmup=0 no TFLOPS.")
+            rank_zero_warn(
+                "EngineProfiler: FLOPs are counted in the last warm-up batch; with warmup=0 no TFLOPS."
+            )
 
         self.reports: list[dict[str, Any]] = []
         self.merged: dict[str, Any] | None = None
@@ -173,7 +180,11 @@ class EngineProfiler(Callback):
         self._device_type = trainer.strategy.root_device.type
         self._rank = trainer.global_rank
         self._world_size = trainer.world_size
-        base = Path(self.dirpath) if self.dirpath else Path(trainer.log_dir or trainer.default_root_dir) / "engine_profiler"
+        base = (
+            Path(self.dirpath)
+            if self.dirpath
+            else Path(trainer.log_dir or trainer.default_root_dir) / "engine_profiler"
+        )
         self._dir = base
 
     @override
@@ -202,7 +213,9 @@ class EngineProfiler(Callback):
         return int(steps) * max(1, int(trainer.accumulate_grad_batches))
 
     @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._disabled:
             return
         phase, pos, cycle = self._phase(self._batches_seen)
@@ -293,7 +306,9 @@ class EngineProfiler(Callback):
                     path = self._trace_path(cycle)
                     path.parent.mkdir(parents=True, exist_ok=True)
                     prof.export_chrome_trace(str(path))
-                    rank_zero_warn(f"EngineProfiler: training raised {type(exception).__name__}; trace kept at {path}")
+                    rank_zero_warn(
+                        f"EngineProfiler: training raised {type(exception).__name__}; trace kept at {path}"
+                    )
             except Exception as err:  # noqa: BLE001 - never mask the original exception
                 rank_zero_warn(f"EngineProfiler: could not save the trace after an exception: {err}")
         self._reset_window()
@@ -306,7 +321,9 @@ class EngineProfiler(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         missing = {"batches_seen", "cycles_done"} - set(state_dict)
         if missing:
-            raise KeyError(f"EngineProfiler checkpoint state lacks {sorted(missing)}; was it written by this callback?")
+            raise KeyError(
+                f"EngineProfiler checkpoint state lacks {sorted(missing)}; was it written by this callback?"
+            )
         self._batches_seen = int(state_dict["batches_seen"])
         self._cycles_done = int(state_dict["cycles_done"])
 
@@ -316,7 +333,9 @@ class EngineProfiler(Callback):
         from torch.profiler import ProfilerActivity, profile
 
         if torch._C._autograd._profiler_enabled():
-            rank_zero_warn("EngineProfiler: another torch profiler session is running; this window is skipped.")
+            rank_zero_warn(
+                "EngineProfiler: another torch profiler session is running; this window is skipped."
+            )
             return
         activities = [ProfilerActivity.CPU]
         if self._device_type == "cuda":
@@ -326,7 +345,9 @@ class EngineProfiler(Callback):
         if self.module_view:
             self._add_module_hooks(pl_module)
         self._module_types = {n: type(m).__name__ for n, m in pl_module.named_modules()}
-        self._prof = profile(activities=activities, record_shapes=False, with_stack=False, profile_memory=False)
+        self._prof = profile(
+            activities=activities, record_shapes=False, with_stack=False, profile_memory=False
+        )
         self._prof.start()
         self._sync()
         self._t_start = time.perf_counter()
@@ -374,7 +395,9 @@ class EngineProfiler(Callback):
         assert self._dir is not None
         return self._dir / f"{self.filename}-rank{self._rank}-window{cycle}.pt.trace.json.gz"
 
-    def _finish_window(self, trainer: Trainer, pl_module: LightningModule, cycle: int) -> dict[str, Any] | None:
+    def _finish_window(
+        self, trainer: Trainer, pl_module: LightningModule, cycle: int
+    ) -> dict[str, Any] | None:
         from lightning_sdp.profiling.categories import categorize_events
         from lightning_sdp.profiling.report import build_report
 
@@ -434,7 +457,9 @@ class EngineProfiler(Callback):
         # One-off cost after the window: stopping the profiler, exporting the trace, parsing and classifying.
         report["analysis_s"] = time.perf_counter() - t_stop
         self.reports.append(report)
-        (self._dir / f"{self.filename}-rank{self._rank}.json").write_text(json.dumps(self.reports, indent=1) + "\n")
+        (self._dir / f"{self.filename}-rank{self._rank}.json").write_text(
+            json.dumps(self.reports, indent=1) + "\n"
+        )
         self._reset_window()
         return report
 

@@ -31,7 +31,16 @@ from typing import Any
 CATEGORIES: tuple[str, ...] = ("matrix", "attention_fused", "vector", "memory", "communication", "host_other")
 
 # Module groups of the per-module view.
-MODULE_GROUPS: tuple[str, ...] = ("attention", "mlp", "norm", "embedding", "head", "loss", "optimizer", "other")
+MODULE_GROUPS: tuple[str, ...] = (
+    "attention",
+    "mlp",
+    "norm",
+    "embedding",
+    "head",
+    "loss",
+    "optimizer",
+    "other",
+)
 
 MODULE_SCOPE_PREFIX = "module::"
 
@@ -217,9 +226,11 @@ _KERNEL_MATRIX_RE = re.compile(
     r"winograd|magma|nvjet|cutensor|matmul)",
     re.IGNORECASE,
 )
-_KERNEL_MEMORY_RE = re.compile(r"(memcpy|memset|copy_kernel|cat_array|catarray|index_select|gather|scatter|"
-                               r"embedding|fill_kernel|vectorized_elementwise_kernel<\d+, at::native::FillFunctor)",
-                               re.IGNORECASE)
+_KERNEL_MEMORY_RE = re.compile(
+    r"(memcpy|memset|copy_kernel|cat_array|catarray|index_select|gather|scatter|"
+    r"embedding|fill_kernel|vectorized_elementwise_kernel<\d+, at::native::FillFunctor)",
+    re.IGNORECASE,
+)
 _KERNEL_COMM_RE = re.compile(r"(nccl|hccl|allreduce|allgather|reducescatter|sendrecv)", re.IGNORECASE)
 # Tensor-core (matrix-engine) kernels: MMA instruction shapes and the families that always use them.
 _TENSOR_CORE_RE = re.compile(
@@ -343,12 +354,30 @@ def module_group(path: str, module_types: Mapping[str, str] | None = None) -> st
 
 
 _MLP_NAMES = {
-    "ff", "fc", "fc1", "fc2", "c_fc", "feed_forward", "feedforward", "linear1", "linear2", "intermediate",
-    "up_proj", "down_proj", "gate_proj", "dense_h_to_4h", "dense_4h_to_h", "w1", "w2", "w3",
+    "ff",
+    "fc",
+    "fc1",
+    "fc2",
+    "c_fc",
+    "feed_forward",
+    "feedforward",
+    "linear1",
+    "linear2",
+    "intermediate",
+    "up_proj",
+    "down_proj",
+    "gate_proj",
+    "dense_h_to_4h",
+    "dense_4h_to_h",
+    "w1",
+    "w2",
+    "w3",
 }
 
-_LOSS_OPS = re.compile(r"(cross_entropy|nll_loss|log_softmax|_log_softmax|mse_loss|l1_loss|binary_cross_entropy|"
-                       r"smooth_l1|kl_div|ctc_loss|huber_loss)")
+_LOSS_OPS = re.compile(
+    r"(cross_entropy|nll_loss|log_softmax|_log_softmax|mse_loss|l1_loss|binary_cross_entropy|"
+    r"smooth_l1|kl_div|ctc_loss|huber_loss)"
+)
 
 
 @dataclass
@@ -417,8 +446,10 @@ def _enclosing_scope(event: Any) -> tuple[str | None, Any, Any]:
     while node is not None:
         name = node.name
         if module is None and backward is None and name.startswith(MODULE_SCOPE_PREFIX):
-            module = name[len(MODULE_SCOPE_PREFIX):]
-        if optimizer is None and (name.startswith("Optimizer.step") or name.startswith("Optimizer.zero_grad")):
+            module = name[len(MODULE_SCOPE_PREFIX) :]
+        if optimizer is None and (
+            name.startswith("Optimizer.step") or name.startswith("Optimizer.zero_grad")
+        ):
             optimizer = node
         if backward is None and module is None and name.startswith("autograd::engine::evaluate_function"):
             backward = node

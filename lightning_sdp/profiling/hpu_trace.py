@@ -128,7 +128,9 @@ def load_trace(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def engine_intervals(trace: dict[str, Any]) -> tuple[dict[str, list[tuple[float, float, str]]], dict[str, str]]:
+def engine_intervals(
+    trace: dict[str, Any],
+) -> tuple[dict[str, list[tuple[float, float, str]]], dict[str, str]]:
     """Busy intervals per lane of every engine lane in ``trace``.
 
     Returns:
@@ -255,7 +257,9 @@ def _accumulate(states: dict[str, float], busy: dict[str, float], active: dict[s
             busy[e] += dt
 
 
-def analyze_trace(trace: dict[str, Any] | str | Path, window: tuple[float, float] | None = None) -> EngineOverlap:
+def analyze_trace(
+    trace: dict[str, Any] | str | Path, window: tuple[float, float] | None = None
+) -> EngineOverlap:
     """Engine overlap of a Gaudi Chrome trace (a loaded dict or a path to ``.json``/``.json.gz``).
 
     Raises:
@@ -291,7 +295,9 @@ def analyze_trace(trace: dict[str, Any] | str | Path, window: tuple[float, float
 
 
 def overlap_reference(
-    intervals_by_engine: dict[str, Iterable[tuple[float, float]]], window: tuple[float, float], resolution: float
+    intervals_by_engine: dict[str, Iterable[tuple[float, float]]],
+    window: tuple[float, float],
+    resolution: float,
 ) -> dict[str, float]:
     """Plain reference for :func:`overlap_sweep`: classify the midpoint of each ``resolution``-long time slice.
 

@@ -168,7 +168,13 @@ def crossover_seq_len(d_model: int, n_heads: int, p_matrix: float, p_vector: flo
 
 
 def attention_model(
-    seq_len: int, d_model: int, n_heads: int, p_matrix: float, p_vector: float, k: float = 6.0, fused: bool = False
+    seq_len: int,
+    d_model: int,
+    n_heads: int,
+    p_matrix: float,
+    p_vector: float,
+    k: float = 6.0,
+    fused: bool = False,
 ) -> dict[str, float]:
     """Predicted per-token time shares of one layer under the analytic model.
 
@@ -218,7 +224,11 @@ def calibrate_cpu(size: int = 384, elements: int = 1 << 21, repeats: int = 5) ->
 def describe_peaks(peaks: dict[str, Any]) -> str:
     """One-line description of resolved peaks for the summary table."""
     parts = []
-    for k, unit in (("matrix_tflops", "TFLOPS matrix"), ("vector_tflops", "TFLOPS vector"), ("mem_gbps", "GB/s")):
+    for k, unit in (
+        ("matrix_tflops", "TFLOPS matrix"),
+        ("vector_tflops", "TFLOPS vector"),
+        ("mem_gbps", "GB/s"),
+    ):
         v = peaks.get(k)
         parts.append(f"{v:g} {unit}" if v else f"? {unit}")
     return ", ".join(parts)

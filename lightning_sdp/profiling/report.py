@@ -424,7 +424,7 @@ def plot_reports(reports: list[dict[str, Any]], path: str | Path, labels: list[s
     for c in CATEGORIES:
         vals = [r["fractions"][c] for r in reports]
         ax1.bar(xs, vals, bottom=bottom, color=_COLORS[c], label=c)
-        bottom = [b + v for b, v in zip(bottom, vals)]
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax1.set_xticks(xs, labels, rotation=30, ha="right")
     ax1.set_ylabel("share of step time")
     ax1.set_ylim(0, 1)
@@ -440,7 +440,9 @@ def plot_reports(reports: list[dict[str, Any]], path: str | Path, labels: list[s
     if tp.get("matrix_tflops") and byts.get("matrix"):
         pts.append(("matrix", fl["matrix_flops"] / byts["matrix"], tp["matrix_tflops"] * 1e3))
     if tp.get("attention_tflops") and byts.get("attention_fused"):
-        pts.append(("attention_fused", fl["attention_flops"] / byts["attention_fused"], tp["attention_tflops"] * 1e3))
+        pts.append(
+            ("attention_fused", fl["attention_flops"] / byts["attention_fused"], tp["attention_tflops"] * 1e3)
+        )
     if tp.get("vector_gelem_per_s") and byts.get("vector"):
         pts.append(("vector", fl["elements"]["vector"] / byts["vector"], tp["vector_gelem_per_s"]))
     for name, x, y in pts:

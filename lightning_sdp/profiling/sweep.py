@@ -218,9 +218,14 @@ def sweep_markdown(rows: list[dict[str, Any]]) -> str:
             v = r.get(c)
             if v is None:
                 cells.append("n/a")
-            elif c in ("matrix", "attention_fused", "vector", "memory", "host_other", "attn_module") or c.startswith(
-                "pred_"
-            ):
+            elif c in (
+                "matrix",
+                "attention_fused",
+                "vector",
+                "memory",
+                "host_other",
+                "attn_module",
+            ) or c.startswith("pred_"):
                 cells.append(f"{v:.1%}")
             elif c == "step_ms":
                 cells.append(f"{v:.1f}")
@@ -244,17 +249,29 @@ def plot_sweep(rows: list[dict[str, Any]], path: str | Path | None = None) -> An
 
     kinds = list(dict.fromkeys(r["attention"] for r in rows))
     fig, axes = plt.subplots(1, len(kinds) + 1, figsize=(4.2 * (len(kinds) + 1), 4), squeeze=False)
-    colors = {"matrix": "#1f77b4", "attention_fused": "#9467bd", "vector": "#ff7f0e", "memory": "#2ca02c",
-              "host_other": "#7f7f7f"}
-    for ax, kind in zip(axes[0], kinds):
+    colors = {
+        "matrix": "#1f77b4",
+        "attention_fused": "#9467bd",
+        "vector": "#ff7f0e",
+        "memory": "#2ca02c",
+        "host_other": "#7f7f7f",
+    }
+    for ax, kind in zip(axes[0], kinds, strict=False):
         rs = sorted((r for r in rows if r["attention"] == kind), key=lambda r: r["seq_len"])
         n = [r["seq_len"] for r in rs]
         bottom = [0.0] * len(rs)
         for c, col in colors.items():
             vals = [r[c] for r in rs]
-            ax.fill_between(n, bottom, [b + v for b, v in zip(bottom, vals)], color=col, alpha=0.8, label=c,
-                            step=None)
-            bottom = [b + v for b, v in zip(bottom, vals)]
+            ax.fill_between(
+                n,
+                bottom,
+                [b + v for b, v in zip(bottom, vals, strict=True)],
+                color=col,
+                alpha=0.8,
+                label=c,
+                step=None,
+            )
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
         ax.plot(n, [r["attn_module"] for r in rs], "k-o", ms=3, label="attention module (measured)")
         if any(r["pred_attn_share"] is not None for r in rs):
             ax.plot(n, [r["pred_attn_share"] for r in rs], "k--", label="attention (analytic)")
@@ -267,7 +284,9 @@ def plot_sweep(rows: list[dict[str, Any]], path: str | Path | None = None) -> An
     ax = axes[0][-1]
     for kind in kinds:
         rs = sorted((r for r in rows if r["attention"] == kind), key=lambda r: r["seq_len"])
-        ax.plot([r["seq_len"] for r in rs], [(r["total_tflops"] or 0) * 1e3 for r in rs], "-o", ms=3, label=kind)
+        ax.plot(
+            [r["seq_len"] for r in rs], [(r["total_tflops"] or 0) * 1e3 for r in rs], "-o", ms=3, label=kind
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequence length")
     ax.set_ylabel("achieved GFLOP/s (all matrix FLOPs / step time)")
@@ -288,8 +307,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="EngineProfiler sequence-length study of a small GPT (matrix vs vector engine shares).",
     )
     p.add_argument("--seq-lens", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
-    p.add_argument("--attention", nargs="+", default=["explicit", "sdpa", "linear"],
-                   choices=["explicit", "sdpa", "linear"])
+    p.add_argument(
+        "--attention",
+        nargs="+",
+        default=["explicit", "sdpa", "linear"],
+        choices=["explicit", "sdpa", "linear"],
+    )
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-head", type=int, default=4)
@@ -313,8 +336,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         dirpath=str(out / "reports"),
     )
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps([{k: v for k, v in r.items() if k != "report"} for r in rows],
-                                               indent=1) + "\n")
+    (out / "sweep.json").write_text(
+        json.dumps([{k: v for k, v in r.items() if k != "report"} for r in rows], indent=1) + "\n"
+    )
     md = sweep_markdown(rows)
     (out / "sweep.md").write_text(md + "\n")
     plot_sweep(rows, out / "sweep.png")

@@ -20,7 +20,9 @@ N_LAYER, D, H = 1, 32, 2
 
 
 def _model(attention: str = "explicit") -> GPT:
-    return GPT(vocab_size=V, n_layer=N_LAYER, n_head=H, n_embd=D, block_size=T, attention=attention, warmup_steps=2)
+    return GPT(
+        vocab_size=V, n_layer=N_LAYER, n_head=H, n_embd=D, block_size=T, attention=attention, warmup_steps=2
+    )
 
 
 def _loader(n: int = 64) -> DataLoader:
@@ -76,7 +78,12 @@ def test_fit_writes_reports_metrics_and_exact_flops(tmp_path, capsys):
     assert "EngineProfiler: rank 0/1" in capsys.readouterr().out
     # Metrics reached the Trainer's logger.
     header = next(Path(logger.log_dir).glob("metrics.csv")).read_text().splitlines()[0]
-    for key in ("engine/matrix_frac", "engine/vector_frac", "engine/matrix_tflops", "engine/module_attention_frac"):
+    for key in (
+        "engine/matrix_frac",
+        "engine/vector_frac",
+        "engine/matrix_tflops",
+        "engine/module_attention_frac",
+    ):
         assert key in header
 
 
@@ -150,7 +157,9 @@ def test_pytorch_profiler_present_warns_and_stays_off(tmp_path):
     from lightning.pytorch.profilers import PyTorchProfiler
 
     cb = EngineProfiler(wait=0, warmup=0, active=1, count_flops=False, dirpath=str(tmp_path))
-    trainer = _trainer(tmp_path, cb, max_steps=2, profiler=PyTorchProfiler(dirpath=str(tmp_path), filename="pt"))
+    trainer = _trainer(
+        tmp_path, cb, max_steps=2, profiler=PyTorchProfiler(dirpath=str(tmp_path), filename="pt")
+    )
     with pytest.warns(UserWarning, match="already runs a PyTorchProfiler"):
         trainer.fit(_model(), _loader())
     assert cb.reports == []
@@ -242,3 +251,62 @@ def test_shipped_yaml_parses_and_runs(tmp_path):
     report = json.loads((tmp_path / "ep" / "engine_profile-rank0.json").read_text())[0]
     assert report["steps"] == 2 and report["model"]["attention"] == "explicit"
     assert (tmp_path / "ep" / "engine_profile.png").is_file()
+
+
+class _FakeGaudiProfiler(EngineProfiler):
+    """Runs on the CPU but takes the HPU branch (device type 'hpu'), to test the Gaudi wiring without a Gaudi."""
+
+    def setup(self, trainer, pl_module, stage):
+        super().setup(trainer, pl_module, stage)
+        self._device_type = "hpu"
+
+
+def test_hpu_branch_uses_the_engine_trace(tmp_path, monkeypatch):
+    import lightning_sdp.profiling.hpu_trace as hpu_trace
+
+    data = Path(__file__).resolve().parents[1] / "data" / "hpu_traces" / "gaudi_small.json"
+    seen = []
+    real = hpu_trace.analyze_trace
+
+    def fake_analyze(path, window=None):
+        seen.append(Path(path).name)  # the callback exported its own trace and asked for it to be analysed
+        return real(data)
+
+    monkeypatch.setattr(hpu_trace, "analyze_trace", fake_analyze)
+    cb = _FakeGaudiProfiler(wait=0, warmup=1, active=1, dirpath=str(tmp_path), save_plot=False)
+    _trainer(tmp_path, cb, max_steps=2).fit(_model(), _loader())
+    r = cb.reports[0]
+    assert seen == ["engine_profile-rank0-window0.pt.trace.json.gz"]
+    assert r["hpu"]["states_us"]["both"] == pytest.approx(10)
+    assert r["fractions"]["matrix"] == pytest.approx(0.40)  # MME busy: both + MME-only
+    assert r["fractions"]["vector"] == pytest.approx(0.25)  # TPC only
+    assert r["device"]["type"] == "hpu"
+    checks = {f["check"] for f in r["findings"]}
+    # fp32 on a Gaudi, and (here) every op on CPU tensors = host fallback. The 5 % GEMM on TPC is at the threshold.
+    assert {"low_precision_off", "host_fallback"} <= checks
+    assert r["hpu"]["matrix_on_tpc_us"] == pytest.approx(5)
+    assert "matrix_off_engine" not in checks
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_run_reports_tensor_cores(tmp_path):
+    cb = EngineProfiler(wait=1, warmup=1, active=2, dirpath=str(tmp_path), save_plot=False)
+    model = GPT(vocab_size=V, n_layer=2, n_head=4, n_embd=256, block_size=128, attention="sdpa")
+    x = torch.randint(0, V, (64, 128))
+    loader = DataLoader(TensorDataset(x, torch.roll(x, -1, 1)), batch_size=8)
+    Trainer(
+        accelerator="cuda",
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=5,
+        callbacks=[cb],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    ).fit(model, loader)
+    r = cb.reports[0]
+    assert r["device"]["matrix_dtype"] == "bf16"
+    assert r["cuda"]["matrix_kernel_us"] > 0
+    assert r["cuda"]["tensor_core_frac"] > 0.5
+    assert r["utilisation"]["matrix"] is None or 0 < r["utilisation"]["matrix"] < 1.5
+    assert sum(r["fractions"].values()) == pytest.approx(1.0)

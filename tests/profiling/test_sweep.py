@@ -26,7 +26,12 @@ def test_sweep_rows_have_shares_and_analytic_prediction(tmp_path):
         verbose=False,
     )
     assert [(r["attention"], r["seq_len"]) for r in rows] == [
-        ("explicit", 8), ("explicit", 32), ("sdpa", 8), ("sdpa", 32), ("linear", 8), ("linear", 32)
+        ("explicit", 8),
+        ("explicit", 32),
+        ("sdpa", 8),
+        ("sdpa", 32),
+        ("linear", 8),
+        ("linear", 32),
     ]
     for r in rows:
         total = sum(r[c] for c in ("matrix", "attention_fused", "vector", "memory", "host_other"))
@@ -46,8 +51,25 @@ def test_sweep_rows_have_shares_and_analytic_prediction(tmp_path):
 def test_cli_writes_outputs(tmp_path, capsys):
     code = main(
         [
-            "--seq-lens", "8", "--attention", "sdpa", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
-            "--batch-size", "2", "--steps", "1", "--accelerator", "cpu", "--no-calibrate", "--out", str(tmp_path),
+            "--seq-lens",
+            "8",
+            "--attention",
+            "sdpa",
+            "--n-layer",
+            "1",
+            "--n-head",
+            "2",
+            "--n-embd",
+            "16",
+            "--batch-size",
+            "2",
+            "--steps",
+            "1",
+            "--accelerator",
+            "cpu",
+            "--no-calibrate",
+            "--out",
+            str(tmp_path),
         ]
     )
     assert code == 0

@@ -1,0 +1,266 @@
+"""HEAT's fused CPU kernel for SimpleX / MF-CCL training, written with numba.
+
+Zhang et al., "HEAT: A Highly Efficient and Affordable Training System for Collaborative Filtering Based
+Recommendation on CPUs" (ICS 2023, arXiv 2304.07334). The plain-torch ground truth computing the same function is
+:mod:`lightning_sdp.kernels.cf_reference`; tests compare the two.
+
+What one call of :func:`fused_sgd_step` does, for every positive pair ``(u, i)`` of a batch:
+
+1. reads the rows of ``u``, ``i``, the user's history and ``n`` negatives in place (no gathered batch tensors),
+   builds the user vector ``p = g e_u + (1 - g) V mean(H_u \\ {i})``;
+2. computes the dot products and self-dots once (forward) and reuses them for the gradients (backward):
+   ``dcos(a, b)/da = b / (|a||b|) - cos a / |a|^2``;
+3. updates the touched rows with SGD in place and without locks (Hogwild) across threads;
+4. samples its negatives inside the kernel, uniformly over all items or from a per-thread tile of ``tile_size``
+   items redrawn every ``tile_refresh`` samples (HEAT's tiled sampler);
+5. accumulates the aggregator gradient ``dV`` per thread and applies it every ``v_sync`` samples.
+
+The batch is split into ``num_chunks`` contiguous chunks processed in parallel (one per thread); each chunk owns
+its random state, its tile and its ``dV`` buffer, so the result for a fixed chunk count and a single thread is
+deterministic. This module imports numba at import time: import it only when the fused backend is used.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from lightning_sdp._imports import require
+
+require("numba", feature="the HEAT fused CPU kernel")
+
+_EPS = np.float32(1e-12)
+# 64-bit LCG (Knuth's MMIX constants); all arithmetic stays in int64, which wraps in numba.
+_LCG_A = 6364136223846793005
+_LCG_C = 1442695040888963407
+
+
+@njit(inline="always")
+def _lcg(state: int) -> int:
+    return state * _LCG_A + _LCG_C
+
+
+@njit(inline="always")
+def _draw(state: int, n: int) -> int:
+    """A uniform integer in ``[0, n)`` from the top 31 bits of the LCG state (n < 2**31)."""
+    return (((state >> 33) & 0x7FFFFFFF) * n) >> 31
+
+
+@njit(parallel=True, nogil=True, fastmath=True, cache=True)
+def fused_sgd_step(
+    user_emb: np.ndarray,
+    item_emb: np.ndarray,
+    V: np.ndarray,
+    users: np.ndarray,
+    items: np.ndarray,
+    hist_indptr: np.ndarray,
+    hist_indices: np.ndarray,
+    given_negatives: np.ndarray,
+    num_negatives: int,
+    g: float,
+    margin: float,
+    negative_weight: float,
+    lr: float,
+    weight_decay: float,
+    rng_state: np.ndarray,
+    tiles: np.ndarray,
+    tile_left: np.ndarray,
+    tile_refresh: int,
+    v_sync: int,
+    num_chunks: int,
+    losses: np.ndarray,
+) -> None:
+    """One fused SGD pass over a batch of positives, updating ``user_emb``, ``item_emb`` and ``V`` in place.
+
+    Args:
+        user_emb: ``(num_users, d)`` float32, C-contiguous.
+        item_emb: ``(num_items, d)`` float32, C-contiguous.
+        V: ``(d, d)`` float32 aggregator matrix (``q = V h``); unused when ``g >= 1``.
+        users: ``(B,)`` int64 user of each positive.
+        items: ``(B,)`` int64 item of each positive.
+        hist_indptr: ``(num_users + 1,)`` int64 CSR offsets of the (capped) histories.
+        hist_indices: int64 CSR items of the histories.
+        given_negatives: ``(B, n)`` int64 negatives to use, or a ``(0, 0)`` array to sample inside the kernel.
+        num_negatives: ``n`` when sampling inside the kernel.
+        g: gate; ``1`` is MF-CCL.
+        margin: negative margin ``m``.
+        negative_weight: ``w``; each active negative contributes ``w / n``.
+        lr: SGD learning rate (per sample).
+        weight_decay: L2 coefficient on the touched user, positive and negative rows.
+        rng_state: ``(>= num_chunks,)`` int64 per-chunk random state, advanced in place.
+        tiles: ``(>= num_chunks, tile_size)`` int64 per-chunk negative tiles, redrawn in place.
+        tile_left: ``(>= num_chunks,)`` int64 samples left before each tile is redrawn.
+        tile_refresh: redraw a tile every this many samples; ``0`` selects uniform sampling over all items.
+        v_sync: apply each chunk's accumulated ``dV`` every this many samples.
+        num_chunks: number of chunks processed in parallel.
+        losses: ``(B,)`` float32 output, the contrastive loss of each positive.
+    """
+    batch = users.shape[0]
+    d = user_emb.shape[1]
+    n_items = item_emb.shape[0]
+    use_given = given_negatives.shape[0] > 0
+    n = given_negatives.shape[1] if use_given else num_negatives
+    tile_size = tiles.shape[1]
+    use_tile = tile_refresh > 0 and tile_size > 0
+    use_agg = g < 1.0
+    g32 = np.float32(g)
+    omg = np.float32(1.0 - g)
+    m32 = np.float32(margin)
+    wn = np.float32(negative_weight / n)
+    lr32 = np.float32(lr)
+    wd32 = np.float32(weight_decay)
+    chunk = (batch + num_chunks - 1) // num_chunks
+    for c in prange(num_chunks):
+        start = c * chunk
+        stop = min(batch, start + chunk)
+        p = np.empty(d, np.float32)
+        h = np.zeros(d, np.float32)
+        dp = np.empty(d, np.float32)
+        dh = np.empty(d, np.float32)
+        neg_ids = np.empty(n, np.int64)
+        neg_dot = np.empty(n, np.float32)
+        neg_norm = np.empty(n, np.float32)
+        dV = np.zeros((d, d) if use_agg else (1, 1), np.float32)
+        state = rng_state[c]
+        left = tile_left[c]
+        pending = 0
+        for b in range(start, stop):
+            u = users[b]
+            i = items[b]
+            # ---- forward: user vector ------------------------------------------------------------------------
+            cnt = 0
+            if use_agg:
+                for t in range(d):
+                    h[t] = 0.0
+                for k in range(hist_indptr[u], hist_indptr[u + 1]):
+                    it = hist_indices[k]
+                    if it == i:
+                        continue
+                    for t in range(d):
+                        h[t] += item_emb[it, t]
+                    cnt += 1
+                if cnt > 0:
+                    inv = np.float32(1.0 / cnt)
+                    for t in range(d):
+                        h[t] *= inv
+                for t in range(d):
+                    acc = np.float32(0.0)
+                    for r in range(d):
+                        acc += V[t, r] * h[r]
+                    p[t] = g32 * user_emb[u, t] + omg * acc
+            else:
+                for t in range(d):
+                    p[t] = user_emb[u, t]
+            pp = np.float32(0.0)
+            for t in range(d):
+                pp += p[t] * p[t]
+            pn = max(np.float32(np.sqrt(pp)), _EPS)
+            # ---- forward: negatives (dot products and self-dots kept for the backward) -------------------------
+            if use_tile and left <= 0:
+                for t in range(tile_size):
+                    state = _lcg(state)
+                    tiles[c, t] = _draw(state, n_items)
+                left = tile_refresh
+            loss = np.float32(0.0)
+            for j in range(n):
+                if use_given:
+                    neg = given_negatives[b, j]
+                elif use_tile:
+                    state = _lcg(state)
+                    neg = tiles[c, _draw(state, tile_size)]
+                else:
+                    state = _lcg(state)
+                    neg = _draw(state, n_items)
+                neg_ids[j] = neg
+                x = np.float32(0.0)
+                ss = np.float32(0.0)
+                for t in range(d):
+                    e = item_emb[neg, t]
+                    x += p[t] * e
+                    ss += e * e
+                neg_dot[j] = x
+                neg_norm[j] = max(np.float32(np.sqrt(ss)), _EPS)
+            left -= 1
+            # ---- positive: forward, its share of dp, in-place update ------------------------------------------
+            for t in range(d):
+                dp[t] = 0.0
+            self_coef = np.float32(0.0)  # dp = sum_j G_j e_j / (|p||e_j|) - (sum_j G_j c_j / |p|^2) p
+            x = np.float32(0.0)
+            ss = np.float32(0.0)
+            for t in range(d):
+                e = item_emb[i, t]
+                x += p[t] * e
+                ss += e * e
+            en = max(np.float32(np.sqrt(ss)), _EPS)
+            cos = x / (pn * en)
+            if cos < 1.0:
+                loss += np.float32(1.0) - cos
+                G = np.float32(-1.0)
+                self_coef += G * cos / (pn * pn)
+                a = G / (pn * en)
+                keep = np.float32(1.0) + lr32 * (G * cos / (en * en) - wd32)
+                step = lr32 * a
+                for t in range(d):
+                    e = item_emb[i, t]
+                    dp[t] += a * e
+                    item_emb[i, t] = keep * e - step * p[t]
+            elif wd32 > 0.0:
+                keep = np.float32(1.0) - lr32 * wd32
+                for t in range(d):
+                    item_emb[i, t] *= keep
+            # ---- negatives: their share of dp and in-place updates --------------------------------------------
+            for j in range(n):
+                neg = neg_ids[j]
+                en = neg_norm[j]
+                cos = neg_dot[j] / (pn * en)
+                if cos > m32:
+                    loss += wn * (cos - m32)
+                    self_coef += wn * cos / (pn * pn)
+                    a = wn / (pn * en)
+                    keep = np.float32(1.0) + lr32 * (wn * cos / (en * en) - wd32)
+                    step = lr32 * a
+                    for t in range(d):
+                        e = item_emb[neg, t]
+                        dp[t] += a * e
+                        item_emb[neg, t] = keep * e - step * p[t]
+                elif wd32 > 0.0:
+                    keep = np.float32(1.0) - lr32 * wd32
+                    for t in range(d):
+                        item_emb[neg, t] *= keep
+            losses[b] = loss
+            for t in range(d):
+                dp[t] -= self_coef * p[t]
+            # ---- backward through the aggregator and the user row ---------------------------------------------
+            if use_agg:
+                for r in range(d):
+                    dh[r] = 0.0
+                for t in range(d):
+                    gt = omg * dp[t]
+                    for r in range(d):
+                        dh[r] += V[t, r] * gt
+                        dV[t, r] += gt * h[r]
+                if cnt > 0:
+                    step = lr32 / np.float32(cnt)
+                    for k in range(hist_indptr[u], hist_indptr[u + 1]):
+                        it = hist_indices[k]
+                        if it == i:
+                            continue
+                        for t in range(d):
+                            item_emb[it, t] -= step * dh[t]
+                pending += 1
+                if pending >= v_sync:
+                    for t in range(d):
+                        for r in range(d):
+                            V[t, r] -= lr32 * dV[t, r]
+                            dV[t, r] = 0.0
+                    pending = 0
+            keep = np.float32(1.0) - lr32 * wd32
+            gstep = lr32 * g32
+            for t in range(d):
+                user_emb[u, t] = keep * user_emb[u, t] - gstep * dp[t]
+        if use_agg and pending > 0:
+            for t in range(d):
+                for r in range(d):
+                    V[t, r] -= lr32 * dV[t, r]
+        rng_state[c] = state
+        tile_left[c] = left

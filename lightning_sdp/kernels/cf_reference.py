@@ -1,0 +1,184 @@
+"""Plain-PyTorch SimpleX: the ground truth for HEAT's fused kernel and the baseline it is measured against.
+
+Mao et al., "SimpleX: A Simple and Strong Baseline for Collaborative Filtering" (CIKM 2021). Everything here is
+batched tensors + autograd: gather the rows, normalise, ``bmm`` against the negatives, cosine contrastive loss.
+The fused numba kernel (:mod:`lightning_sdp.kernels.cf_numba`) computes the same function sample by sample.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_EPS = 1e-12
+
+
+def cap_history(
+    indptr: np.ndarray, indices: np.ndarray, max_history: int, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Keep at most ``max_history`` items per user, a seeded random subset in a fixed order.
+
+    Args:
+        indptr: ``(num_users + 1,)`` CSR offsets of the training items.
+        indices: CSR item ids.
+        max_history: the cap (``<= 0`` keeps no history).
+        seed: seed of the subset choice.
+
+    Returns:
+        ``(indptr, indices)`` of the capped histories, int64.
+    """
+    indptr = np.asarray(indptr, dtype=np.int64)
+    indices = np.asarray(indices, dtype=np.int64)
+    counts = np.diff(indptr)
+    users = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    key = np.random.default_rng(seed).random(len(indices))
+    order = np.lexsort((key, users))
+    rank = np.arange(len(indices), dtype=np.int64) - np.repeat(indptr[:-1], counts)
+    keep = order[rank < max(max_history, 0)]  # rank is position within the user's (sorted-by-user) block
+    new_counts = np.minimum(counts, max(max_history, 0))
+    new_indptr = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(new_counts, out=new_indptr[1:])
+    return new_indptr, np.ascontiguousarray(indices[keep])
+
+
+def padded_history(indptr: np.ndarray, indices: np.ndarray) -> Tensor:
+    """``(num_users, max_len)`` LongTensor of each user's history, padded with ``-1``."""
+    counts = np.diff(indptr)
+    width = max(int(counts.max(initial=0)), 1)
+    out = np.full((len(counts), width), -1, dtype=np.int64)
+    users = np.repeat(np.arange(len(counts)), counts)
+    cols = np.arange(len(indices)) - np.repeat(indptr[:-1], counts)
+    out[users, cols] = indices
+    return torch.from_numpy(out)
+
+
+def user_vectors(
+    user_emb: Tensor,
+    item_emb: Tensor,
+    V: Tensor,
+    users: Tensor,
+    g: float,
+    history: Tensor | None = None,
+    exclude: Tensor | None = None,
+) -> Tensor:
+    """SimpleX user vectors ``p_u = g e_u + (1 - g) V mean_{k in H_u} e_k`` (mean aggregator).
+
+    Args:
+        user_emb: ``(num_users, d)`` user table.
+        item_emb: ``(num_items, d)`` item table.
+        V: ``(d, d)`` aggregator matrix.
+        users: ``(B,)`` user ids.
+        g: gate; ``g >= 1`` returns the user rows (MF-CCL).
+        history: ``(num_users, H)`` padded histories (``-1`` = padding); needed when ``g < 1``.
+        exclude: ``(B,)`` item to leave out of each user's history (the positive being trained), or ``None``.
+
+    Returns:
+        ``(B, d)`` user vectors.
+    """
+    e_u = user_emb[users]
+    if g >= 1.0:
+        return e_u
+    if history is None:
+        raise ValueError("user_vectors: `history` is required when g < 1 (SimpleX aggregates the user's items).")
+    hist = history[users]
+    mask = hist >= 0
+    if exclude is not None:
+        mask = mask & (hist != exclude[:, None])
+    rows = item_emb[hist.clamp_min(0)] * mask.unsqueeze(-1).to(item_emb.dtype)
+    count = mask.sum(1, keepdim=True).clamp_min(1).to(item_emb.dtype)
+    h = rows.sum(1) / count
+    return g * e_u + (1.0 - g) * (h @ V.t())
+
+
+def ccl_loss(
+    p: Tensor,
+    e_pos: Tensor,
+    e_neg: Tensor,
+    margin: float,
+    negative_weight: float,
+    reduction: str = "mean",
+) -> Tensor:
+    """Cosine contrastive loss ``relu(1 - cos(p, e_i)) + (w / n) sum_j relu(cos(p, e_j) - m)``.
+
+    Args:
+        p: ``(B, d)`` user vectors.
+        e_pos: ``(B, d)`` positive item rows.
+        e_neg: ``(B, n, d)`` negative item rows.
+        margin: ``m``.
+        negative_weight: ``w``.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` over the batch.
+
+    Returns:
+        The loss, reduced as asked.
+    """
+    p_hat = F.normalize(p, dim=-1, eps=_EPS)
+    pos = (p_hat * F.normalize(e_pos, dim=-1, eps=_EPS)).sum(-1)
+    neg = torch.bmm(F.normalize(e_neg, dim=-1, eps=_EPS), p_hat.unsqueeze(-1)).squeeze(-1)
+    loss = torch.relu(1.0 - pos) + negative_weight * torch.relu(neg - margin).mean(-1)
+    if reduction == "mean":
+        return loss.mean()
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "none":
+        return loss
+    raise ValueError(f"ccl_loss: unknown reduction {reduction!r}; use 'mean', 'sum' or 'none'.")
+
+
+def simplex_loss(
+    user_emb: Tensor,
+    item_emb: Tensor,
+    V: Tensor,
+    users: Tensor,
+    items: Tensor,
+    negatives: Tensor,
+    g: float,
+    margin: float,
+    negative_weight: float,
+    history: Tensor | None = None,
+    weight_decay: float = 0.0,
+    reduction: str = "mean",
+) -> tuple[Tensor, Tensor]:
+    """Batched SimpleX forward: the optimised objective and the per-sample contrastive loss.
+
+    The objective adds ``weight_decay / 2`` times the squared norms of the touched user, positive and negative rows
+    (once per occurrence), which is what the fused kernel's in-place decay does.
+
+    Args:
+        user_emb: ``(num_users, d)`` user table.
+        item_emb: ``(num_items, d)`` item table.
+        V: ``(d, d)`` aggregator matrix.
+        users: ``(B,)`` user ids.
+        items: ``(B,)`` positive item ids.
+        negatives: ``(B, n)`` negative item ids.
+        g: gate (``1`` = MF-CCL).
+        margin: ``m``.
+        negative_weight: ``w``.
+        history: padded histories, see :func:`user_vectors`.
+        weight_decay: L2 coefficient on touched rows.
+        reduction: ``"mean"`` or ``"sum"`` over the batch.
+
+    Returns:
+        ``(objective, per_sample_ccl_loss)``.
+    """
+    p = user_vectors(user_emb, item_emb, V, users, g, history, exclude=items)
+    e_u = user_emb[users]
+    e_pos = item_emb[items]
+    e_neg = item_emb[negatives]
+    per_sample = ccl_loss(p, e_pos, e_neg, margin, negative_weight, reduction="none")
+    objective = per_sample
+    if weight_decay > 0:
+        sq = e_u.pow(2).sum(-1) + e_pos.pow(2).sum(-1) + e_neg.pow(2).sum((-1, -2))
+        objective = objective + 0.5 * weight_decay * sq
+    if reduction == "mean":
+        return objective.mean(), per_sample
+    if reduction == "sum":
+        return objective.sum(), per_sample
+    raise ValueError(f"simplex_loss: unknown reduction {reduction!r}; use 'mean' or 'sum'.")
+
+
+@torch.no_grad()
+def normalized_scores(user_vecs: Tensor, item_emb_normalized: Tensor) -> Tensor:
+    """Cosine scores ``(B, num_items)`` of user vectors against pre-normalised item rows."""
+    return F.normalize(user_vecs, dim=-1, eps=_EPS) @ item_emb_normalized.t()

@@ -1,0 +1,160 @@
+"""Full-ranking top-K recommendation metrics that torchmetrics lacks: ``RecallAtK`` and ``NDCGAtK``.
+
+Both follow the LightGCN / SimpleX protocol: every item is ranked for each user, the user's training items are
+masked out, and the metric is averaged over users with at least one test item. torchmetrics' retrieval metrics
+keep every score in memory and ignore hits whose score is ``<= 0`` (wrong for cosine scores), so these classes
+reduce each batch of users to two sums right away. States are sums, so the values are exact under DDP.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+from typing_extensions import override
+
+
+def topk_hits(preds: Tensor, target: Tensor, k: int, exclude: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Top-K hit matrix and number of relevant items per user, from dense scores.
+
+    Args:
+        preds: ``(B, num_items)`` scores.
+        target: ``(B, num_items)`` bool, the relevant (test) items.
+        k: cut-off.
+        exclude: ``(B, num_items)`` bool, items never ranked (the training items), or ``None``.
+
+    Returns:
+        ``(hits, num_relevant)``: ``(B, min(k, num_items))`` bool, whether the item at each rank is relevant, and
+        ``(B,)`` the number of relevant items that were not excluded.
+    """
+    if preds.ndim != 2 or preds.shape != target.shape:
+        raise ValueError(
+            f"preds and target must both be (num_users, num_items); got {tuple(preds.shape)} and {tuple(target.shape)}."
+        )
+    target = target.bool()
+    if exclude is not None:
+        if exclude.shape != preds.shape:
+            raise ValueError(f"exclude must have the shape of preds {tuple(preds.shape)}, got {tuple(exclude.shape)}.")
+        exclude = exclude.bool()
+        preds = preds.masked_fill(exclude, float("-inf"))
+        target = target & ~exclude
+    k = min(k, preds.shape[1])
+    values, top = preds.float().topk(k, dim=1)
+    hits = target.gather(1, top) & (values > float("-inf"))
+    return hits, torch.count_nonzero(target, dim=1)
+
+
+def _resolve(
+    preds: Tensor | None,
+    target: Tensor | None,
+    exclude: Tensor | None,
+    hits: Tensor | None,
+    num_relevant: Tensor | None,
+    k: int,
+) -> tuple[Tensor, Tensor]:
+    if hits is None:
+        if preds is None or target is None:
+            raise ValueError("update() needs preds and target, or topk_hits and num_relevant.")
+        return topk_hits(preds, target, k, exclude)
+    if num_relevant is None or hits.ndim != 2 or num_relevant.shape != (hits.shape[0],):
+        raise ValueError(
+            "update(topk_hits=..., num_relevant=...) needs (B, K) hits and (B,) counts; got "
+            f"{tuple(hits.shape)} and {None if num_relevant is None else tuple(num_relevant.shape)}."
+        )
+    return hits[:, :k].bool(), num_relevant
+
+
+class RecallAtK(Metric):
+    """Recall@K with full ranking: ``|top-K ∩ test items| / |test items|``, averaged over users with test items.
+
+    Args:
+        k: cut-off K. Default 20.
+        kwargs: passed to :class:`torchmetrics.Metric`.
+    """
+
+    is_differentiable = False
+    higher_is_better = True
+    full_state_update = False
+
+    def __init__(self, k: int = 20, **kwargs) -> None:  # noqa: ANN003
+        super().__init__(**kwargs)
+        if k <= 0:
+            raise ValueError(f"RecallAtK: k must be positive, got {k}.")
+        self.k = k
+        self.add_state("total", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+
+    @override
+    def update(
+        self,
+        preds: Tensor | None = None,
+        target: Tensor | None = None,
+        exclude: Tensor | None = None,
+        topk_hits: Tensor | None = None,
+        num_relevant: Tensor | None = None,
+    ) -> None:
+        """Add a batch of users, from dense scores or from a top-K hit matrix computed once for several metrics.
+
+        Args:
+            preds: ``(B, num_items)`` scores.
+            target: ``(B, num_items)`` bool, the test items.
+            exclude: ``(B, num_items)`` bool, items never ranked (the training items), or ``None``.
+            topk_hits: instead of ``preds``/``target``: ``(B, >= k)`` bool from :func:`topk_hits`.
+            num_relevant: with ``topk_hits``: ``(B,)`` relevant items per user.
+        """
+        hits, n_rel = _resolve(preds, target, exclude, topk_hits, num_relevant, self.k)
+        valid = n_rel > 0
+        self.total = self.total + (hits.sum(1)[valid].double() / n_rel[valid].double()).sum()
+        self.count = self.count + valid.sum()
+
+    @override
+    def compute(self) -> Tensor:
+        if self.count == 0:
+            raise ValueError("RecallAtK: no user with a test item was seen; the test set is empty.")
+        return (self.total / self.count).float()
+
+
+class NDCGAtK(Metric):
+    """NDCG@K with full ranking, binary relevance, ``log2(rank + 1)`` discounts, ideal DCG over ``min(K, |test|)``.
+
+    Args:
+        k: cut-off K. Default 20.
+        kwargs: passed to :class:`torchmetrics.Metric`.
+    """
+
+    is_differentiable = False
+    higher_is_better = True
+    full_state_update = False
+
+    def __init__(self, k: int = 20, **kwargs) -> None:  # noqa: ANN003
+        super().__init__(**kwargs)
+        if k <= 0:
+            raise ValueError(f"NDCGAtK: k must be positive, got {k}.")
+        self.k = k
+        self.add_state("total", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+
+    @override
+    def update(
+        self,
+        preds: Tensor | None = None,
+        target: Tensor | None = None,
+        exclude: Tensor | None = None,
+        topk_hits: Tensor | None = None,
+        num_relevant: Tensor | None = None,
+    ) -> None:
+        """Add a batch of users; arguments as in :meth:`RecallAtK.update`."""
+        hits, n_rel = _resolve(preds, target, exclude, topk_hits, num_relevant, self.k)
+        k = hits.shape[1]
+        discount = 1.0 / torch.log2(torch.arange(2, k + 2, device=hits.device, dtype=torch.float64))
+        dcg = (hits.double() * discount).sum(1)
+        ideal = torch.cumsum(discount, 0)[(n_rel.clamp(1, k) - 1)]
+        valid = n_rel > 0
+        self.total = self.total + (dcg[valid] / ideal[valid]).sum()
+        self.count = self.count + valid.sum()
+
+    @override
+    def compute(self) -> Tensor:
+        if self.count == 0:
+            raise ValueError("NDCGAtK: no user with a test item was seen; the test set is empty.")
+        return (self.total / self.count).float()

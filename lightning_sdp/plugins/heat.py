@@ -1,0 +1,179 @@
+"""HEAT accelerator: a multi-core CPU accelerator for fused collaborative-filtering kernels.
+
+Zhang et al., "HEAT: A Highly Efficient and Affordable Training System for Collaborative Filtering Based
+Recommendation on CPUs" (ICS 2023, arXiv 2304.07334). The accelerator owns the CPU threads: it sets torch's and
+numba's thread counts (and optionally the CPU affinity) for the run and restores them afterwards. The kernels
+themselves live in :mod:`lightning_sdp.kernels.cf_numba` and are driven by
+:class:`~lightning_sdp.models.SimpleXModule` (``backend="fused"``).
+
+Usage::
+
+    Trainer(accelerator="heat", devices=1)                        # all cores this process may use
+    Trainer(accelerator=HEATAccelerator(num_threads=8, cpu_affinity=list(range(8))), devices=1)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.types import _DEVICE
+from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.plugins.precision import MixedPrecision
+from typing_extensions import override
+
+from lightning_sdp._imports import _NUMBA_AVAILABLE
+
+_log = logging.getLogger(__name__)
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its affinity mask), else ``os.cpu_count()``."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _read_proc_stat() -> dict[str, tuple[int, int]]:
+    """``{"cpuN": (busy_jiffies, total_jiffies)}`` from ``/proc/stat`` (Linux), empty elsewhere."""
+    out: dict[str, tuple[int, int]] = {}
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if not line.startswith("cpu") or line.startswith("cpu "):
+                    continue
+                name, *vals = line.split()
+                nums = [int(v) for v in vals]
+                idle = nums[3] + (nums[4] if len(nums) > 4 else 0)
+                out[name] = (sum(nums) - idle, sum(nums))
+    except OSError:
+        pass
+    return out
+
+
+class HEATAccelerator(CPUAccelerator):
+    """CPU accelerator that owns the thread pools used by HEAT's fused kernels (alias ``"heat"``).
+
+    ``setup_device`` sets ``torch.set_num_threads`` and ``numba.set_num_threads`` (when numba, the ``cpu`` extra,
+    is installed) to ``num_threads`` and pins the process to ``cpu_affinity`` if given; ``teardown`` restores all
+    three. ``get_device_stats`` reports the thread counts and the per-core use since the previous call. With a
+    custom accelerator string Lightning would build a CUDA mixed-precision plugin for ``"16-mixed"`` /
+    ``"bf16-mixed"``; this accelerator replaces it by CPU bf16 autocast (the default stays ``"32-true"``, which the
+    fused kernel needs).
+
+    Args:
+        num_threads: threads for torch and the kernels; ``None`` uses every core this process may use (its
+            affinity mask). Default ``None``.
+        cpu_affinity: CPU ids to pin the process to during the run (Linux), or ``None`` to leave it. Default ``None``.
+    """
+
+    def __init__(self, num_threads: int | None = None, cpu_affinity: list[int] | None = None) -> None:
+        super().__init__()
+        if num_threads is not None and num_threads <= 0:
+            raise ValueError(f"HEATAccelerator: num_threads must be positive, got {num_threads}.")
+        if cpu_affinity is not None:
+            if not hasattr(os, "sched_setaffinity"):
+                raise ValueError("HEATAccelerator: cpu_affinity needs os.sched_setaffinity (Linux).")
+            allowed = os.sched_getaffinity(0)
+            bad = sorted(set(cpu_affinity) - allowed)
+            if not cpu_affinity or bad:
+                raise ValueError(
+                    f"HEATAccelerator: cpu_affinity {cpu_affinity} is empty or names CPUs this process may not use "
+                    f"({bad}); allowed: {sorted(allowed)}."
+                )
+        self.num_threads = num_threads
+        self.cpu_affinity = list(cpu_affinity) if cpu_affinity is not None else None
+        self._saved: dict[str, Any] | None = None
+        self._last_stat: dict[str, tuple[int, int]] = {}
+
+    def resolved_threads(self) -> int:
+        """The thread count used for the run."""
+        if self.num_threads is not None:
+            return self.num_threads
+        return len(self.cpu_affinity) if self.cpu_affinity is not None else available_cores()
+
+    @override
+    def setup_device(self, device: torch.device) -> None:
+        super().setup_device(device)
+        if self._saved is not None:  # already set up (e.g. fit then test on the same Trainer)
+            return
+        saved: dict[str, Any] = {"torch": torch.get_num_threads()}
+        if self.cpu_affinity is not None:
+            saved["affinity"] = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, self.cpu_affinity)
+        n = self.resolved_threads()
+        torch.set_num_threads(n)
+        if _NUMBA_AVAILABLE:
+            import numba
+
+            saved["numba"] = numba.get_num_threads()
+            limit = numba.config.NUMBA_NUM_THREADS
+            if n > limit:
+                _log.warning(
+                    "HEATAccelerator: numba allows at most %d threads (NUMBA_NUM_THREADS); using %d instead of %d.",
+                    limit,
+                    limit,
+                    n,
+                )
+            numba.set_num_threads(min(n, limit))
+        self._saved = saved
+        self._last_stat = _read_proc_stat()
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        plugin = trainer.strategy.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.device != "cpu":
+            if plugin.precision == "16-mixed":
+                _log.warning("HEATAccelerator: fp16 AMP is not supported on the CPU; using bf16-mixed instead.")
+            trainer.strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+
+    @override
+    def teardown(self) -> None:
+        saved, self._saved = self._saved, None
+        if saved is None:
+            return
+        torch.set_num_threads(saved["torch"])
+        if "numba" in saved:
+            import numba
+
+            numba.set_num_threads(saved["numba"])
+        if "affinity" in saved:
+            os.sched_setaffinity(0, saved["affinity"])
+
+    @override
+    def get_device_stats(self, device: _DEVICE) -> dict[str, Any]:
+        stats: dict[str, Any] = {"heat_threads": self.resolved_threads(), "torch_threads": torch.get_num_threads()}
+        if _NUMBA_AVAILABLE:
+            import numba
+
+            stats["numba_threads"] = numba.get_num_threads()
+        now = _read_proc_stat()
+        cores = self.cpu_affinity if self.cpu_affinity is not None else sorted(os.sched_getaffinity(0)) if hasattr(
+            os, "sched_getaffinity"
+        ) else []
+        for c in cores:
+            key = f"cpu{c}"
+            if key in now and key in self._last_stat:
+                busy = now[key][0] - self._last_stat[key][0]
+                total = now[key][1] - self._last_stat[key][1]
+                if total > 0:
+                    stats[f"cpu{c}_percent"] = 100.0 * busy / total
+        self._last_stat = now
+        return stats
+
+    @staticmethod
+    @override
+    def name() -> str:
+        return "heat"
+
+    @classmethod
+    @override
+    def register_accelerators(cls, accelerator_registry: Any) -> None:
+        # Registration goes through lightning_sdp._registry (idempotent, never overrides); nothing to do here.
+        pass
+
+
+__all__ = ["HEATAccelerator", "available_cores"]

@@ -1,0 +1,152 @@
+"""HEAT's fused numba kernel against the plain-torch SimpleX reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_sdp.kernels import cf_reference as ref
+
+pytestmark = pytest.mark.numba
+
+
+def _problem(seed: int, num_users: int = 12, num_items: int = 60, d: int = 8):
+    rng = np.random.default_rng(seed)
+    user_emb = rng.normal(size=(num_users, d)).astype(np.float32)
+    item_emb = rng.normal(size=(num_items, d)).astype(np.float32)
+    V = (np.eye(d) + 0.3 * rng.normal(size=(d, d))).astype(np.float32)
+    # three positives with disjoint users, items, negatives and histories (so per-sample SGD == batch SGD)
+    users = np.array([0, 1, 2])
+    items = np.array([3, 4, 5])
+    negatives = np.arange(10, 10 + 3 * 5).reshape(3, 5)
+    indptr = np.array([0, 3, 6, 9] + [9] * (num_users - 3))
+    indices = np.array([3, 40, 41, 42, 43, 4, 44, 45, 46])  # user 0/1 histories contain their positive
+    return user_emb, item_emb, V, users, items, negatives, indptr, indices
+
+
+def _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, *, g, margin, w, lr, wd, chunks=1):
+    from lightning_sdp.kernels import cf_numba
+
+    ue, ie, v = user_emb.copy(), item_emb.copy(), V.copy()
+    losses = np.zeros(len(users), np.float32)
+    cf_numba.fused_sgd_step(
+        ue, ie, v, users, items, indptr, indices, negatives, negatives.shape[1], g, margin, w, lr, wd,
+        np.arange(4, dtype=np.int64), np.zeros((4, 0), np.int64), np.zeros(4, np.int64), 0, 10_000, chunks, losses,
+    )
+    return ue, ie, v, losses
+
+
+@pytest.mark.parametrize("g", [1.0, 0.7])
+@pytest.mark.parametrize("wd", [0.0, 0.01])
+def test_fused_step_equals_reference_sgd_step(g, wd):
+    user_emb, item_emb, V, users, items, negatives, indptr, indices = _problem(int(g * 10) + int(wd * 100))
+    margin, w, lr = 0.1, 3.0, 0.05
+    tu, ti, tv = (torch.tensor(a, requires_grad=True) for a in (user_emb, item_emb, V))
+    objective, per_sample = ref.simplex_loss(
+        tu, ti, tv, torch.tensor(users), torch.tensor(items), torch.tensor(negatives), g, margin, w,
+        ref.padded_history(indptr, indices), weight_decay=wd, reduction="sum",
+    )
+    objective.backward()
+    ue, ie, v, losses = _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, g=g, margin=margin, w=w, lr=lr, wd=wd)
+    np.testing.assert_allclose(losses, per_sample.detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ue, user_emb - lr * tu.grad.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ie, item_emb - lr * ti.grad.numpy(), rtol=1e-5, atol=1e-6)
+    v_grad = tv.grad.numpy() if tv.grad is not None else 0.0
+    np.testing.assert_allclose(v, V - lr * v_grad, rtol=1e-5, atol=1e-6)
+    # the step did something: some rows moved, and (for SimpleX) the aggregator and history rows too
+    assert np.abs(ie - item_emb).max() > 1e-4
+    if g < 1:
+        assert np.abs(v - V).max() > 1e-5
+        assert np.abs(ie[40] - item_emb[40]).max() > 1e-6  # history row of user 0
+    if g < 1:
+        return  # with two threads the shared V is updated while the other thread reads it (Hogwild)
+    # two chunks (threads) on disjoint rows give the same result
+    ue2, ie2, v2, _ = _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, g=g, margin=margin, w=w, lr=lr, wd=wd, chunks=2)
+    np.testing.assert_allclose(ue2, ue, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ie2, ie, rtol=1e-5, atol=1e-6)
+
+
+def test_inactive_margin_gives_no_negative_gradient():
+    user_emb, item_emb, V, users, items, negatives, indptr, indices = _problem(5)
+    _, ie, _, losses = _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, g=1.0, margin=1.0, w=3.0, lr=0.1, wd=0.0)
+    np.testing.assert_array_equal(ie[negatives.ravel()], item_emb[negatives.ravel()])
+    assert not np.array_equal(ie[items], item_emb[items])
+    assert (losses > 0).all()
+
+
+def _sampling_run(tile_refresh: int, chunks: int, seed: int = 0) -> dict[str, np.ndarray]:
+    from lightning_sdp.kernels import cf_numba
+
+    rng = np.random.default_rng(seed)
+    U, I, d, B = 50, 300, 8, 400
+    ue = rng.normal(size=(U, d)).astype(np.float32)
+    ie = rng.normal(size=(I, d)).astype(np.float32)
+    out = {"items": rng.integers(0, I, B), "ie_init": ie.copy()}
+    users = rng.integers(0, U, B)
+    indptr = np.zeros(U + 1, np.int64)
+    state = np.arange(1, 5, dtype=np.int64) * 12345
+    tiles = np.zeros((4, 16), np.int64)
+    left = np.zeros(4, np.int64)
+    losses = np.zeros(B, np.float32)
+    # margin -1: every negative is active, so every sampled negative row moves
+    cf_numba.fused_sgd_step(
+        ue, ie, np.eye(d, dtype=np.float32), users, out["items"], indptr, np.zeros(0, np.int64),
+        np.zeros((0, 0), np.int64), 8, 1.0, -1.0, 1.0, 0.01, 0.0, state, tiles, left, tile_refresh, 32, chunks, losses,
+    )
+    out.update(ue=ue, ie=ie, state=state, tiles=tiles, left=left, losses=losses)
+    return out
+
+
+def test_in_kernel_sampling_is_deterministic_and_advances_state():
+    a = _sampling_run(0, 1)
+    b = _sampling_run(0, 1)
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key])
+    assert a["state"][0] != 12345  # the used chunk's state advanced
+    np.testing.assert_array_equal(a["state"][1:], np.arange(2, 5) * 12345)  # unused chunks untouched
+    assert np.isfinite(a["losses"]).all() and (a["losses"] > 0).all()
+    moved = np.abs(a["ie"] - a["ie_init"]).max(1) > 0
+    assert moved.sum() > 250  # uniform sampling touches most of the 300 items
+
+
+def test_tile_sampler_draws_from_tiles_and_refreshes():
+    r = _sampling_run(tile_refresh=100, chunks=2)
+    # 200 samples per chunk, a redraw every 100: drawn at samples 0 and 100, nothing left at the end
+    np.testing.assert_array_equal(r["left"][:2], [0, 0])
+    assert (r["tiles"][2:] == 0).all()  # chunks that did not run keep their state
+
+    r = _sampling_run(tile_refresh=1000, chunks=2)
+    np.testing.assert_array_equal(r["left"][:2], [800, 800])  # one tile per chunk, drawn once
+    tiles = r["tiles"][:2]
+    assert (tiles >= 0).all() and (tiles < 300).all() and len(np.unique(tiles[0])) > 4
+    np.testing.assert_array_equal(r["ie"], _sampling_run(tile_refresh=1000, chunks=2)["ie"])  # deterministic
+    # only positives and tile items can have moved, and all tile items did (every negative is active)
+    moved = set(np.flatnonzero(np.abs(r["ie"] - r["ie_init"]).max(1) > 0))
+    assert moved <= set(r["items"]) | set(tiles.ravel())
+    assert set(tiles.ravel()) <= moved
+    assert len(moved - set(r["items"])) <= tiles.size  # uniform sampling would touch ~all non-positives
+
+
+def test_cap_history_keeps_a_seeded_subset():
+    indptr = np.array([0, 5, 7, 7])
+    indices = np.array([1, 2, 3, 4, 5, 8, 9])
+    hp, hi = ref.cap_history(indptr, indices, 3, seed=1)
+    np.testing.assert_array_equal(hp, [0, 3, 5, 5])
+    assert set(hi[:3]) <= {1, 2, 3, 4, 5} and len(set(hi[:3])) == 3
+    assert set(hi[3:5]) == {8, 9}
+    hp2, hi2 = ref.cap_history(indptr, indices, 3, seed=1)
+    np.testing.assert_array_equal(hi, hi2)
+    pad = ref.padded_history(hp, hi)
+    assert pad.shape == (3, 3) and (pad[2] == -1).all()
+
+
+def test_user_vectors_exclude_the_positive():
+    d = 4
+    item_emb = torch.arange(12, dtype=torch.float32).reshape(3, d)
+    user_emb = torch.zeros(1, d)
+    hist = torch.tensor([[0, 1, 2]])
+    p = ref.user_vectors(user_emb, item_emb, torch.eye(d), torch.tensor([0]), 0.0, hist, exclude=torch.tensor([2]))
+    torch.testing.assert_close(p[0], item_emb[:2].mean(0))
+    with pytest.raises(ValueError, match="history"):
+        ref.user_vectors(user_emb, item_emb, torch.eye(d), torch.tensor([0]), 0.5)

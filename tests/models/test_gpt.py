@@ -34,12 +34,13 @@ def test_explicit_attention_equals_sdpa(other):
     torch.testing.assert_close(explicit(idx), fused(idx), rtol=1e-5, atol=1e-5)
 
 
-def test_linear_attention_matches_quadratic_reference():
-    q, k, v = (torch.randn(2, 3, 7, 4, dtype=torch.float64) for _ in range(3))
+@pytest.mark.parametrize(("T", "chunk"), [(7, 64), (7, 3), (12, 4), (1, 2)])
+def test_linear_attention_matches_quadratic_reference(T, chunk):
+    q, k, v = (torch.randn(2, 3, T, 4, dtype=torch.float64) for _ in range(3))
     fq, fk = F.elu(q) + 1, F.elu(k) + 1
     scores = (fq @ fk.transpose(-2, -1)).tril()  # causal, unnormalised kernel weights
     ref = (scores @ v) / scores.sum(-1, keepdim=True)
-    torch.testing.assert_close(_causal_linear_attention(q, k, v, eps=0.0), ref)
+    torch.testing.assert_close(_causal_linear_attention(q, k, v, eps=0.0, chunk=chunk), ref)
 
 
 def test_attention_is_causal():

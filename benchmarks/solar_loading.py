@@ -1,0 +1,271 @@
+"""SOLAR loading benchmark: PyTorch DataLoader + h5py baseline vs LRU, artifact-style SOLAR and our default.
+
+An HDF5 file of PtychoNN-like samples (64x64 float32 input, two 64x64 targets: 48 KiB per sample) at least four
+times larger than the buffer (C/N = 0.25). Before every epoch of every rank the file is evicted from the page
+cache (``posix_fadvise(DONTNEED)``). Two storage modes: the plain local disk, and a throttled mode that emulates
+shared storage (every read request costs latency + bytes / bandwidth, through
+:class:`lightning_sdp.datamodules.solar.ThrottledFile`). P ranks are simulated with the real SOLAR schedule and
+real readers: each rank's loader runs its epoch alone on this machine (its own worker processes), and the
+distributed epoch time is the slowest rank's. Only loading is timed (no model).
+
+Modes (same ``--workers`` reader processes per rank everywhere):
+    baseline      torch DataLoader + DistributedSampler(shuffle) + per-sample h5py reads (``dset[i]`` per key).
+    lru           per-rank LRU cache of C/P samples over the same shuffled order (no re-routing/balancing).
+    artifact      SOLAR with the artifact-style eviction ("solar": FIFO, consumed samples first), re-routing on.
+    solar_serial  our default schedule (Belady + re-routing + balancing), hyperslab reads one after another.
+    solar         our default (as solar_serial, plus ``io_threads`` concurrent positional reads per step).
+
+Run: ``.venv/bin/python benchmarks/solar_loading.py`` (about 10 minutes on 2 busy cores), ``--quick`` for a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, Dataset, DistributedSampler  # noqa: E402
+
+from benchmarks._common import markdown_table, write_results  # noqa: E402
+from lightning_sdp.datamodules.solar.loader import SolarLoader  # noqa: E402
+from lightning_sdp.datamodules.solar.ptycho import INPUT_KEY, TARGET_KEYS, make_ptycho_h5  # noqa: E402
+from lightning_sdp.datamodules.solar.reader import (  # noqa: E402
+    HDF5Reader,
+    StorageThrottle,
+    ThrottledFile,
+    drop_page_cache,
+)
+from lightning_sdp.datamodules.solar.schedule import SolarSchedule  # noqa: E402
+
+KEYS = [INPUT_KEY, *TARGET_KEYS]
+MODES = {
+    "lru": dict(eviction="lru", reroute=False, balance=False, io_threads=4),
+    "artifact": dict(eviction="solar", reroute=True, balance=True, io_threads=4),
+    "solar_serial": dict(eviction="belady", reroute=True, balance=True, io_threads=1),
+    "solar": dict(eviction="belady", reroute=True, balance=True, io_threads=4),
+}
+
+
+class PerSampleH5(Dataset):
+    """The baseline: ``__getitem__(i)`` reads row ``i`` of every key with plain h5py indexing."""
+
+    def __init__(self, path: str, throttle: StorageThrottle | None) -> None:
+        self.path, self.throttle = path, throttle
+        self._file = None
+        import h5py
+
+        with h5py.File(path, "r") as f:
+            self.n = f[INPUT_KEY].shape[0]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if self._file is None:
+            import h5py
+
+            target = ThrottledFile(self.path, self.throttle) if self.throttle is not None else self.path
+            self._file = h5py.File(target, "r")
+        x = torch.from_numpy(self._file[INPUT_KEY][i])
+        y = torch.cat([torch.from_numpy(self._file[k][i]) for k in TARGET_KEYS], dim=0)
+        return x, y
+
+
+def run_baseline(path, n, ranks, batch, epochs, workers, throttle, seed, sample_bytes):
+    dataset = PerSampleH5(path, throttle)
+    loaders = []
+    for r in range(ranks):
+        sampler = DistributedSampler(dataset, num_replicas=ranks, rank=r, shuffle=True, seed=seed)
+        extra = {"persistent_workers": True, "prefetch_factor": 2} if workers else {}
+        loaders.append((sampler, DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=workers, **extra)))
+    rows = []
+    for e in range(epochs):
+        times, count = [], 0
+        for sampler, loader in loaders:
+            sampler.set_epoch(e)
+            drop_page_cache(path)
+            t0 = time.perf_counter()
+            for x, _ in loader:
+                count += len(x)
+            times.append(time.perf_counter() - t0)
+        rows.append({"epoch": e, "rank_s": times, "hits": 0, "samples": count, "bytes": count * sample_bytes})
+    return rows
+
+
+def run_solar(path, n, ranks, batch, epochs, workers, throttle, seed, buffer, mode):
+    opts = dict(MODES[mode])
+    io_threads = opts.pop("io_threads")
+    schedule = SolarSchedule(n, epochs, ranks, batch, buffer_size=buffer, seed=seed, **opts)
+    loaders = [
+        SolarLoader(
+            schedule,
+            r,
+            HDF5Reader(path, KEYS, throttle=throttle, io_threads=io_threads),
+            INPUT_KEY,
+            list(TARGET_KEYS),
+            num_workers=workers,
+        )
+        for r in range(ranks)
+    ]
+    rows = []
+    for e in range(epochs):
+        times, hits, count, nbytes = [], 0, 0, 0
+        for loader in loaders:
+            loader.set_epoch(e)
+            drop_page_cache(path)
+            t0 = time.perf_counter()
+            for b in loader:
+                count += len(b["index"])
+            times.append(time.perf_counter() - t0)
+            hits += int(loader.epoch_stats["hits"])
+            nbytes += int(loader.epoch_stats["bytes"])
+        rows.append({"epoch": e, "rank_s": times, "hits": hits, "samples": count, "bytes": nbytes})
+    for loader in loaders:
+        loader.close()
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=4096)
+    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--buffer-fraction", type=float, default=0.25)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--batch", type=int, default=32, help="local batch size per rank")
+    parser.add_argument("--workers", type=int, default=2, help="reader processes per rank (all modes)")
+    parser.add_argument("--latency", type=float, default=0.001, help="throttled mode: seconds per request")
+    parser.add_argument("--bandwidth", type=float, default=200e6, help="throttled mode: bytes/s per request")
+    parser.add_argument("--storage", nargs="+", default=["throttled", "plain"], choices=["throttled", "plain"])
+    parser.add_argument("--modes", nargs="+", default=["baseline", *MODES])
+    parser.add_argument("--data", default=None, help="HDF5 file to use/create (default: a temp file)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run")
+    parser.add_argument("--name", default="solar_loading")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.quick:
+        args.samples, args.epochs, args.ranks, args.batch, args.workers = 256, 2, [1, 2], 16, 1
+        args.name = args.name + "_quick"
+    tmp = tempfile.TemporaryDirectory()
+    path = Path(args.data) if args.data else Path(tmp.name) / "ptycho.h5"
+    if not path.exists():
+        t0 = time.perf_counter()
+        make_ptycho_h5(path, args.samples, args.size, seed=args.seed)
+        print(f"generated {path} in {time.perf_counter() - t0:.1f}s")
+    path = str(path)
+    n = args.samples
+    sample_bytes = 3 * args.size * args.size * 4
+    buffer = int(round(args.buffer_fraction * n))
+    file_mib = os.path.getsize(path) / 2**20
+    print(f"file {file_mib:.0f} MiB, {n} samples, buffer {buffer} samples ({buffer * sample_bytes / 2**20:.0f} MiB)")
+    results = []
+    start = time.perf_counter()
+    for storage in args.storage:
+        throttle = StorageThrottle(args.latency, args.bandwidth) if storage == "throttled" else None
+        for ranks in args.ranks:
+            for mode in args.modes:
+                t0 = time.perf_counter()
+                if mode == "baseline":
+                    rows = run_baseline(path, n, ranks, args.batch, args.epochs, args.workers, throttle, args.seed, sample_bytes)
+                else:
+                    rows = run_solar(path, n, ranks, args.batch, args.epochs, args.workers, throttle, args.seed, buffer, mode)
+                for row in rows:
+                    epoch_s = max(row["rank_s"])
+                    results.append(
+                        {
+                            "storage": storage,
+                            "ranks": ranks,
+                            "mode": mode,
+                            "epoch": row["epoch"],
+                            "epoch_s": epoch_s,
+                            "samples_per_s": row["samples"] / epoch_s,
+                            "hit_rate": row["hits"] / row["samples"],
+                            "storage_mib": row["bytes"] / 2**20,
+                            "rank_s": [round(t, 3) for t in row["rank_s"]],
+                        }
+                    )
+                last = [r for r in results if r["storage"] == storage and r["ranks"] == ranks and r["mode"] == mode]
+                print(
+                    f"{storage:9s} P={ranks} {mode:12s} "
+                    + " ".join(f"e{r['epoch']}:{r['samples_per_s']:.0f}/s,h={r['hit_rate']:.3f}" for r in last)
+                    + f"  ({time.perf_counter() - t0:.0f}s)",
+                    flush=True,
+                )
+    summary = []
+    for storage in args.storage:
+        for ranks in args.ranks:
+            base = [r for r in results if (r["storage"], r["ranks"], r["mode"]) == (storage, ranks, "baseline")]
+            base_sps = np.mean([r["samples_per_s"] for r in base if r["epoch"] > 0]) if base else float("nan")
+            for mode in args.modes:
+                rs = [r for r in results if (r["storage"], r["ranks"], r["mode"]) == (storage, ranks, mode)]
+                later = [r for r in rs if r["epoch"] > 0]
+                sps = float(np.mean([r["samples_per_s"] for r in later]))
+                summary.append(
+                    {
+                        "storage": storage,
+                        "P": ranks,
+                        "mode": mode,
+                        "epoch0 samples/s": rs[0]["samples_per_s"],
+                        "later samples/s": sps,
+                        "speedup vs baseline": sps / base_sps,
+                        "hit rate (later)": float(np.mean([r["hit_rate"] for r in later])),
+                        "bound C/N": buffer / n,
+                        "storage MiB/epoch (later)": float(np.mean([r["storage_mib"] for r in later])),
+                    }
+                )
+    md = (
+        f"File: {n} samples x {sample_bytes // 1024} KiB = {file_mib:.0f} MiB; buffer {buffer} samples "
+        f"(C/N = {buffer / n:.2f}); {args.epochs} epochs; local batch {args.batch}; {args.workers} reader processes "
+        f"per rank in every mode; page cache dropped before each rank's epoch. Throttled storage: "
+        f"{args.latency * 1e3:g} ms + bytes / {args.bandwidth / 1e6:g} MB/s per request. Ranks are simulated one "
+        "after another (real schedule, real readers); an epoch takes as long as its slowest rank. 'later' = mean "
+        "over the epochs after the first.\n\n"
+        + markdown_table(summary)
+        + f"\n\nTotal benchmark wall time: {time.perf_counter() - start:.0f} s.\n"
+    )
+    print(md)
+    fig = None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, len(args.storage) + 1, figsize=(5 * (len(args.storage) + 1), 4))
+        for ax, storage in zip(axes, args.storage):
+            for mode in args.modes:
+                ys = [s["later samples/s"] for s in summary if s["storage"] == storage and s["mode"] == mode]
+                ax.plot(args.ranks, ys, marker="o", label=mode)
+            ax.set_title(f"{storage} storage: samples/s after epoch 0")
+            ax.set_xlabel("ranks P")
+            ax.set_xticks(args.ranks)
+            ax.set_ylabel("samples/s (slowest rank)")
+            ax.legend()
+        ax = axes[-1]
+        for mode in args.modes:
+            for ranks in args.ranks:
+                rs = [r for r in results if r["storage"] == args.storage[0] and r["ranks"] == ranks and r["mode"] == mode]
+                ax.plot([r["epoch"] for r in rs], [r["hit_rate"] for r in rs], marker=".", alpha=0.7, label=f"{mode} P={ranks}")
+        ax.axhline(buffer / n, color="k", ls="--", label="bound C/N")
+        ax.set_title("buffer hit rate per epoch")
+        ax.set_xlabel("epoch")
+        ax.legend(fontsize=6, ncol=2)
+        fig.tight_layout()
+    except Exception as err:  # noqa: BLE001 - the numbers matter more than the picture
+        print(f"no figure: {err}")
+    payload = {"args": vars(args), "summary": summary, "epochs": results, "sample_bytes": sample_bytes}
+    write_results(args.name, payload, md, fig)
+    tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -58,8 +58,8 @@ def test_in_kernel_stochastic_rounding(tq):
     err = q.decode(*a, 4, 64) - x
     assert torch.all(err.abs() <= a[1].repeat_interleave(64) * (1 + 1e-6))
     # unbiased: averaging many seeds converges to x
-    mean = torch.stack([q.decode(*tq.encode(x, 4, 64, "stochastic", seed=s), 4, 64) for s in range(200)]).mean(0)
-    assert (mean - x).abs().mean() < 0.25 * (q.decode(*tq.encode(x, 4, 64, "nearest"), 4, 64) - x).abs().mean()
+    mean = torch.stack([q.decode(*tq.encode(x, 4, 64, "stochastic", seed=s), 4, 64) for s in range(100)]).mean(0)
+    assert (mean - x).abs().mean() < 0.35 * (q.decode(*tq.encode(x, 4, 64, "nearest"), 4, 64) - x).abs().mean()
 
 
 @pytest.mark.parametrize("bits", [4, 8])

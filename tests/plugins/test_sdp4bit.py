@@ -166,6 +166,29 @@ def _four_process_run(rank: int, world: int, tmp: str) -> dict:
         out["raised"] = ""
     except FloatingPointError as err:
         out["raised"] = str(err)
+
+    # 5. the GPT (tied embeddings) in bf16-true: bf16 model weights, fp32 master shards; checkpoint for a plain process
+    import lightning.pytorch as pl
+
+    from lightning_sdp.datamodules.text import CharTextDataModule
+    from lightning_sdp.models.gpt import GPT
+
+    dm = CharTextDataModule(block_size=16, batch_size=4)
+    dm.setup("fit")
+    torch.manual_seed(0)
+    gpt = GPT(vocab_size=dm.vocab_size, n_layer=1, n_head=2, n_embd=32, block_size=16, max_steps=3, warmup_steps=1)
+    strategy = SDP4BitStrategy(intra_node_size=2, weight_group_size=256)
+    trainer = pl.Trainer(
+        strategy=strategy, devices=world, accelerator="cpu", max_steps=3, precision="bf16-true", limit_val_batches=1,
+        val_check_interval=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(gpt, dm)
+    trainer.save_checkpoint(f"{tmp}/gpt.ckpt")
+    out["gpt_dtypes"] = (str(gpt.lm_head.weight.dtype), str(strategy.optimizers[0].param_groups[0]["params"][0].dtype))
+    out["gpt_identical"] = _identical_on_all_ranks(_flat_params(gpt).float())
+    out["gpt_tied"] = gpt.lm_head.weight is gpt.transformer.wte.weight
+    out["gpt_val"] = float(trainer.callback_metrics["val/loss"])
     return _plain(out)
 
 
@@ -322,3 +345,20 @@ def test_nonfinite_gradients(four):
         assert res["skip_finite"] and res["skip_identical"]
         assert res["skip_global_step"] == 4
         assert "non-finite" in res["raised"] and "rank 1: net.0.weight" in res["raised"]
+
+
+def test_gpt_bf16_true_and_load_in_plain_process(four, ckpt_dir):
+    from lightning_sdp.models.gpt import GPT
+
+    for res in four:
+        assert res["gpt_dtypes"] == ("torch.bfloat16", "torch.float32")
+        assert res["gpt_identical"] and res["gpt_tied"]
+        assert math.isfinite(res["gpt_val"])
+    ckpt = torch.load(ckpt_dir / "gpt.ckpt", weights_only=False)
+    model = GPT.load_from_checkpoint(ckpt_dir / "gpt.ckpt", map_location="cpu")
+    masters = ckpt["optimizer_states"][0]["sdp4bit"]["master"]
+    # the state dict holds the exact fp32 master weights rounded once to the model dtype
+    assert torch.equal(model.lm_head.weight.to(torch.bfloat16), masters[0].to(torch.bfloat16))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    x = torch.randint(0, model.hparams.vocab_size, (2, 16))
+    assert model(x).shape[:2] == (2, 16)

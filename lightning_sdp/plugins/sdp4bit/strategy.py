@@ -459,3 +459,22 @@ class SDP4BitStrategy(DDPStrategy):
                         if name in state:
                             state[name] = view.to(state[name].dtype).clone()
         return state
+
+
+def _register_aliases() -> None:
+    """Register ``"sdp4bit"``/``"sdp4bit_spawn"`` now that the class exists.
+
+    ``lightning_sdp._registry`` registers aliases the moment ``lightning.pytorch`` finishes importing. When this
+    module is what triggers that import, the class is not defined yet at that moment, so it registers itself here
+    (idempotent, and it never overrides a name somebody else registered).
+    """
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_sdp._registry import STRATEGY_ALIASES, _register
+
+    for alias in STRATEGY_ALIASES:
+        if alias.cls == SDP4BitStrategy.__name__ and alias.module == __name__.rsplit(".", 1)[0]:
+            _register(StrategyRegistry, alias, SDP4BitStrategy, "strategy")
+
+
+_register_aliases()

@@ -1,0 +1,153 @@
+"""SDP4BitStrategy construction, registration, YAML, and errors users can cause (single process)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_sdp  # noqa: F401  (registers the aliases)
+from lightning_sdp.plugins.sdp4bit import SDP4BitStrategy
+from lightning_sdp.plugins.sdp4bit.sharding import check_optimizer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def single_process_group(monkeypatch):
+    """A Trainer with a DDP-derived strategy initialises a 1-process group; remove it afterwards."""
+    from tests._distributed import find_free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(find_free_port()))
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _tiny(optimizer: str = "adamw"):
+    from lightning.pytorch import LightningModule
+
+    class Tiny(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            if optimizer == "lbfgs":
+                return torch.optim.LBFGS(self.parameters())
+            return torch.optim.AdamW(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 2)), batch_size=4)
+
+    return Tiny()
+
+
+def _trainer(strategy, **kwargs):
+    from lightning.pytorch import Trainer
+
+    return Trainer(
+        strategy=strategy, devices=1, accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, **kwargs,
+    )  # fmt: skip
+
+
+def test_aliases_and_instance():
+    from lightning.pytorch import Trainer
+
+    assert isinstance(Trainer(strategy="sdp4bit", devices=1, accelerator="cpu").strategy, SDP4BitStrategy)
+    spawn = Trainer(strategy="sdp4bit_spawn", devices=1, accelerator="cpu").strategy
+    assert isinstance(spawn, SDP4BitStrategy) and spawn._start_method == "spawn"
+    s = SDP4BitStrategy(weight_compression="qw", gradient_compression="ulq", intra_node_size=2)
+    assert Trainer(strategy=s, devices=1, accelerator="cpu").strategy is s
+    assert lightning_sdp.SDP4BitStrategy is SDP4BitStrategy
+    assert s.alignment == 2048  # lcm of the weight group (2048), gradient group (128) and packing (2)
+
+
+def test_yaml_config_builds_the_strategy(tmp_path):
+    from lightning_sdp.cli import cli_main
+
+    config = REPO / "examples" / "configs" / "gpt_sdp4bit.yaml"
+    cli = cli_main(["--config", str(config), f"--trainer.default_root_dir={tmp_path}"], run=False)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, SDP4BitStrategy)
+    assert (strategy.weight_compression, strategy.gradient_compression, strategy.intra_node_size) == ("qwd", "tlq_hs", 2)
+    cfg = tmp_path / "alias.yaml"
+    cfg.write_text(
+        "trainer:\n  strategy: sdp4bit\n  accelerator: cpu\n  devices: 2\n"
+        "model:\n  class_path: lightning_sdp.models.GPT\n  init_args: {vocab_size: 10, n_layer: 1, n_embd: 16}\n"
+        "data:\n  class_path: lightning_sdp.datamodules.CharTextDataModule\n"
+    )
+    assert isinstance(cli_main(["--config", str(cfg)], run=False).trainer.strategy, SDP4BitStrategy)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"weight_compression": "int4"}, "weight_compression"),
+        ({"gradient_compression": "fp8"}, "gradient_compression"),
+        ({"weight_bits": 2}, "weight_bits must be 4 or 8"),
+        ({"gradient_group_size": 100}, "multiple of hadamard_size"),
+        ({"weight_group_size": 0}, "positive even number"),
+        ({"hadamard_size": 24}, "power of two"),
+        ({"rounding": "up"}, "rounding"),
+        ({"intra_node_size": 0}, "intra_node_size"),
+        ({"nonfinite_gradients": "ignore"}, "nonfinite_gradients"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SDP4BitStrategy(**kwargs)
+
+
+def test_unsupported_optimizer_message():
+    check_optimizer(torch.optim.AdamW([nn.Parameter(torch.zeros(2))]))
+    with pytest.raises(ValueError, match=r"LBFGS.*element-wise"):
+        check_optimizer(torch.optim.LBFGS([nn.Parameter(torch.zeros(2))]))
+
+
+def test_single_device_trains_and_warns(single_process_group):
+    model = _tiny()
+    before = model.net.weight.detach().clone()
+    strategy = SDP4BitStrategy()
+    with pytest.warns(UserWarning, match="nothing is compressed"):
+        _trainer(strategy).fit(model)
+    assert not torch.equal(before, model.net.weight)
+    assert strategy.comm_stats.bytes_per_step == 0
+    # the optimizer holds one flat fp32 shard per param group, padded to whole groups with zeros
+    shard = strategy.optimizers[0].param_groups[0]["params"][0]
+    assert shard.dtype == torch.float32 and shard.numel() == 2048
+    assert torch.all(shard[10:] == 0)
+    torch.testing.assert_close(shard[:8].detach().view(2, 4), model.net.weight.detach())
+
+
+def test_fp16_precision_is_rejected(single_process_group):
+    with pytest.raises(ValueError, match="bf16-mixed"):
+        _trainer(SDP4BitStrategy(), precision="16-true").fit(_tiny())
+
+
+def test_lbfgs_is_rejected_at_fit(single_process_group):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match="cannot shard the optimizer"):
+            _trainer(SDP4BitStrategy()).fit(_tiny("lbfgs"))
+
+
+def test_bf16_mixed_single_device(single_process_group):
+    model = _tiny()
+    strategy = SDP4BitStrategy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(strategy, precision="bf16-mixed").fit(model)
+    assert model.net.weight.dtype == torch.float32
+    master = strategy.optimizers[0].param_groups[0]["params"][0]
+    torch.testing.assert_close(master[:8].detach().view(2, 4), model.net.weight.detach())

@@ -17,6 +17,12 @@ from lightning_sdp.datamodules.image_text import (
 )
 
 pytestmark = pytest.mark.open_clip
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One torch thread: on two shared cores OpenMP spin-waiting makes two threads several times slower."""
+    torch.set_num_threads(1)
 MICRO = {
     "embed_dim": 16,
     "vision_cfg": {"image_size": 16, "layers": 1, "width": 16, "head_width": 8, "patch_size": 8},

@@ -75,6 +75,15 @@ def _rank_fn(rank: int, world_size: int, variants: list[str]) -> dict[str, dict[
             "state": {k: v.numpy() for k, v in result["state"].items()},
             "bytes": COMM_STATS.bytes_received,
         }
+    # unequal local batch sizes are refused on every rank (the sizes are gathered before the features)
+    loss_fn = build_loss("fastclip_v1", DATA)
+    b = 3 if rank == 0 else 2
+    e = F.normalize(torch.randn(b, 4), dim=1)
+    try:
+        loss_fn(e, e, torch.arange(b) + 10 * rank, 1.0)
+        results["unequal"] = "no error"
+    except ValueError as err:
+        results["unequal"] = str(err)
     return results
 
 
@@ -87,7 +96,12 @@ def _variants() -> list[str]:
 @pytest.fixture(scope="module")
 def two_process_results() -> list[dict[str, dict[str, object]]]:
     """One pair of gloo processes runs every variant (spawning is the slow part)."""
-    return run_distributed(_rank_fn, 2, _variants(), timeout=180)
+    return run_distributed(_rank_fn, 2, _variants(), timeout=400)
+
+
+def test_unequal_local_batch_sizes_are_refused(two_process_results):
+    for r in two_process_results:
+        assert "same local batch size" in r["unequal"] and "[3, 2]" in r["unequal"]
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -107,3 +121,45 @@ def test_two_process_gradient_equals_one_process(variant, two_process_results):
         learned = VARIANTS[variant].temperature == "learnable"
         assert (float(single["grads"][0]["logit_scale"].abs()) > 0) == learned
         assert ranks[0]["bytes"] > 0  # features and estimator values went through the no-grad all-gather
+
+
+MICRO = {
+    "embed_dim": 16,
+    "vision_cfg": {"image_size": 16, "layers": 1, "width": 16, "head_width": 8, "mlp_ratio": 1.0, "patch_size": 8},
+    "text_cfg": {"context_length": 12, "vocab_size": 49408, "width": 8, "heads": 1, "layers": 1, "mlp_ratio": 1.0},
+}
+
+
+def _lightning_ddp(rank: int, world_size: int, root: str) -> dict[str, object]:
+    import lightning.pytorch as pl
+
+    from lightning_sdp.callbacks import GammaScheduler, TemperatureScheduler
+    from lightning_sdp.datamodules import ImageTextDataModule
+    from lightning_sdp.models import FastCLIPModule
+
+    pl.seed_everything(0)
+    dm = ImageTextDataModule(model=MICRO, num_train=26, num_val=8, batch_size=4, augment=False)
+    module = FastCLIPModule(model=MICRO, loss="fastclip_v2", warmup_steps=1)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, default_root_dir=root,
+        callbacks=[GammaScheduler(), TemperatureScheduler()],
+    )
+    trainer.fit(module, dm)
+    loss = module.gcl_loss
+    return {
+        "u1": loss.u1.numpy().copy(),
+        "tau1": loss.tau1.numpy().copy(),
+        "param": module.model.text_projection.detach().numpy().copy(),
+        "steps": trainer.global_step,
+    }
+
+
+@pytest.mark.open_clip
+def test_lightning_ddp_keeps_identical_estimators_on_every_rank(tmp_path):
+    r0, r1 = run_distributed(_lightning_ddp, 2, str(tmp_path), init_group=False, timeout=400)
+    # 26 samples, 2 ranks, drop_last: 13 per rank -> 3 local batches of 4 -> 24 distinct samples visited
+    assert r0["steps"] == r1["steps"] == 3
+    assert int((torch.from_numpy(r0["u1"]) > 0).sum()) == 24
+    for key in ("u1", "tau1", "param"):
+        assert (r0[key] == r1[key]).all(), key

@@ -16,6 +16,12 @@ from lightning_sdp.models.fastclip.losses import (
 )
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One torch thread: on two shared cores OpenMP spin-waiting makes two threads several times slower."""
+    torch.set_num_threads(1)
+
+
 def _features(n: int = 8, d: int = 6, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     e1 = F.normalize(torch.randn(n, d, generator=g, dtype=torch.float64), dim=1)

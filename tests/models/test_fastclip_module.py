@@ -16,6 +16,12 @@ from lightning_sdp.models import FastCLIPModule
 from lightning_sdp.models.fastclip.lamb import Lamb
 
 pytestmark = pytest.mark.open_clip
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One torch thread: on two shared cores OpenMP spin-waiting makes two threads several times slower."""
+    torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[2]
 # a micro open_clip config keeps these Lightning runs fast on two shared cores
 MICRO = {

@@ -1,8 +1,10 @@
 """FastCLIP (Wei et al., arXiv 2407.01445): CLIP training with compositional contrastive losses.
 
-``FastCLIPModule`` is the LightningModule; the losses in :mod:`lightning_sdp.models.fastclip.losses` are plain
-``nn.Module`` s usable without Lightning.
+``FastCLIPModule`` is the LightningModule (imported lazily, so the plain-torch losses in
+:mod:`lightning_sdp.models.fastclip.losses` import without Lightning).
 """
+
+from typing import Any
 
 from lightning_sdp.models.fastclip.losses import (
     VARIANTS,
@@ -12,7 +14,6 @@ from lightning_sdp.models.fastclip.losses import (
     build_loss,
     reference_global_contrastive_loss,
 )
-from lightning_sdp.models.fastclip.module import FastCLIPModule
 
 __all__ = [
     "VARIANTS",
@@ -23,3 +24,11 @@ __all__ = [
     "build_loss",
     "reference_global_contrastive_loss",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FastCLIPModule":
+        from lightning_sdp.models.fastclip.module import FastCLIPModule
+
+        return FastCLIPModule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,7 +31,7 @@ class _Decoder(nn.Module):
     def __init__(self, widths: list[int]) -> None:
         super().__init__()
         layers: list[nn.Module] = []
-        for c_in, c_out in zip(widths[:-1], widths[1:]):
+        for c_in, c_out in zip(widths[:-1], widths[1:], strict=True):
             layers += [_block(c_in, c_out), nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False)]
         layers.append(nn.Conv2d(widths[-1], 1, 3, padding=1))
         self.net = nn.Sequential(*layers)

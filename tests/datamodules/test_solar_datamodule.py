@@ -69,7 +69,7 @@ def test_standalone_loader_serves_file_rows_every_sample_once(ptycho):
     hits = []
     for epoch in range(2):
         seen = []
-        for sp, batch in zip(dm.schedule.epoch_plan(epoch), loader):
+        for sp, batch in zip(dm.schedule.epoch_plan(epoch), loader, strict=True):
             ids = batch["index"].numpy()
             assert np.array_equal(ids, sp.ranks[0].indices)
             assert torch.equal(batch["input"], torch.from_numpy(x[ids]))
@@ -93,7 +93,7 @@ def test_worker_processes_give_identical_batches(ptycho):
         out.append([b for _ in range(2) for b in loader])
         loader.close()
     assert len(out[0]) == len(out[1]) == 24
-    for a, b in zip(*out):
+    for a, b in zip(*out, strict=True):
         assert torch.equal(a["index"], b["index"]) and torch.equal(a["input"], b["input"])
         assert torch.equal(a["target"], b["target"])
 
@@ -107,7 +107,13 @@ def test_fit_follows_schedule_and_logs_metrics(ptycho):
     assert rec.indices == [sp.ranks[0].indices.tolist() for sp in plans]
     assert dm.num_train == 72 and sorted(sum(rec.indices[:9], [])) == list(range(72))
     m = trainer.callback_metrics
-    for key in ("solar/hit_rate", "solar/storage_bytes", "solar/samples_per_s", "solar/load_time_s", "val/loss"):
+    for key in (
+        "solar/hit_rate",
+        "solar/storage_bytes",
+        "solar/samples_per_s",
+        "solar/load_time_s",
+        "val/loss",
+    ):
         assert key in m
     assert float(m["solar/epoch_hit_rate"]) == pytest.approx(24 / 72)  # C/N in the second epoch
     sample_bytes = 3 * 16 * 16 * 4
@@ -146,7 +152,7 @@ def test_mid_epoch_resume_is_bit_exact(ptycho, tmp_path):
     assert len(full.indices) == 24
     assert rest.indices == full.indices[17:]  # the identical remaining sequence
     assert rest.scales == full.scales[17:]
-    for a, b in zip(full_model.state_dict().values(), resumed_model.state_dict().values()):
+    for a, b in zip(full_model.state_dict().values(), resumed_model.state_dict().values(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -195,7 +201,9 @@ def test_bad_inputs(ptycho, tmp_path):
         _dm(ptycho, buffer_size="big").setup("fit")
     # a sample shape the model does not expect: the message names both shapes
     trainer = _trainer(max_epochs=1)
-    with pytest.raises(ValueError, match=r"expects inputs of shape \(batch, 1, 32, 32\).*got \(8, 1, 16, 16\)"):
+    with pytest.raises(
+        ValueError, match=r"expects inputs of shape \(batch, 1, 32, 32\).*got \(8, 1, 16, 16\)"
+    ):
         trainer.fit(PtychoNN(image_size=32, base_channels=4, depth=2), _dm(ptycho))
 
 

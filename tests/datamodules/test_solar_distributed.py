@@ -21,7 +21,9 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def ptycho(tmp_path_factory):
-    return str(make_ptycho_h5(tmp_path_factory.mktemp("solar_ddp") / "train.h5", num_samples=64, size=16, seed=1))
+    return str(
+        make_ptycho_h5(tmp_path_factory.mktemp("solar_ddp") / "train.h5", num_samples=64, size=16, seed=1)
+    )
 
 
 def _tiny_model():
@@ -148,6 +150,6 @@ def test_lightning_ddp_matches_single_process_training(ptycho):
         assert sorted(both) == sorted(single)  # same global batch membership as one process
         unequal += len(out[0]["seen"][t]) != len(out[1]["seen"][t])
     assert unequal > 0
-    for a, b, ref in zip(out[0]["weights"], out[1]["weights"], model.parameters()):
+    for a, b, ref in zip(out[0]["weights"], out[1]["weights"], model.parameters(), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
         np.testing.assert_allclose(a, ref.detach().numpy(), rtol=1e-4, atol=1e-5)

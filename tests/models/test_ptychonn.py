@@ -28,7 +28,8 @@ def test_per_sample_loss_matches_reference():
     pred, target = torch.rand(4, 2, 16, 16), torch.rand(4, 2, 16, 16)
     ref = torch.stack(
         [
-            torch.nn.functional.mse_loss(pred[i, 0], target[i, 0]) + 0.5 * torch.nn.functional.mse_loss(pred[i, 1], target[i, 1])
+            torch.nn.functional.mse_loss(pred[i, 0], target[i, 0])
+            + 0.5 * torch.nn.functional.mse_loss(pred[i, 1], target[i, 1])
             for i in range(4)
         ]
     )
@@ -50,7 +51,13 @@ def test_loss_scale_sum_equals_mean_and_tuple_batches():
 
 def test_empty_local_batch_still_backpropagates_zero():
     m = _model()
-    loss, n = m._loss({"input": torch.zeros(0, 1, 16, 16), "target": torch.zeros(0, 2, 16, 16), "loss_scale": torch.tensor(4.0)})
+    loss, n = m._loss(
+        {
+            "input": torch.zeros(0, 1, 16, 16),
+            "target": torch.zeros(0, 2, 16, 16),
+            "loss_scale": torch.tensor(4.0),
+        }
+    )
     assert n == 0 and float(loss) == 0.0
     loss.backward()
     grads = [p.grad for p in m.parameters()]
@@ -59,7 +66,9 @@ def test_empty_local_batch_still_backpropagates_zero():
 
 def test_bad_shapes_say_what_was_expected():
     m = _model()
-    with pytest.raises(ValueError, match=r"expects inputs of shape \(batch, 1, 16, 16\).*got \(2, 3, 16, 16\)"):
+    with pytest.raises(
+        ValueError, match=r"expects inputs of shape \(batch, 1, 16, 16\).*got \(2, 3, 16, 16\)"
+    ):
         m(torch.zeros(2, 3, 16, 16))
     with pytest.raises(ValueError, match=r"expects targets of shape \(2, 2, 16, 16\)"):
         m._loss((torch.zeros(2, 1, 16, 16), torch.zeros(2, 1, 16, 16)))

@@ -172,7 +172,9 @@ class SolarDataModule(LightningDataModule):
         self.max_gap, self.prefetch_factor, self.drop_last = max_gap, prefetch_factor, drop_last
         self.io_threads = io_threads
         self.throttle = (
-            StorageThrottle(storage_latency_s, storage_bandwidth) if storage_latency_s or storage_bandwidth else None
+            StorageThrottle(storage_latency_s, storage_bandwidth)
+            if storage_latency_s or storage_bandwidth
+            else None
         )
         self.generate_if_missing = generate_if_missing
         self.synthetic_samples, self.synthetic_size = synthetic_samples, synthetic_size
@@ -192,7 +194,9 @@ class SolarDataModule(LightningDataModule):
         if self.generate_if_missing and not Path(self.path).exists():
             from lightning_sdp.datamodules.solar.ptycho import make_ptycho_h5
 
-            _log.warning("SolarDataModule: %s is missing; generating the synthetic PtychoNN-like set", self.path)
+            _log.warning(
+                "SolarDataModule: %s is missing; generating the synthetic PtychoNN-like set", self.path
+            )
             make_ptycho_h5(self.path, self.synthetic_samples, self.synthetic_size, seed=self.seed)
 
     def _num_epochs(self, trainer: Trainer | None, steps_per_epoch: int) -> int:
@@ -341,7 +345,11 @@ class SolarDataModule(LightningDataModule):
             if self.train_loader is not None
             else {"epoch": 0, "step": 0, "schedule_hash": self.schedule.schedule_hash}
         )
-        return {"config": self.schedule.config, "schedule_hash": self.schedule.schedule_hash, "position": position}
+        return {
+            "config": self.schedule.config,
+            "schedule_hash": self.schedule.schedule_hash,
+            "position": position,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -352,9 +360,16 @@ class SolarDataModule(LightningDataModule):
             self._pending_state = state_dict
             return
         saved, current = state_dict.get("config", {}), self.schedule.config
-        diff = {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)}
+        diff = {
+            k: (saved.get(k), current.get(k))
+            for k in sorted(set(saved) | set(current))
+            if saved.get(k) != current.get(k)
+        }
         if diff or state_dict.get("schedule_hash") != self.schedule.schedule_hash:
-            detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items()) or "same options"
+            detail = (
+                ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+                or "same options"
+            )
             raise ValueError(
                 f"the checkpoint's SOLAR schedule does not match this configuration ({detail}; schedule hash "
                 f"{state_dict.get('schedule_hash')} vs {self.schedule.schedule_hash}). Resume with the same data, "

@@ -228,7 +228,9 @@ class SolarLoader:
         self.schedule.release(epoch)
         steps = plan[start:]
         self._sampler.requests = self._requests(steps)
-        self.epoch_stats = dict.fromkeys(("samples", "hits", "reads", "bytes", "wait_s", "read_s", "steps"), 0.0)
+        self.epoch_stats = dict.fromkeys(
+            ("samples", "hits", "reads", "bytes", "wait_s", "read_s", "steps"), 0.0
+        )
         self.epoch_stats["wall_s"] = 0.0
         epoch_start = time.perf_counter()
         if not steps:
@@ -251,7 +253,7 @@ class SolarLoader:
                 arr = torch.empty((n, *shapes[key]), dtype=torch.from_numpy(np.empty(0, dtypes[key])).dtype)
                 from_read = [(i, read_pos[x]) for i, x in enumerate(ids.tolist()) if x in read_pos]
                 if from_read:
-                    dst, src = zip(*from_read)
+                    dst, src = zip(*from_read, strict=False)
                     arr[list(dst)] = res["data"][key][list(src)]
                 for i, x in enumerate(ids.tolist()):
                     if x not in read_pos:

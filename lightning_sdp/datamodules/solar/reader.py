@@ -11,8 +11,8 @@ import io
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,10 +35,12 @@ def coalesce_runs(sorted_ids: np.ndarray, max_gap: int = 0) -> list[tuple[int, i
     breaks = np.flatnonzero(np.diff(ids) > max_gap + 1)
     starts = np.concatenate(([ids[0]], ids[breaks + 1]))
     stops = np.concatenate((ids[breaks], [ids[-1]])) + 1
-    return list(zip(starts.tolist(), stops.tolist()))
+    return list(zip(starts.tolist(), stops.tolist(), strict=True))
 
 
-def read_coalesced(dset: Any, ids: Sequence[int] | np.ndarray, max_gap: int = 0) -> tuple[np.ndarray, int, int]:
+def read_coalesced(
+    dset: Any, ids: Sequence[int] | np.ndarray, max_gap: int = 0
+) -> tuple[np.ndarray, int, int]:
     """Read rows ``ids`` (any order, repeats allowed) of an array-like with one slice read per run.
 
     Args:
@@ -201,7 +203,9 @@ class DatasetInfo:
     @property
     def sample_nbytes(self) -> int:
         """Bytes of one sample over all keys."""
-        return int(sum(int(np.prod(s, dtype=np.int64)) * self.dtypes[k].itemsize for k, s in self.shapes.items()))
+        return int(
+            sum(int(np.prod(s, dtype=np.int64)) * self.dtypes[k].itemsize for k, s in self.shapes.items())
+        )
 
 
 def _open_h5(path: str, fileobj: Any = None, rdcc_nbytes: int = 0) -> Any:
@@ -243,7 +247,9 @@ def inspect_h5(path: str | os.PathLike, keys: Sequence[str]) -> DatasetInfo:
             shapes[key] = tuple(dset.shape[1:])
             dtypes[key] = dset.dtype
         if len(set(lengths.values())) > 1:
-            raise ValueError(f"datasets in {path!r} have different lengths {lengths}; inputs and targets must match")
+            raise ValueError(
+                f"datasets in {path!r} have different lengths {lengths}; inputs and targets must match"
+            )
     n = next(iter(lengths.values()))
     if n == 0:
         raise ValueError(f"datasets {list(keys)} in {path!r} are empty")
@@ -303,7 +309,9 @@ class HDF5Reader:
 
     def _handle(self) -> Any:
         if self._file is None or self._pid != os.getpid():
-            self._file = self._raw = self._pool = self._layout = None  # never close handles inherited through fork
+            self._file = self._raw = self._pool = self._layout = (
+                None  # never close handles inherited through fork
+            )
             if self.throttle is not None:
                 self._fileobj = ThrottledFile(self.path, self.throttle)
                 self._file = _open_h5(self.path, self._fileobj, self.rdcc_nbytes)
@@ -347,7 +355,9 @@ class HDF5Reader:
 
         assert self._pool is not None
         futures = [
-            self._pool.submit(job, key, a, b, lo, hi) for key in self.keys for (a, b), (lo, hi) in zip(runs, bounds)
+            self._pool.submit(job, key, a, b, lo, hi)
+            for key in self.keys
+            for (a, b), (lo, hi) in zip(runs, bounds, strict=True)
         ]
         self.bytes_read += sum(fut.result() for fut in futures)
         self.requests += len(futures)

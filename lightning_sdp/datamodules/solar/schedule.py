@@ -117,7 +117,10 @@ class SimulationReport:
 
     def summary(self) -> str:
         """A small text table, one line per epoch."""
-        lines = [f"bound C/N = {self.bound:.4f}", "epoch  hit_rate  reads/rank(min..max)  local batch(min..max)"]
+        lines = [
+            f"bound C/N = {self.bound:.4f}",
+            "epoch  hit_rate  reads/rank(min..max)  local batch(min..max)",
+        ]
         for e, rate in enumerate(self.hit_rate):
             reads, sizes = self.reads_per_rank[e], self.local_batch_sizes[e]
             lines.append(
@@ -360,10 +363,10 @@ class SolarSchedule:
                 next_use = (inv_next[local] + base) if inv_next is not None else np.full(len(local), _NEVER)
                 inserted: list[int] = []
                 evicted: list[int] = []
-                for x, is_hit, nu in zip(local.tolist(), hit.tolist(), next_use.tolist()):
+                for x, is_hit, nu in zip(local.tolist(), hit.tolist(), next_use.tolist(), strict=True):
                     if is_hit:
                         buf.hit(x, nu)
-                for x, is_hit, nu in zip(local.tolist(), hit.tolist(), next_use.tolist()):
+                for x, is_hit, nu in zip(local.tolist(), hit.tolist(), next_use.tolist(), strict=True):
                     if is_hit or (self.reroute and state.holder[x] >= 0):
                         continue  # buffered on another rank (cap overflow): no duplicate
                     ok, ev = buf.offer(x, nu)

@@ -239,3 +239,15 @@ def test_yaml_config_trains_two_steps(tmp_path):
     )
     assert data.exists()
     assert list(tmp_path.rglob("*.ckpt")), "fit should have written a checkpoint"
+
+
+def test_tsp_epoch_order_needs_a_horizon_and_follows_it(ptycho):
+    with pytest.raises(ValueError, match="fixed number of epochs"):
+        _dm(ptycho, epoch_order="tsp").setup("fit")
+    dm = _dm(ptycho, epoch_order="tsp", max_epochs=3)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    for epoch in range(3):
+        ids = torch.cat([b["index"] for b in loader]).numpy()
+        assert np.array_equal(ids, dm.schedule.permutation(epoch))
+    assert sorted(dm.schedule._order) == [0, 1, 2]

@@ -271,7 +271,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--noise-seeds", type=int, default=1, help="extra seeds for none/none and qwd/tlq_hs")
     parser.add_argument("--modes", nargs="*", default=[f"{w}/{g}" for w, g in CONFIGS])
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run; writes sdp4bit_convergence_quick.*")
+    parser.add_argument("--name", default="sdp4bit_convergence", help="stem of the files in benchmarks/results/")
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run; writes <name>_quick.*")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.val_every, args.val_batches, args.n_embd, args.n_layer = 12, 6, 2, 32, 1
@@ -283,7 +284,7 @@ def main() -> None:
     payload, md, fig = summarise(results, args)
     payload["total_wall_s"] = time.perf_counter() - t0
     md += f"\nTotal wall time {payload['total_wall_s']:.0f} s.\n"
-    paths = write_results("sdp4bit_convergence" + ("_quick" if args.quick else ""), payload, md, fig)
+    paths = write_results(args.name + ("_quick" if args.quick else ""), payload, md, fig)
     print(md)
     print(paths)
 

@@ -1,0 +1,136 @@
+"""SDP4Bit fused Triton kernels: equality with the torch reference and memory bandwidth (needs a CUDA GPU).
+
+For each fused kernel the script checks the result against the plain-torch reference (bit-exact with explicit
+rounding offsets; dequantise-sum-Hadamard to float tolerance), then times it at ``--numel`` elements (64M by
+default) and reports the achieved bandwidth, counted as bytes read + written, next to the card's measured copy
+bandwidth (``torch.Tensor.copy_`` of an fp32 buffer). The issue's target: at least half of the copy bandwidth.
+Writes ``benchmarks/results/sdp4bit_kernels.{json,md}``.
+
+    .venv/bin/python benchmarks/sdp4bit_kernels.py                 # on a GPU
+    TRITON_INTERPRET=1 .venv/bin/python benchmarks/sdp4bit_kernels.py --quick   # CPU smoke run of the script only
+
+``--quick`` uses a few thousand elements (the CPU interpreter is slow) and writes ``sdp4bit_kernels_quick.*``;
+its timings say nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks._common import machine_info, markdown_table, write_results  # noqa: E402
+
+
+def _time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    fn()  # compile / warm up
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--numel", type=int, default=64 * 2**20)
+    parser.add_argument("--peers", type=int, default=2, help="K contributions summed by the receive kernels")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    from lightning_sdp.kernels import quantization as ref
+    from lightning_sdp.kernels import triton_quant as tq
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.quick:
+        raise SystemExit("No CUDA device: run with --quick (under TRITON_INTERPRET=1) to smoke-test the script only.")
+    if args.quick:
+        args.numel, args.repeats = 8 * 2048, 2
+    n, k, gw, gg = args.numel, args.peers, 2048, 128
+    g = torch.Generator(device=device).manual_seed(0)
+    master = torch.randn(n, device=device, generator=g)
+    model = master + 0.01 * torch.randn(n, device=device, generator=g)
+    grad = torch.randn(n, device=device, generator=g)
+    noise = torch.rand(n, device=device, generator=g)
+
+    # correctness on a slice (reference is slow on big inputs)
+    m = min(n, 2**20)
+    checks = {}
+    a = tq.encode(master[:m], 4, gw, noise=noise[:m], reference=model[:m])
+    b = ref.quantize_difference(master[:m], model[:m], 4, gw, noise=noise[:m])
+    checks["subtract+quantise (qWD, 4-bit)"] = bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
+    tgt = model[:m].clone()
+    checks["dequantise+add"] = bool(
+        torch.equal(tq.dequantize_add_(tgt.clone(), *b, 4, gw), ref.dequantize_add_(tgt.clone(), *b, 4, gw))
+    )
+    ha = tq.encode(grad[:m], 8, gg, noise=noise[:m], hadamard_size=32)
+    hb = ref.hadamard_quantize(grad[:m], 8, gg, 32, noise=noise[:m])
+    diff = (ha[0].view(torch.int8).int() - hb[0].view(torch.int8).int()).abs()
+    checks["Hadamard+quantise (8-bit)"] = bool(diff.max() <= 1 and (diff > 0).float().mean() < 1e-3)
+    rows8 = torch.stack([ref.encode(grad[:m].roll(i), 8, gg, "nearest")[0] for i in range(k)])
+    sc8 = torch.stack([ref.encode(grad[:m].roll(i), 8, gg, "nearest")[1] for i in range(k)])
+    r1 = tq.dequantize_sum_requantize(rows8, sc8, 8, gg, 4, gg, noise=noise[:m])
+    r2 = ref.dequantize_sum_requantize(rows8, sc8, 8, gg, 4, gg, noise=noise[:m])
+    checks["dequantise+sum+requantise (8->4)"] = bool(torch.equal(r1[0], r2[0]) and torch.equal(r1[1], r2[1]))
+    rows4 = torch.stack([r1[0]] * k)
+    sc4 = torch.stack([r1[1]] * k)
+    checks["dequantise+sum+inverse Hadamard"] = bool(
+        torch.allclose(tq.dequantize_sum_hadamard(rows4, sc4, 4, gg, 32), ref.dequantize_sum_hadamard(rows4, sc4, 4, gg, 32), rtol=1e-5, atol=1e-5)
+    )  # fmt: skip
+
+    # bandwidth at n elements: bytes read + written per call
+    p4, s4 = tq.encode(master, 4, gw, reference=model)
+    p8 = torch.stack([tq.encode(grad.roll(i), 8, gg, hadamard_size=32)[0] for i in range(k)])
+    s8 = torch.stack([tq.encode(grad.roll(i), 8, gg, hadamard_size=32)[1] for i in range(k)])
+    q4, t4 = tq.dequantize_sum_requantize(p8, s8, 8, gg, 4, gg)
+    q4k, t4k = torch.stack([q4] * k), torch.stack([t4] * k)
+    target = model.clone()
+    copy_dst = torch.empty_like(master)
+    cases = {
+        "copy fp32 (baseline)": (lambda: copy_dst.copy_(master), 8 * n),
+        "subtract+quantise (qWD, 4-bit)": (lambda: tq.encode(master, 4, gw, reference=model), 8 * n + n // 2 + 4 * n // gw),
+        "dequantise+add (4-bit)": (lambda: tq.dequantize_add_(target, p4, s4, 4, gw), n // 2 + 4 * n // gw + 8 * n),
+        "Hadamard+quantise (8-bit)": (lambda: tq.encode(grad, 8, gg, hadamard_size=32), 4 * n + n + 4 * n // gg),
+        f"dequantise {k}+sum+requantise (8->4)": (
+            lambda: tq.dequantize_sum_requantize(p8, s8, 8, gg, 4, gg), k * (n + 4 * n // gg) + n // 2 + 4 * n // gg
+        ),
+        f"dequantise {k}+sum+inverse Hadamard (4-bit)": (
+            lambda: tq.dequantize_sum_hadamard(q4k, t4k, 4, gg, 32), k * (n // 2 + 4 * n // gg) + 4 * n
+        ),
+    }  # fmt: skip
+    rows = []
+    copy_bw = None
+    for name, (fn, nbytes) in cases.items():
+        sec = _time(fn, device, args.repeats)
+        bw = nbytes / sec / 1e9
+        copy_bw = copy_bw or bw
+        rows.append({"kernel": name, "ms": 1e3 * sec, "GB/s": bw, "fraction of copy bandwidth": bw / copy_bw,
+                     "target >= 0.5": "baseline" if name.startswith("copy") else ("yes" if bw / copy_bw >= 0.5 else "NO")})  # fmt: skip
+    md = [
+        f"# SDP4Bit fused kernels ({device.type}, {n} elements, K={k})",
+        "",
+        "Equality with the torch reference: " + ", ".join(f"{c}: {'ok' if v else 'MISMATCH'}" for c, v in checks.items()),
+        "",
+        markdown_table(rows),
+        "",
+    ]
+    if args.quick:
+        md.insert(1, "\nSmoke run of the script under the CPU interpreter: the timings mean nothing.\n")
+    payload = {"args": vars(args), "checks": checks, "rows": rows, "machine": machine_info()}
+    write_results("sdp4bit_kernels" + ("_quick" if args.quick else ""), payload, "\n".join(md))
+    print("\n".join(md))
+    if not all(checks.values()):
+        raise SystemExit("a Triton kernel disagrees with the torch reference")
+
+
+if __name__ == "__main__":
+    main()

@@ -46,7 +46,7 @@ def _optim(net: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_schedu
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, _lambda)
 
 
-def _module(nan_at_step: int | None = None):
+def _module(nan_at_step: int | None = None, partial_at_step: int | None = None):
     import lightning.pytorch as pl
 
     class Tiny(pl.LightningModule):
@@ -58,6 +58,9 @@ def _module(nan_at_step: int | None = None):
         def training_step(self, batch, batch_idx):
             x, y = batch
             loss = nn.functional.mse_loss(self.net(x), y)
+            if partial_at_step is not None and self.global_step == partial_at_step and self.global_rank == 2:
+                # this rank leaves net.2 unused (its gradients stay None); the collectives still run everywhere
+                loss = self.net[0](x).pow(2).mean()
             if nan_at_step is not None and self.global_step == nan_at_step and self.global_rank == 1:
                 loss = loss * float("nan")
             self.losses.append(float(loss.detach()))
@@ -160,6 +163,9 @@ def _four_process_run(rank: int, world: int, tmp: str) -> dict:
     out["skip_finite"] = bool(torch.isfinite(_flat_params(module.net)).all())
     out["skip_identical"] = _identical_on_all_ranks(_flat_params(module.net))
     out["skip_global_step"] = trainer.global_step
+    module = _module(partial_at_step=1)
+    _trainer(SDP4BitStrategy(intra_node_size=2, weight_group_size=256), world, max_epochs=2).fit(module)
+    out["partial_identical"] = _identical_on_all_ranks(_flat_params(module.net))
     module = _module(nan_at_step=1)
     try:
         _trainer(SDP4BitStrategy(intra_node_size=2, weight_group_size=256), world, max_epochs=2).fit(module)
@@ -344,6 +350,7 @@ def test_nonfinite_gradients(four):
         assert res["skipped"] == 1
         assert res["skip_finite"] and res["skip_identical"]
         assert res["skip_global_step"] == 4
+        assert res["partial_identical"]  # a rank with unused parameters took part with zero gradients
         assert "non-finite" in res["raised"] and "rank 1: net.0.weight" in res["raised"]
 
 

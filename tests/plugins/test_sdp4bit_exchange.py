@@ -103,7 +103,7 @@ def _weight_checks(rank: int, world: int) -> dict:
         master = init[rank * s : (rank + 1) * s].clone()
         drift = []
         stats = CommStats()
-        for step in range(40):
+        for step in range(200):
             master += 0.01 * torch.randn(s, generator=gen)
             rng.reset(step)
             stats.new_step()
@@ -185,7 +185,8 @@ def test_weight_exchange_qwd_vs_qw(results):
         assert res["qwd"]["bits"] == pytest.approx(4 + 32 / 2048) == pytest.approx(4.015625)
         assert res["none"]["bits"] == 32.0
         drift = res["qwd"]["drift"]
-        assert max(drift) < 0.05 and max(drift[-20:]) < 2 * max(drift[:20]) + 1e-3  # bounded, no accumulation
+        # bounded over 200 steps: the error of each step is corrected at the next, it does not accumulate
+        assert max(drift) < 0.05 and max(drift[-50:]) < 2 * max(drift[:50])
         # qW carries the full 4-bit error of the weights every step; qWD only that of the small difference
         assert min(res["qw"]["drift"]) > 10 * max(drift)
         assert res["none"]["drift"][-1] == 0.0

@@ -52,7 +52,9 @@ def main() -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.quick:
-        raise SystemExit("No CUDA device: run with --quick (under TRITON_INTERPRET=1) to smoke-test the script only.")
+        raise SystemExit(
+            "No CUDA device: run with --quick (under TRITON_INTERPRET=1) to smoke-test the script only."
+        )
     if args.quick:
         args.numel, args.repeats = 8 * 2048, 2
     n, k, gw, gg = args.numel, args.peers, 2048, 128
@@ -118,7 +120,8 @@ def main() -> None:
     md = [
         f"# SDP4Bit fused kernels ({device.type}, {n} elements, K={k})",
         "",
-        "Equality with the torch reference: " + ", ".join(f"{c}: {'ok' if v else 'MISMATCH'}" for c, v in checks.items()),
+        "Equality with the torch reference: "
+        + ", ".join(f"{c}: {'ok' if v else 'MISMATCH'}" for c, v in checks.items()),
         "",
         markdown_table(rows),
         "",

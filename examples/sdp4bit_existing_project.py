@@ -29,7 +29,9 @@ class Regressor(LightningModule):
     def __init__(self, width: int = 256, lr: float = 3e-3) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(16, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 1))
+        self.net = nn.Sequential(
+            nn.Linear(16, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 1)
+        )
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch

@@ -66,6 +66,18 @@ def worker(steps: int) -> None:
     print("SDP4BIT_TOPOLOGY " + json.dumps(report), flush=True)
 
 
+def _parse_reports(output: str) -> list[dict]:
+    """The JSON reports of the ranks (the two ranks of a node share stdout, so lines may interleave)."""
+    decoder = json.JSONDecoder()
+    marker = "SDP4BIT_TOPOLOGY "
+    reports, pos = [], output.find(marker)
+    while pos >= 0:
+        report, end = decoder.raw_decode(output, pos + len(marker))
+        reports.append(report)
+        pos = output.find(marker, end)
+    return reports
+
+
 def launch(steps: int) -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -75,8 +87,13 @@ def launch(steps: int) -> int:
     script = [str(Path(__file__).resolve()), "--steps", str(steps)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     agents = [
-        subprocess.Popen(torchrun + common + [f"--node-rank={n}"] + script, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        subprocess.Popen(
+            torchrun + common + [f"--node-rank={n}"] + script,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
         for n in (0, 1)
     ]
     reports = []
@@ -85,7 +102,7 @@ def launch(steps: int) -> int:
         if agent.returncode:
             print(out)
             raise SystemExit(f"torchrun agent of node {n} failed with exit code {agent.returncode}")
-        reports += [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith("SDP4BIT_TOPOLOGY")]
+        reports += _parse_reports(out)
     for r in sorted(reports, key=lambda r: r["rank"]):
         print(json.dumps(r))
     ok = len(reports) == 4 and all(r["intra_node_size"] == 2 and r["inter_node_size"] == 2 for r in reports)

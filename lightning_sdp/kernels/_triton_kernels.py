@@ -21,6 +21,7 @@ def _load_codes(ptr, base, GROUP: tl.constexpr, PACK: tl.constexpr):
         q = tl.load(ptr + base + tl.arange(0, GROUP)).to(tl.int32)
     return q.to(tl.float32)
 
+
 @triton.jit
 def _quantize_store(
     v, g, base, noise_ptr, seed, out_ptr, scale_ptr,
@@ -45,6 +46,7 @@ def _quantize_store(
     else:
         tl.store(out_ptr + offs, q.to(tl.int8))
 
+
 @triton.jit
 def _hadamard_rows(v, h_ptr, GROUP: tl.constexpr, HB: tl.constexpr):
     # y[r, j] = sum_k x[r, k] H[k, j] on every block of HB values of the group (exact ±1 products).
@@ -53,6 +55,7 @@ def _hadamard_rows(v, h_ptr, GROUP: tl.constexpr, HB: tl.constexpr):
     x = tl.reshape(v, (GROUP // HB, HB))
     y = tl.sum(x[:, :, None] * h[None, :, :], axis=1)
     return tl.reshape(y, (GROUP,))
+
 
 @triton.jit
 def encode_kernel(
@@ -69,6 +72,7 @@ def encode_kernel(
     if HADAMARD:
         v = _hadamard_rows(v, h_ptr, GROUP, HB)
     _quantize_store(v, g, base, noise_ptr, seed, out_ptr, scale_ptr, GROUP, QMAX, NOISE, PACK)
+
 
 @triton.jit
 def dequant_add_kernel(payload_ptr, scale_ptr, target_ptr, GROUP: tl.constexpr, PACK: tl.constexpr,
@@ -99,6 +103,7 @@ def _dequant_sum(payload_ptr, scale_ptr, base, K, row_bytes, row_groups, GROUP: 
         acc += q * s
     return acc
 
+
 @triton.jit
 def dequant_sum_requant_kernel(
     payload_ptr, scale_ptr, noise_ptr, out_ptr, out_scale_ptr, seed, K, row_bytes, row_groups,
@@ -109,6 +114,7 @@ def dequant_sum_requant_kernel(
     base = g.to(tl.int64) * GROUP
     acc = _dequant_sum(payload_ptr, scale_ptr, base, K, row_bytes, row_groups, GROUP, GROUP_IN, PACK_IN)
     _quantize_store(acc, g, base, noise_ptr, seed, out_ptr, out_scale_ptr, GROUP, QMAX, NOISE, PACK)
+
 
 @triton.jit
 def dequant_sum_hadamard_kernel(
@@ -122,4 +128,3 @@ def dequant_sum_hadamard_kernel(
     if HADAMARD:
         acc = _hadamard_rows(acc, h_ptr, GROUP, HB) * inv_n
     tl.store(out_ptr + base + tl.arange(0, GROUP), acc)
-

@@ -53,7 +53,9 @@ def _kernels() -> Any:
     }
 
 
-def _noise_args(numel: int, rounding: Rounding, noise: Tensor | None, device: torch.device) -> tuple[int, Tensor]:
+def _noise_args(
+    numel: int, rounding: Rounding, noise: Tensor | None, device: torch.device
+) -> tuple[int, Tensor]:
     if noise is not None:
         if noise.numel() != numel:
             raise ValueError(f"noise has {noise.numel()} values, expected {numel}.")
@@ -102,7 +104,9 @@ def encode(
     if hadamard_size is not None:
         _pow2(hadamard_size, "hadamard_size")
         if group_size % hadamard_size:
-            raise ValueError(f"group_size ({group_size}) must be a multiple of hadamard_size ({hadamard_size}).")
+            raise ValueError(
+                f"group_size ({group_size}) must be a multiple of hadamard_size ({hadamard_size})."
+            )
     h = hadamard_matrix(hb, device=x.device)
     if reference is not None:
         reference = reference.reshape(-1).contiguous()
@@ -138,7 +142,11 @@ def dequantize_add_(target: Tensor, payload: Tensor, scales: Tensor, bits: int, 
     if payload.numel() != payload_bytes(n, bits) or scales.numel() * group_size != n:
         raise ValueError(f"payload/scales do not describe {n} values at {bits} bits, group {group_size}.")
     kernels["dequant_add"][(n // group_size,)](
-        _wire_view(payload.contiguous(), bits), scales.contiguous(), target, GROUP=group_size, PACK=bits == 4,
+        _wire_view(payload.contiguous(), bits),
+        scales.contiguous(),
+        target,
+        GROUP=group_size,
+        PACK=bits == 4,
         BF16=target.dtype == torch.bfloat16,
     )
     return target
@@ -214,7 +222,9 @@ def dequantize_sum_hadamard(
     if hadamard_size is not None:
         _pow2(hadamard_size, "hadamard_size")
         if group_size % hadamard_size:
-            raise ValueError(f"group_size ({group_size}) must be a multiple of hadamard_size ({hadamard_size}).")
+            raise ValueError(
+                f"group_size ({group_size}) must be a multiple of hadamard_size ({hadamard_size})."
+            )
     out = torch.empty(n, dtype=torch.float32, device=payloads.device)
     kernels["dequant_sum_hadamard"][(n // group_size,)](
         _wire_view(payloads.contiguous(), bits), scales.contiguous(), hadamard_matrix(hb, device=payloads.device),

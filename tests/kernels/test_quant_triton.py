@@ -35,7 +35,7 @@ def test_encode_equals_reference(tq, bits, n, group):
         payload, scales = tq.encode(x, bits, group, noise=noise, **kwargs)
         assert torch.equal(payload, expected[0]) and torch.equal(scales, expected[1])
     nearest = tq.encode(x, bits, group, "nearest")
-    assert all(torch.equal(a, b) for a, b in zip(nearest, q.encode(x, bits, group, "nearest")))
+    assert all(torch.equal(a, b) for a, b in zip(nearest, q.encode(x, bits, group, "nearest"), strict=True))
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -53,13 +53,19 @@ def test_hadamard_encode_equals_reference(tq, bits):
 def test_in_kernel_stochastic_rounding(tq):
     x = torch.randn(4 * 64)
     a = tq.encode(x, 4, 64, "stochastic", seed=3)
-    assert all(torch.equal(u, v) for u, v in zip(a, tq.encode(x, 4, 64, "stochastic", seed=3)))  # reproducible
+    assert all(
+        torch.equal(u, v) for u, v in zip(a, tq.encode(x, 4, 64, "stochastic", seed=3), strict=True)
+    )  # reproducible
     assert not torch.equal(a[0], tq.encode(x, 4, 64, "stochastic", seed=4)[0])
     err = q.decode(*a, 4, 64) - x
     assert torch.all(err.abs() <= a[1].repeat_interleave(64) * (1 + 1e-6))
     # unbiased: averaging many seeds converges to x
-    mean = torch.stack([q.decode(*tq.encode(x, 4, 64, "stochastic", seed=s), 4, 64) for s in range(100)]).mean(0)
-    assert (mean - x).abs().mean() < 0.35 * (q.decode(*tq.encode(x, 4, 64, "nearest"), 4, 64) - x).abs().mean()
+    mean = torch.stack(
+        [q.decode(*tq.encode(x, 4, 64, "stochastic", seed=s), 4, 64) for s in range(100)]
+    ).mean(0)
+    assert (mean - x).abs().mean() < 0.35 * (
+        q.decode(*tq.encode(x, 4, 64, "nearest"), 4, 64) - x
+    ).abs().mean()
 
 
 @pytest.mark.parametrize("bits", [4, 8])

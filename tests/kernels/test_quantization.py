@@ -55,7 +55,9 @@ def test_pack_roundtrip_and_layout():
         x = torch.randn(512)
         payload, scales = q.encode(x, bits, 128, "nearest")
         assert payload.numel() == q.payload_bytes(512, bits)
-        torch.testing.assert_close(q.decode(payload, scales, bits, 128), q.dequantize(*q.quantize(x, bits, 128, "nearest"), 128))
+        torch.testing.assert_close(
+            q.decode(payload, scales, bits, 128), q.dequantize(*q.quantize(x, bits, 128, "nearest"), 128)
+        )
 
 
 def test_explicit_noise_equals_generator_noise():
@@ -70,7 +72,12 @@ def test_fused_references_compose_the_plain_steps():
     g = 128
     x, r = torch.randn(512), torch.randn(512)
     noise = torch.rand(512)
-    assert all(torch.equal(a, b) for a, b in zip(q.quantize_difference(x, r, 4, g, noise=noise), q.encode(x - r, 4, g, noise=noise)))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            q.quantize_difference(x, r, 4, g, noise=noise), q.encode(x - r, 4, g, noise=noise), strict=True
+        )
+    )
     target = r.clone()
     payload, scales = q.encode(x - r, 8, g, noise=noise)
     q.dequantize_add_(target, payload, scales, 8, g)
@@ -79,9 +86,11 @@ def test_fused_references_compose_the_plain_steps():
     rows = torch.stack([ph, q.encode(r, 8, g, noise=noise)[0]])
     srows = torch.stack([sh, q.encode(r, 8, g, noise=noise)[1]])
     total = q.decode(rows[0], srows[0], 8, g) + q.decode(rows[1], srows[1], 8, g)
-    torch.testing.assert_close(q.dequantize_sum_hadamard(rows, srows, 8, g, 32), hadamard_transform(total, 32) / 32)
+    torch.testing.assert_close(
+        q.dequantize_sum_hadamard(rows, srows, 8, g, 32), hadamard_transform(total, 32) / 32
+    )
     p4, s4 = q.dequantize_sum_requantize(rows, srows, 8, g, 4, g, noise=noise)
-    assert all(torch.equal(a, b) for a, b in zip((p4, s4), q.encode(total, 4, g, noise=noise)))
+    assert all(torch.equal(a, b) for a, b in zip((p4, s4), q.encode(total, 4, g, noise=noise), strict=True))
     # Hadamard smoothing round trip: quantise in the transformed domain, invert, close to x
     back = q.dequantize_sum_hadamard(ph[None], sh[None], 8, g, 32)
     assert (back - x).norm() / x.norm() < 0.02

@@ -42,7 +42,9 @@ def _net() -> nn.Module:
 def _optim(net: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     decay = [p for p in net.parameters() if p.dim() == 2]
     no_decay = [p for p in net.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=LR)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=LR
+    )
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, _lambda)
 
 
@@ -125,7 +127,12 @@ def _four_process_run(rank: int, world: int, tmp: str) -> dict:
     out["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
     out["topology"] = (strategy.topology.intra_size, strategy.topology.inter_size)
     out["state_dict_is_master"] = float(
-        (torch.cat([v.reshape(-1) for v in strategy.lightning_module_state_dict().values()]) - out["full_params"]).abs().max()
+        (
+            torch.cat([v.reshape(-1) for v in strategy.lightning_module_state_dict().values()])
+            - out["full_params"]
+        )
+        .abs()
+        .max()
     )
     module = _module()
     trainer = _trainer(sdp(), world, max_epochs=2)
@@ -182,7 +189,9 @@ def _four_process_run(rank: int, world: int, tmp: str) -> dict:
     dm = CharTextDataModule(block_size=16, batch_size=4)
     dm.setup("fit")
     torch.manual_seed(0)
-    gpt = GPT(vocab_size=dm.vocab_size, n_layer=1, n_head=2, n_embd=32, block_size=16, max_steps=3, warmup_steps=1)
+    gpt = GPT(
+        vocab_size=dm.vocab_size, n_layer=1, n_head=2, n_embd=32, block_size=16, max_steps=3, warmup_steps=1
+    )
     strategy = SDP4BitStrategy(intra_node_size=2, weight_group_size=256)
     trainer = pl.Trainer(
         strategy=strategy, devices=world, accelerator="cpu", max_steps=3, precision="bf16-true", limit_val_batches=1,
@@ -191,7 +200,10 @@ def _four_process_run(rank: int, world: int, tmp: str) -> dict:
     )  # fmt: skip
     trainer.fit(gpt, dm)
     trainer.save_checkpoint(f"{tmp}/gpt.ckpt")
-    out["gpt_dtypes"] = (str(gpt.lm_head.weight.dtype), str(strategy.optimizers[0].param_groups[0]["params"][0].dtype))
+    out["gpt_dtypes"] = (
+        str(gpt.lm_head.weight.dtype),
+        str(strategy.optimizers[0].param_groups[0]["params"][0].dtype),
+    )
     out["gpt_identical"] = _identical_on_all_ranks(_flat_params(gpt).float())
     out["gpt_tied"] = gpt.lm_head.weight is gpt.transformer.wte.weight
     out["gpt_val"] = float(trainer.callback_metrics["val/loss"])
@@ -214,11 +226,16 @@ def _two_process_resume(rank: int, world: int, tmp: str) -> dict:
     state = strategy.optimizer_state(trainer.optimizers[0])
     saved = ckpt["optimizer_states"][0]
     same = all(
-        torch.equal(state["state"][i][k], saved["state"][i][k]) for i in saved["state"] for k in saved["state"][i]
-    ) and all(torch.equal(state["sdp4bit"]["master"][i], saved["sdp4bit"]["master"][i]) for i in saved["state"])
+        torch.equal(state["state"][i][k], saved["state"][i][k])
+        for i in saved["state"]
+        for k in saved["state"][i]
+    ) and all(
+        torch.equal(state["sdp4bit"]["master"][i], saved["sdp4bit"]["master"][i]) for i in saved["state"]
+    )
     order = [0, 2, 1, 3]  # optimizer index of net.0.weight, net.0.bias, net.2.weight, net.2.bias
     weights_are_master = all(
-        torch.equal(p.detach(), saved["sdp4bit"]["master"][i]) for i, p in zip(order, module.net.parameters())
+        torch.equal(p.detach(), saved["sdp4bit"]["master"][i])
+        for i, p in zip(order, module.net.parameters(), strict=True)
     )
     module = _module()
     strategy = SDP4BitStrategy(weight_group_size=256, seed=1)
@@ -318,10 +335,14 @@ def test_checkpoint_resume_same_world_size(four):
 def test_checkpoint_from_four_processes_resumes_on_two(four, ckpt_dir):
     results = run_distributed(_two_process_resume, 2, str(ckpt_dir), timeout=300, init_group=False)
     for res in results:
-        assert res["same_state"]  # re-sharded for 2 ranks, consolidated again: identical to what 4 ranks saved
+        assert res[
+            "same_state"
+        ]  # re-sharded for 2 ranks, consolidated again: identical to what 4 ranks saved
         assert res["weights_are_master"]  # weight reference refreshed to the exact master weights
         assert res["topology"] == (2, 1)
-        assert res["global_step"] == 4 + 4  # saved after 4 steps; epoch 3 on 2 ranks: 32 samples / 4 / accumulation 2
+        assert (
+            res["global_step"] == 4 + 4
+        )  # saved after 4 steps; epoch 3 on 2 ranks: 32 samples / 4 / accumulation 2
         assert res["identical"]
         assert all(math.isfinite(v) for v in res["losses"])
 
@@ -334,14 +355,14 @@ def test_checkpoint_is_world_size_independent_and_loads_in_plain_process(four, c
     # keyed like the unsharded AdamW: one entry per parameter, with the parameter's shape
     assert sorted(opt_state["state"]) == list(range(4))
     order = [0, 2, 1, 3]  # group 0 holds the weights, group 1 the biases
-    for idx, shape in zip(order, shapes):
+    for idx, shape in zip(order, shapes, strict=True):
         assert tuple(opt_state["state"][idx]["exp_avg"].shape) == shape
     assert [g["params"] for g in opt_state["param_groups"]] == [[0, 1], [2, 3]]
     # a plain (unsharded) AdamW accepts it
     opt, _ = _optim(net)
     opt.load_state_dict(opt_state)
     # the model weights in the checkpoint are the exact master weights
-    for idx, (name, p) in zip(order, net.named_parameters()):
+    for idx, (name, _) in zip(order, net.named_parameters(), strict=True):
         assert torch.equal(ckpt["state_dict"][f"net.{name}"], opt_state["sdp4bit"]["master"][idx])
 
 

@@ -80,7 +80,11 @@ def test_yaml_config_builds_the_strategy(tmp_path):
     cli = cli_main(["--config", str(config), f"--trainer.default_root_dir={tmp_path}"], run=False)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, SDP4BitStrategy)
-    assert (strategy.weight_compression, strategy.gradient_compression, strategy.intra_node_size) == ("qwd", "tlq_hs", 2)
+    assert (strategy.weight_compression, strategy.gradient_compression, strategy.intra_node_size) == (
+        "qwd",
+        "tlq_hs",
+        2,
+    )
     cfg = tmp_path / "alias.yaml"
     cfg.write_text(
         "trainer:\n  strategy: sdp4bit\n  accelerator: cpu\n  devices: 2\n"

@@ -81,12 +81,21 @@ def _gradient_checks(rank: int, world: int, intra: int) -> dict:
     # unbiased: the mean over independent roundings approaches the exact sum
     fmt = gradient_format("tlq_hs", 8, 4, 32)
     reps = [
-        (rng.reset(step), reduce_scatter_gradients(flats[rank].clone(), topo, fmt, G, "stochastic", rng, ops))[1]
+        (
+            rng.reset(step),
+            reduce_scatter_gradients(flats[rank].clone(), topo, fmt, G, "stochastic", rng, ops),
+        )[1]
         for step in range(8)
     ]
     out["mean_rel_err"] = float((torch.stack(reps).mean(0) - exact).norm() / exact.norm())
     out["reproducible"] = bool(
-        torch.equal(reps[3], (rng.reset(3), reduce_scatter_gradients(flats[rank].clone(), topo, fmt, G, "stochastic", rng, ops))[1])
+        torch.equal(
+            reps[3],
+            (
+                rng.reset(3),
+                reduce_scatter_gradients(flats[rank].clone(), topo, fmt, G, "stochastic", rng, ops),
+            )[1],
+        )
     )
     return out
 
@@ -202,7 +211,15 @@ def test_padding_and_bad_sizes():
     with pytest.raises(ValueError, match="not divisible by the world size"):
         from lightning_sdp.plugins.sdp4bit.topology import Topology
 
-        reduce_scatter_gradients(torch.zeros(10), Topology(0, 4, 2, 2), fmt, G, "nearest", RoundingRNG(0, 0, torch.device("cpu")), TorchOps())
+        reduce_scatter_gradients(
+            torch.zeros(10),
+            Topology(0, 4, 2, 2),
+            fmt,
+            G,
+            "nearest",
+            RoundingRNG(0, 0, torch.device("cpu")),
+            TorchOps(),
+        )
     with pytest.raises(ValueError, match="gradient_compression"):
         gradient_format("fp8", 8, 4, 32)
     assert topo.world_size == 1

@@ -158,7 +158,9 @@ class TorchOps:
         rng: RoundingRNG,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """Decode ``K`` rows, sum, encode again."""
-        return ref.dequantize_sum_requantize(payloads, scales, bits_in, group, bits_out, group, rounding, rng.generator)
+        return ref.dequantize_sum_requantize(
+            payloads, scales, bits_in, group, bits_out, group, rounding, rng.generator
+        )
 
     def dequantize_sum_hadamard(
         self, payloads: Tensor, scales: Tensor, bits: int, group: int, hadamard: int | None
@@ -284,7 +286,9 @@ def reduce_scatter_gradients(
     if not fmt.quantized:
         return _reduce_scatter_fp32(flat, topo, s, stats)
     if s % group_size or (fmt.hadamard and s % fmt.hadamard):
-        raise ValueError(f"The shard size {s} is not a whole number of groups of {group_size}; pad the buffer.")
+        raise ValueError(
+            f"The shard size {s} is not a whole number of groups of {group_size}; pad the buffer."
+        )
     first_bits = fmt.intra_bits if n_intra > 1 else fmt.inter_bits
     assert first_bits is not None and fmt.inter_bits is not None
     payload, scales = ops.encode(flat, first_bits, group_size, rounding, rng, hadamard=fmt.hadamard)
@@ -300,7 +304,9 @@ def reduce_scatter_gradients(
         _all_to_all(recv_s, send_s, topo.intra_group)
         if stats is not None:
             frac = _sent_fraction(n_intra)
-            stats.record("grad_intra", frac * (send_p.numel() + 4 * send_s.numel()), frac * n_inter * n_intra * s)
+            stats.record(
+                "grad_intra", frac * (send_p.numel() + 4 * send_s.numel()), frac * n_inter * n_intra * s
+            )
         recv_p, recv_s = recv_p.view(n_intra, -1), recv_s.view(n_intra, -1)
         if n_inter == 1:
             return ops.dequantize_sum_hadamard(recv_p, recv_s, bits, group_size, fmt.hadamard)

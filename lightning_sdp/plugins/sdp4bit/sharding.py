@@ -54,7 +54,9 @@ class FlatBucket:
         alignment: ``S`` is a multiple of this (lcm of the group sizes and the Hadamard size).
     """
 
-    def __init__(self, params: list[Tensor], names: list[str], world_size: int, rank: int, alignment: int) -> None:
+    def __init__(
+        self, params: list[Tensor], names: list[str], world_size: int, rank: int, alignment: int
+    ) -> None:
         if not params:
             raise ValueError("An optimizer param group has no parameters.")
         dtypes = {p.dtype for p in params}
@@ -85,7 +87,9 @@ class FlatBucket:
 
     def views(self, flat: Tensor) -> list[Tensor]:
         """Per-parameter views of a flat buffer with this bucket's layout."""
-        return [flat[a : a + n].view_as(p) for a, n, p in zip(self.offsets, self.numels, self.params)]
+        return [
+            flat[a : a + n].view_as(p) for a, n, p in zip(self.offsets[:-1], self.numels, self.params, strict=True)
+        ]
 
     @torch.no_grad()
     def load_from_params(self) -> None:
@@ -101,7 +105,7 @@ class FlatBucket:
     def gather_grads(self) -> Tensor:
         """Flat fp32 copy of the parameters' gradients (missing gradients count as zero)."""
         self.grad_flat.zero_()
-        for view, p in zip(self.views(self.grad_flat), self.params):
+        for view, p in zip(self.views(self.grad_flat), self.params, strict=True):
             if p.grad is not None:
                 view.copy_(p.grad)
         return self.grad_flat
@@ -110,7 +114,7 @@ class FlatBucket:
         """Names of the parameters whose gradient holds NaN or Inf."""
         return [
             name
-            for name, p in zip(self.names, self.params)
+            for name, p in zip(self.names, self.params, strict=True)
             if p.grad is not None and not bool(torch.isfinite(p.grad).all())
         ]
 
@@ -138,7 +142,7 @@ class FlatBucket:
     def shard_of(self, per_param: list[Tensor]) -> Tensor:
         """This rank's slice of the flat concatenation of ``per_param`` (zero padding), as fp32."""
         full = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
-        for view, t in zip(self.views(full), per_param):
+        for view, t in zip(self.views(full), per_param, strict=True):
             view.copy_(t.reshape(view.shape))
         return full[self.lo : self.lo + self.shard_size].clone()
 
@@ -173,7 +177,9 @@ def shard_optimizer(
     return buckets
 
 
-def consolidate_state(optimizer: Optimizer, buckets: list[FlatBucket], extra: dict[str, Any]) -> dict[str, Any]:
+def consolidate_state(
+    optimizer: Optimizer, buckets: list[FlatBucket], extra: dict[str, Any]
+) -> dict[str, Any]:
     """The optimizer state as the unsharded optimizer would save it (a collective; every rank must call it).
 
     Shard-shaped state tensors are all-gathered, cut per parameter and reshaped; scalar state (``step``) is copied.
@@ -188,7 +194,7 @@ def consolidate_state(optimizer: Optimizer, buckets: list[FlatBucket], extra: di
     groups = []
     masters: dict[int, Tensor] = {}
     index = 0
-    for group, bucket in zip(optimizer.param_groups, buckets):
+    for group, bucket in zip(optimizer.param_groups, buckets, strict=True):
         shard_state = optimizer.state.get(bucket.master, {})
         full = {
             k: bucket.gather_full(v) if isinstance(v, Tensor) and v.numel() == bucket.shard_size and v.dim() == 1
@@ -202,7 +208,11 @@ def consolidate_state(optimizer: Optimizer, buckets: list[FlatBucket], extra: di
             entry = {}
             for k, v in full.items():
                 is_flat = isinstance(v, Tensor) and v.dim() == 1 and v.numel() == bucket.padded
-                entry[k] = v[a : a + n].view_as(p).clone() if is_flat else (v.clone() if isinstance(v, Tensor) else v)
+                entry[k] = (
+                    v[a : a + n].view_as(p).clone()
+                    if is_flat
+                    else (v.clone() if isinstance(v, Tensor) else v)
+                )
             if entry:
                 state[index] = entry
             masters[index] = master_full[a : a + n].view(p.shape).clone()
@@ -231,7 +241,7 @@ def load_consolidated_state(optimizer: Optimizer, buckets: list[FlatBucket], sav
         )
     saved_state = saved.get("state", {})
     masters = saved.get("sdp4bit", {}).get("master", {})
-    for group, bucket, sgroup in zip(optimizer.param_groups, buckets, saved_groups):
+    for group, bucket, sgroup in zip(optimizer.param_groups, buckets, saved_groups, strict=True):
         ids = sgroup["params"]
         if len(ids) != len(bucket.params):
             raise ValueError(
@@ -245,7 +255,8 @@ def load_consolidated_state(optimizer: Optimizer, buckets: list[FlatBucket], sav
             values = [e.get(k) for e in entries]
             first = values[0]
             per_param = all(
-                isinstance(v, Tensor) and v.shape == p.shape and v.dim() > 0 for v, p in zip(values, bucket.params)
+                isinstance(v, Tensor) and v.shape == p.shape and v.dim() > 0
+                for v, p in zip(values, bucket.params, strict=True)
             )
             if per_param:
                 new_state[k] = bucket.shard_of(values).to(bucket.master.device)
@@ -266,7 +277,7 @@ def load_consolidated_state(optimizer: Optimizer, buckets: list[FlatBucket], sav
             if k != "params":
                 group[k] = v
         if all(i in masters for i in ids):
-            for i, p in zip(ids, bucket.params):
+            for i, p in zip(ids, bucket.params, strict=True):
                 if tuple(masters[i].shape) != tuple(p.shape):
                     raise ValueError(
                         f"The checkpoint's master weight {i} has shape {tuple(masters[i].shape)}, the parameter "

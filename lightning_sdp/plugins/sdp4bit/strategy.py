@@ -13,6 +13,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -28,7 +29,6 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_sdp.plugins.sdp4bit.exchange import (
     GRADIENT_MODES,
     WEIGHT_MODES,
@@ -145,14 +145,21 @@ class SDP4BitStrategy(DDPStrategy):
         if weight_compression not in WEIGHT_MODES:
             raise ValueError(f"weight_compression must be one of {WEIGHT_MODES}, got {weight_compression!r}.")
         if gradient_compression not in GRADIENT_MODES:
-            raise ValueError(f"gradient_compression must be one of {GRADIENT_MODES}, got {gradient_compression!r}.")
+            raise ValueError(
+                f"gradient_compression must be one of {GRADIENT_MODES}, got {gradient_compression!r}."
+            )
         for name, bits in (("weight_bits", weight_bits), ("gradient_intra_bits", gradient_intra_bits),
                            ("gradient_inter_bits", gradient_inter_bits)):  # fmt: skip
             if bits not in (4, 8):
                 raise ValueError(f"{name} must be 4 or 8, got {bits}.")
-        for name, size in (("weight_group_size", weight_group_size), ("gradient_group_size", gradient_group_size)):
+        for name, size in (
+            ("weight_group_size", weight_group_size),
+            ("gradient_group_size", gradient_group_size),
+        ):
             if size < 2 or size % 2:
-                raise ValueError(f"{name} must be a positive even number (two 4-bit codes per byte), got {size}.")
+                raise ValueError(
+                    f"{name} must be a positive even number (two 4-bit codes per byte), got {size}."
+                )
         if hadamard_size < 1 or hadamard_size & (hadamard_size - 1):
             raise ValueError(f"hadamard_size must be a power of two, got {hadamard_size}.")
         if gradient_compression == "tlq_hs" and gradient_group_size % hadamard_size:
@@ -257,7 +264,9 @@ class SDP4BitStrategy(DDPStrategy):
         self._buckets = {}
         for opt in self.optimizers:
             raw = opt._optimizer if isinstance(opt, LightningOptimizer) else opt
-            self._buckets[id(raw)] = shard_optimizer(raw, names, self.world_size, self.global_rank, self.alignment)
+            self._buckets[id(raw)] = shard_optimizer(
+                raw, names, self.world_size, self.global_rank, self.alignment
+            )
         # Global-norm clipping across shards (Lightning clips through the precision plugin).
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
 
@@ -274,7 +283,9 @@ class SDP4BitStrategy(DDPStrategy):
             for name, size in (("weight_group_size", self.weight_group_size),
                                ("gradient_group_size", self.gradient_group_size)):  # fmt: skip
                 if size & (size - 1):
-                    raise ValueError(f"kernel_backend='triton' needs {name} to be a power of two, got {size}.")
+                    raise ValueError(
+                        f"kernel_backend='triton' needs {name} to be a power of two, got {size}."
+                    )
             return TritonOps()
         pow2 = all(s & (s - 1) == 0 for s in (self.weight_group_size, self.gradient_group_size))
         if self.root_device.type == "cuda" and _TRITON_AVAILABLE and pow2:
@@ -310,7 +321,9 @@ class SDP4BitStrategy(DDPStrategy):
             return result
 
         model = model or self.lightning_module
-        output = self.precision_plugin.optimizer_step(optimizer, model=model, closure=closure_with_exchange, **kwargs)
+        output = self.precision_plugin.optimizer_step(
+            optimizer, model=model, closure=closure_with_exchange, **kwargs
+        )
         if not self._skip_current:
             self._exchange_weights(buckets)
         self._step += 1
@@ -326,7 +339,7 @@ class SDP4BitStrategy(DDPStrategy):
             self._handle_nonfinite(buckets, bad_local)
             return
         world = self.world_size
-        for bucket, flat in zip(buckets, flats):
+        for bucket, flat in zip(buckets, flats, strict=True):
             flat.div_(world)
             shard = reduce_scatter_gradients(
                 flat, self.topology, self.gradient_format, self.gradient_group_size, self.rounding, self._rng,
@@ -426,7 +439,7 @@ class SDP4BitStrategy(DDPStrategy):
             raise ValueError(
                 f"The checkpoint holds {len(states)} optimizer states, the model configures {len(self.optimizers)}."
             )
-        for opt, state in zip(self.optimizers, states):
+        for opt, state in zip(self.optimizers, states, strict=True):
             buckets = self._buckets_of(opt)
             if buckets is None:
                 opt.load_state_dict(state)
@@ -454,7 +467,7 @@ class SDP4BitStrategy(DDPStrategy):
         for buckets in self._buckets.values():
             for bucket in buckets:
                 full = bucket.full_master()
-                for p, view in zip(bucket.params, bucket.views(full)):
+                for p, view in zip(bucket.params, bucket.views(full), strict=True):
                     for name in aliases.get(id(p), []):
                         if name in state:
                             state[name] = view.to(state[name].dtype).clone()

@@ -93,6 +93,26 @@ def _register(registry: Any, alias: _Alias, cls: type, kind: str) -> bool:
     return True
 
 
+def register_class_aliases(cls: type) -> None:
+    """Register the aliases of a plugin class; called at the bottom of the plugin's own module.
+
+    Needed because a plugin module can be what first imports ``lightning.pytorch``: the import hook then runs
+    :func:`register_all` while the plugin module is half executed and its class does not exist yet.
+    """
+    if "lightning.pytorch" not in sys.modules:
+        return
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for aliases, registry, kind in (
+        (STRATEGY_ALIASES, StrategyRegistry, "strategy"),
+        (ACCELERATOR_ALIASES, AcceleratorRegistry, "accelerator"),
+    ):
+        for alias in aliases:
+            if alias.cls == cls.__name__ and cls.__module__.startswith(alias.module):
+                _register(registry, alias, cls, kind)
+
+
 def register_all() -> dict[str, bool]:
     """Register every alias whose plugin exists. Safe to call any number of times.
 

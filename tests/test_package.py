@@ -127,3 +127,26 @@ def test_a_plugin_that_fails_to_import_is_reported_not_fatal(monkeypatch, caplog
     with caplog.at_level("WARNING"):
         assert _registry.register_all() == {}
     assert "failed to import" in caplog.text and "lsdp_broken" in caplog.text
+
+
+def test_aliases_registered_when_a_plugin_module_imports_lightning_first():
+    stdout = _run_python(
+        """
+        import importlib.util
+        from lightning_sdp._registry import ACCELERATOR_ALIASES, STRATEGY_ALIASES
+        for a in STRATEGY_ALIASES + ACCELERATOR_ALIASES:
+            if importlib.util.find_spec(a.module) is None:
+                continue
+            # a fresh interpreter per plugin: the plugin module is what imports lightning.pytorch
+            import subprocess, sys
+            code = (
+                f"import {a.module} as m; getattr(m, {a.cls!r});"
+                "from lightning.pytorch.accelerators import AcceleratorRegistry;"
+                "from lightning.pytorch.strategies import StrategyRegistry;"
+                f"assert {a.name!r} in StrategyRegistry or {a.name!r} in AcceleratorRegistry, {a.name!r}"
+            )
+            subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+        print("ok")
+        """
+    )
+    assert stdout.strip() == "ok"

@@ -26,6 +26,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from typing_extensions import override
 
 from lightning_sdp._imports import _NUMBA_AVAILABLE
+from lightning_sdp._registry import register_class_aliases
 
 _log = logging.getLogger(__name__)
 
@@ -175,5 +176,8 @@ class HEATAccelerator(CPUAccelerator):
         # Registration goes through lightning_sdp._registry (idempotent, never overrides); nothing to do here.
         pass
 
+
+# When this module is what first imports lightning.pytorch, the import hook ran before the class existed.
+register_class_aliases(HEATAccelerator)
 
 __all__ = ["HEATAccelerator", "available_cores"]

@@ -26,6 +26,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
+
+from lightning_sdp._registry import register_class_aliases
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -474,20 +476,6 @@ class SDP4BitStrategy(DDPStrategy):
         return state
 
 
-def _register_aliases() -> None:
-    """Register ``"sdp4bit"``/``"sdp4bit_spawn"`` now that the class exists.
 
-    ``lightning_sdp._registry`` registers aliases the moment ``lightning.pytorch`` finishes importing. When this
-    module is what triggers that import, the class is not defined yet at that moment, so it registers itself here
-    (idempotent, and it never overrides a name somebody else registered).
-    """
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    from lightning_sdp._registry import STRATEGY_ALIASES, _register
-
-    for alias in STRATEGY_ALIASES:
-        if alias.cls == SDP4BitStrategy.__name__ and alias.module == __name__.rsplit(".", 1)[0]:
-            _register(StrategyRegistry, alias, SDP4BitStrategy, "strategy")
-
-
-_register_aliases()
+# When this module is what first imports lightning.pytorch, the import hook ran before the class existed.
+register_class_aliases(SDP4BitStrategy)

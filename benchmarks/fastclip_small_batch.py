@@ -232,23 +232,33 @@ def main() -> None:
     parser.add_argument("--losses", default="openclip,sogclr,fastclip_v1,fastclip_v3")
     parser.add_argument("--batches", default="16,32,64,128")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--dataset", default="shapes", choices=["shapes", "digits"])
-    parser.add_argument("--num-train", type=int, default=1536)
+    parser.add_argument("--num-train", type=int, default=1280)
     parser.add_argument("--num-val", type=int, default=400)
     parser.add_argument("--data-seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--temperature", type=float, default=0.07)
-    parser.add_argument("--lr-tau", type=float, default=2e-3)
+    parser.add_argument("--lr-tau", type=float, default=4e-4)
     parser.add_argument("--rho", type=float, default=6.5)
-    parser.add_argument("--gamma-min", type=float, default=0.2)
+    parser.add_argument("--gamma-min", type=float, default=0.8)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--workers", type=int, default=2, help="training runs in parallel processes")
     parser.add_argument("--comm-steps", type=int, default=10)
     parser.add_argument("--comm-batches", default="16,64")
     parser.add_argument("--no-comm", action="store_true")
     parser.add_argument("--name", default="fastclip_small_batch")
+    parser.add_argument("--from-json", default=None, help="re-render the tables and plot of a finished run's JSON")
     args = parser.parse_args()
+    if args.from_json:
+        import json
+
+        payload = json.loads(Path(args.from_json).read_text())
+        md, payload["v3_vs_openclip"] = render_markdown(payload)
+        a = payload["args"]
+        fig = _figure(payload["summary"], a["losses"].split(","), [int(b) for b in str(a["batches"]).split(",")])
+        write_results(a["name"], payload, md, fig)
+        return
     if args.quick:
         args.batches, args.seeds, args.epochs, args.num_train, args.num_val = "16,32", 1, 1, 128, 64
         args.comm_steps, args.comm_batches, args.name = 2, "8", "fastclip_small_batch_quick"
@@ -273,25 +283,48 @@ def main() -> None:
     summary = summarise(runs, losses, batches)
     comm = [] if args.no_comm else measure_comm([int(b) for b in args.comm_batches.split(",")], args.comm_steps)
 
+    payload = {"args": vars(args), "runs": runs, "summary": summary, "v3_vs_openclip": [], "comm": comm,
+               "bench_model": BENCH_MODEL, "total_wall_s": time.perf_counter() - t_start,
+               "data_sizes": _data_sizes(args)}
+    md, payload["v3_vs_openclip"] = render_markdown(payload)
+    write_results(args.name, payload, md, _figure(summary, losses, batches))
+
+
+def _data_sizes(args: argparse.Namespace) -> dict[str, int]:
+    dm = _datamodule(args, 16, 0)
+    return {"train": len(dm.train_set), "val": len(dm.val_set)}
+
+
+def render_markdown(payload: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    """The result tables (from a payload, so ``--from-json`` can re-render a finished run)."""
+    a = payload["args"]
+    summary, comm = payload["summary"], payload["comm"]
+    batches = [int(b) for b in str(a["batches"]).split(",")]
+    sizes = payload.get("data_sizes", {"train": a["num_train"], "val": a["num_val"]})
+    what = {
+        "shapes": "Built-in captioned shapes (40 zero-shot `colour shape` classes)",
+        "digits": "scikit-learn digits with prompt captions (10 zero-shot classes)",
+    }[a["dataset"]]
     cols = ["batch", "loss", "seeds", "zeroshot_top1_mean", "zeroshot_top1_std", "zeroshot_top5_mean",
             "retrieval_r1_mean", "retrieval_r1_std", "final_tau", "wall_s"]
     md = [
-        f"Built-in captioned shapes ({args.num_train} train / {args.num_val} val pairs, 40 zero-shot classes), "
-        f"{args.epochs} epochs for every run, {args.seeds} seeds, model `BENCH_MODEL` "
-        f"(open_clip ViT, 32 px, 1-layer towers), lr {args.lr}, tau0 {args.temperature}, gamma_min {args.gamma_min}, "
-        f"v3: rho {args.rho}, lr_tau {args.lr_tau}. Metrics in %, mean and sample std over seeds.",
+        f"{what}, {sizes['train']} train / {sizes['val']} val pairs, "
+        f"{a['epochs']} epochs for every run, {a['seeds']} seeds, model `BENCH_MODEL` "
+        f"(open_clip ViT, 32 px, 1-layer towers), lr {a['lr']}, tau0 {a['temperature']}, gamma_min {a['gamma_min']}, "
+        f"v3: rho {a['rho']}, lr_tau {a['lr_tau']}. Metrics in %, mean and sample std over seeds; "
+        f"total wall time {payload['total_wall_s'] / 60:.1f} min.",
         "",
         markdown_table(summary, cols, floatfmt="{:.3g}"),
     ]
     # v3 minus openclip, against the seed spread
     diff_rows = []
     for b in batches:
-        a = next((r for r in summary if r["batch"] == b and r["loss"] == "fastclip_v3"), None)
+        v3 = next((r for r in summary if r["batch"] == b and r["loss"] == "fastclip_v3"), None)
         o = next((r for r in summary if r["batch"] == b and r["loss"] == "openclip"), None)
-        if a and o:
+        if v3 and o:
             for key in ("zeroshot_top1", "retrieval_r1"):
-                spread = max(a[f"{key}_std"], o[f"{key}_std"])
-                delta = a[f"{key}_mean"] - o[f"{key}_mean"]
+                spread = max(v3[f"{key}_std"], o[f"{key}_std"])
+                delta = v3[f"{key}_mean"] - o[f"{key}_mean"]
                 diff_rows.append({"batch": b, "metric": key, "v3_minus_openclip": delta, "max_seed_std": spread,
                                   "beats_by_more_than_spread": bool(delta > spread)})
     if diff_rows:
@@ -305,9 +338,7 @@ def main() -> None:
             "",
             markdown_table(comm, floatfmt="{:.4g}"),
         ]
-    payload = {"args": vars(args), "runs": runs, "summary": summary, "v3_vs_openclip": diff_rows, "comm": comm,
-               "bench_model": BENCH_MODEL, "total_wall_s": time.perf_counter() - t_start}
-    write_results(args.name, payload, "\n".join(md), _figure(summary, losses, batches))
+    return "\n".join(md), diff_rows
 
 
 def _figure(summary: list[dict[str, Any]], losses: list[str], batches: list[int]) -> Any:

@@ -64,7 +64,7 @@ class GammaScheduler(Callback):
     def _schedule_for(self, pl_module: LightningModule) -> Literal["cosine", "constant"]:
         if self.schedule != "auto":
             return self.schedule
-        return getattr(pl_module, "variant").gamma_schedule or "constant"
+        return pl_module.variant.gamma_schedule or "constant"
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -115,7 +115,7 @@ class TemperatureScheduler(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        variant = getattr(pl_module, "variant")
+        variant = pl_module.variant
         if variant.temperature != "individual":
             scale = pl_module._logit_scale()
             with torch.no_grad():

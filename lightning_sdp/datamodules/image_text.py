@@ -303,7 +303,7 @@ def make_digits(image_size: int = 32, seed: int = 0) -> tuple[np.ndarray, list[s
     )
     labels = digits.target.astype(np.int64)
     templates = rng.integers(0, len(DIGIT_TEMPLATES), len(labels))
-    captions = [DIGIT_TEMPLATES[t].format(DIGIT_NAMES[y]).rstrip(".") for t, y in zip(templates, labels)]
+    captions = [DIGIT_TEMPLATES[t].format(DIGIT_NAMES[y]).rstrip(".") for t, y in zip(templates, labels, strict=True)]
     return images, captions, labels
 
 

@@ -45,7 +45,7 @@ def test_gamma_schedule_values():
     assert gamma_at(10, 0.2, 10, "cosine") == gamma_at(25, 0.2, 10, "cosine") == 0.2
     assert gamma_at(0, 0.9, 10, "constant") == 1.0 and gamma_at(3, 0.9, 10, "constant") == 0.9
     values = [gamma_at(e, 0.3, 6, "cosine") for e in range(8)]
-    assert all(a >= b for a, b in zip(values, values[1:]))  # non-increasing
+    assert all(a >= b for a, b in zip(values, values[1:], strict=False))  # non-increasing
 
 
 @pytest.mark.parametrize(("variant", "expected"), [("fastclip_v1", 0.6), ("sogclr", 0.2)])

@@ -38,7 +38,7 @@ def test_captioned_shapes_are_deterministic_and_match_their_captions():
     names = shape_classnames()
     assert len(names) == len(COLOURS) * len(SHAPES) == 40
     hits = 0
-    for img, cap, y in zip(imgs, caps, labels):
+    for img, cap, y in zip(imgs, caps, labels, strict=True):
         colour, shape = names[y].split()
         assert f" {colour} {shape} " in f" {cap} "
         # the pixels closest to the named colour sit in the named part of the image

@@ -39,7 +39,7 @@ def _run(variant: str, rank: int, world_size: int) -> dict[str, object]:
     g = torch.Generator().manual_seed(1)
     grads = []
     b = N // world_size
-    for step in range(STEPS):
+    for _step in range(STEPS):
         x = torch.randn(N, 10, generator=g, dtype=torch.float64)
         t = x[:, :7] + 0.5 * torch.randn(N, 7, generator=g, dtype=torch.float64)
         idx = torch.randperm(DATA, generator=g)[:N]

@@ -69,7 +69,7 @@ def test_matches_plain_reference_over_two_steps(objective, gamma):
         ls_ref = ls.detach().clone().requires_grad_()
         ref, u1, u2 = reference_global_contrastive_loss(f1, f2, u1, u2, gamma, ls_ref, objective=objective, rho=2.0)
         rgrads = torch.autograd.grad(ref, (f1, f2, ls_ref))
-        for a, b in zip(grads, rgrads):
+        for a, b in zip(grads, rgrads, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
         torch.testing.assert_close(loss.u1[idx], u1)
         torch.testing.assert_close(loss.u2[idx], u2)
@@ -115,7 +115,7 @@ def test_v3_tau_gradient_is_rgcl_g_gradient_when_u_equals_g():
 def test_individual_temperatures_stay_in_bounds_and_are_state():
     torch.manual_seed(0)
     loss = GlobalContrastiveLoss(32, objective="rgcl", temperature="individual", lr_tau=0.5, rho=7.0)
-    for step in range(6):
+    for _step in range(6):
         e1 = F.normalize(torch.randn(8, 5), dim=1).requires_grad_()
         e2 = F.normalize(e1.detach() + 0.3 * torch.randn(8, 5), dim=1).requires_grad_()
         idx = torch.randperm(32)[:8]

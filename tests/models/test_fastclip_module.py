@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_sdp.callbacks import GammaScheduler, TemperatureScheduler, ZeroShotEvaluation
+from lightning_sdp.callbacks import GammaScheduler, TemperatureScheduler
 from lightning_sdp.datamodules import ImageTextDataModule
 from lightning_sdp.models import FastCLIPModule
 from lightning_sdp.models.fastclip.lamb import Lamb
@@ -159,6 +159,8 @@ def test_custom_module_and_param_groups(tmp_path):
     assert any(p is module.model.img[1].bias for p in opt.param_groups[1]["params"])
     _trainer(tmp_path, 1, callbacks=_callbacks(), max_steps=2).fit(module, _dm())
     assert int((module.gcl_loss.u1 > 0).sum()) == 24
+    # DDP must not broadcast the data_size-long estimators from rank 0 on every forward
+    assert {"loss_fn.u1", "loss_fn.u2"} <= set(module._ddp_params_and_buffers_to_ignore)
     # constant temperature is not trained; v1 defaults to tau = 0.07
     fixed = FastCLIPModule(model=MICRO, loss="fastclip_v1")
     assert not fixed.model.logit_scale.requires_grad and fixed.temperature == pytest.approx(0.07)

@@ -129,6 +129,9 @@ class FastCLIPModule(LightningModule):
         )
         if data_size is not None:
             self.hparams.data_size = int(data_size)
+        # The estimators are kept identical on every rank by the loss's own gather; DDP must not broadcast these
+        # data_size-long buffers from rank 0 on every forward (its default broadcast_buffers=True).
+        self._ddp_params_and_buffers_to_ignore = [f"loss_fn.{name}" for name, _ in self.loss_fn.named_buffers()]
 
     @property
     def data_size(self) -> int | None:

@@ -124,6 +124,12 @@ def test_data_size_smaller_than_dataset_is_refused(tmp_path):
         _trainer(tmp_path, 1).fit(module, _dm())
 
 
+def test_datamodule_for_another_image_size_is_refused(tmp_path):
+    module = FastCLIPModule(model=MICRO, loss="fastclip_v1")
+    with pytest.raises(ValueError, match="32px images"):
+        _trainer(tmp_path, 1).fit(module, _dm(model="tiny"))
+
+
 def test_bad_model_and_loss_names():
     with pytest.raises(ValueError, match="Unknown open_clip model"):
         FastCLIPModule(model="ViT-Q-99")

@@ -180,6 +180,7 @@ class FastCLIPModule(LightningModule):
     # ------------------------------------------------------------------ Lightning hooks
     @override
     def setup(self, stage: str) -> None:
+        self._check_datamodule_model()
         if self.loss_fn is None:
             dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
             size = getattr(dm, "data_size", None)
@@ -196,6 +197,21 @@ class FastCLIPModule(LightningModule):
                 raise ValueError(
                     f"The datamodule has {size} training samples but the estimators cover data_size={self.data_size}."
                 )
+
+    def _check_datamodule_model(self) -> None:
+        """Refuse a datamodule that prepares images for a different image size than the model's."""
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        dm_model = getattr(getattr(dm, "hparams", None), "model", None)
+        if dm_model is None or isinstance(self._model_spec, nn.Module) or not isinstance(dm_model, (str, dict)):
+            return
+        from lightning_sdp.models.fastclip.tiny import image_size_of
+
+        ours, theirs = image_size_of(self._model_spec), image_size_of(dm_model)
+        if ours != theirs:
+            raise ValueError(
+                f"The datamodule prepares {theirs}px images (model={dm_model!r}) but the model expects {ours}px. "
+                "Give ImageTextDataModule the same `model` as FastCLIPModule."
+            )
 
     @override
     def on_fit_start(self) -> None:

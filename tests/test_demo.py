@@ -1,0 +1,112 @@
+"""``lightning-sdp demo``: every part on ``--quick`` settings, the report, part selection and failure handling.
+
+The ``gpt`` part's quick run is covered by ``tests/test_cli.py::test_demo_quick_writes_report``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lightning_sdp import demo
+from lightning_sdp.cli import main as cli_main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _run_part(part: str, out: Path) -> dict:
+    assert demo.main(["--quick", "--only", part, "--out", str(out)]) == 0
+    result = json.loads((out / part / "result.json").read_text())
+    png = Path(result["png"])
+    assert png.parent == out / part, "each part writes its picture into <out>/<part>/"
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    index = (out / "index.md").read_text()
+    assert result["headline"] in index
+    assert f"]({part}/{png.name})" in index, "index.md links the part's picture"
+    return result
+
+
+def test_sdp4bit_part_sends_fewer_bytes(tmp_path):
+    r = _run_part("sdp4bit", tmp_path)
+    assert r["processes"] == 2
+    # 4-bit weights (qWD) and 4-bit gradients between the emulated nodes: several times fewer bytes than fp32
+    assert r["bytes_per_step_sdp4bit"] < r["bytes_per_step_uncompressed"] / 4
+    assert r["weight_bits_per_element"] == pytest.approx(4.0, abs=0.5)
+    assert r["train_loss_sdp4bit"] == pytest.approx(r["train_loss_uncompressed"], abs=0.2)
+
+
+@pytest.mark.open_clip
+def test_fastclip_part_reports_both_losses(tmp_path):
+    r = _run_part("fastclip", tmp_path)
+    for loss in ("openclip", "fastclip_v3"):
+        assert 0.0 <= r[loss]["zeroshot_top1"] <= 100.0
+        assert r[loss]["final_tau"] > 0
+    assert r["batch"] == 16
+
+
+def test_solar_part_hits_its_buffer(tmp_path):
+    r = _run_part("solar", tmp_path)
+    assert Path(r["file"]).parent == tmp_path / "solar", "the generated HDF5 file lives in the output folder"
+    assert len(r["solar_hit_rate"]) == len(r["dataloader_samples_per_s"]) == 2
+    assert r["solar_hit_rate"][0] == 0.0  # the buffer starts empty
+    assert r["solar_hit_rate"][-1] == pytest.approx(r["hit_rate_bound"], abs=0.02)
+    assert r["solar_storage_mib"][-1] < r["solar_storage_mib"][0]
+    assert min(r["solar_samples_per_s"] + r["dataloader_samples_per_s"]) > 0
+
+
+@pytest.mark.numba
+def test_heat_part_measures_both_backends(tmp_path):
+    r = _run_part("heat", tmp_path)
+    rates = r["positives_per_s"]
+    assert set(rates) == {"reference", "fused"} and min(rates.values()) > 0
+    assert r["speedup"] == pytest.approx(rates["fused"] / rates["reference"])
+    assert r["speedup"] > 1.0  # ~30x on 2 loaded cores; fused must at least not be slower
+
+
+def test_profiler_part_reports_engine_shares(tmp_path):
+    r = _run_part("profiler", tmp_path)
+    assert sum(r["fractions"].values()) == pytest.approx(1.0, abs=0.02)
+    assert r["fractions"]["matrix"] > 0 and r["fractions"]["vector"] > 0
+    assert "attention" in r["top_modules"]
+    assert Path(r["report_json"]).exists()
+
+
+def test_only_is_repeatable_and_keeps_order(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def fake(name):
+        def run(out: Path, quick: bool) -> dict:
+            calls.append((name, out, quick))
+            return {"headline": f"{name} headline"}
+
+        return run
+
+    monkeypatch.setitem(demo.PARTS, "heat", fake("heat"))
+    monkeypatch.setitem(demo.PARTS, "solar", fake("solar"))
+    assert cli_main(["demo", "--quick", "--only", "solar", "--only", "heat", "--out", str(tmp_path)]) == 0
+    assert [c[0] for c in calls] == ["solar", "heat"]
+    assert calls[0][1] == tmp_path / "solar" and calls[0][2] is True
+    table = (tmp_path / "index.md").read_text()
+    assert table.index("| solar | solar headline") < table.index("| heat | heat headline")
+    out = capsys.readouterr().out
+    assert "solar: solar headline" in out and str((tmp_path / "index.md").resolve()) in out
+
+
+def test_a_failing_part_is_reported_and_the_rest_still_run(tmp_path, monkeypatch, capsys):
+    def broken(out: Path, quick: bool) -> dict:
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setitem(demo.PARTS, "heat", broken)
+    monkeypatch.setitem(demo.PARTS, "solar", lambda out, quick: {"headline": "fine"})
+    assert demo.main(["--only", "heat", "--only", "solar", "--out", str(tmp_path)]) == 1
+    index = (tmp_path / "index.md").read_text()
+    assert "FAILED: RuntimeError: disk on fire" in index and "| solar | fine" in index
+    assert "disk on fire" in json.loads((tmp_path / "heat" / "result.json").read_text())["error"]
+
+
+def test_unknown_part_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        demo.main(["--only", "nope"])
+    assert "invalid choice" in capsys.readouterr().err

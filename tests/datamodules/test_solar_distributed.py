@@ -133,7 +133,8 @@ def _fit(devices, batch_size, strategy):
 def _lightning_ddp(rank, world_size, path):
     torch.set_num_threads(1)
     trainer, model, rec = _fit(world_size, 8, "ddp")
-    dm = SolarDataModule(path, batch_size=8, buffer_size=32, **KEYS)
+    # reader processes and a validation split under DDP (this combination once hung)
+    dm = SolarDataModule(path, batch_size=8, buffer_size=32, num_workers=1, val_split=0.2, **KEYS)
     trainer.fit(model, dm)
     return {"seen": rec.seen, "weights": [p.detach().numpy().copy() for p in model.parameters()]}
 
@@ -141,7 +142,7 @@ def _lightning_ddp(rank, world_size, path):
 def test_lightning_ddp_matches_single_process_training(ptycho):
     out = run_distributed(_lightning_ddp, 2, ptycho, init_group=False)
     trainer, model, rec = _fit(1, 16, "auto")
-    dm = SolarDataModule(ptycho, batch_size=16, buffer_size=32, **KEYS)
+    dm = SolarDataModule(ptycho, batch_size=16, buffer_size=32, val_split=0.2, **KEYS)
     trainer.fit(model, dm)
     assert len(out[0]["seen"]) == len(out[1]["seen"]) == len(rec.seen) == 8
     unequal = 0

@@ -92,7 +92,8 @@ class SolarDataModule(LightningDataModule):
         batch_size: nominal per-rank batch size ``B`` (global batch ``P * B``). Default 32.
         buffer_size: buffer for all ranks together: an int number of samples, or bytes as a string (``"8GB"``,
             ``"512MiB"``). 0 (default) disables buffering; more than the data caches everything.
-        num_workers: reader processes per rank (0: read in the main process). Default 0.
+        num_workers: reader processes per rank for training (0: read in the main process). Validation is read in
+            the rank's own process. Default 0.
         eviction: ``"belady"`` (default), ``"lru"``, ``"fifo"`` or ``"solar"`` (artifact-style).
         reroute: serve buffered samples on the rank holding them. Default True.
         balance: split storage reads evenly across ranks with variable local batches. Default True.
@@ -332,7 +333,9 @@ class SolarDataModule(LightningDataModule):
         dataset = BatchReader(
             self._reader(self.val_path or self.path), self.input_key, self.target_keys, batches=batches
         )
-        return DataLoader(dataset, batch_size=None, num_workers=self.num_workers, collate_fn=_no_collate)
+        # Validation reads run in the rank's own process: the validation share is small, and forking short-lived
+        # validation workers next to the persistent training readers hung under DDP (gloo) in our tests.
+        return DataLoader(dataset, batch_size=None, num_workers=0, collate_fn=_no_collate)
 
     # ------------------------------------------------------------------ checkpointing
     @override

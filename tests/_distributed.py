@@ -4,7 +4,8 @@
 each (with the usual ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` environment set, so
 Lightning's ``LightningEnvironment`` sees the same world), calls ``fn(rank, world_size, *args)``, and returns the
 per-rank return values. A failure in any rank fails the caller with that rank's traceback; a hung rank fails it
-after ``timeout`` seconds. ``fn`` must be a module-level (picklable) function.
+after ``timeout`` seconds. ``fn`` must be a module-level (picklable) function. Return plain Python values or numpy
+arrays, not torch tensors: tensors cross the queue as shared-memory handles that die with the worker process.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# Two cores in CI: keep each process to few threads so multi-process tests do not oversubscribe.
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Two cores in CI and tiny tensors in tests: one thread per process avoids oversubscription (threads waiting on
+# each other made tiny backward passes tens of times slower on a loaded 2-core machine).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from pathlib import Path  # noqa: E402
 
@@ -46,7 +47,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _seed_and_threads() -> None:
     torch.manual_seed(0)
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    torch.set_num_threads(1)
 
 
 @pytest.fixture

@@ -110,3 +110,30 @@ def test_unknown_part_is_refused(capsys):
     with pytest.raises(SystemExit):
         demo.main(["--only", "nope"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_demo_commands_run_as_written(tmp_path, monkeypatch):
+    """Every ``lightning-sdp demo ...`` line in the README parses and runs (with stand-in parts)."""
+    import shlex
+
+    lines = [ln.split("#")[0].strip() for ln in README.read_text().splitlines()]
+    commands = [ln for ln in lines if ln.startswith(".venv/bin/lightning-sdp demo")]
+    assert len(commands) >= 3
+    for name in demo.PARTS:
+        monkeypatch.setitem(demo.PARTS, name, lambda out, quick, name=name: {"headline": f"{name} ok"})
+    for command in commands:
+        argv = shlex.split(command)[1:] + ["--out", str(tmp_path)]
+        assert cli_main(argv) == 0, command
+
+
+def test_readme_links_point_to_existing_files():
+    import re
+
+    root = README.parent
+    targets = [t for t in re.findall(r"\]\(([^)#\s]+)\)", README.read_text()) if "://" not in t]
+    assert any(t.endswith(".png") for t in targets)
+    missing = [t for t in targets if not (root / t).exists()]
+    assert not missing, f"README links to missing files: {missing}"

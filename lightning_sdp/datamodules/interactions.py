@@ -226,7 +226,10 @@ class InteractionsDataModule(LightningDataModule):
             raise ValueError(f"batch_size and eval_batch_size must be positive, got {batch_size}, {eval_batch_size}.")
         if not 0.0 <= test_fraction < 1.0:
             raise ValueError(f"test_fraction must be in [0, 1), got {test_fraction}.")
-        self.save_hyperparameters()
+        # num_users / num_items / seed are also SimpleXModule arguments; Lightning refuses to log two different values
+        # under one key, so the datamodule keeps them as attributes only.
+        self.save_hyperparameters(ignore=["num_users", "num_items", "seed"])
+        self.seed = seed
         self.path = path
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size
@@ -248,10 +251,10 @@ class InteractionsDataModule(LightningDataModule):
             n_users = self._num_users_arg or 2000
             n_items = self._num_items_arg or 1000
             users, items = synthetic_interactions(
-                n_users, n_items, hp.interactions_per_user, hp.alpha, hp.num_clusters, hp.seed
+                n_users, n_items, hp.interactions_per_user, hp.alpha, hp.num_clusters, self.seed
             )
             self._num_users_arg, self._num_items_arg = n_users, n_items
-            return _split_per_user(users, items, hp.test_fraction, hp.seed)
+            return _split_per_user(users, items, hp.test_fraction, self.seed)
         path = Path(self.path).expanduser()
         if path.is_dir():
             train, test = path / "train.txt", path / "test.txt"
@@ -263,7 +266,7 @@ class InteractionsDataModule(LightningDataModule):
             return _read_lightgcn(train), _read_lightgcn(test)
         if path.is_file():
             users, items = self._read_table(path)
-            return _split_per_user(users, items, hp.test_fraction, hp.seed)
+            return _split_per_user(users, items, hp.test_fraction, self.seed)
         raise FileNotFoundError(
             f"InteractionsDataModule: {path} does not exist; pass a LightGCN folder, a CSV/TSV file or None."
         )
@@ -350,7 +353,7 @@ class InteractionsDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         self._check_setup()
         users, items = self._pairs  # type: ignore[misc]
-        sampler = _EpochShuffledBatches(len(users), self.batch_size, self.hparams.shuffle, self.hparams.seed)
+        sampler = _EpochShuffledBatches(len(users), self.batch_size, self.hparams.shuffle, self.seed)
         return DataLoader(_PairBatches(users, items), batch_size=None, sampler=sampler, num_workers=self.num_workers)
 
     def _eval_loader(self) -> DataLoader:

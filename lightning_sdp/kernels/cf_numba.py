@@ -61,6 +61,7 @@ def fused_sgd_step(
     margin: float,
     negative_weight: float,
     lr: float,
+    v_lr: float,
     weight_decay: float,
     rng_state: np.ndarray,
     tiles: np.ndarray,
@@ -85,7 +86,8 @@ def fused_sgd_step(
         g: gate; ``1`` is MF-CCL.
         margin: negative margin ``m``.
         negative_weight: ``w``; each active negative contributes ``w / n``.
-        lr: SGD learning rate (per sample).
+        lr: SGD learning rate (per sample) of the embedding rows.
+        v_lr: SGD learning rate of the aggregator ``V`` (its accumulated per-sample gradients).
         weight_decay: L2 coefficient on the touched user, positive and negative rows.
         rng_state: ``(>= num_chunks,)`` int64 per-chunk random state, advanced in place.
         tiles: ``(>= num_chunks, tile_size)`` int64 per-chunk negative tiles, redrawn in place.
@@ -108,6 +110,7 @@ def fused_sgd_step(
     m32 = np.float32(margin)
     wn = np.float32(negative_weight / n)
     lr32 = np.float32(lr)
+    vlr32 = np.float32(v_lr)
     wd32 = np.float32(weight_decay)
     chunk = (batch + num_chunks - 1) // num_chunks
     for c in prange(num_chunks):
@@ -251,7 +254,7 @@ def fused_sgd_step(
                 if pending >= v_sync:
                     for t in range(d):
                         for r in range(d):
-                            V[t, r] -= lr32 * dV[t, r]
+                            V[t, r] -= vlr32 * dV[t, r]
                             dV[t, r] = 0.0
                     pending = 0
             keep = np.float32(1.0) - lr32 * wd32
@@ -261,6 +264,6 @@ def fused_sgd_step(
         if use_agg and pending > 0:
             for t in range(d):
                 for r in range(d):
-                    V[t, r] -= lr32 * dV[t, r]
+                    V[t, r] -= vlr32 * dV[t, r]
         rng_state[c] = state
         tile_left[c] = left

@@ -58,6 +58,9 @@ class SimpleXModule(LightningModule):
         tile_size: items per tile. Default 512.
         tile_refresh: samples between tile redraws. Default 2048.
         v_sync: the fused kernel applies each thread's aggregator gradient every this many samples. Default 32.
+        aggregator_lr_scale: learning rate of ``V`` relative to ``lr``. ``V`` is shared by every sample, so per-sample
+            SGD moves it far more often than any embedding row; a scale below 1 (e.g. 0.01) steadies SimpleX
+            training on the fused path. Applies to both backends. Default 1.0.
         k: cut-off of the logged Recall@K / NDCG@K. Default 20.
         seed: seed of the initialisation, the history subsets and the negative samplers. Default 0.
     """
@@ -82,6 +85,7 @@ class SimpleXModule(LightningModule):
         tile_size: int = 512,
         tile_refresh: int = 2048,
         v_sync: int = 32,
+        aggregator_lr_scale: float = 1.0,
         k: int = 20,
         seed: int = 0,
     ) -> None:
@@ -106,6 +110,8 @@ class SimpleXModule(LightningModule):
             raise ValueError("SimpleXModule: the tile sampler is part of the fused kernel; use backend='fused'.")
         if sampler == "tile" and (tile_size <= 0 or tile_refresh <= 0):
             raise ValueError(f"SimpleXModule: tile_size and tile_refresh must be positive, got {tile_size}, {tile_refresh}.")
+        if aggregator_lr_scale < 0:
+            raise ValueError(f"SimpleXModule: aggregator_lr_scale must be >= 0, got {aggregator_lr_scale}.")
         if v_sync <= 0:
             raise ValueError(f"SimpleXModule: v_sync must be positive, got {v_sync}.")
         self.save_hyperparameters()
@@ -212,11 +218,16 @@ class SimpleXModule(LightningModule):
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        tables = [p for n, p in self.named_parameters() if n != "aggregator"]
+        groups = [
+            {"params": tables, "lr": self.lr},
+            {"params": [self.aggregator], "lr": self.lr * self.hparams.aggregator_lr_scale},
+        ]
         if self.optimizer_name == "adam":
-            return torch.optim.Adam(self.parameters(), lr=self.lr)
-        # For the fused backend the optimiser only carries the learning rate (schedulers may change it); the kernel
-        # applies the updates itself.
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
+            return torch.optim.Adam(groups, lr=self.lr)
+        # For the fused backend the optimiser only carries the learning rates (schedulers may change them); the
+        # kernel applies the updates itself.
+        return torch.optim.SGD(groups, lr=self.lr)
 
     # ------------------------------------------------------------------------------------------------ training
     def _history(self) -> Tensor | None:
@@ -244,7 +255,15 @@ class SimpleXModule(LightningModule):
         )
 
     @torch.no_grad()
-    def fused_step(self, users: Tensor, items: Tensor, lr: float, negatives: Tensor | None = None, num_threads: int | None = None) -> Tensor:
+    def fused_step(
+        self,
+        users: Tensor,
+        items: Tensor,
+        lr: float,
+        negatives: Tensor | None = None,
+        num_threads: int | None = None,
+        aggregator_lr: float | None = None,
+    ) -> Tensor:
         """Run HEAT's fused kernel on a batch of positives, updating the tables in place; returns per-sample losses.
 
         Args:
@@ -253,6 +272,7 @@ class SimpleXModule(LightningModule):
             lr: SGD learning rate.
             negatives: ``(B, n)`` negatives to use instead of sampling inside the kernel (tests), or ``None``.
             num_threads: parallel chunks; ``None`` uses numba's current thread count.
+            aggregator_lr: learning rate of ``V``; ``None`` gives ``lr * aggregator_lr_scale``.
         """
         from lightning_sdp.kernels import cf_numba  # numba is imported only here
 
@@ -293,6 +313,7 @@ class SimpleXModule(LightningModule):
             float(hp.margin),
             float(hp.negative_weight),
             float(lr),
+            float(lr * hp.aggregator_lr_scale if aggregator_lr is None else aggregator_lr),
             float(hp.weight_decay),
             self.sampler_rng.numpy(),
             self.sampler_tiles.numpy(),
@@ -321,7 +342,7 @@ class SimpleXModule(LightningModule):
             return objective
         opt = self.optimizers()
         lr = opt.param_groups[0]["lr"]
-        losses = self.fused_step(users, items, lr)
+        losses = self.fused_step(users, items, lr, aggregator_lr=opt.param_groups[1]["lr"])
         loss = float(losses.mean())
         if not np.isfinite(loss):
             raise FloatingPointError(

@@ -31,7 +31,7 @@ def _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, *, g
     ue, ie, v = user_emb.copy(), item_emb.copy(), V.copy()
     losses = np.zeros(len(users), np.float32)
     cf_numba.fused_sgd_step(
-        ue, ie, v, users, items, indptr, indices, negatives, negatives.shape[1], g, margin, w, lr, wd,
+        ue, ie, v, users, items, indptr, indices, negatives, negatives.shape[1], g, margin, w, lr, lr, wd,
         np.arange(4, dtype=np.int64), np.zeros((4, 0), np.int64), np.zeros(4, np.int64), 0, 10_000, chunks, losses,
     )
     return ue, ie, v, losses
@@ -92,7 +92,7 @@ def _sampling_run(tile_refresh: int, chunks: int, seed: int = 0) -> dict[str, np
     # margin -1: every negative is active, so every sampled negative row moves
     cf_numba.fused_sgd_step(
         ue, ie, np.eye(d, dtype=np.float32), users, out["items"], indptr, np.zeros(0, np.int64),
-        np.zeros((0, 0), np.int64), 8, 1.0, -1.0, 1.0, 0.01, 0.0, state, tiles, left, tile_refresh, 32, chunks, losses,
+        np.zeros((0, 0), np.int64), 8, 1.0, -1.0, 1.0, 0.01, 0.01, 0.0, state, tiles, left, tile_refresh, 32, chunks, losses,
     )
     out.update(ue=ue, ie=ie, state=state, tiles=tiles, left=left, losses=losses)
     return out

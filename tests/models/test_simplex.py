@@ -166,3 +166,24 @@ class _WithDM:
 
     def __getattr__(self, name):  # noqa: ANN001, ANN204
         return getattr(self.__dict__["model"], name)
+
+
+def test_synthetic_yaml_trains_one_epoch(tmp_path):
+    from pathlib import Path
+
+    from lightning_sdp.cli import main
+
+    config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "heat_synthetic.yaml"
+    main(
+        [
+            "fit", "--config", str(config), "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false",
+            f"--trainer.default_root_dir={tmp_path}", "--data.init_args.num_users=300",
+            "--data.init_args.num_items=200",
+        ]
+    )
+    ckpts = list(tmp_path.rglob("*.ckpt"))
+    assert ckpts, "fit should have written a checkpoint"
+    state = torch.load(ckpts[0], weights_only=False)
+    assert state["epoch"] == 0 and state["global_step"] > 0
+    assert state["state_dict"]["item_embedding.weight"].shape == (200, 32)
+    assert "val/recall@20" in str(state["callbacks"]) or state["hyper_parameters"]["num_items"] == 200

@@ -1,0 +1,165 @@
+"""HEAT quality on Gowalla: train MF-CCL and SimpleX with the fused backend under a time budget, report Recall/NDCG@20.
+
+Uses the real Lightning path: ``Trainer(accelerator="heat")`` + ``SimpleXModule(backend="fused")`` +
+``InteractionsDataModule`` on ``../shared/data/gowalla`` (LightGCN split; full ranking, training items masked).
+Each model trains until ``--budget-minutes`` (Lightning's ``max_time``, validation included) or ``--max-epochs``;
+Recall@20 / NDCG@20 are recorded every ``--eval-every`` epochs and after the last one, and compared with the
+published numbers (MF-CCL 0.1837 / 0.1493, SimpleX 0.1872 / 0.1557). Writes
+``benchmarks/results/heat_gowalla_quality.{json,md,png}`` with the epochs reached and the machine load.
+
+Run from the repo root: ``.venv/bin/python benchmarks/heat_gowalla_quality.py --budget-minutes 20``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning_sdp  # noqa: E402, F401  (registers accelerator="heat")
+from benchmarks._common import SHARED_DATA, markdown_table, write_results  # noqa: E402
+from lightning.pytorch import Callback, Trainer  # noqa: E402
+from lightning_sdp.datamodules.interactions import InteractionsDataModule  # noqa: E402
+from lightning_sdp.models.simplex import SimpleXModule  # noqa: E402
+
+PUBLISHED = {"MF-CCL": (0.1837, 0.1493), "SimpleX": (0.1872, 0.1557)}
+
+
+class _History(Callback):
+    """Records (epoch, seconds since fit start, Recall@20, NDCG@20, load) after every validation."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+        self.start = time.perf_counter()
+
+    def on_fit_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        self.start = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+        if trainer.sanity_checking:
+            return
+        m = trainer.callback_metrics
+        row = {
+            "epochs": trainer.current_epoch + (1 if trainer.state.fn == "fit" else 0),
+            "seconds": time.perf_counter() - self.start,
+            "recall@20": float(m["val/recall@20"]),
+            "ndcg@20": float(m["val/ndcg@20"]),
+            "load_avg_1m": round(os.getloadavg()[0], 2),
+        }
+        self.rows.append(row)
+        print(row, flush=True)
+
+
+def run(name: str, g: float, args: argparse.Namespace, dm: InteractionsDataModule) -> dict:
+    model = SimpleXModule(
+        dim=args.dim, g=g, margin=0.9, negative_weight=args.negative_weight, num_negatives=args.negatives,
+        max_history=100, backend="fused", lr=args.lr, init_std=0.1, sampler=args.sampler,
+        aggregator_lr_scale=args.aggregator_lr_scale,
+    )
+    history = _History()
+    trainer = Trainer(
+        accelerator="heat", devices=1, max_epochs=args.max_epochs, max_time={"minutes": args.budget_minutes},
+        check_val_every_n_epoch=args.eval_every, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[history],
+    )
+    start = time.perf_counter()
+    trainer.fit(model, dm)
+    train_wall = time.perf_counter() - start
+    epochs = trainer.current_epoch
+    if not history.rows or history.rows[-1]["epochs"] != epochs:
+        trainer.validate(model, dm, verbose=False)
+        history.rows[-1]["epochs"] = epochs
+    final = history.rows[-1]
+    pub = PUBLISHED[name]
+    return {
+        "model": name, "g": g, "epochs": epochs, "wall_s": train_wall, "recall@20": final["recall@20"],
+        "ndcg@20": final["ndcg@20"], "published_recall@20": pub[0], "published_ndcg@20": pub[1],
+        "load_avg_1m": round(os.getloadavg()[0], 2), "curve": history.rows,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", default=str(SHARED_DATA / "gowalla"))
+    parser.add_argument("--models", default="MF-CCL,SimpleX", help="comma list of MF-CCL, SimpleX")
+    parser.add_argument("--budget-minutes", type=float, default=30.0, help="training time per model (<= 30)")
+    parser.add_argument("--max-epochs", type=int, default=200)
+    parser.add_argument("--eval-every", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--negatives", type=int, default=800, help="MF-CCL's published setting")
+    parser.add_argument("--negative-weight", type=float, default=150.0)
+    parser.add_argument("--lr", type=float, default=0.5, help="per-sample SGD learning rate of the fused kernel")
+    parser.add_argument("--sampler", default="uniform", choices=["uniform", "tile"])
+    parser.add_argument("--aggregator-lr-scale", type=float, default=1.0, help="SimpleX: lr of V relative to lr")
+    parser.add_argument("--batch-size", type=int, default=16384)
+    parser.add_argument("--quick", action="store_true", help="tiny synthetic run (smoke test)")
+    parser.add_argument("--name", default=None, help="results file stem (default heat_gowalla_quality)")
+    parser.add_argument("--note", default="", help="a sentence added to the report (e.g. how the runs were made)")
+    parser.add_argument(
+        "--combine", nargs="+", default=None, metavar="JSON",
+        help="only write the report from earlier results JSONs (e.g. one run per model, run side by side)",
+    )
+    args = parser.parse_args()
+    if args.combine:
+        import json
+
+        loaded = [json.loads(Path(f).read_text()) for f in args.combine]
+        results = [r for doc in loaded for r in doc["results"]]
+        report(results, argparse.Namespace(**{**loaded[0]["args"], "name": args.name, "quick": False}),
+               {"runs": [{"args": d["args"], "machine": d.get("machine")} for d in loaded],
+                "machine": loaded[0].get("machine"), "note": args.note})
+        return
+
+    if args.quick:
+        dm = InteractionsDataModule(num_users=400, num_items=300, batch_size=2048, eval_batch_size=256)
+        args.max_epochs, args.eval_every, args.negatives, args.dim = 2, 1, 16, 16
+    else:
+        if not Path(args.data).is_dir():
+            raise SystemExit(f"{args.data} not found; pass --data or use --quick")
+        dm = InteractionsDataModule(args.data, batch_size=args.batch_size, eval_batch_size=1024)
+    results = []
+    for name in args.models.split(","):
+        results.append(run(name, 1.0 if name == "MF-CCL" else 0.8, args, dm))
+    report(results, args, {})
+
+
+def report(results: list[dict], args: argparse.Namespace, extra: dict) -> None:
+    """Write the table, the recall-vs-epoch plot and the JSON."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in results:
+        curve = r["curve"]
+        line = ax.plot([c["epochs"] for c in curve], [c["recall@20"] for c in curve], "-o", label=f"{r['model']} (fused)")
+        ax.axhline(r["published_recall@20"], color=line[0].get_color(), ls="--", lw=0.8, label=f"{r['model']} published")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("Recall@20 (Gowalla test)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"HEAT fused SGD, {args.negatives} negatives, d={args.dim}, budget {args.budget_minutes:g} min/model")
+
+    cols = ["model", "epochs", "wall_s", "recall@20", "published_recall@20", "ndcg@20", "published_ndcg@20",
+            "load_avg_1m"]
+    md = (
+        f"Fused backend, `Trainer(accelerator=\"heat\")`, d={args.dim}, {args.negatives} uniform negatives "
+        f"(sampler {args.sampler}), w={args.negative_weight:g}, m=0.9, per-sample SGD lr {args.lr:g}, init std 0.1, "
+        f"batch {args.batch_size}; SimpleX g=0.8 mean aggregator, history 100. Budget {args.budget_minutes:g} min per "
+        "model (Lightning `max_time`, validation included).\n\n"
+        + (f"{extra['note']}\n\n" if extra.get("note") else "")
+        + markdown_table(results, cols)
+        + "\n\n## Recall@20 by epoch\n\n"
+        + "\n\n".join(f"### {r['model']}\n\n" + markdown_table(r["curve"]) for r in results)
+    )
+    name = args.name or ("heat_gowalla_quality" if not args.quick else "heat_gowalla_quality_quick")
+    write_results(name, {"results": results, "args": vars(args), **extra}, md, fig)
+
+
+if __name__ == "__main__":
+    main()

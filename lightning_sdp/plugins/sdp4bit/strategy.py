@@ -26,11 +26,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
-
-from lightning_sdp._registry import register_class_aliases
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_sdp._registry import register_class_aliases
 from lightning_sdp.plugins.sdp4bit.exchange import (
     GRADIENT_MODES,
     WEIGHT_MODES,

@@ -20,9 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lightning.pytorch import Callback, Trainer  # noqa: E402
+
 import lightning_sdp  # noqa: E402, F401  (registers accelerator="heat")
 from benchmarks._common import SHARED_DATA, markdown_table, write_results  # noqa: E402
-from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning_sdp.datamodules.interactions import InteractionsDataModule  # noqa: E402
 from lightning_sdp.models.simplex import SimpleXModule  # noqa: E402
 

@@ -172,11 +172,11 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, model_name in zip(axes, ("MF-CCL", "SimpleX")):
+    for ax, model_name in zip(axes, ("MF-CCL", "SimpleX"), strict=False):
         for dim in dims:
             for key, style in (("fused", "-o"), ("fused_tile", ":o"), ("reference", "--s"), ("reference_b4096", "-.^")):
                 pts = [(r["threads"], r[key]) for r in rows if r["model"] == model_name and r["d"] == dim]
-                ax.plot(*zip(*pts), style, label=f"{key} d={dim}")
+                ax.plot(*zip(*pts, strict=False), style, label=f"{key} d={dim}")
         ax.set_title(f"{model_name}, {args.negatives} negatives")
         ax.set_xlabel("threads")
         ax.set_xticks(threads_list)

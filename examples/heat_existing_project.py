@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import time
 
-import lightning_sdp  # noqa: F401  (registers accelerator="heat")
 from lightning.pytorch import Trainer
+
+import lightning_sdp  # noqa: F401  (registers accelerator="heat")
 from lightning_sdp import InteractionsDataModule, SimpleXModule
 
 

@@ -12,7 +12,7 @@ from tests._distributed import run_distributed
 
 def _brute_force(scores: np.ndarray, target: np.ndarray, exclude: np.ndarray, k: int) -> tuple[float, float]:
     recalls, ndcgs = [], []
-    for s, t, e in zip(scores, target, exclude):
+    for s, t, e in zip(scores, target, exclude, strict=False):
         t = t & ~e
         if t.sum() == 0:
             continue

@@ -12,7 +12,6 @@ from __future__ import annotations
 import csv
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -82,7 +81,7 @@ class _EvalBatches(Dataset):
         counts = stops - starts
         offsets = np.zeros(len(users) + 1, dtype=np.int64)
         np.cumsum(counts, out=offsets[1:])
-        items = np.concatenate([self.indices[a:b] for a, b in zip(starts, stops)]) if len(users) else np.zeros(0)
+        items = np.concatenate([self.indices[a:b] for a, b in zip(starts, stops, strict=False)]) if len(users) else np.zeros(0)
         return {
             "users": torch.from_numpy(users.astype(np.int64)),
             "test_indptr": torch.from_numpy(offsets),

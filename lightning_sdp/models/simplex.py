@@ -58,9 +58,9 @@ class SimpleXModule(LightningModule):
         tile_size: items per tile. Default 512.
         tile_refresh: samples between tile redraws. Default 2048.
         v_sync: the fused kernel applies each thread's aggregator gradient every this many samples. Default 32.
-        aggregator_lr_scale: learning rate of ``V`` relative to ``lr``. ``V`` is shared by every sample, so per-sample
-            SGD moves it far more often than any embedding row; a scale below 1 (e.g. 0.01) steadies SimpleX
-            training on the fused path. Applies to both backends. Default 1.0.
+        aggregator_lr_scale: learning rate of ``V`` relative to ``lr`` (both backends). ``V`` is shared by every
+            sample, so per-sample SGD moves it far more often than any embedding row; a smaller scale slows it down.
+            Default 1.0.
         k: cut-off of the logged Recall@K / NDCG@K. Default 20.
         seed: seed of the initialisation, the history subsets and the negative samplers. Default 0.
     """
@@ -380,7 +380,7 @@ class SimpleXModule(LightningModule):
         u = users.numpy()
         starts, stops = self._train_indptr[u], self._train_indptr[u + 1]
         rows = np.repeat(np.arange(len(u)), stops - starts)
-        cols = np.concatenate([self._train_indices[a:b] for a, b in zip(starts, stops)]) if len(u) else np.zeros(0, np.int64)
+        cols = np.concatenate([self._train_indices[a:b] for a, b in zip(starts, stops, strict=False)]) if len(u) else np.zeros(0, np.int64)
         mask = torch.zeros(len(u), self.num_items, dtype=torch.bool)
         mask[torch.from_numpy(rows), torch.from_numpy(cols.astype(np.int64))] = True
         return mask

@@ -29,7 +29,7 @@ def test_lightgcn_folder(tmp_path):
     t_ptr, t_idx = dm.test_csr()
     np.testing.assert_array_equal(t_ptr, [0, 1, 3, 3])
     np.testing.assert_array_equal(t_idx, [4, 2, 3])
-    pairs = sorted(zip(*(torch.cat(x).tolist() for x in zip(*dm.train_dataloader()))))
+    pairs = sorted(zip(*(torch.cat(x).tolist() for x in zip(*dm.train_dataloader(), strict=False)), strict=False))
     assert pairs == [(0, 1), (0, 2), (0, 3), (1, 0), (1, 4), (2, 5)]
     (batch,) = list(dm.val_dataloader())
     assert batch["users"].tolist() == [0, 1]

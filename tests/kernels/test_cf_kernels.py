@@ -79,12 +79,12 @@ def _sampling_run(tile_refresh: int, chunks: int, seed: int = 0) -> dict[str, np
     from lightning_sdp.kernels import cf_numba
 
     rng = np.random.default_rng(seed)
-    U, I, d, B = 50, 300, 8, 400
-    ue = rng.normal(size=(U, d)).astype(np.float32)
-    ie = rng.normal(size=(I, d)).astype(np.float32)
-    out = {"items": rng.integers(0, I, B), "ie_init": ie.copy()}
-    users = rng.integers(0, U, B)
-    indptr = np.zeros(U + 1, np.int64)
+    n_users, n_items, d, B = 50, 300, 8, 400
+    ue = rng.normal(size=(n_users, d)).astype(np.float32)
+    ie = rng.normal(size=(n_items, d)).astype(np.float32)
+    out = {"items": rng.integers(0, n_items, B), "ie_init": ie.copy()}
+    users = rng.integers(0, n_users, B)
+    indptr = np.zeros(n_users + 1, np.int64)
     state = np.arange(1, 5, dtype=np.int64) * 12345
     tiles = np.zeros((4, 16), np.int64)
     left = np.zeros(4, np.int64)

@@ -120,7 +120,8 @@ def test_tile_sampler_draws_from_tiles_and_refreshes():
     np.testing.assert_array_equal(r["left"][:2], [800, 800])  # one tile per chunk, drawn once
     tiles = r["tiles"][:2]
     assert (tiles >= 0).all() and (tiles < 300).all() and len(np.unique(tiles[0])) > 4
-    np.testing.assert_array_equal(r["ie"], _sampling_run(tile_refresh=1000, chunks=2)["ie"])  # deterministic
+    one = _sampling_run(tile_refresh=1000, chunks=1)  # a single thread is deterministic (two race, Hogwild)
+    np.testing.assert_array_equal(one["ie"], _sampling_run(tile_refresh=1000, chunks=1)["ie"])
     # only positives and tile items can have moved, and all tile items did (every negative is active)
     moved = set(np.flatnonzero(np.abs(r["ie"] - r["ie_init"]).max(1) > 0))
     assert moved <= set(r["items"]) | set(tiles.ravel())

@@ -64,13 +64,8 @@ def _resolve(
     return hits[:, :k].bool(), num_relevant
 
 
-class RecallAtK(Metric):
-    """Recall@K with full ranking: ``|top-K ∩ test items| / |test items|``, averaged over users with test items.
-
-    Args:
-        k: cut-off K. Default 20.
-        kwargs: passed to :class:`torchmetrics.Metric`.
-    """
+class _RankingAtK(Metric):
+    """Mean over users with test items of a per-user ranking score; subclasses define :meth:`_per_user`."""
 
     is_differentiable = False
     higher_is_better = True
@@ -79,10 +74,14 @@ class RecallAtK(Metric):
     def __init__(self, k: int = 20, **kwargs) -> None:  # noqa: ANN003
         super().__init__(**kwargs)
         if k <= 0:
-            raise ValueError(f"RecallAtK: k must be positive, got {k}.")
+            raise ValueError(f"{type(self).__name__}: k must be positive, got {k}.")
         self.k = k
         self.add_state("total", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("count", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+
+    def _per_user(self, hits: Tensor, n_rel: Tensor) -> Tensor:
+        """Float64 score of each user from ``(B, K)`` top-K hits and ``(B,)`` relevant counts."""
+        raise NotImplementedError
 
     @override
     def update(
@@ -104,17 +103,30 @@ class RecallAtK(Metric):
         """
         hits, n_rel = _resolve(preds, target, exclude, topk_hits, num_relevant, self.k)
         valid = n_rel > 0
-        self.total = self.total + (hits.sum(1)[valid].double() / n_rel[valid].double()).sum()
+        self.total = self.total + self._per_user(hits, n_rel)[valid].sum()
         self.count = self.count + valid.sum()
 
     @override
     def compute(self) -> Tensor:
         if self.count == 0:
-            raise ValueError("RecallAtK: no user with a test item was seen; the test set is empty.")
+            raise ValueError(f"{type(self).__name__}: no user with a test item was seen; the test set is empty.")
         return (self.total / self.count).float()
 
 
-class NDCGAtK(Metric):
+class RecallAtK(_RankingAtK):
+    """Recall@K with full ranking: ``|top-K ∩ test items| / |test items|``, averaged over users with test items.
+
+    Args:
+        k: cut-off K. Default 20.
+        kwargs: passed to :class:`torchmetrics.Metric`.
+    """
+
+    @override
+    def _per_user(self, hits: Tensor, n_rel: Tensor) -> Tensor:
+        return hits.sum(1).double() / n_rel.clamp(min=1).double()
+
+
+class NDCGAtK(_RankingAtK):
     """NDCG@K with full ranking, binary relevance, ``log2(rank + 1)`` discounts, ideal DCG over ``min(K, |test|)``.
 
     Args:
@@ -122,39 +134,10 @@ class NDCGAtK(Metric):
         kwargs: passed to :class:`torchmetrics.Metric`.
     """
 
-    is_differentiable = False
-    higher_is_better = True
-    full_state_update = False
-
-    def __init__(self, k: int = 20, **kwargs) -> None:  # noqa: ANN003
-        super().__init__(**kwargs)
-        if k <= 0:
-            raise ValueError(f"NDCGAtK: k must be positive, got {k}.")
-        self.k = k
-        self.add_state("total", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("count", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
-
     @override
-    def update(
-        self,
-        preds: Tensor | None = None,
-        target: Tensor | None = None,
-        exclude: Tensor | None = None,
-        topk_hits: Tensor | None = None,
-        num_relevant: Tensor | None = None,
-    ) -> None:
-        """Add a batch of users; arguments as in :meth:`RecallAtK.update`."""
-        hits, n_rel = _resolve(preds, target, exclude, topk_hits, num_relevant, self.k)
+    def _per_user(self, hits: Tensor, n_rel: Tensor) -> Tensor:
         k = hits.shape[1]
         discount = 1.0 / torch.log2(torch.arange(2, k + 2, device=hits.device, dtype=torch.float64))
         dcg = (hits.double() * discount).sum(1)
         ideal = torch.cumsum(discount, 0)[(n_rel.clamp(1, k) - 1)]
-        valid = n_rel > 0
-        self.total = self.total + (dcg[valid] / ideal[valid]).sum()
-        self.count = self.count + valid.sum()
-
-    @override
-    def compute(self) -> Tensor:
-        if self.count == 0:
-            raise ValueError("NDCGAtK: no user with a test item was seen; the test set is empty.")
-        return (self.total / self.count).float()
+        return dcg / ideal

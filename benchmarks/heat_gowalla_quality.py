@@ -59,7 +59,8 @@ def run(name: str, g: float, args: argparse.Namespace, dm: InteractionsDataModul
     model = SimpleXModule(
         dim=args.dim, g=g, margin=0.9, negative_weight=args.negative_weight, num_negatives=args.negatives,
         max_history=100, backend="fused", lr=args.lr, init_std=0.1, sampler=args.sampler,
-        aggregator_lr_scale=args.aggregator_lr_scale,
+        aggregator_lr_scale=args.aggregator_lr_scale, optimizer=args.optimizer, lr_schedule=args.lr_schedule,
+        row_norm=args.row_norm,
     )
     history = _History()
     trainer = Trainer(
@@ -93,7 +94,13 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--negatives", type=int, default=800, help="MF-CCL's published setting")
     parser.add_argument("--negative-weight", type=float, default=150.0)
-    parser.add_argument("--lr", type=float, default=0.5, help="per-sample SGD learning rate of the fused kernel")
+    parser.add_argument("--lr", type=float, default=1.0, help="per-sample learning rate of the fused kernel")
+    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "rowwise_adagrad"])
+    parser.add_argument(
+        "--lr-schedule", default="linear", choices=["constant", "linear"],
+        help="linear decays to 0 over --max-epochs (choose it so that the fit ends inside the budget)",
+    )
+    parser.add_argument("--row-norm", type=float, default=None, help="project rows to this norm after each step")
     parser.add_argument("--sampler", default="uniform", choices=["uniform", "tile"])
     parser.add_argument("--aggregator-lr-scale", type=float, default=1.0, help="SimpleX: lr of V relative to lr")
     parser.add_argument("--batch-size", type=int, default=16384)
@@ -135,6 +142,7 @@ def report(results: list[dict], args: argparse.Namespace, extra: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    optimizer, schedule = getattr(args, "optimizer", "sgd"), getattr(args, "lr_schedule", "constant")  # older JSONs
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in results:
         curve = r["curve"]
@@ -144,13 +152,17 @@ def report(results: list[dict], args: argparse.Namespace, extra: dict) -> None:
     ax.set_ylabel("Recall@20 (Gowalla test)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(f"HEAT fused SGD, {args.negatives} negatives, d={args.dim}, budget {args.budget_minutes:g} min/model")
+    ax.set_title(
+        f"HEAT fused {optimizer} ({schedule} lr), {args.negatives} negatives, d={args.dim}, "
+        f"budget {args.budget_minutes:g} min/model", fontsize=9,
+    )
 
     cols = ["model", "epochs", "wall_s", "recall@20", "published_recall@20", "ndcg@20", "published_ndcg@20",
             "load_avg_1m"]
     md = (
         f"Fused backend, `Trainer(accelerator=\"heat\")`, d={args.dim}, {args.negatives} uniform negatives "
-        f"(sampler {args.sampler}), w={args.negative_weight:g}, m=0.9, per-sample SGD lr {args.lr:g}, init std 0.1, "
+        f"(sampler {args.sampler}), w={args.negative_weight:g}, m=0.9, per-sample {optimizer} lr {args.lr:g} "
+        f"({schedule} schedule over {args.max_epochs} epochs), row norm {getattr(args, 'row_norm', None)}, init std 0.1, "
         f"batch {args.batch_size}; SimpleX g=0.8 mean aggregator, history 100. Budget {args.budget_minutes:g} min per "
         "model (Lightning `max_time`, validation included).\n\n"
         + (f"{extra['note']}\n\n" if extra.get("note") else "")

@@ -92,34 +92,77 @@ def measure_reference(m: SimpleXModule, users: torch.Tensor, items: torch.Tensor
     return done / (time.perf_counter() - start)
 
 
-def sampler_quality(dm: InteractionsDataModule, epochs: int, dim: int, negatives: int, threads: int) -> list[dict]:
-    """Tile vs uniform sampler: seconds per epoch and Recall/NDCG@20 after ``epochs`` epochs of MF-CCL."""
+SAMPLER_LR = 1.0  # per-sample SGD, decayed linearly to 0 over the run (as in heat_gowalla_quality.py)
+
+
+def _recall_ndcg(m: SimpleXModule, dm: InteractionsDataModule) -> tuple[float, float]:
     from lightning_sdp.metrics import NDCGAtK, RecallAtK
 
-    rows = []
+    recall, ndcg = RecallAtK(20), NDCGAtK(20)
+    m.log = lambda *a, **k: None  # evaluation outside a Trainer
+    m.on_validation_epoch_start()
+    for batch in dm.val_dataloader():
+        m._eval_step(batch, recall, ndcg, "val")
+    m.on_validation_epoch_end()
+    return float(recall.compute()), float(ndcg.compute())
+
+
+def sampler_quality(dm: InteractionsDataModule, epochs: int, dim: int, negatives: int, threads: int) -> tuple[list[dict], list[dict]]:
+    """Tile vs uniform sampler on MF-CCL: seconds per epoch, and Recall/NDCG@20 during and after ``epochs`` epochs.
+
+    Returns the final row per sampler and the curve (about eight evaluations per sampler).
+    """
+    rows, curve = [], []
     _set_threads(threads)
+    evals = {max(1, round(epochs * k / 8)) for k in range(1, 9)}
     for sampler in ("uniform", "tile"):
         m = _model(dm, "fused", 1.0, dim, negatives, sampler)
         loader = dm.train_dataloader()
-        train_s = 0.0
+        train_s, step, total = 0.0, 0, epochs * len(loader)
         for epoch in range(epochs):
             loader.sampler.set_epoch(epoch)
             t = time.perf_counter()
             for u, i in loader:
-                m.fused_step(u, i, m.lr)
+                m.fused_step(u, i, SAMPLER_LR * (1.0 - step / total))
+                step += 1
             train_s += time.perf_counter() - t
-        recall, ndcg = RecallAtK(20), NDCGAtK(20)
-        m.log = lambda *a, **k: None  # evaluation outside a Trainer
-        m.on_validation_epoch_start()
-        for batch in dm.val_dataloader():
-            m._eval_step(batch, recall, ndcg, "val")
+            if epoch + 1 in evals:
+                recall, ndcg = _recall_ndcg(m, dm)
+                curve.append({"sampler": sampler, "epochs": epoch + 1, "recall@20": recall, "ndcg@20": ndcg})
         rows.append({
             "sampler": sampler, "epochs": epochs, "s_per_epoch": train_s / epochs,
             "positives_per_s": epochs * dm.num_train_interactions / train_s,
-            "recall@20": float(recall.compute()), "ndcg@20": float(ndcg.compute()),
+            "recall@20": curve[-1]["recall@20"], "ndcg@20": curve[-1]["ndcg@20"],
         })
         print(rows[-1], flush=True)
-    return rows
+    return rows, curve
+
+
+def sampler_report(rows: list[dict], curve: list[dict], args: argparse.Namespace, dim: int, threads: int, name: str) -> None:
+    """Write the tile-vs-uniform comparison on its own (``--sampler-only``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for sampler in ("uniform", "tile"):
+        pts = [(c["epochs"], c["recall@20"]) for c in curve if c["sampler"] == sampler]
+        ax.plot(*zip(*pts, strict=False), "-o", label=sampler)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("Recall@20 (Gowalla test)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(f"Tile (512, refresh 2048) vs uniform sampler, MF-CCL d={dim}, {args.negatives} negatives", fontsize=9)
+    md = (
+        f"MF-CCL, fused, d={dim}, {threads} threads, {args.negatives} negatives, w=150, m=0.9, per-sample SGD lr "
+        f"{SAMPLER_LR:g} decayed linearly to 0 over {rows[0]['epochs']} epochs; tile sampler: 512 items per thread, "
+        "redrawn every 2048 samples (the paper's Gowalla setting).\n\n"
+        + markdown_table(rows, floatfmt="{:.4g}")
+        + "\n\n## Recall@20 by epoch\n\n"
+        + markdown_table(curve, floatfmt="{:.4g}")
+    )
+    write_results(name, {"rows": rows, "curve": curve, "args": vars(args)}, md, fig)
 
 
 def main() -> None:
@@ -128,6 +171,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0, help="measuring time per configuration")
     parser.add_argument("--negatives", type=int, default=64)
     parser.add_argument("--sampler-epochs", type=int, default=5, help="epochs per sampler in the tile/uniform test")
+    parser.add_argument("--sampler-only", action="store_true", help="only the tile/uniform comparison (own results file)")
     parser.add_argument("--quick", action="store_true", help="tiny synthetic run (smoke test)")
     args = parser.parse_args()
 
@@ -143,6 +187,12 @@ def main() -> None:
     users, items = _pairs(dm)
     max_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads_list = [t for t in threads_list if t <= max_threads]
+
+    if args.sampler_only:
+        threads = max(threads_list)
+        sampler_rows, curve = sampler_quality(dm, sampler_epochs, dims[0], args.negatives, threads)
+        sampler_report(sampler_rows, curve, args, dims[0], threads, "heat_sampler_quality" + ("_quick" if args.quick else ""))
+        return
 
     rows = []
     for model_name, g in (("MF-CCL", 1.0), ("SimpleX", 0.8)):
@@ -164,7 +214,7 @@ def main() -> None:
                 print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
                 rows.append(row)
 
-    sampler_rows = sampler_quality(dm, sampler_epochs, dims[0], args.negatives, max(threads_list))
+    sampler_rows, _ = sampler_quality(dm, sampler_epochs, dims[0], args.negatives, max(threads_list))
 
     import matplotlib
 
@@ -195,7 +245,7 @@ def main() -> None:
         "plain PyTorch, batch 256, autograd + Adam, `reference_b4096` = the same with batch 4096.\n\n"
         + markdown_table(rows, cols, floatfmt="{:.4g}")
         + "\n\n## Tile vs uniform sampler (MF-CCL, fused, "
-        + f"d={dims[0]}, {max(threads_list)} threads, {sampler_epochs} epochs, lr 0.5)\n\n"
+        + f"d={dims[0]}, {max(threads_list)} threads, {sampler_epochs} epochs, lr {SAMPLER_LR:g} linear to 0)\n\n"
         + markdown_table(sampler_rows, floatfmt="{:.4g}")
     )
     write_results("heat_throughput" if not args.quick else "heat_throughput_quick",

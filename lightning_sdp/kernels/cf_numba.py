@@ -10,7 +10,8 @@ What one call of :func:`fused_sgd_step` does, for every positive pair ``(u, i)``
    builds the user vector ``p = g e_u + (1 - g) V mean(H_u \\ {i})``;
 2. computes the dot products and self-dots once (forward) and reuses them for the gradients (backward):
    ``dcos(a, b)/da = b / (|a||b|) - cos a / |a|^2``;
-3. updates the touched rows with SGD in place and without locks (Hogwild) across threads;
+3. updates the touched rows in place and without locks (Hogwild) across threads, with SGD or row-wise Adagrad
+   (one accumulator per row, its squared gradient norm taken from the dot products already computed);
 4. samples its negatives inside the kernel, uniformly over all items or from a per-thread tile of ``tile_size``
    items redrawn every ``tile_refresh`` samples (HEAT's tiled sampler);
 5. accumulates the aggregator gradient ``dV`` per thread and applies it every ``v_sync`` samples.
@@ -46,6 +47,20 @@ def _draw(state: int, n: int) -> int:
     return (((state >> 33) & 0x7FFFFFFF) * n) >> 31
 
 
+@njit(inline="always")
+def _row_lr(acc: np.ndarray, row: int, grad_sq_mean: float, lr: float, eps: float, adaptive: bool) -> float:
+    """The step size of one row: ``lr`` (SGD) or row-wise Adagrad's ``lr / (sqrt(acc[row]) + eps)``.
+
+    Row-wise Adagrad keeps one accumulator per row (the running sum of the mean squared gradient of that row), so
+    rows stay independent and the lock-free per-sample updates remain valid.
+    """
+    if adaptive:
+        a = acc[row] + max(grad_sq_mean, np.float32(0.0))
+        acc[row] = a
+        return lr / (np.float32(np.sqrt(a)) + eps)
+    return lr
+
+
 @njit(parallel=True, nogil=True, fastmath=True, cache=True)
 def fused_sgd_step(
     user_emb: np.ndarray,
@@ -63,6 +78,9 @@ def fused_sgd_step(
     lr: float,
     v_lr: float,
     weight_decay: float,
+    user_acc: np.ndarray,
+    item_acc: np.ndarray,
+    adagrad_eps: float,
     rng_state: np.ndarray,
     tiles: np.ndarray,
     tile_left: np.ndarray,
@@ -89,6 +107,10 @@ def fused_sgd_step(
         lr: SGD learning rate (per sample) of the embedding rows.
         v_lr: SGD learning rate of the aggregator ``V`` (its accumulated per-sample gradients).
         weight_decay: L2 coefficient on the touched user, positive and negative rows.
+        user_acc: ``(num_users,)`` float32 row-wise Adagrad accumulators of the user rows, or a ``(0,)`` array for
+            plain SGD (``item_acc`` must then be empty too).
+        item_acc: ``(num_items,)`` float32 row-wise Adagrad accumulators of the item rows, or ``(0,)``.
+        adagrad_eps: Adagrad's ``eps`` added to ``sqrt(acc)``.
         rng_state: ``(>= num_chunks,)`` int64 per-chunk random state, advanced in place.
         tiles: ``(>= num_chunks, tile_size)`` int64 per-chunk negative tiles, redrawn in place.
         tile_left: ``(>= num_chunks,)`` int64 samples left before each tile is redrawn.
@@ -112,6 +134,9 @@ def fused_sgd_step(
     lr32 = np.float32(lr)
     vlr32 = np.float32(v_lr)
     wd32 = np.float32(weight_decay)
+    adaptive = user_acc.shape[0] > 0
+    eps32 = np.float32(adagrad_eps)
+    inv_d = np.float32(1.0 / d)
     chunk = (batch + num_chunks - 1) // num_chunks
     for c in prange(num_chunks):
         start = c * chunk
@@ -201,14 +226,16 @@ def fused_sgd_step(
                 G = np.float32(-1.0)
                 self_coef += G * cos / (pn * pn)
                 a = G / (pn * en)
-                keep = np.float32(1.0) + lr32 * (G * cos / (en * en) - wd32)
-                step = lr32 * a
+                bb = wd32 - G * cos / (en * en)  # the row's gradient is a p + bb e
+                lr_i = _row_lr(item_acc, i, (a * a * pp + 2 * a * bb * x + bb * bb * ss) * inv_d, lr32, eps32, adaptive)
+                keep = np.float32(1.0) - lr_i * bb
+                step = lr_i * a
                 for t in range(d):
                     e = item_emb[i, t]
                     dp[t] += a * e
                     item_emb[i, t] = keep * e - step * p[t]
             elif wd32 > 0.0:
-                keep = np.float32(1.0) - lr32 * wd32
+                keep = np.float32(1.0) - _row_lr(item_acc, i, wd32 * wd32 * ss * inv_d, lr32, eps32, adaptive) * wd32
                 for t in range(d):
                     item_emb[i, t] *= keep
             # ---- negatives: their share of dp and in-place updates --------------------------------------------
@@ -220,14 +247,19 @@ def fused_sgd_step(
                     loss += wn * (cos - m32)
                     self_coef += wn * cos / (pn * pn)
                     a = wn / (pn * en)
-                    keep = np.float32(1.0) + lr32 * (wn * cos / (en * en) - wd32)
-                    step = lr32 * a
+                    bb = wd32 - wn * cos / (en * en)
+                    ss = en * en
+                    gsq = (a * a * pp + 2 * a * bb * neg_dot[j] + bb * bb * ss) * inv_d
+                    lr_j = _row_lr(item_acc, neg, gsq, lr32, eps32, adaptive)
+                    keep = np.float32(1.0) - lr_j * bb
+                    step = lr_j * a
                     for t in range(d):
                         e = item_emb[neg, t]
                         dp[t] += a * e
                         item_emb[neg, t] = keep * e - step * p[t]
                 elif wd32 > 0.0:
-                    keep = np.float32(1.0) - lr32 * wd32
+                    gsq = wd32 * wd32 * neg_norm[j] * neg_norm[j] * inv_d
+                    keep = np.float32(1.0) - _row_lr(item_acc, neg, gsq, lr32, eps32, adaptive) * wd32
                     for t in range(d):
                         item_emb[neg, t] *= keep
             losses[b] = loss
@@ -243,11 +275,17 @@ def fused_sgd_step(
                         dh[r] += V[t, r] * gt
                         dV[t, r] += gt * h[r]
                 if cnt > 0:
-                    step = lr32 / np.float32(cnt)
+                    inv_cnt = np.float32(1.0 / cnt)  # each history row's gradient is dh / cnt
+                    hsq = np.float32(0.0)
+                    if adaptive:
+                        for t in range(d):
+                            hsq += dh[t] * dh[t]
+                        hsq *= inv_cnt * inv_cnt * inv_d
                     for k in range(hist_indptr[u], hist_indptr[u + 1]):
                         it = hist_indices[k]
                         if it == i:
                             continue
+                        step = _row_lr(item_acc, it, hsq, lr32, eps32, adaptive) * inv_cnt
                         for t in range(d):
                             item_emb[it, t] -= step * dh[t]
                 pending += 1
@@ -257,8 +295,14 @@ def fused_sgd_step(
                             V[t, r] -= vlr32 * dV[t, r]
                             dV[t, r] = 0.0
                     pending = 0
-            keep = np.float32(1.0) - lr32 * wd32
-            gstep = lr32 * g32
+            usq = np.float32(0.0)
+            if adaptive:
+                for t in range(d):
+                    gu = g32 * dp[t] + wd32 * user_emb[u, t]
+                    usq += gu * gu
+            lr_u = _row_lr(user_acc, u, usq * inv_d, lr32, eps32, adaptive)
+            keep = np.float32(1.0) - lr_u * wd32
+            gstep = lr_u * g32
             for t in range(d):
                 user_emb[u, t] = keep * user_emb[u, t] - gstep * dp[t]
         if use_agg and pending > 0:

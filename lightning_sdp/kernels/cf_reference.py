@@ -182,3 +182,59 @@ def simplex_loss(
 def normalized_scores(user_vecs: Tensor, item_emb_normalized: Tensor) -> Tensor:
     """Cosine scores ``(B, num_items)`` of user vectors against pre-normalised item rows."""
     return F.normalize(user_vecs, dim=-1, eps=_EPS) @ item_emb_normalized.t()
+
+
+class RowWiseAdagrad(torch.optim.Optimizer):
+    """Row-wise Adagrad: one accumulator per row of each 2-D parameter (embedding tables).
+
+    For every row whose gradient is not all zero: ``acc[r] += mean(grad[r] ** 2)`` and
+    ``row -= lr * grad[r] / (sqrt(acc[r]) + eps)``; untouched rows and their accumulators do not change. This is the
+    optimiser the fused kernel runs per sample (its accumulators live in this optimiser's state, ``state[p]["sum"]``,
+    so both backends checkpoint the same thing). One accumulator per row keeps rows independent, which is what the
+    kernel's lock-free updates need. A group with ``rowwise=False`` gets plain SGD (the shared aggregator ``V``).
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate.
+        eps: added to ``sqrt(acc)``.
+        initial_accumulator_value: starting value of every accumulator.
+    """
+
+    def __init__(self, params, lr: float = 0.05, eps: float = 1e-8, initial_accumulator_value: float = 0.0) -> None:  # noqa: ANN001
+        if lr <= 0 or eps <= 0 or initial_accumulator_value < 0:
+            raise ValueError(
+                f"RowWiseAdagrad: lr and eps must be positive and initial_accumulator_value >= 0; got lr={lr}, "
+                f"eps={eps}, initial_accumulator_value={initial_accumulator_value}."
+            )
+        super().__init__(params, {"lr": lr, "eps": eps, "initial_accumulator_value": initial_accumulator_value, "rowwise": True})
+
+    def row_sums(self, param: Tensor) -> Tensor:
+        """The accumulators of ``param``'s rows (created on first use), shape ``(param.shape[0],)``."""
+        state = self.state[param]
+        if "sum" not in state:
+            group = next(g for g in self.param_groups if any(p is param for p in g["params"]))
+            state["sum"] = torch.full((param.shape[0],), float(group["initial_accumulator_value"]), dtype=param.dtype)
+        return state["sum"]
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                if not group["rowwise"] or p.dim() != 2:
+                    p.add_(grad, alpha=-group["lr"])
+                    continue
+                rows = grad.abs().sum(1).nonzero().squeeze(1)
+                if rows.numel() == 0:
+                    continue
+                g_rows = grad[rows]
+                acc = self.row_sums(p)
+                acc[rows] += g_rows.pow(2).mean(1)
+                p[rows] -= group["lr"] * g_rows / (acc[rows].sqrt() + group["eps"]).unsqueeze(1)
+        return loss

@@ -45,10 +45,20 @@ class SimpleXModule(LightningModule):
         max_history: cap on the history length ``|H_u|``. Default 100.
         backend: ``"fused"`` (HEAT numba kernel, needs the ``cpu`` extra) or ``"reference"`` (plain PyTorch).
             Default ``"fused"``.
-        optimizer: ``"auto"`` (Adam for the reference backend, SGD for fused), ``"adam"`` (reference only) or
-            ``"sgd"``. The fused kernel applies SGD per sample (Hogwild); the reference applies it per batch to the
-            mean loss. Default ``"auto"``.
-        lr: learning rate; ``None`` gives 1e-4 for Adam (the SimpleX setting) and 0.05 for SGD. Default ``None``.
+        optimizer: ``"auto"`` (Adam for the reference backend, SGD for fused), ``"adam"`` (reference only),
+            ``"sgd"`` or ``"rowwise_adagrad"`` (one Adagrad accumulator per table row, so rows stay independent).
+            The fused kernel applies the update per sample (Hogwild); the reference applies it per batch to the mean
+            loss. The aggregator ``V`` always gets plain SGD except under Adam. Default ``"auto"``.
+        lr: learning rate; ``None`` gives 1e-4 for Adam (the SimpleX setting), 0.05 for SGD and 0.1 for row-wise
+            Adagrad. Default ``None``.
+        adagrad_eps: row-wise Adagrad's ``eps``. Default 1e-8.
+        lr_schedule: ``"constant"`` or ``"linear"`` (decay per step from ``lr`` to 0 over the whole fit,
+            ``trainer.estimated_stepping_batches``; set ``max_epochs``). Per-sample SGD on the scale-invariant cosine
+            loss keeps a noise floor at a constant rate; decaying it reaches a better optimum. Default ``"constant"``.
+        row_norm: after every training step, rescale every user and item row to this L2 norm (SGD projected onto a
+            sphere), or ``None`` to leave the norms free. The cosine loss does not depend on row norms, so this changes
+            only the optimiser's dynamics: a row's effective step stays ``lr / row_norm**2`` instead of shrinking as
+            the row grows (popular items grow fastest and would stop adapting). Default ``None``.
         weight_decay: L2 on the touched user, positive and negative rows (each occurrence). Default 0.
         init_std: standard deviation of the normal initialisation of the tables; ``None`` gives 1e-4 for Adam (the
             SimpleX setting) and 0.1 for SGD (a cosine loss gives gradients ``~1/|e|``, so SGD needs rows that are
@@ -77,8 +87,11 @@ class SimpleXModule(LightningModule):
         num_negatives: int = 64,
         max_history: int = 100,
         backend: Literal["fused", "reference"] = "fused",
-        optimizer: Literal["auto", "adam", "sgd"] = "auto",
+        optimizer: Literal["auto", "adam", "sgd", "rowwise_adagrad"] = "auto",
         lr: float | None = None,
+        adagrad_eps: float = 1e-8,
+        lr_schedule: Literal["constant", "linear"] = "constant",
+        row_norm: float | None = None,
         weight_decay: float = 0.0,
         init_std: float | None = None,
         sampler: Literal["uniform", "tile"] = "uniform",
@@ -102,8 +115,19 @@ class SimpleXModule(LightningModule):
                 f"num_negatives={num_negatives}, max_history={max_history}, k={k}."
             )
         opt = optimizer if optimizer != "auto" else ("adam" if backend == "reference" else "sgd")
-        if backend == "fused" and opt != "sgd":
-            raise ValueError("SimpleXModule: the fused backend updates rows in place with SGD; use optimizer='sgd'.")
+        if opt not in ("adam", "sgd", "rowwise_adagrad"):
+            raise ValueError(f"SimpleXModule: optimizer must be 'auto', 'adam', 'sgd' or 'rowwise_adagrad', got {optimizer!r}.")
+        if backend == "fused" and opt == "adam":
+            raise ValueError(
+                "SimpleXModule: the fused backend updates rows in place per sample; use optimizer='sgd' or "
+                "'rowwise_adagrad' (Adam's per-coordinate state is not kept by the kernel)."
+            )
+        if lr_schedule not in ("constant", "linear"):
+            raise ValueError(f"SimpleXModule: lr_schedule must be 'constant' or 'linear', got {lr_schedule!r}.")
+        if row_norm is not None and not row_norm > 0:
+            raise ValueError(f"SimpleXModule: row_norm must be positive or None, got {row_norm}.")
+        if adagrad_eps <= 0:
+            raise ValueError(f"SimpleXModule: adagrad_eps must be positive, got {adagrad_eps}.")
         if sampler not in ("uniform", "tile"):
             raise ValueError(f"SimpleXModule: sampler must be 'uniform' or 'tile', got {sampler!r}.")
         if sampler == "tile" and backend != "fused":
@@ -117,7 +141,7 @@ class SimpleXModule(LightningModule):
         self.save_hyperparameters()
         self.backend = backend
         self.optimizer_name = opt
-        self.lr = lr if lr is not None else (1e-4 if opt == "adam" else 0.05)
+        self.lr = lr if lr is not None else {"adam": 1e-4, "sgd": 0.05, "rowwise_adagrad": 0.1}[opt]
         self.init_std = init_std if init_std is not None else (1e-4 if opt == "adam" else 0.1)
         self.automatic_optimization = backend == "reference"
 
@@ -217,7 +241,20 @@ class SimpleXModule(LightningModule):
             require("numba", feature="SimpleXModule(backend='fused')")
 
     @override
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> Any:
+        optimizer = self._optimizer()
+        if self.hparams.lr_schedule == "constant":
+            return optimizer
+        total = self.trainer.estimated_stepping_batches
+        if not np.isfinite(total) or total <= 0:
+            raise ValueError(
+                "SimpleXModule(lr_schedule='linear') decays over the whole fit, so it needs a finite length: set "
+                f"Trainer(max_epochs=...) or max_steps (estimated_stepping_batches is {total})."
+            )
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1.0 - step / total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def _optimizer(self) -> torch.optim.Optimizer:
         tables = [p for n, p in self.named_parameters() if n != "aggregator"]
         groups = [
             {"params": tables, "lr": self.lr},
@@ -225,6 +262,9 @@ class SimpleXModule(LightningModule):
         ]
         if self.optimizer_name == "adam":
             return torch.optim.Adam(groups, lr=self.lr)
+        if self.optimizer_name == "rowwise_adagrad":
+            groups[1]["rowwise"] = False  # V is shared by every sample: plain SGD, as in the kernel
+            return ref.RowWiseAdagrad(groups, lr=self.lr, eps=self.hparams.adagrad_eps)
         # For the fused backend the optimiser only carries the learning rates (schedulers may change them); the
         # kernel applies the updates itself.
         return torch.optim.SGD(groups, lr=self.lr)
@@ -263,6 +303,7 @@ class SimpleXModule(LightningModule):
         negatives: Tensor | None = None,
         num_threads: int | None = None,
         aggregator_lr: float | None = None,
+        row_sums: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """Run HEAT's fused kernel on a batch of positives, updating the tables in place; returns per-sample losses.
 
@@ -273,6 +314,8 @@ class SimpleXModule(LightningModule):
             negatives: ``(B, n)`` negatives to use instead of sampling inside the kernel (tests), or ``None``.
             num_threads: parallel chunks; ``None`` uses numba's current thread count.
             aggregator_lr: learning rate of ``V``; ``None`` gives ``lr * aggregator_lr_scale``.
+            row_sums: row-wise Adagrad accumulators ``(user_sums, item_sums)`` (float32, updated in place), or
+                ``None`` for plain SGD.
         """
         from lightning_sdp.kernels import cf_numba  # numba is imported only here
 
@@ -298,6 +341,15 @@ class SimpleXModule(LightningModule):
                 raise ValueError(f"SimpleXModule: negatives must be (B, n) with B={len(users)}, got {tuple(negatives.shape)}.")
             given = np.ascontiguousarray(negatives.numpy(), dtype=np.int64)
         hp = self.hparams
+        if row_sums is None:
+            user_sums = item_sums = np.zeros(0, dtype=np.float32)
+        else:
+            user_sums, item_sums = (s.numpy() for s in row_sums)
+            if user_sums.shape != (self.num_users,) or item_sums.shape != (self.num_items,) or user_sums.dtype != np.float32:
+                raise ValueError(
+                    f"SimpleXModule: row_sums must be float32 of shapes ({self.num_users},) and ({self.num_items},), "
+                    f"got {user_sums.shape} and {item_sums.shape}."
+                )
         losses = np.empty(len(users), dtype=np.float32)
         cf_numba.fused_sgd_step(
             user_emb.weight.data.numpy(),
@@ -315,6 +367,9 @@ class SimpleXModule(LightningModule):
             float(lr),
             float(lr * hp.aggregator_lr_scale if aggregator_lr is None else aggregator_lr),
             float(hp.weight_decay),
+            user_sums,
+            item_sums,
+            float(hp.adagrad_eps),
             self.sampler_rng.numpy(),
             self.sampler_tiles.numpy(),
             self.sampler_tile_left.numpy(),
@@ -342,7 +397,12 @@ class SimpleXModule(LightningModule):
             return objective
         opt = self.optimizers()
         lr = opt.param_groups[0]["lr"]
-        losses = self.fused_step(users, items, lr, aggregator_lr=opt.param_groups[1]["lr"])
+        row_sums = None
+        if self.optimizer_name == "rowwise_adagrad":
+            inner = opt.optimizer
+            user_emb, item_emb = self._tables()
+            row_sums = (inner.row_sums(user_emb.weight), inner.row_sums(item_emb.weight))
+        losses = self.fused_step(users, items, lr, aggregator_lr=opt.param_groups[1]["lr"], row_sums=row_sums)
         loss = float(losses.mean())
         if not np.isfinite(loss):
             raise FloatingPointError(
@@ -350,14 +410,28 @@ class SimpleXModule(LightningModule):
                 f"lower lr (now {lr}) or raise init_std."
             )
         opt.step()  # no gradients: only advances Lightning's step counter (the kernel already updated the rows)
+        # manual optimisation: Lightning leaves stepping step-wise schedulers to the module
+        schedules = self.lr_schedulers()
+        for schedule in schedules if isinstance(schedules, list) else [schedules] if schedules is not None else []:
+            schedule.step()
+        self.log("train/lr", lr)
         self.log("train/loss", loss, prog_bar=True)
         return None
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.hparams.row_norm is not None:  # after the update of both backends (automatic: after optimizer.step)
+            self.project_rows(self.hparams.row_norm)
         elapsed = time.perf_counter() - self._batch_start
         if elapsed > 0:
             self.log("train/positives_per_sec", float(len(batch[0]) / elapsed))
+
+    @torch.no_grad()
+    def project_rows(self, norm: float) -> None:
+        """Rescale every user and item row to L2 norm ``norm`` in place (all-zero rows stay zero)."""
+        for table in self._tables():
+            w = table.weight
+            w.mul_(norm / w.norm(dim=1, keepdim=True).clamp_min(1e-12))
 
     # ------------------------------------------------------------------------------------------------ evaluation
     @torch.no_grad()

@@ -25,13 +25,19 @@ def _problem(seed: int, num_users: int = 12, num_items: int = 60, d: int = 8):
     return user_emb, item_emb, V, users, items, negatives, indptr, indices
 
 
-def _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, *, g, margin, w, lr, wd, chunks=1):
+def _no_sums():
+    """Empty row-wise Adagrad accumulators and eps: the kernel runs plain SGD."""
+    return np.zeros(0, np.float32), np.zeros(0, np.float32), 1e-8
+
+
+def _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, *, g, margin, w, lr, wd, chunks=1, sums=None):
     from lightning_sdp.kernels import cf_numba
 
     ue, ie, v = user_emb.copy(), item_emb.copy(), V.copy()
     losses = np.zeros(len(users), np.float32)
+    acc = _no_sums() if sums is None else (sums[0], sums[1], 1e-8)
     cf_numba.fused_sgd_step(
-        ue, ie, v, users, items, indptr, indices, negatives, negatives.shape[1], g, margin, w, lr, lr, wd,
+        ue, ie, v, users, items, indptr, indices, negatives, negatives.shape[1], g, margin, w, lr, lr, wd, *acc,
         np.arange(4, dtype=np.int64), np.zeros((4, 0), np.int64), np.zeros(4, np.int64), 0, 10_000, chunks, losses,
     )
     return ue, ie, v, losses
@@ -67,6 +73,56 @@ def test_fused_step_equals_reference_sgd_step(g, wd):
     np.testing.assert_allclose(ie2, ie, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("g", [1.0, 0.7])
+@pytest.mark.parametrize("wd", [0.0, 0.01])
+def test_fused_rowwise_adagrad_step_equals_reference_optimizer(g, wd):
+    seed = 7 + int(g * 10) + int(wd * 100)
+    user_emb, item_emb, V, users, items, negatives, indptr, indices = _problem(seed)
+    margin, w, lr = 0.1, 3.0, 0.05
+    rng = np.random.default_rng(seed)
+    user_sums = rng.uniform(0.0, 0.5, len(user_emb)).astype(np.float32)  # as if earlier steps had run
+    item_sums = rng.uniform(0.0, 0.5, len(item_emb)).astype(np.float32)
+    tu, ti, tv = (torch.tensor(a, requires_grad=True) for a in (user_emb, item_emb, V))
+    opt = ref.RowWiseAdagrad([{"params": [tu, ti]}, {"params": [tv], "rowwise": False}], lr=lr, eps=1e-8)
+    opt.row_sums(tu).copy_(torch.from_numpy(user_sums))
+    opt.row_sums(ti).copy_(torch.from_numpy(item_sums))
+    objective, _ = ref.simplex_loss(
+        tu, ti, tv, torch.tensor(users), torch.tensor(items), torch.tensor(negatives), g, margin, w,
+        ref.padded_history(indptr, indices), weight_decay=wd, reduction="sum",
+    )
+    objective.backward()
+    opt.step()
+    sums = (user_sums.copy(), item_sums.copy())
+    ue, ie, v, _ = _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, g=g, margin=margin, w=w, lr=lr, wd=wd, sums=sums)
+    np.testing.assert_allclose(sums[0], opt.row_sums(tu).numpy(), rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(sums[1], opt.row_sums(ti).numpy(), rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(ue, tu.detach().numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(ie, ti.detach().numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(v, tv.detach().numpy(), rtol=1e-4, atol=1e-6)
+    # the accumulators of touched rows grew, the others did not, and the step differs from plain SGD
+    touched = np.unique(np.concatenate([items, negatives.ravel()] + ([indices] if g < 1 else [])))
+    grew = np.flatnonzero(sums[1] > item_sums)
+    assert set(grew) <= set(touched) and len(grew) >= len(items)
+    assert (sums[0][users] > user_sums[users]).all() and (sums[0][3:] == user_sums[3:]).all()
+    ue_sgd, _, _, _ = _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, g=g, margin=margin, w=w, lr=lr, wd=wd)
+    assert np.abs(ue_sgd - ue).max() > 1e-4
+
+
+def test_rowwise_adagrad_reference_skips_untouched_rows():
+    emb = torch.nn.Parameter(torch.randn(5, 3))
+    before = emb.detach().clone()
+    opt = ref.RowWiseAdagrad([emb], lr=0.1, initial_accumulator_value=0.25)
+    emb.grad = torch.zeros(5, 3)
+    emb.grad[1] = torch.tensor([3.0, 0.0, -3.0])
+    opt.step()
+    sums = opt.row_sums(emb)
+    torch.testing.assert_close(sums, torch.tensor([0.25, 0.25 + 6.0, 0.25, 0.25, 0.25]))
+    torch.testing.assert_close(emb.detach()[[0, 2, 3, 4]], before[[0, 2, 3, 4]])
+    torch.testing.assert_close(emb.detach()[1], before[1] - 0.1 * torch.tensor([3.0, 0.0, -3.0]) / (6.25**0.5 + 1e-8))
+    with pytest.raises(ValueError, match="lr"):
+        ref.RowWiseAdagrad([emb], lr=0.0)
+
+
 def test_inactive_margin_gives_no_negative_gradient():
     user_emb, item_emb, V, users, items, negatives, indptr, indices = _problem(5)
     _, ie, _, losses = _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, g=1.0, margin=1.0, w=3.0, lr=0.1, wd=0.0)
@@ -92,7 +148,7 @@ def _sampling_run(tile_refresh: int, chunks: int, seed: int = 0) -> dict[str, np
     # margin -1: every negative is active, so every sampled negative row moves
     cf_numba.fused_sgd_step(
         ue, ie, np.eye(d, dtype=np.float32), users, out["items"], indptr, np.zeros(0, np.int64),
-        np.zeros((0, 0), np.int64), 8, 1.0, -1.0, 1.0, 0.01, 0.01, 0.0, state, tiles, left, tile_refresh, 32, chunks, losses,
+        np.zeros((0, 0), np.int64), 8, 1.0, -1.0, 1.0, 0.01, 0.01, 0.0, *_no_sums(), state, tiles, left, tile_refresh, 32, chunks, losses,
     )
     out.update(ue=ue, ie=ie, state=state, tiles=tiles, left=left, losses=losses)
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 
 from lightning_sdp.datamodules.interactions import InteractionsDataModule
 from lightning_sdp.models.simplex import SimpleXModule
@@ -98,26 +98,64 @@ def test_trains_with_heat_accelerator_and_improves_recall(tmp_path, backend):
     assert test["test/recall@20"] == pytest.approx(after, rel=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["fused", "reference"])
-def test_resume_continues_bit_exactly(tmp_path, backend):
-    def model() -> SimpleXModule:
-        return SimpleXModule(g=0.8, backend=backend, lr=0.3 if backend == "fused" else 0.01, sampler="tile" if backend == "fused" else "uniform", tile_size=16, tile_refresh=50, **_SMALL)
+class _StopAfterFirstEpoch(Callback):
+    def on_train_epoch_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+        trainer.should_stop = True
 
+
+@pytest.mark.parametrize(
+    ("backend", "optimizer", "schedule"),
+    [("fused", "sgd", "constant"), ("reference", "adam", "constant"), ("fused", "rowwise_adagrad", "linear"),
+     ("reference", "rowwise_adagrad", "linear")],
+)
+def test_resume_continues_bit_exactly(tmp_path, backend, optimizer, schedule):
+    def model() -> SimpleXModule:
+        return SimpleXModule(
+            g=0.8, backend=backend, optimizer=optimizer, lr_schedule=schedule,
+            lr=0.01 if optimizer == "adam" else 0.3, sampler="tile" if backend == "fused" else "uniform",
+            tile_size=16, tile_refresh=50, **_SMALL,
+        )
+
+    quiet = {"max_epochs": 2, "num_sanity_val_steps": 0, "limit_val_batches": 0}
     straight = model()
-    _trainer(tmp_path / "a", max_epochs=2, num_sanity_val_steps=0, limit_val_batches=0).fit(straight, _dm())
+    _trainer(tmp_path / "a", **quiet).fit(straight, _dm())
     first = model()
-    t1 = _trainer(tmp_path / "b", max_epochs=1, num_sanity_val_steps=0, limit_val_batches=0)
+    # the same two-epoch fit stopped after one epoch, so a schedule over the whole fit has the same length
+    t1 = _trainer(tmp_path / "b", callbacks=[_StopAfterFirstEpoch()], **quiet)
     t1.fit(first, _dm())
+    assert t1.current_epoch == 1
     ckpt = tmp_path / "one.ckpt"
     t1.save_checkpoint(ckpt)
     resumed = model()
-    t2 = _trainer(tmp_path / "c", max_epochs=2, num_sanity_val_steps=0, limit_val_batches=0)
+    t2 = _trainer(tmp_path / "c", **quiet)
     t2.fit(resumed, _dm(), ckpt_path=str(ckpt))
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=False):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     assert not torch.equal(first.item_embedding.weight, resumed.item_embedding.weight)
     if backend == "fused":
         assert not torch.equal(first.sampler_rng, resumed.sampler_rng)  # sampler state travelled and advanced
+    if optimizer == "rowwise_adagrad":  # the accumulators travelled in the optimiser state and kept growing
+        sums = t2.optimizers[0].row_sums(resumed.item_embedding.weight)
+        first_sums = t1.optimizers[0].row_sums(first.item_embedding.weight)
+        assert (sums >= first_sums).all() and (sums > first_sums).any()
+    if schedule == "linear":
+        lr = t2.optimizers[0].param_groups[0]["lr"]
+        assert 0.0 <= lr < 0.3 * 0.05, lr  # decayed to (almost) zero at the end of the fit
+
+
+def test_linear_schedule_decays_the_fused_learning_rate(tmp_path):
+    dm = _dm()
+    model = SimpleXModule(lr=0.4, lr_schedule="linear", **_SMALL)
+    trainer = _trainer(tmp_path, max_epochs=3, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(model, dm)
+    steps = 3 * len(dm.train_dataloader())
+    assert trainer.global_step == steps
+    logged = trainer.callback_metrics["train/lr"].item()
+    assert logged == pytest.approx(0.4 * (1 - (steps - 1) / steps), rel=1e-5)  # lr used by the last step
+    with pytest.raises(ValueError, match="lr_schedule"):
+        SimpleXModule(lr_schedule="cosine")
+    with pytest.raises(ValueError, match="optimizer"):
+        SimpleXModule(backend="fused", optimizer="adam")
 
 
 def test_resume_with_other_sizes_fails_clearly(tmp_path):
@@ -187,3 +225,24 @@ def test_synthetic_yaml_trains_one_epoch(tmp_path):
     assert state["epoch"] == 0 and state["global_step"] > 0
     assert state["state_dict"]["item_embedding.weight"].shape == (200, 32)
     assert "val/recall@20" in str(state["callbacks"]) or state["hyper_parameters"]["num_items"] == 200
+
+
+def test_row_norm_projects_rows_after_each_step_without_changing_the_mf_loss(tmp_path):
+    dm = _dm()
+    model = SimpleXModule(lr=0.3, row_norm=2.0, **_SMALL)
+    trainer = _trainer(tmp_path, max_epochs=1, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(model, dm)
+    for table in (model.user_embedding, model.item_embedding):
+        torch.testing.assert_close(table.weight.norm(dim=1), torch.full((table.num_embeddings,), 2.0))
+    # the cosine loss of MF-CCL does not depend on row norms: projecting rescales rows only
+    users, items = torch.arange(10), torch.arange(10) % model.num_items
+    negatives = torch.randint(0, model.num_items, (10, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.item_embedding.weight.mul_(torch.rand(model.num_items, 1) + 0.5)  # unequal norms again
+        before = model.reference_loss(users, items, negatives)[1]
+        model.project_rows(1.0)
+        after = model.reference_loss(users, items, negatives)[1]
+    torch.testing.assert_close(before, after, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(model.item_embedding.weight.norm(dim=1), torch.ones(model.num_items))
+    with pytest.raises(ValueError, match="row_norm"):
+        SimpleXModule(row_norm=0.0)

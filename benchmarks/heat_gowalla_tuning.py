@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks._common import RESULTS_DIR, SHARED_DATA, markdown_table, write_results  # noqa: E402
+from benchmarks.heat_throughput import recall_ndcg_at_20  # noqa: E402
 from lightning_sdp.datamodules.interactions import InteractionsDataModule  # noqa: E402
-from lightning_sdp.metrics import NDCGAtK, RecallAtK  # noqa: E402
 from lightning_sdp.models.simplex import SimpleXModule  # noqa: E402
 
 NAME = "heat_gowalla_tuning"
@@ -49,16 +49,6 @@ def _parse(pairs: list[str]) -> dict[str, object]:
     if cfg["optimizer"] not in ("sgd", "rowwise_adagrad") or cfg["schedule"] not in ("constant", "linear"):
         raise SystemExit("optimizer must be sgd or rowwise_adagrad; schedule constant or linear")
     return cfg
-
-
-def _evaluate(model: SimpleXModule, dm: InteractionsDataModule) -> tuple[float, float]:
-    recall, ndcg = RecallAtK(20), NDCGAtK(20)
-    model.log = lambda *a, **k: None  # evaluation outside a Trainer
-    model.on_validation_epoch_start()
-    for batch in dm.val_dataloader():
-        model._eval_step(batch, recall, ndcg, "val")
-    model.on_validation_epoch_end()
-    return float(recall.compute()), float(ndcg.compute())
 
 
 def train(name: str, cfg: dict[str, object], data: Path) -> dict:
@@ -91,7 +81,7 @@ def train(name: str, cfg: dict[str, object], data: Path) -> dict:
             step += 1
         train_s += time.perf_counter() - start
         if (epoch + 1) % int(cfg["eval_every"]) == 0 or epoch + 1 == epochs:
-            recall, ndcg = _evaluate(model, dm)
+            recall, ndcg = recall_ndcg_at_20(model, dm)
             curve.append({"epochs": epoch + 1, "train_s": round(train_s, 1), "recall@20": recall, "ndcg@20": ndcg})
             print(name, curve[-1], flush=True)
     return {"name": name, **cfg, **curve[-1], "curve": curve, "load_avg_1m": round(os.getloadavg()[0], 2)}

@@ -95,7 +95,8 @@ def measure_reference(m: SimpleXModule, users: torch.Tensor, items: torch.Tensor
 SAMPLER_LR = 1.0  # per-sample SGD, decayed linearly to 0 over the run (as in heat_gowalla_quality.py)
 
 
-def _recall_ndcg(m: SimpleXModule, dm: InteractionsDataModule) -> tuple[float, float]:
+def recall_ndcg_at_20(m: SimpleXModule, dm: InteractionsDataModule) -> tuple[float, float]:
+    """Recall@20 and NDCG@20 of ``m`` on ``dm``'s test split, outside a Trainer (the module's own eval step)."""
     from lightning_sdp.metrics import NDCGAtK, RecallAtK
 
     recall, ndcg = RecallAtK(20), NDCGAtK(20)
@@ -127,7 +128,7 @@ def sampler_quality(dm: InteractionsDataModule, epochs: int, dim: int, negatives
                 step += 1
             train_s += time.perf_counter() - t
             if epoch + 1 in evals:
-                recall, ndcg = _recall_ndcg(m, dm)
+                recall, ndcg = recall_ndcg_at_20(m, dm)
                 curve.append({"sampler": sampler, "epochs": epoch + 1, "recall@20": recall, "ndcg@20": ndcg})
         rows.append({
             "sampler": sampler, "epochs": epochs, "s_per_epoch": train_s / epochs,

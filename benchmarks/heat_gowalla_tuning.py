@@ -33,9 +33,9 @@ NAME = "heat_gowalla_tuning"
 DEFAULTS: dict[str, object] = {
     "g": 1.0, "negatives": 800, "negative_weight": 150.0, "margin": 0.9, "dim": 64, "optimizer": "sgd", "lr": 0.5,
     "schedule": "constant", "epochs": 30, "init_std": 0.1, "weight_decay": 0.0, "row_norm": 0.0, "batch_size": 16384,
-    "eval_every": 10, "threads": 2, "seed": 0,
+    "eval_every": 10, "threads": 2, "seed": 0, "aggregator_lr_scale": 1.0,
 }
-COLUMNS = ["name", "g", "negatives", "negative_weight", "margin", "optimizer", "schedule", "lr", "init_std",
+COLUMNS = ["name", "g", "aggregator_lr_scale", "negatives", "negative_weight", "margin", "optimizer", "schedule", "lr", "init_std",
            "weight_decay", "row_norm", "user_init_scale", "epochs", "recall@20", "ndcg@20", "train_s", "threads", "script"]
 
 
@@ -51,6 +51,22 @@ def _parse(pairs: list[str]) -> dict[str, object]:
     return cfg
 
 
+@torch.no_grad()
+def _norms(model: SimpleXModule) -> dict[str, float]:
+    """Mean row norms of both tables and, for SimpleX, of the two terms of the user vector (drift diagnostics)."""
+    users, items = model.user_embedding.weight, model.item_embedding.weight
+    out = {"user_norm": float(users.norm(dim=1).mean()), "item_norm": float(items.norm(dim=1).mean())}
+    if model.hparams.g < 1:
+        g = model.hparams.g
+        sample = torch.arange(0, model.num_users, max(1, model.num_users // 2000))
+        full = model.user_vectors(sample)
+        own = g * users[sample]
+        out["V_norm"] = float(model.aggregator.norm())
+        out["own_term_norm"] = float(own.norm(dim=1).mean())
+        out["history_term_norm"] = float((full - own).norm(dim=1).mean())
+    return out
+
+
 def train(name: str, cfg: dict[str, object], data: Path) -> dict:
     import numba
 
@@ -62,7 +78,7 @@ def train(name: str, cfg: dict[str, object], data: Path) -> dict:
         dm.num_users, dm.num_items, dim=int(cfg["dim"]), g=float(cfg["g"]), margin=float(cfg["margin"]),
         negative_weight=float(cfg["negative_weight"]), num_negatives=int(cfg["negatives"]), max_history=100,
         backend="fused", optimizer=str(cfg["optimizer"]), lr=float(cfg["lr"]), init_std=float(cfg["init_std"]),
-        weight_decay=float(cfg["weight_decay"]), seed=int(cfg["seed"]),
+        weight_decay=float(cfg["weight_decay"]), seed=int(cfg["seed"]), aggregator_lr_scale=float(cfg["aggregator_lr_scale"]),
     )
     model.set_interactions(*dm.train_csr())
     sums = None
@@ -82,7 +98,8 @@ def train(name: str, cfg: dict[str, object], data: Path) -> dict:
         train_s += time.perf_counter() - start
         if (epoch + 1) % int(cfg["eval_every"]) == 0 or epoch + 1 == epochs:
             recall, ndcg = recall_ndcg_at_20(model, dm)
-            curve.append({"epochs": epoch + 1, "train_s": round(train_s, 1), "recall@20": recall, "ndcg@20": ndcg})
+            curve.append({"epochs": epoch + 1, "train_s": round(train_s, 1), "recall@20": recall, "ndcg@20": ndcg,
+                          **_norms(model)})
             print(name, curve[-1], flush=True)
     return {"name": name, **cfg, **curve[-1], "curve": curve, "load_avg_1m": round(os.getloadavg()[0], 2)}
 

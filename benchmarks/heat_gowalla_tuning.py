@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks._common import RESULTS_DIR, SHARED_DATA, markdown_table, write_results  # noqa: E402
-from benchmarks.heat_throughput import recall_ndcg_at_20  # noqa: E402
+from benchmarks.heat_throughput import recall_ndcg_at_20, set_threads  # noqa: E402
 from lightning_sdp.datamodules.interactions import InteractionsDataModule  # noqa: E402
 from lightning_sdp.models.simplex import SimpleXModule  # noqa: E402
 
@@ -68,10 +68,7 @@ def _norms(model: SimpleXModule) -> dict[str, float]:
 
 
 def train(name: str, cfg: dict[str, object], data: Path) -> dict:
-    import numba
-
-    numba.set_num_threads(int(cfg["threads"]))
-    torch.set_num_threads(int(cfg["threads"]))
+    set_threads(int(cfg["threads"]))
     dm = InteractionsDataModule(data, batch_size=int(cfg["batch_size"]), eval_batch_size=1024, seed=int(cfg["seed"]))
     dm.setup()
     model = SimpleXModule(

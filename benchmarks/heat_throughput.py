@@ -32,7 +32,8 @@ from lightning_sdp.datamodules.interactions import InteractionsDataModule  # noq
 from lightning_sdp.models.simplex import SimpleXModule  # noqa: E402
 
 
-def _set_threads(n: int) -> None:
+def set_threads(n: int) -> None:
+    """Use ``n`` threads in torch and in numba (the fused kernel)."""
     import numba
 
     torch.set_num_threads(n)
@@ -114,7 +115,7 @@ def sampler_quality(dm: InteractionsDataModule, epochs: int, dim: int, negatives
     Returns the final row per sampler and the curve (about eight evaluations per sampler).
     """
     rows, curve = [], []
-    _set_threads(threads)
+    set_threads(threads)
     evals = {max(1, round(epochs * k / 8)) for k in range(1, 9)}
     for sampler in ("uniform", "tile"):
         m = _model(dm, "fused", 1.0, dim, negatives, sampler)
@@ -199,7 +200,7 @@ def main() -> None:
     for model_name, g in (("MF-CCL", 1.0), ("SimpleX", 0.8)):
         for dim in dims:
             for threads in threads_list:
-                _set_threads(threads)
+                set_threads(threads)
                 row = {"model": model_name, "d": dim, "threads": threads}
                 row["fused"] = measure_fused(_model(dm, "fused", g, dim, args.negatives), users, items, seconds)
                 row["fused_tile"] = measure_fused(_model(dm, "fused", g, dim, args.negatives, "tile"), users, items, seconds)

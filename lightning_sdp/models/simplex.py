@@ -411,8 +411,8 @@ class SimpleXModule(LightningModule):
             )
         opt.step()  # no gradients: only advances Lightning's step counter (the kernel already updated the rows)
         # manual optimisation: Lightning leaves stepping step-wise schedulers to the module
-        schedules = self.lr_schedulers()
-        for schedule in schedules if isinstance(schedules, list) else [schedules] if schedules is not None else []:
+        schedules = self.lr_schedulers() or []
+        for schedule in schedules if isinstance(schedules, list) else [schedules]:
             schedule.step()
         self.log("train/lr", lr)
         self.log("train/loss", loss, prog_bar=True)

@@ -60,7 +60,7 @@ def run(name: str, g: float, args: argparse.Namespace, dm: InteractionsDataModul
         dim=args.dim, g=g, margin=0.9, negative_weight=args.negative_weight, num_negatives=args.negatives,
         max_history=100, backend="fused", lr=args.lr, init_std=0.1, sampler=args.sampler,
         aggregator_lr_scale=args.aggregator_lr_scale, optimizer=args.optimizer, lr_schedule=args.lr_schedule,
-        row_norm=args.row_norm,
+        row_norm=args.row_norm, aggregator_weight_decay=args.aggregator_weight_decay,
     )
     history = _History()
     trainer = Trainer(
@@ -103,6 +103,7 @@ def main() -> None:
     parser.add_argument("--row-norm", type=float, default=None, help="project rows to this norm after each step")
     parser.add_argument("--sampler", default="uniform", choices=["uniform", "tile"])
     parser.add_argument("--aggregator-lr-scale", type=float, default=1.0, help="SimpleX: lr of V relative to lr")
+    parser.add_argument("--aggregator-weight-decay", type=float, default=0.0, help="SimpleX: L2 on V per sample")
     parser.add_argument("--batch-size", type=int, default=16384)
     parser.add_argument("--quick", action="store_true", help="tiny synthetic run (smoke test)")
     parser.add_argument("--name", default=None, help="results file stem (default heat_gowalla_quality)")
@@ -163,7 +164,8 @@ def report(results: list[dict], args: argparse.Namespace, extra: dict) -> None:
         f"Fused backend, `Trainer(accelerator=\"heat\")`, d={args.dim}, {args.negatives} uniform negatives "
         f"(sampler {args.sampler}), w={args.negative_weight:g}, m=0.9, per-sample {optimizer} lr {args.lr:g} "
         f"({schedule} schedule over {args.max_epochs} epochs), row norm {getattr(args, 'row_norm', None)}, init std 0.1, "
-        f"batch {args.batch_size}; SimpleX g=0.8 mean aggregator, history 100. Budget {args.budget_minutes:g} min per "
+        f"batch {args.batch_size}; SimpleX g=0.8 mean aggregator, history 100, V lr x{args.aggregator_lr_scale:g}, "
+        f"V weight decay {getattr(args, 'aggregator_weight_decay', 0.0):g}. Budget {args.budget_minutes:g} min per "
         "model (Lightning `max_time`, validation included).\n\n"
         + (f"{extra['note']}\n\n" if extra.get("note") else "")
         + markdown_table(results, cols)

@@ -33,9 +33,9 @@ NAME = "heat_gowalla_tuning"
 DEFAULTS: dict[str, object] = {
     "g": 1.0, "negatives": 800, "negative_weight": 150.0, "margin": 0.9, "dim": 64, "optimizer": "sgd", "lr": 0.5,
     "schedule": "constant", "epochs": 30, "init_std": 0.1, "weight_decay": 0.0, "row_norm": 0.0, "batch_size": 16384,
-    "eval_every": 10, "threads": 2, "seed": 0, "aggregator_lr_scale": 1.0,
+    "eval_every": 10, "threads": 2, "seed": 0, "aggregator_lr_scale": 1.0, "aggregator_weight_decay": 0.0,
 }
-COLUMNS = ["name", "g", "aggregator_lr_scale", "negatives", "negative_weight", "margin", "optimizer", "schedule", "lr", "init_std",
+COLUMNS = ["name", "dim", "g", "aggregator_lr_scale", "aggregator_weight_decay", "negatives", "negative_weight", "margin", "optimizer", "schedule", "lr", "init_std",
            "weight_decay", "row_norm", "user_init_scale", "epochs", "recall@20", "ndcg@20", "train_s", "threads", "script"]
 
 
@@ -76,6 +76,7 @@ def train(name: str, cfg: dict[str, object], data: Path) -> dict:
         negative_weight=float(cfg["negative_weight"]), num_negatives=int(cfg["negatives"]), max_history=100,
         backend="fused", optimizer=str(cfg["optimizer"]), lr=float(cfg["lr"]), init_std=float(cfg["init_std"]),
         weight_decay=float(cfg["weight_decay"]), seed=int(cfg["seed"]), aggregator_lr_scale=float(cfg["aggregator_lr_scale"]),
+        aggregator_weight_decay=float(cfg["aggregator_weight_decay"]),
     )
     model.set_interactions(*dm.train_csr())
     sums = None
@@ -119,7 +120,7 @@ def report(runs: list[dict]) -> None:
     ax.legend(fontsize=7)
     ax.set_title("HEAT fused kernel: optimiser settings (best 8 runs)", fontsize=10)
     md = (
-        "Fused kernel called directly (no Trainer), Gowalla LightGCN split, d=64, w=150, m=0.9 unless listed, "
+        "Fused kernel called directly (no Trainer), Gowalla LightGCN split, d=64 unless listed, w=150, m=0.9 unless listed, "
         "uniform negatives, batches of 16,384 positives; Recall/NDCG@20 after the last epoch (full ranking, training "
         "items masked). `train_s` is training time only and depends on the load (several runs shared the 2 cores). "
         "`script` = `prototype`: run by this script's first version in the session that wrote it (the same kernel calls "

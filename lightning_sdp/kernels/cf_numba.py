@@ -78,6 +78,7 @@ def fused_sgd_step(
     lr: float,
     v_lr: float,
     weight_decay: float,
+    v_weight_decay: float,
     user_acc: np.ndarray,
     item_acc: np.ndarray,
     adagrad_eps: float,
@@ -107,6 +108,8 @@ def fused_sgd_step(
         lr: SGD learning rate (per sample) of the embedding rows.
         v_lr: SGD learning rate of the aggregator ``V`` (its accumulated per-sample gradients).
         weight_decay: L2 coefficient on the touched user, positive and negative rows.
+        v_weight_decay: L2 coefficient on ``V`` per sample (applied with the accumulated ``dV``); keeps ``V`` from
+            growing in directions the current histories no longer span.
         user_acc: ``(num_users,)`` float32 row-wise Adagrad accumulators of the user rows, or a ``(0,)`` array for
             plain SGD (``item_acc`` must then be empty too).
         item_acc: ``(num_items,)`` float32 row-wise Adagrad accumulators of the item rows, or ``(0,)``.
@@ -134,6 +137,7 @@ def fused_sgd_step(
     lr32 = np.float32(lr)
     vlr32 = np.float32(v_lr)
     wd32 = np.float32(weight_decay)
+    vwd32 = np.float32(v_weight_decay)
     adaptive = user_acc.shape[0] > 0
     eps32 = np.float32(adagrad_eps)
     inv_d = np.float32(1.0 / d)
@@ -290,9 +294,10 @@ def fused_sgd_step(
                             item_emb[it, t] -= step * dh[t]
                 pending += 1
                 if pending >= v_sync:
+                    keep_v = np.float32(1.0) - vlr32 * vwd32 * pending  # V read once per window, like dV
                     for t in range(d):
                         for r in range(d):
-                            V[t, r] -= vlr32 * dV[t, r]
+                            V[t, r] = keep_v * V[t, r] - vlr32 * dV[t, r]
                             dV[t, r] = 0.0
                     pending = 0
             usq = np.float32(0.0)
@@ -306,8 +311,9 @@ def fused_sgd_step(
             for t in range(d):
                 user_emb[u, t] = keep * user_emb[u, t] - gstep * dp[t]
         if use_agg and pending > 0:
+            keep_v = np.float32(1.0) - vlr32 * vwd32 * pending
             for t in range(d):
                 for r in range(d):
-                    V[t, r] -= vlr32 * dV[t, r]
+                    V[t, r] = keep_v * V[t, r] - vlr32 * dV[t, r]
         rng_state[c] = state
         tile_left[c] = left

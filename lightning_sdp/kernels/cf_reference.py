@@ -139,11 +139,13 @@ def simplex_loss(
     history: Tensor | None = None,
     weight_decay: float = 0.0,
     reduction: str = "mean",
+    aggregator_weight_decay: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """Batched SimpleX forward: the optimised objective and the per-sample contrastive loss.
 
     The objective adds ``weight_decay / 2`` times the squared norms of the touched user, positive and negative rows
-    (once per occurrence), which is what the fused kernel's in-place decay does.
+    (once per occurrence), which is what the fused kernel's in-place decay does, and, for ``g < 1``,
+    ``aggregator_weight_decay / 2`` times ``|V|^2`` per sample.
 
     Args:
         user_emb: ``(num_users, d)`` user table.
@@ -158,6 +160,7 @@ def simplex_loss(
         history: padded histories, see :func:`user_vectors`.
         weight_decay: L2 coefficient on touched rows.
         reduction: ``"mean"`` or ``"sum"`` over the batch.
+        aggregator_weight_decay: L2 coefficient on ``V`` per sample (ignored for ``g = 1``).
 
     Returns:
         ``(objective, per_sample_ccl_loss)``.
@@ -171,6 +174,8 @@ def simplex_loss(
     if weight_decay > 0:
         sq = e_u.pow(2).sum(-1) + e_pos.pow(2).sum(-1) + e_neg.pow(2).sum((-1, -2))
         objective = objective + 0.5 * weight_decay * sq
+    if aggregator_weight_decay > 0 and g < 1:
+        objective = objective + 0.5 * aggregator_weight_decay * V.pow(2).sum()
     if reduction == "mean":
         return objective.mean(), per_sample
     if reduction == "sum":

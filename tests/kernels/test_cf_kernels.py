@@ -30,14 +30,14 @@ def _no_sums():
     return np.zeros(0, np.float32), np.zeros(0, np.float32), 1e-8
 
 
-def _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, *, g, margin, w, lr, wd, chunks=1, sums=None):
+def _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, *, g, margin, w, lr, wd, chunks=1, sums=None, vwd=0.0):
     from lightning_sdp.kernels import cf_numba
 
     ue, ie, v = user_emb.copy(), item_emb.copy(), V.copy()
     losses = np.zeros(len(users), np.float32)
     acc = _no_sums() if sums is None else (sums[0], sums[1], 1e-8)
     cf_numba.fused_sgd_step(
-        ue, ie, v, users, items, indptr, indices, negatives, negatives.shape[1], g, margin, w, lr, lr, wd, *acc,
+        ue, ie, v, users, items, indptr, indices, negatives, negatives.shape[1], g, margin, w, lr, lr, wd, vwd, *acc,
         np.arange(4, dtype=np.int64), np.zeros((4, 0), np.int64), np.zeros(4, np.int64), 0, 10_000, chunks, losses,
     )
     return ue, ie, v, losses
@@ -47,14 +47,14 @@ def _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, *, g
 @pytest.mark.parametrize("wd", [0.0, 0.01])
 def test_fused_step_equals_reference_sgd_step(g, wd):
     user_emb, item_emb, V, users, items, negatives, indptr, indices = _problem(int(g * 10) + int(wd * 100))
-    margin, w, lr = 0.1, 3.0, 0.05
+    margin, w, lr, vwd = 0.1, 3.0, 0.05, 5 * wd  # with wd > 0, V decays too (SimpleX only)
     tu, ti, tv = (torch.tensor(a, requires_grad=True) for a in (user_emb, item_emb, V))
     objective, per_sample = ref.simplex_loss(
         tu, ti, tv, torch.tensor(users), torch.tensor(items), torch.tensor(negatives), g, margin, w,
-        ref.padded_history(indptr, indices), weight_decay=wd, reduction="sum",
+        ref.padded_history(indptr, indices), weight_decay=wd, reduction="sum", aggregator_weight_decay=vwd,
     )
     objective.backward()
-    ue, ie, v, losses = _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, g=g, margin=margin, w=w, lr=lr, wd=wd)
+    ue, ie, v, losses = _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, g=g, margin=margin, w=w, lr=lr, wd=wd, vwd=vwd)
     np.testing.assert_allclose(losses, per_sample.detach().numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(ue, user_emb - lr * tu.grad.numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(ie, item_emb - lr * ti.grad.numpy(), rtol=1e-5, atol=1e-6)
@@ -148,7 +148,7 @@ def _sampling_run(tile_refresh: int, chunks: int, seed: int = 0) -> dict[str, np
     # margin -1: every negative is active, so every sampled negative row moves
     cf_numba.fused_sgd_step(
         ue, ie, np.eye(d, dtype=np.float32), users, out["items"], indptr, np.zeros(0, np.int64),
-        np.zeros((0, 0), np.int64), 8, 1.0, -1.0, 1.0, 0.01, 0.01, 0.0, *_no_sums(), state, tiles, left, tile_refresh, 32, chunks, losses,
+        np.zeros((0, 0), np.int64), 8, 1.0, -1.0, 1.0, 0.01, 0.01, 0.0, 0.0, *_no_sums(), state, tiles, left, tile_refresh, 32, chunks, losses,
     )
     out.update(ue=ue, ie=ie, state=state, tiles=tiles, left=left, losses=losses)
     return out

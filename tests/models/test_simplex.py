@@ -42,7 +42,7 @@ def _trainer(tmp_path, **kw) -> Trainer:
 @pytest.mark.parametrize("g", [1.0, 0.8])
 def test_fused_step_equals_reference_sgd_step_through_the_module(g):
     dm = _dm()
-    model = SimpleXModule(dm.num_users, dm.num_items, g=g, weight_decay=1e-3, **_SMALL)
+    model = SimpleXModule(dm.num_users, dm.num_items, g=g, weight_decay=1e-3, aggregator_weight_decay=0.05, **_SMALL)
     model.set_interactions(*dm.train_csr())
     # disjoint rows: distinct users whose histories, positives and negatives do not overlap
     indptr, indices = model._hist_indptr, model._hist_indices
@@ -181,6 +181,8 @@ def test_bad_input():
         SimpleXModule(backend="reference", sampler="tile")
     with pytest.raises(ValueError, match="gate g"):
         SimpleXModule(g=1.5)
+    with pytest.raises(ValueError, match="aggregator_weight_decay"):
+        SimpleXModule(g=0.8, aggregator_weight_decay=-1e-3)
     dm = _dm()
     model = SimpleXModule(dm.num_users, dm.num_items, **_SMALL)
     model.set_interactions(*dm.train_csr())

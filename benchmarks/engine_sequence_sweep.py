@@ -30,7 +30,13 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from benchmarks._common import machine_info, markdown_table, write_results  # noqa: E402
 from lightning_sdp.callbacks.engine_profiler import EngineProfiler  # noqa: E402
 from lightning_sdp.profiling.peaks import calibrate_cpu  # noqa: E402
-from lightning_sdp.profiling.sweep import gpt_factory, plot_sweep, sequence_length_sweep, sweep_markdown  # noqa: E402
+from lightning_sdp.profiling.sweep import (  # noqa: E402
+    add_sweep_arguments,
+    gpt_factory,
+    plot_sweep,
+    sequence_length_sweep,
+    sweep_markdown,
+)
 
 VOCAB = 65
 
@@ -132,18 +138,7 @@ def measure_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny smoke run")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048])
-    p.add_argument(
-        "--attention",
-        nargs="+",
-        default=["explicit", "sdpa", "linear"],
-        choices=["explicit", "sdpa", "linear"],
-    )
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--steps", type=int, default=3, help="profiled steps per sweep point")
+    add_sweep_arguments(p, seq_lens=[64, 128, 256, 512, 1024, 2048], steps=3)
     p.add_argument("--overhead-steps", type=int, default=8)
     p.add_argument("--overhead-seq-len", type=int, default=256)
     p.add_argument("--overhead-repeats", type=int, default=3)

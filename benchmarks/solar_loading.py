@@ -179,31 +179,11 @@ def main(argv=None) -> int:
         for ranks in args.ranks:
             for mode in args.modes:
                 t0 = time.perf_counter()
+                common = (path, n, ranks, args.batch, args.epochs, args.workers, throttle, args.seed)
                 if mode == "baseline":
-                    rows = run_baseline(
-                        path,
-                        n,
-                        ranks,
-                        args.batch,
-                        args.epochs,
-                        args.workers,
-                        throttle,
-                        args.seed,
-                        sample_bytes,
-                    )
+                    rows = run_baseline(*common, sample_bytes)
                 else:
-                    rows = run_solar(
-                        path,
-                        n,
-                        ranks,
-                        args.batch,
-                        args.epochs,
-                        args.workers,
-                        throttle,
-                        args.seed,
-                        buffer,
-                        mode,
-                    )
+                    rows = run_solar(*common, buffer, mode)
                 for row in rows:
                     epoch_s = max(row["rank_s"])
                     results.append(

@@ -252,8 +252,7 @@ def fused_sgd_step(
                     self_coef += wn * cos / (pn * pn)
                     a = wn / (pn * en)
                     bb = wd32 - wn * cos / (en * en)
-                    ss = en * en
-                    gsq = (a * a * pp + 2 * a * bb * neg_dot[j] + bb * bb * ss) * inv_d
+                    gsq = (a * a * pp + 2 * a * bb * neg_dot[j] + bb * bb * en * en) * inv_d
                     lr_j = _row_lr(item_acc, neg, gsq, lr32, eps32, adaptive)
                     keep = np.float32(1.0) - lr_j * bb
                     step = lr_j * a

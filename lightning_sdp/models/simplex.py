@@ -351,10 +351,11 @@ class SimpleXModule(LightningModule):
             user_sums = item_sums = np.zeros(0, dtype=np.float32)
         else:
             user_sums, item_sums = (s.numpy() for s in row_sums)
-            if user_sums.shape != (self.num_users,) or item_sums.shape != (self.num_items,) or user_sums.dtype != np.float32:
+            shapes_ok = user_sums.shape == (self.num_users,) and item_sums.shape == (self.num_items,)
+            if not shapes_ok or user_sums.dtype != np.float32 or item_sums.dtype != np.float32:
                 raise ValueError(
                     f"SimpleXModule: row_sums must be float32 of shapes ({self.num_users},) and ({self.num_items},), "
-                    f"got {user_sums.shape} and {item_sums.shape}."
+                    f"got {user_sums.shape} {user_sums.dtype} and {item_sums.shape} {item_sums.dtype}."
                 )
         losses = np.empty(len(users), dtype=np.float32)
         cf_numba.fused_sgd_step(

@@ -300,24 +300,30 @@ def plot_sweep(rows: list[dict[str, Any]], path: str | Path | None = None) -> An
     return fig
 
 
+def add_sweep_arguments(p: argparse.ArgumentParser, seq_lens: Sequence[int], steps: int) -> None:
+    """Add the sweep's shared options (sequence lengths, attention kinds, GPT size, steps) to a parser.
+
+    Args:
+        p: the parser to extend.
+        seq_lens: default ``--seq-lens``.
+        steps: default ``--steps`` (profiled steps per sweep point).
+    """
+    p.add_argument("--seq-lens", type=int, nargs="+", default=list(seq_lens))
+    p.add_argument("--attention", nargs="+", default=["explicit", "sdpa", "linear"], choices=["explicit", "sdpa", "linear"])
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--steps", type=int, default=steps, help="profiled steps per sweep point")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line of the sweep; writes ``sweep.json``, ``sweep.md`` and ``sweep.png`` to ``--out``."""
     p = argparse.ArgumentParser(
         prog="lightning-sdp sequence-sweep",
         description="EngineProfiler sequence-length study of a small GPT (matrix vs vector engine shares).",
     )
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
-    p.add_argument(
-        "--attention",
-        nargs="+",
-        default=["explicit", "sdpa", "linear"],
-        choices=["explicit", "sdpa", "linear"],
-    )
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--steps", type=int, default=2, help="profiled steps per point")
+    add_sweep_arguments(p, seq_lens=[64, 128, 256, 512, 1024], steps=2)
     p.add_argument("--accelerator", default="auto")
     p.add_argument("--precision", default="32-true")
     p.add_argument("--no-calibrate", action="store_true", help="do not measure CPU peaks")

@@ -61,6 +61,20 @@ def _row_lr(acc: np.ndarray, row: int, grad_sq_mean: float, lr: float, eps: floa
     return lr
 
 
+@njit(inline="always")
+def _apply_dv(V: np.ndarray, dV: np.ndarray, lr: float, weight_decay: float, samples: int) -> None:
+    """Apply a thread's accumulated ``dV`` of ``samples`` samples (and their weight decay) to ``V``; clear ``dV``.
+
+    The decay uses ``V`` as read once per window, like the gradients accumulated in ``dV``.
+    """
+    keep = np.float32(1.0) - lr * weight_decay * samples
+    d = V.shape[0]
+    for t in range(d):
+        for r in range(d):
+            V[t, r] = keep * V[t, r] - lr * dV[t, r]
+            dV[t, r] = 0.0
+
+
 @njit(parallel=True, nogil=True, fastmath=True, cache=True)
 def fused_sgd_step(
     user_emb: np.ndarray,
@@ -293,11 +307,7 @@ def fused_sgd_step(
                             item_emb[it, t] -= step * dh[t]
                 pending += 1
                 if pending >= v_sync:
-                    keep_v = np.float32(1.0) - vlr32 * vwd32 * pending  # V read once per window, like dV
-                    for t in range(d):
-                        for r in range(d):
-                            V[t, r] = keep_v * V[t, r] - vlr32 * dV[t, r]
-                            dV[t, r] = 0.0
+                    _apply_dv(V, dV, vlr32, vwd32, pending)
                     pending = 0
             usq = np.float32(0.0)
             if adaptive:
@@ -310,9 +320,6 @@ def fused_sgd_step(
             for t in range(d):
                 user_emb[u, t] = keep * user_emb[u, t] - gstep * dp[t]
         if use_agg and pending > 0:
-            keep_v = np.float32(1.0) - vlr32 * vwd32 * pending
-            for t in range(d):
-                for r in range(d):
-                    V[t, r] = keep_v * V[t, r] - vlr32 * dV[t, r]
+            _apply_dv(V, dV, vlr32, vwd32, pending)
         rng_state[c] = state
         tile_left[c] = left

@@ -297,7 +297,7 @@ class SimpleXModule(LightningModule):
         hp = self.hparams
         return ref.simplex_loss(
             user_emb.weight, item_emb.weight, self.aggregator, users, items, negatives, hp.g, hp.margin,
-            hp.negative_weight, self._history(), hp.weight_decay, reduction, hp.get("aggregator_weight_decay", 0.0),
+            hp.negative_weight, self._history(), hp.weight_decay, reduction, hp.aggregator_weight_decay,
         )
 
     @torch.no_grad()
@@ -374,7 +374,7 @@ class SimpleXModule(LightningModule):
             float(lr),
             float(lr * hp.aggregator_lr_scale if aggregator_lr is None else aggregator_lr),
             float(hp.weight_decay),
-            float(hp.get("aggregator_weight_decay", 0.0)),
+            float(hp.aggregator_weight_decay),
             user_sums,
             item_sums,
             float(hp.adagrad_eps),

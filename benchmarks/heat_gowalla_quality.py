@@ -60,7 +60,7 @@ def run(name: str, g: float, args: argparse.Namespace, dm: InteractionsDataModul
         dim=args.dim, g=g, margin=0.9, negative_weight=args.negative_weight, num_negatives=args.negatives,
         max_history=100, backend="fused", lr=args.lr, init_std=0.1, sampler=args.sampler,
         aggregator_lr_scale=args.aggregator_lr_scale, optimizer=args.optimizer, lr_schedule=args.lr_schedule,
-        row_norm=args.row_norm, aggregator_weight_decay=args.aggregator_weight_decay,
+        row_norm=args.row_norm, aggregator_weight_decay=args.aggregator_weight_decay, seed=args.seed,
     )
     history = _History()
     trainer = Trainer(
@@ -105,6 +105,7 @@ def main() -> None:
     parser.add_argument("--aggregator-lr-scale", type=float, default=1.0, help="SimpleX: lr of V relative to lr")
     parser.add_argument("--aggregator-weight-decay", type=float, default=0.0, help="SimpleX: L2 on V per sample")
     parser.add_argument("--batch-size", type=int, default=16384)
+    parser.add_argument("--seed", type=int, default=0, help="initialisation, negatives and shuffling")
     parser.add_argument("--quick", action="store_true", help="tiny synthetic run (smoke test)")
     parser.add_argument("--name", default=None, help="results file stem (default heat_gowalla_quality)")
     parser.add_argument("--note", default="", help="a sentence added to the report (e.g. how the runs were made)")
@@ -129,7 +130,7 @@ def main() -> None:
     else:
         if not Path(args.data).is_dir():
             raise SystemExit(f"{args.data} not found; pass --data or use --quick")
-        dm = InteractionsDataModule(args.data, batch_size=args.batch_size, eval_batch_size=1024)
+        dm = InteractionsDataModule(args.data, batch_size=args.batch_size, eval_batch_size=1024, seed=args.seed)
     results = []
     for name in args.models.split(","):
         results.append(run(name, 1.0 if name == "MF-CCL" else 0.8, args, dm))
@@ -144,6 +145,8 @@ def report(results: list[dict], args: argparse.Namespace, extra: dict) -> None:
     import matplotlib.pyplot as plt
 
     optimizer, schedule = getattr(args, "optimizer", "sgd"), getattr(args, "lr_schedule", "constant")  # older JSONs
+    sampler = ("tile sampler: 512 items per thread, redrawn every 2048 samples" if args.sampler == "tile"
+               else "uniform over all items")
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in results:
         curve = r["curve"]
@@ -161,8 +164,8 @@ def report(results: list[dict], args: argparse.Namespace, extra: dict) -> None:
     cols = ["model", "epochs", "wall_s", "recall@20", "published_recall@20", "ndcg@20", "published_ndcg@20",
             "load_avg_1m"]
     md = (
-        f"Fused backend, `Trainer(accelerator=\"heat\")`, d={args.dim}, {args.negatives} uniform negatives "
-        f"(sampler {args.sampler}), w={args.negative_weight:g}, m=0.9, per-sample {optimizer} lr {args.lr:g} "
+        f"Fused backend, `Trainer(accelerator=\"heat\")`, d={args.dim}, {args.negatives} negatives per positive "
+        f"({sampler}), seed {getattr(args, 'seed', 0)}, w={args.negative_weight:g}, m=0.9, per-sample {optimizer} lr {args.lr:g} "
         f"({schedule} schedule over {args.max_epochs} epochs), row norm {getattr(args, 'row_norm', None)}, init std 0.1, "
         f"batch {args.batch_size}; SimpleX g=0.8 mean aggregator, history 100, V lr x{args.aggregator_lr_scale:g}, "
         f"V weight decay {getattr(args, 'aggregator_weight_decay', 0.0):g}. Budget {args.budget_minutes:g} min per "

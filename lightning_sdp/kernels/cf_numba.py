@@ -323,3 +323,21 @@ def fused_sgd_step(
             _apply_dv(V, dV, vlr32, vwd32, pending)
         rng_state[c] = state
         tile_left[c] = left
+
+
+@njit(parallel=True, nogil=True, fastmath=True, cache=True)
+def project_rows(table: np.ndarray, norm: float) -> None:
+    """Rescale every row of ``table`` to L2 norm ``norm`` in place; all-zero rows stay zero.
+
+    One pass per row while it is in cache, rows split across threads: the fused backend's form of
+    :func:`lightning_sdp.kernels.cf_reference.project_rows` (torch reads the table twice and allocates the norms).
+    """
+    n, d = table.shape
+    target = np.float32(norm)
+    for r in prange(n):
+        ss = np.float32(0.0)
+        for t in range(d):
+            ss += table[r, t] * table[r, t]
+        scale = target / max(np.float32(np.sqrt(ss)), _EPS)
+        for t in range(d):
+            table[r, t] *= scale

@@ -189,6 +189,12 @@ def normalized_scores(user_vecs: Tensor, item_emb_normalized: Tensor) -> Tensor:
     return F.normalize(user_vecs, dim=-1, eps=_EPS) @ item_emb_normalized.t()
 
 
+@torch.no_grad()
+def project_rows(table: Tensor, norm: float) -> None:
+    """Rescale every row of ``table`` to L2 norm ``norm`` in place (all-zero rows stay zero)."""
+    table.mul_(norm / table.norm(dim=1, keepdim=True).clamp_min(_EPS))
+
+
 class RowWiseAdagrad(torch.optim.Optimizer):
     """Row-wise Adagrad: one accumulator per row of each 2-D parameter (embedding tables).
 

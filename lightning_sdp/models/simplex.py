@@ -438,8 +438,12 @@ class SimpleXModule(LightningModule):
     def project_rows(self, norm: float) -> None:
         """Rescale every user and item row to L2 norm ``norm`` in place (all-zero rows stay zero)."""
         for table in self._tables():
-            w = table.weight
-            w.mul_(norm / w.norm(dim=1, keepdim=True).clamp_min(1e-12))
+            if self.backend == "fused":  # one threaded pass per table instead of torch's two passes per batch
+                from lightning_sdp.kernels import cf_numba
+
+                cf_numba.project_rows(table.weight.detach().numpy(), float(norm))
+            else:
+                ref.project_rows(table.weight, norm)
 
     # ------------------------------------------------------------------------------------------------ evaluation
     @torch.no_grad()

@@ -207,3 +207,17 @@ def test_user_vectors_exclude_the_positive():
     torch.testing.assert_close(p[0], item_emb[:2].mean(0))
     with pytest.raises(ValueError, match="history"):
         ref.user_vectors(user_emb, item_emb, torch.eye(d), torch.tensor([0]), 0.5)
+
+
+@pytest.mark.parametrize("norm", [1.0, 2.5])
+def test_numba_row_projection_equals_reference(norm):
+    from lightning_sdp.kernels import cf_numba
+
+    table = np.random.default_rng(int(norm * 10)).normal(scale=3.0, size=(37, 19)).astype(np.float32)
+    table[5] = 0.0  # a row that was never touched and has no direction
+    expected = torch.from_numpy(table.copy())
+    ref.project_rows(expected, norm)
+    cf_numba.project_rows(table, norm)
+    np.testing.assert_allclose(table, expected.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(np.delete(table, 5, axis=0), axis=1), norm, rtol=1e-5)
+    assert not table[5].any()

@@ -13,6 +13,7 @@ Run from the repo root: ``.venv/bin/python benchmarks/heat_gowalla_quality.py --
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 import time
@@ -145,8 +146,11 @@ def report(results: list[dict], args: argparse.Namespace, extra: dict) -> None:
     import matplotlib.pyplot as plt
 
     optimizer, schedule = getattr(args, "optimizer", "sgd"), getattr(args, "lr_schedule", "constant")  # older JSONs
-    sampler = ("tile sampler: 512 items per thread, redrawn every 2048 samples" if args.sampler == "tile"
-               else "uniform over all items")
+    tile = inspect.signature(SimpleXModule).parameters  # run() leaves the tile settings at the module's defaults
+    sampler = (
+        f"tile sampler: {tile['tile_size'].default} items per thread, redrawn every {tile['tile_refresh'].default} samples"
+        if args.sampler == "tile" else "uniform over all items"
+    )
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in results:
         curve = r["curve"]

@@ -177,9 +177,9 @@ def main(argv=None) -> int:
     for storage in args.storage:
         throttle = StorageThrottle(args.latency, args.bandwidth) if storage == "throttled" else None
         for ranks in args.ranks:
+            common = (path, n, ranks, args.batch, args.epochs, args.workers, throttle, args.seed)
             for mode in args.modes:
                 t0 = time.perf_counter()
-                common = (path, n, ranks, args.batch, args.epochs, args.workers, throttle, args.seed)
                 if mode == "baseline":
                     rows = run_baseline(*common, sample_bytes)
                 else:

@@ -437,12 +437,13 @@ class SimpleXModule(LightningModule):
     @torch.no_grad()
     def project_rows(self, norm: float) -> None:
         """Rescale every user and item row to L2 norm ``norm`` in place (all-zero rows stay zero)."""
-        for table in self._tables():
-            if self.backend == "fused":  # one threaded pass per table instead of torch's two passes per batch
-                from lightning_sdp.kernels import cf_numba
+        if self.backend == "fused":  # one threaded pass per table instead of torch's two passes per batch
+            from lightning_sdp.kernels import cf_numba
 
+            for table in self._tables():
                 cf_numba.project_rows(table.weight.detach().numpy(), float(norm))
-            else:
+        else:
+            for table in self._tables():
                 ref.project_rows(table.weight, norm)
 
     # ------------------------------------------------------------------------------------------------ evaluation

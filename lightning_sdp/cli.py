@@ -33,6 +33,10 @@ def _optional_tools() -> dict[str, tuple[str, str]]:
             "lightning_sdp.profiling.sweep:main",
             "EngineProfiler's sequence-length study of a GPT",
         ),
+        "engine-bench": (
+            "lightning_sdp.profiling.engine_bench:main",
+            "measure this device's matrix/vector engine ceilings (device profile JSON + roofline PNG)",
+        ),
     }
     found = {}
     for name, (target, help_) in candidates.items():
@@ -74,7 +78,13 @@ def cli_main(args: Sequence[str] | None = None, run: bool = True) -> object:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``lightning-sdp`` console script."""
+    """Entry point of the ``lightning-sdp`` console script.
+
+    Args:
+        argv: the arguments; ``None`` (the console script) reads ``sys.argv[1:]``, which LightningCLI is then left to
+            read itself, so it does not warn that ``args`` is meant for calls from Python.
+    """
+    from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     tools = {**_TOOLS, **_optional_tools()}
     if argv and argv[0] == "tools":
@@ -84,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = _load(tools[argv[0]][0])(argv[1:])
         return int(code or 0)
     try:
-        cli_main(argv)
+        cli_main(None if from_command_line else argv)
     except ValueError as err:
         # Lightning's message for an unknown strategy/accelerator alias; add what lightning-sdp offers.
         if "invalid" in str(err) and ("strategy" in str(err) or "accelerator" in str(err)):

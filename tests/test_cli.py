@@ -63,3 +63,32 @@ def test_demo_quick_writes_report(tmp_path, capsys):
     index = tmp_path / "index.md"
     assert index.exists() and "val loss" in index.read_text()
     assert str(index.resolve()) in capsys.readouterr().out
+
+
+def test_console_script_fit_does_not_warn_about_lightningcli_args(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    config = next(p for p in CONFIGS if p.name == "gpt_char.yaml")
+    argv = [
+        "fit",
+        "--config",
+        str(config),
+        "--trainer.max_steps=1",
+        "--trainer.limit_val_batches=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_checkpointing=false",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--model.init_args.n_layer=1",
+        "--model.init_args.n_embd=16",
+        "--data.init_args.batch_size=2",
+    ]
+    # `python -m lightning_sdp.cli` runs the same main() as the installed `lightning-sdp` script, with sys.argv
+    env = {**os.environ, "PYTHONWARNINGS": "default"}
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_sdp.cli", *argv], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "max_steps=1" in out.stdout + out.stderr  # it did train
+    assert "args parameter is intended" not in out.stderr + out.stdout

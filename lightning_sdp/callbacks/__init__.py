@@ -4,7 +4,9 @@ from lightning_sdp._lazy import lazy_exports
 
 _EXPORTS = {
     "EngineProfiler": "lightning_sdp.callbacks.engine_profiler",
+    "GammaModule": "lightning_sdp.callbacks.fastclip",
     "GammaScheduler": "lightning_sdp.callbacks.fastclip",
+    "TemperatureModule": "lightning_sdp.callbacks.fastclip",
     "TemperatureScheduler": "lightning_sdp.callbacks.fastclip",
     "ZeroShotEvaluation": "lightning_sdp.callbacks.fastclip",
 }

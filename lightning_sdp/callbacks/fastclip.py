@@ -1,20 +1,112 @@
 """FastCLIP callbacks: inner learning rate (gamma) schedule, temperature control, zero-shot evaluation.
 
 Paper: Wei et al., "FastCLIP: A Suite of Optimization Techniques to Accelerate CLIP Training with Limited
-Resources", arXiv 2407.01445. The callbacks act on a :class:`~lightning_sdp.models.FastCLIPModule`.
+Resources", arXiv 2407.01445. The callbacks act on a :class:`~lightning_sdp.models.FastCLIPModule`, or on any
+LightningModule that provides what :class:`GammaModule` / :class:`TemperatureModule` describe; a module that lacks
+it is refused at ``setup`` with a message naming the missing attributes.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
+
+
+class FastCLIPVariant(Protocol):
+    """The loss variant the callbacks read (``FastCLIPModule.variant``, a row of ``losses.VARIANTS``).
+
+    Attributes:
+        objective: ``mbcl``, ``gcl``, ``rgcl`` or ``rgcl_g``; ``rgcl_g`` (FastCLIP-v3) enables
+            :class:`TemperatureScheduler`'s ``step_thresh`` rule.
+        gamma_schedule: ``cosine``, ``constant`` or ``None``; :class:`GammaScheduler` (``schedule="auto"``) follows it.
+        temperature: ``learnable`` or ``constant`` (one global ``logit_scale``) or ``individual`` (per sample).
+    """
+
+    @property
+    def objective(self) -> str: ...
+
+    @property
+    def gamma_schedule(self) -> Literal["cosine", "constant"] | None: ...
+
+    @property
+    def temperature(self) -> str: ...
+
+
+class GammaTarget(Protocol):
+    """A loss with per-sample estimators whose inner learning rate ``gamma`` can be set (``GlobalContrastiveLoss``)."""
+
+    gamma: float
+
+
+class GammaModule(Protocol):
+    """What :class:`GammaScheduler` needs of the LightningModule (:class:`~lightning_sdp.models.FastCLIPModule` has it).
+
+    Attributes:
+        gcl_loss: the loss whose ``gamma`` is set at every epoch start (for example
+            ``lightning_sdp.models.fastclip.losses.build_loss("fastclip_v3", data_size)``), or ``None`` for a loss
+            without estimators (then the callback does nothing). May be ``None`` until the module's ``setup``.
+        variant: only with ``GammaScheduler(schedule="auto")``: its ``gamma_schedule`` picks the schedule.
+    """
+
+    @property
+    def gcl_loss(self) -> GammaTarget | None: ...
+
+    @property
+    def variant(self) -> FastCLIPVariant: ...
+
+
+class TemperatureModule(Protocol):
+    """What :class:`TemperatureScheduler` needs of the LightningModule (:class:`~lightning_sdp.models.FastCLIPModule`).
+
+    Attributes:
+        variant: ``temperature`` picks global (``learnable``/``constant``) or ``individual`` temperatures;
+            ``objective == "rgcl_g"`` enables the ``step_thresh`` rule.
+        tau_lr_factor: 0-d tensor multiplying the temperature's learning rate (the ``step_thresh`` rule writes it;
+            your LR scheduler must read it). Needed only with ``objective == "rgcl_g"`` and ``step_thresh`` set.
+        gcl_loss: individual temperatures only: the loss holding ``tau1``, ``tau2`` and ``tau_steps``.
+    """
+
+    @property
+    def variant(self) -> FastCLIPVariant: ...
+
+    tau_lr_factor: Tensor
+
+    @property
+    def gcl_loss(self) -> Any: ...
+
+    def logit_scale_parameter(self) -> Tensor:
+        """Global temperatures only: the ``log(1 / tau)`` parameter, clamped in place after every step."""
+        ...
+
+
+def _missing(obj: Any, names: Sequence[str]) -> list[str]:
+    """The dotted attribute paths of ``names`` that ``obj`` lacks (``"variant.objective"`` checks both levels)."""
+    missing = []
+    for name in names:
+        target = obj
+        for part in name.split("."):
+            if not hasattr(target, part):
+                missing.append(name)
+                break
+            target = getattr(target, part)
+    return missing
+
+
+def _refuse(callback: str, protocol: str, pl_module: LightningModule, missing: Sequence[str], why: str) -> None:
+    if missing:
+        raise TypeError(
+            f"{callback} needs a LightningModule that follows lightning_sdp.callbacks.fastclip.{protocol}, but "
+            f"{type(pl_module).__name__} lacks {', '.join(repr(m) for m in missing)} ({why}). Use FastCLIPModule, add "
+            f"these attributes to your module (see docs/fastclip.md, 'Callbacks on your own module'), or remove "
+            f"{callback} from the callbacks."
+        )
 
 
 def gamma_at(epoch: int, gamma_min: float, decay_epochs: int, schedule: Literal["cosine", "constant"]) -> float:
@@ -38,6 +130,10 @@ def gamma_at(epoch: int, gamma_min: float, decay_epochs: int, schedule: Literal[
 
 class GammaScheduler(Callback):
     """Set the FastCLIP estimators' inner learning rate gamma at the start of every training epoch.
+
+    The LightningModule must follow :class:`GammaModule`: a ``gcl_loss`` attribute (the loss whose ``gamma`` is set,
+    or ``None`` for a loss without estimators) and, with ``schedule="auto"``, a ``variant.gamma_schedule``. A module
+    that lacks them is refused at ``setup`` with a ``TypeError`` naming what is missing.
 
     Args:
         gamma_min: final gamma of the cosine schedule, or the constant gamma. Default 0.8 (paper scripts: 0.2).
@@ -67,8 +163,35 @@ class GammaScheduler(Callback):
         return pl_module.variant.gamma_schedule or "constant"
 
     @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        needed = ["gcl_loss"] + (["variant.gamma_schedule"] if self.schedule == "auto" else [])
+        why = "the loss whose gamma is set each epoch" + (
+            "; variant.gamma_schedule picks the schedule with schedule='auto' (or pass schedule='cosine' or "
+            "'constant')"
+            if self.schedule == "auto"
+            else ""
+        )
+        _refuse("GammaScheduler", "GammaModule", pl_module, _missing(pl_module, needed), why)
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        loss = pl_module.gcl_loss
+        if loss is None:
+            rank_zero_info(
+                f"GammaScheduler: {type(pl_module).__name__}.gcl_loss is None (no estimators); gamma is not used."
+            )
+        elif not hasattr(loss, "gamma"):
+            raise TypeError(
+                f"GammaScheduler sets gcl_loss.gamma, but {type(pl_module).__name__}.gcl_loss "
+                f"({type(loss).__name__}) has no `gamma` attribute. Return the FastCLIP loss "
+                "(lightning_sdp.models.fastclip.losses.build_loss) or None from `gcl_loss`."
+            )
+
+    @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        loss = getattr(pl_module, "gcl_loss", None)
+        loss = pl_module.gcl_loss
         if loss is None:
             return  # openclip: no estimators
         self.epoch = trainer.current_epoch
@@ -95,6 +218,10 @@ class TemperatureScheduler(Callback):
     ``train/tau`` (mean) and, for individual temperatures (v2, iSogCLR), ``train/tau_std``, ``train/tau_min``,
     ``train/tau_max`` over the samples visited so far.
 
+    The LightningModule must follow :class:`TemperatureModule`: a ``variant`` (``temperature`` and ``objective``),
+    ``logit_scale_parameter()`` for global temperatures, ``gcl_loss`` for individual ones and ``tau_lr_factor`` for
+    v3's rule. A module that lacks them is refused at ``setup`` with a ``TypeError`` naming what is missing.
+
     Args:
         tau_min: smallest global temperature. Default 0.01.
         step_thresh: temperature below which v3's ``lr_tau`` is reduced; ``None`` disables the rule. Default 0.03.
@@ -112,12 +239,38 @@ class TemperatureScheduler(Callback):
         self.switched = False
 
     @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        missing = _missing(pl_module, ["variant.temperature", "variant.objective"])
+        if not missing:
+            variant = pl_module.variant
+            if variant.temperature == "individual":
+                missing = _missing(pl_module, ["gcl_loss"])
+            else:
+                has_scale = callable(getattr(pl_module, "logit_scale_parameter", None))
+                missing = [] if has_scale else ["logit_scale_parameter()"]
+                if variant.objective == "rgcl_g" and self.step_thresh is not None:
+                    missing += _missing(pl_module, ["tau_lr_factor"])
+        why = (
+            "variant.temperature picks global or individual temperatures, logit_scale_parameter() returns the global "
+            "log(1/tau) to clamp, gcl_loss holds individual temperatures, tau_lr_factor scales v3's lr_tau"
+        )
+        _refuse("TemperatureScheduler", "TemperatureModule", pl_module, missing, why)
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if pl_module.variant.temperature == "individual":
+            missing = [f"gcl_loss.{n}" for n in ("tau1", "tau2", "tau_steps") if not hasattr(pl_module.gcl_loss, n)]
+            _refuse("TemperatureScheduler", "TemperatureModule", pl_module, missing, "the individual temperatures")
+
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         variant = pl_module.variant
         if variant.temperature != "individual":
-            scale = pl_module._logit_scale()
+            scale = pl_module.logit_scale_parameter()
             with torch.no_grad():
                 scale.clamp_(0.0, math.log(1.0 / self.tau_min))
             tau = float(torch.exp(-scale.detach()))
@@ -126,7 +279,9 @@ class TemperatureScheduler(Callback):
                 self.switched = True
                 rank_zero_info(f"TemperatureScheduler: tau={tau:.4f} <= {self.step_thresh}; lr_tau x {self.thresh_factor:.3g}.")
             pl_module.log("train/tau", tau, on_step=True, on_epoch=False, batch_size=1)
-            pl_module.log("train/tau_lr_factor", float(pl_module.tau_lr_factor), on_step=True, on_epoch=False, batch_size=1)
+            factor = getattr(pl_module, "tau_lr_factor", None)
+            if factor is not None:
+                pl_module.log("train/tau_lr_factor", float(factor), on_step=True, on_epoch=False, batch_size=1)
             return
         if (trainer.global_step % max(1, trainer.log_every_n_steps)) != 0:
             return

@@ -332,6 +332,10 @@ class ImageTextDataModule(LightningDataModule):
             ``raise``.
         augment: use open_clip's training transform (random resized crop) for training; else the eval transform.
             Default True.
+        drop_last: drop the last incomplete training batch of every epoch. Default True: FastCLIP's losses need at
+            least 2 pairs per global batch and equal local batches on every rank, so a short last batch (one pair
+            when ``len(train_set) % batch_size == 1``) would stop training at the epoch's end. With ``False`` the
+            last batch is kept (several devices still get equal shards, without padding duplicates).
     """
 
     def __init__(
@@ -353,6 +357,7 @@ class ImageTextDataModule(LightningDataModule):
         captions_file: str = "captions.tsv",
         on_error: Literal["raise", "skip"] = "raise",
         augment: bool = True,
+        drop_last: bool = True,
     ) -> None:
         super().__init__()
         if dataset not in ("shapes", "digits", "csv", "folder"):
@@ -445,16 +450,17 @@ class ImageTextDataModule(LightningDataModule):
             sampler: Any = DistributedSampler(self.train_set, world, rank, shuffle=True, seed=hp.seed, drop_last=True)
         else:
             sampler = EpochSeededSampler(len(self.train_set), seed=hp.seed)
-        if len(self.train_set) // world < hp.batch_size:
+        drop_last = bool(hp.drop_last)
+        if drop_last and len(self.train_set) // world < hp.batch_size:
             raise ValueError(
                 f"batch_size={hp.batch_size} is larger than the {len(self.train_set) // world} training pairs per "
-                "device; with drop_last=True no batch would remain."
+                "device; with drop_last=True no batch would remain. Lower batch_size or pass drop_last=False."
             )
         return DataLoader(
             self.train_set,
             batch_size=hp.batch_size,
             sampler=sampler,
-            drop_last=True,
+            drop_last=drop_last,
             num_workers=hp.num_workers,
             persistent_workers=hp.num_workers > 0,
         )

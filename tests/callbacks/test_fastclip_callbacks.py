@@ -5,14 +5,16 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 from lightning_sdp.callbacks import GammaScheduler, TemperatureScheduler, ZeroShotEvaluation
 from lightning_sdp.callbacks.fastclip import gamma_at
-from lightning_sdp.models.fastclip.losses import VARIANTS, GlobalContrastiveLoss
+from lightning_sdp.models.fastclip.losses import VARIANTS, GlobalContrastiveLoss, build_loss
 
 
 class _Stub(nn.Module):
@@ -31,7 +33,7 @@ class _Stub(nn.Module):
         self.register_buffer("tau_lr_factor", torch.tensor(1.0))
         self.logged: dict[str, float] = {}
 
-    def _logit_scale(self) -> nn.Parameter:
+    def logit_scale_parameter(self) -> nn.Parameter:
         return self.scale
 
     def log(self, name: str, value: float, **kwargs) -> None:
@@ -142,3 +144,120 @@ def test_zero_shot_and_retrieval_metrics():
     # no class names: retrieval only
     m = ZeroShotEvaluation().compute(_Encoder(dim), img, txt, torch.arange(n), SimpleNamespace(caption_groups=labels))
     assert "val/zeroshot_top1" not in m and m["val/t2i_r1"] == 1.0
+
+
+# ----------------------------------------------------------------- the callbacks on a user's own LightningModule
+class _Pairs(Dataset):
+    """16 random (image vector, text vector, index) pairs."""
+
+    def __init__(self, n: int = 16) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.t = torch.randn(n, 6, generator=g), torch.randn(n, 5, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.t[i], i
+
+
+class _PlainCLIP(pl.LightningModule):
+    """A user's own CLIP module written without lightning-sdp in mind: two linear towers, OpenCLIP's loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.img, self.txt = nn.Linear(6, 4), nn.Linear(5, 4)
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+        self.steps = 0
+
+    def encode(self, x, t):
+        return F.normalize(self.img(x), dim=-1), F.normalize(self.txt(t), dim=-1)
+
+    def training_step(self, batch, batch_idx):
+        self.steps += 1
+        e1, e2 = self.encode(batch[0], batch[1])
+        logits = self.logit_scale.exp() * e1 @ e2.T
+        labels = torch.arange(len(e1))
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class _ProtocolCLIP(_PlainCLIP):
+    """The same module with what GammaModule and TemperatureModule ask for, on FastCLIP-v3's loss."""
+
+    variant = VARIANTS["fastclip_v3"]
+
+    def __init__(self, data_size: int = 16) -> None:
+        super().__init__()
+        self.loss_fn = build_loss("fastclip_v3", data_size)
+        self.register_buffer("tau_lr_factor", torch.tensor(1.0))
+
+    @property
+    def gcl_loss(self):
+        return self.loss_fn
+
+    def logit_scale_parameter(self):
+        return self.logit_scale
+
+    def training_step(self, batch, batch_idx):
+        self.steps += 1
+        e1, e2 = self.encode(batch[0], batch[1])
+        return self.loss_fn(e1, e2, batch[2], self.logit_scale).loss
+
+
+def _fit(module, callbacks, tmp_path, max_epochs: int = 1):
+    trainer = pl.Trainer(
+        max_epochs=max_epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=callbacks,
+    )
+    trainer.fit(module, DataLoader(_Pairs(), batch_size=8, drop_last=True))
+    return trainer
+
+
+@pytest.mark.parametrize(
+    ("callback", "protocol", "missing"),
+    [
+        (GammaScheduler(), "GammaModule", ["'gcl_loss'", "'variant.gamma_schedule'"]),
+        (TemperatureScheduler(), "TemperatureModule", ["'variant.temperature'", "'variant.objective'"]),
+    ],
+    ids=["gamma", "temperature"],
+)
+def test_callbacks_refuse_a_module_without_their_protocol_at_setup(callback, protocol, missing, tmp_path):
+    module = _PlainCLIP()
+    with pytest.raises(TypeError, match=rf"follows lightning_sdp\.callbacks\.fastclip\.{protocol}") as err:
+        _fit(module, [callback], tmp_path)
+    assert all(name in str(err.value) for name in missing), str(err.value)
+    assert "_PlainCLIP" in str(err.value)
+    assert module.steps == 0  # refused before any training step, not silently ignored or crashed mid-epoch
+
+
+def test_temperature_scheduler_names_a_missing_logit_scale_parameter(tmp_path):
+    module = _PlainCLIP()
+    module.variant = VARIANTS["openclip"]  # has a variant, but no logit_scale_parameter()
+    with pytest.raises(TypeError, match=r"'logit_scale_parameter\(\)'"):
+        _fit(module, [TemperatureScheduler()], tmp_path)
+    gamma = GammaScheduler(schedule="cosine")  # no variant needed with an explicit schedule; gcl_loss still is
+    with pytest.raises(TypeError, match=r"lacks 'gcl_loss' \("):
+        _fit(_PlainCLIP(), [gamma], tmp_path)
+
+
+def test_callbacks_work_on_a_users_module_that_follows_the_protocols(tmp_path):
+    module = _ProtocolCLIP()
+    with torch.no_grad():
+        module.logit_scale.fill_(math.log(50.0))  # tau = 0.02: below tau_min and v3's step threshold
+    gamma = GammaScheduler(gamma_min=0.2, decay_epochs=2)
+    temp = TemperatureScheduler(tau_min=0.025, step_thresh=0.03)
+    _fit(module, [gamma, temp], tmp_path, max_epochs=2)
+    assert module.steps == 4
+    assert module.loss_fn.gamma == pytest.approx(gamma_at(1, 0.2, 2, "cosine"))
+    assert float(module.logit_scale.detach()) <= math.log(40.0) + 1e-6
+    assert temp.switched and float(module.tau_lr_factor) == pytest.approx(1 / 3)

@@ -77,6 +77,20 @@ def test_shapes_datamodule_samples_and_loaders():
         ImageTextDataModule(model=MICRO, num_train=40, batch_size=64).train_dataloader()
 
 
+def test_train_loader_drop_last_is_an_argument_defaulting_to_true():
+    # 25 pairs in batches of 8: the last batch would hold one pair
+    dm = ImageTextDataModule(model=MICRO, num_train=25, num_val=8, batch_size=8, augment=False)
+    assert dm.hparams.drop_last is True
+    assert [len(b[2]) for b in dm.train_dataloader()] == [8, 8, 8]
+    kept = ImageTextDataModule(model=MICRO, num_train=25, num_val=8, batch_size=8, augment=False, drop_last=False)
+    assert [len(b[2]) for b in kept.train_dataloader()] == [8, 8, 8, 1]
+    # without dropping, a batch larger than the set is allowed (one short batch)
+    small = ImageTextDataModule(model=MICRO, num_train=6, num_val=4, batch_size=8, augment=False, drop_last=False)
+    assert [len(b[2]) for b in small.train_dataloader()] == [6]
+    with pytest.raises(ValueError, match="drop_last=False"):
+        ImageTextDataModule(model=MICRO, num_train=6, num_val=4, batch_size=8).train_dataloader()
+
+
 @pytest.mark.sklearn
 def test_digits_set_has_prompt_captions():
     dm = ImageTextDataModule(dataset="digits", model=MICRO, val_fraction=0.2)

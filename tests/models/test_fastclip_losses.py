@@ -171,6 +171,13 @@ def test_bad_input_errors():
         loss.gamma = 0.0
 
 
+def test_one_pair_batch_error_names_drop_last():
+    loss = GlobalContrastiveLoss(10, objective="gcl", temperature="constant")
+    e1, e2 = _features(1)
+    with pytest.raises(ValueError, match=r"(?s)at least 2 pairs \(it holds 1.*drop_last=True"):
+        loss(e1.float(), e2.float(), torch.tensor([3]), 1.0)
+
+
 def test_variant_table_matches_spec():
     assert VARIANTS["fastclip_v3"].objective == "rgcl_g" and VARIANTS["fastclip_v3"].temperature == "learnable"
     assert VARIANTS["sogclr"].gamma_schedule == "constant" and VARIANTS["fastclip_v1"].gamma_schedule == "cosine"

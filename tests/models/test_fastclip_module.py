@@ -75,6 +75,17 @@ def test_fit_updates_estimators_gamma_and_temperature(tmp_path):
     assert torch.isfinite(trainer.callback_metrics["train/objective"])
 
 
+def test_last_batch_of_one_pair_is_dropped_by_default_and_explained_otherwise(tmp_path):
+    # 25 pairs in batches of 12: the epoch's last batch holds one pair
+    module = FastCLIPModule(model=MICRO, loss="fastclip_v1", warmup_steps=1)
+    trainer = _trainer(tmp_path, 2, callbacks=_callbacks())
+    trainer.fit(module, _dm(num_train=25))
+    assert trainer.global_step == 4  # 2 full batches per epoch, the one-pair batch dropped
+    kept = _dm(num_train=25, drop_last=False)
+    with pytest.raises(ValueError, match=r"(?s)at least 2 pairs.*drop_last=True"):
+        _trainer(tmp_path, 1).fit(FastCLIPModule(model=MICRO, loss="fastclip_v1", warmup_steps=1), kept)
+
+
 @pytest.mark.parametrize("loss", ["fastclip_v3", "fastclip_v2"])
 def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path, loss):
     def run(epochs: int, ckpt: str | None = None, save: str | None = None) -> FastCLIPModule:

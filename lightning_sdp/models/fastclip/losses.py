@@ -267,7 +267,12 @@ class GlobalContrastiveLoss(nn.Module):
         check_equal_batch_sizes(b, self.group)
         n = b * size
         if n < 2:
-            raise ValueError("The global batch must hold at least 2 pairs.")
+            raise ValueError(
+                f"The global batch must hold at least 2 pairs (it holds {n}: {b} per rank on {size} rank(s)); the "
+                "contrastive loss needs negatives. This is usually the last, short batch of an epoch: give the "
+                "training DataLoader drop_last=True (ImageTextDataModule does by default), or a batch size that "
+                "divides the training set."
+            )
         e1, e2 = image_features, text_features
         indices = indices.to(device=e1.device, dtype=torch.long)
         gathered = all_gather_no_grad(torch.cat([e1, e2], dim=1), self.group)

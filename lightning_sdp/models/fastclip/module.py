@@ -30,7 +30,10 @@ class FastCLIPModule(LightningModule):
     Batches are ``(images, tokens, indices)``: ``indices`` are the samples' dataset indices, which address the
     per-sample estimators ``u`` (and v2's per-sample temperatures). Pair it with the callbacks
     :class:`~lightning_sdp.callbacks.GammaScheduler` (inner learning rate per epoch) and
-    :class:`~lightning_sdp.callbacks.TemperatureScheduler` (temperature clamp, v3's learning-rate rule, logging).
+    :class:`~lightning_sdp.callbacks.TemperatureScheduler` (temperature clamp, v3's learning-rate rule, logging);
+    it provides what their protocols :class:`~lightning_sdp.callbacks.fastclip.GammaModule` and
+    :class:`~lightning_sdp.callbacks.fastclip.TemperatureModule` describe (``variant``, ``gcl_loss``,
+    ``logit_scale_parameter()``, ``tau_lr_factor``).
 
     Args:
         model: ``"tiny"`` (bundled ~2M-parameter open_clip config for CPUs), an open_clip model name such as
@@ -93,7 +96,7 @@ class FastCLIPModule(LightningModule):
         self.rho = float(rho if rho is not None else _DEFAULT_RHO.get(self.variant.objective, 0.0))
         if not isinstance(getattr(self.model, "logit_scale", None), nn.Parameter):
             self.logit_scale = nn.Parameter(torch.tensor(0.0))
-        scale = self._logit_scale()
+        scale = self.logit_scale_parameter()
         with torch.no_grad():
             scale.fill_(math.log(1.0 / (self.temperature_init if mode != "individual" else 0.07)))
         scale.requires_grad_(mode == "learnable")
@@ -104,7 +107,8 @@ class FastCLIPModule(LightningModule):
         self._tokenizer: Callable[..., Tensor] | None = None
 
     # ------------------------------------------------------------------ helpers
-    def _logit_scale(self) -> nn.Parameter:
+    def logit_scale_parameter(self) -> nn.Parameter:
+        """The ``log(1 / tau)`` parameter (the model's ``logit_scale``, or the module's own when the model has none)."""
         own = self.__dict__.get("_parameters", {}).get("logit_scale")
         return own if own is not None else self.model.logit_scale
 
@@ -113,7 +117,7 @@ class FastCLIPModule(LightningModule):
         mode = self.variant.temperature
         if mode == "individual":
             return None
-        scale = self._logit_scale()
+        scale = self.logit_scale_parameter()
         return scale if mode == "learnable" else scale.detach()
 
     def _build_loss(self, data_size: int | None) -> None:
@@ -158,7 +162,7 @@ class FastCLIPModule(LightningModule):
         gcl = self.gcl_loss
         if self.variant.temperature == "individual" and gcl is not None:
             return float(torch.cat([gcl.tau1, gcl.tau2]).mean())
-        return float(torch.exp(-self._logit_scale().detach()))
+        return float(torch.exp(-self.logit_scale_parameter().detach()))
 
     def encode(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """L2-normalised image and text embeddings."""

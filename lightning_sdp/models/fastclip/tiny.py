@@ -5,8 +5,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from copy import deepcopy
@@ -38,22 +40,71 @@ def _open_clip() -> Any:
 def register_tiny_config() -> str:
     """Register :data:`TINY_CONFIG` with ``open_clip.add_model_config`` (idempotent); returns its name.
 
-    The config is written as JSON to a per-user folder in the temporary directory (open_clip reads configs from
-    files).
+    open_clip reads configs from files, so the config is written as JSON into a private per-user folder of the
+    temporary directory (``<tmp>/lightning_sdp_open_clip_<uid>``, created with mode 0700). A folder there that is
+    a symlink, belongs to another user or is writable by group/others is refused (it could hold a planted file or
+    symlink); the file is written through :func:`tempfile.mkstemp` and moved into place with :func:`os.replace`,
+    which never follows a symlink at either name.
     """
     open_clip = _open_clip()
     if TINY_NAME in open_clip.list_models():
         return TINY_NAME
-    folder = Path(tempfile.gettempdir()) / f"lightning_sdp_open_clip_{os.getuid() if hasattr(os, 'getuid') else 0}"
-    folder.mkdir(parents=True, exist_ok=True)
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    folder = _private_dir(Path(tempfile.gettempdir()) / f"lightning_sdp_open_clip_{uid}")
     path = folder / f"{TINY_NAME}.json"
     text = json.dumps(TINY_CONFIG, indent=1)
-    if not path.is_file() or path.read_text() != text:
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+    if path.is_symlink() or not path.is_file() or path.read_text() != text:
+        _write_private(path, text)
     open_clip.add_model_config(path)
     return TINY_NAME
+
+
+def _private_dir(folder: Path) -> Path:
+    """Create ``folder`` with mode 0700 if needed, and check that only the current user can use it.
+
+    A folder of ours that others may only read (``0755``, as earlier versions created it) is tightened to 0700.
+
+    Raises:
+        PermissionError: ``folder`` is a symlink, not a directory, owned by another user, or writable by group or
+            others.
+    """
+    try:
+        folder.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
+    st = os.lstat(folder)
+    fix = f"Remove it (if it is yours: `rm -r {folder}`) or point TMPDIR to a private directory."
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(
+            f"{folder} is not a plain directory (a symlink or a file); refusing to write into it. {fix}"
+        )
+    if os.name == "posix":
+        if st.st_uid != os.getuid():
+            raise PermissionError(
+                f"{folder} belongs to user id {st.st_uid}, not to you ({os.getuid()}); refusing to write into it. {fix}"
+            )
+        if st.st_mode & 0o022:
+            raise PermissionError(
+                f"{folder} has mode {stat.S_IMODE(st.st_mode):o}: group or others may write into it, so its files "
+                f"cannot be trusted; refusing to use it. {fix}"
+            )
+        if st.st_mode & 0o077:
+            # ours and writable only by us (earlier versions created it 0755): nobody else can have planted anything
+            os.chmod(folder, 0o700)
+    return folder
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a fresh ``mkstemp`` file (mode 0600) renamed over ``path``."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def resolve_model_name(name: str) -> str:

@@ -242,6 +242,14 @@ class SimpleXModule(LightningModule):
                 self.set_interactions(*dm.train_csr())
         self._tables()
         if self.backend == "fused":
+            world_size = self.trainer.world_size if self._trainer is not None else 1
+            if world_size > 1:
+                # the fused kernel updates rows in place, outside autograd, so no DDP hook would ever sync them
+                raise ValueError(
+                    f"SimpleXModule(backend='fused') does not synchronise its tables across processes, but this run "
+                    f"has {world_size} of them: use devices=1 (HEAT's threads already use every core of a node) or "
+                    "backend='reference' for DDP."
+                )
             from lightning_sdp._imports import require
 
             require("numba", feature="SimpleXModule(backend='fused')")

@@ -9,6 +9,7 @@ themselves live in :mod:`lightning_sdp.kernels.cf_numba` and are driven by
 Usage::
 
     Trainer(accelerator="heat", devices=1)                        # all cores this process may use
+    Trainer(accelerator="heat", devices=2, strategy="ddp")        # each of the 2 processes gets half the cores
     Trainer(accelerator=HEATAccelerator(num_threads=8, cpu_affinity=list(range(8))), devices=1)
 """
 
@@ -55,19 +56,30 @@ def _read_proc_stat() -> dict[str, tuple[int, int]]:
     return out
 
 
+def _env_local_world_size() -> int:
+    """Processes on this machine as launchers such as torchrun announce them (``LOCAL_WORLD_SIZE``), else 1."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 class HEATAccelerator(CPUAccelerator):
     """CPU accelerator that owns the thread pools used by HEAT's fused kernels (alias ``"heat"``).
 
     ``setup_device`` sets ``torch.set_num_threads`` and ``numba.set_num_threads`` (when numba, the ``cpu`` extra,
-    is installed) to ``num_threads`` and pins the process to ``cpu_affinity`` if given; ``teardown`` restores all
-    three. ``get_device_stats`` reports the thread counts and the per-core use since the previous call. With a
-    custom accelerator string Lightning would build a CUDA mixed-precision plugin for ``"16-mixed"`` /
-    ``"bf16-mixed"``; this accelerator replaces it by CPU bf16 autocast (the default stays ``"32-true"``, which the
-    fused kernel needs).
+    is installed) to the run's thread count and pins the process to ``cpu_affinity`` if given; ``teardown``
+    restores all three. Under DDP (``devices=N`` on one machine) the cores are split among the N local processes:
+    each gets ``max(1, cores // N)`` threads unless ``num_threads`` is given (``setup`` learns N from the Trainer).
+    numba's thread pool is started before torch's count is set, since its OpenMP start-up resets torch's count
+    to every core. ``get_device_stats`` reports the thread counts and the per-core use since the previous call.
+    With a custom accelerator string Lightning would build a CUDA mixed-precision plugin for ``"16-mixed"`` /
+    ``"bf16-mixed"``; this accelerator replaces it by CPU bf16 autocast (the default stays ``"32-true"``, which
+    the fused kernel needs).
 
     Args:
-        num_threads: threads for torch and the kernels; ``None`` uses every core this process may use (its
-            affinity mask). Default ``None``.
+        num_threads: threads for torch and the kernels in each process; ``None`` splits the cores this process may
+            use (``cpu_affinity``, else its affinity mask) evenly among the local processes. Default ``None``.
         cpu_affinity: CPU ids to pin the process to during the run (Linux), or ``None`` to leave it. Default ``None``.
     """
 
@@ -89,28 +101,22 @@ class HEATAccelerator(CPUAccelerator):
         self.cpu_affinity = list(cpu_affinity) if cpu_affinity is not None else None
         self._saved: dict[str, Any] | None = None
         self._last_stat: dict[str, tuple[int, int]] = {}
+        # local processes sharing the cores; ``setup`` sets it from the Trainer (torchrun's variable until then)
+        self._local_world_size = _env_local_world_size()
 
     def resolved_threads(self) -> int:
-        """The thread count used for the run."""
+        """The thread count of each process: ``num_threads``, else the cores split among the local processes."""
         if self.num_threads is not None:
             return self.num_threads
-        return len(self.cpu_affinity) if self.cpu_affinity is not None else available_cores()
+        cores = len(self.cpu_affinity) if self.cpu_affinity is not None else available_cores()
+        return max(1, cores // self._local_world_size)
 
-    @override
-    def setup_device(self, device: torch.device) -> None:
-        super().setup_device(device)
-        if self._saved is not None:  # already set up (e.g. fit then test on the same Trainer)
-            return
-        saved: dict[str, Any] = {"torch": torch.get_num_threads()}
-        if self.cpu_affinity is not None:
-            saved["affinity"] = os.sched_getaffinity(0)
-            os.sched_setaffinity(0, self.cpu_affinity)
+    def _apply_threads(self) -> None:
+        """Set numba's, then torch's thread count (numba's OpenMP pool start-up resets torch to every core)."""
         n = self.resolved_threads()
-        torch.set_num_threads(n)
         if _NUMBA_AVAILABLE:
             import numba
 
-            saved["numba"] = numba.get_num_threads()
             limit = numba.config.NUMBA_NUM_THREADS
             if n > limit:
                 _log.warning(
@@ -120,11 +126,32 @@ class HEATAccelerator(CPUAccelerator):
                     n,
                 )
             numba.set_num_threads(min(n, limit))
+        torch.set_num_threads(n)
+
+    @override
+    def setup_device(self, device: torch.device) -> None:
+        super().setup_device(device)
+        if self._saved is not None:  # already set up (e.g. fit then test on the same Trainer)
+            return
+        saved: dict[str, Any] = {"torch": torch.get_num_threads()}
+        if _NUMBA_AVAILABLE:
+            import numba
+
+            saved["numba"] = numba.get_num_threads()  # starts numba's pool, which may reset torch's count
+        if self.cpu_affinity is not None:
+            saved["affinity"] = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, self.cpu_affinity)
+        self._apply_threads()
         self._saved = saved
         self._last_stat = _read_proc_stat()
 
     @override
     def setup(self, trainer: Trainer) -> None:
+        local = max(1, int(trainer.num_devices))
+        if local != self._local_world_size:
+            self._local_world_size = local
+            if self._saved is not None:
+                self._apply_threads()
         plugin = trainer.strategy.precision_plugin
         if isinstance(plugin, MixedPrecision) and plugin.device != "cpu":
             if plugin.precision == "16-mixed":
@@ -136,11 +163,11 @@ class HEATAccelerator(CPUAccelerator):
         saved, self._saved = self._saved, None
         if saved is None:
             return
-        torch.set_num_threads(saved["torch"])
         if "numba" in saved:
             import numba
 
             numba.set_num_threads(saved["numba"])
+        torch.set_num_threads(saved["torch"])
         if "affinity" in saved:
             os.sched_setaffinity(0, saved["affinity"])
 

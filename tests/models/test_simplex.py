@@ -248,3 +248,21 @@ def test_row_norm_projects_rows_after_each_step_without_changing_the_mf_loss(tmp
     assert torch.allclose(model.item_embedding.weight.norm(dim=1), torch.ones(model.num_items))
     with pytest.raises(ValueError, match="row_norm"):
         SimpleXModule(row_norm=0.0)
+
+
+@pytest.mark.numba
+def test_fused_backend_refuses_more_than_one_process(tmp_path, monkeypatch):
+    # the fused kernel updates rows outside autograd: under DDP the replicas would drift apart without an error
+    dm = _dm(num_users=40, num_items=30, batch_size=16)
+    model = SimpleXModule(backend="fused", **_SMALL)
+    trainer = _trainer(tmp_path, max_epochs=1)
+    trainer.strategy.connect(model)
+    model.trainer = trainer
+    dm.trainer = trainer
+    trainer.datamodule = dm
+    dm.setup("fit")
+    monkeypatch.setattr(type(trainer), "world_size", property(lambda self: 2))
+    with pytest.raises(ValueError, match="devices=1"):
+        model.setup("fit")
+    monkeypatch.setattr(type(trainer), "world_size", property(lambda self: 1))
+    model.setup("fit")  # one process is fine

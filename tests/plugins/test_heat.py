@@ -103,3 +103,46 @@ def test_device_stats_report_threads_and_core_use():
     per_core = {k: v for k, v in stats.items() if k.startswith("cpu") and k.endswith("_percent")}
     if os.path.exists("/proc/stat"):
         assert per_core and all(0.0 <= v <= 100.0 for v in per_core.values())
+
+
+def _ddp_heat_threads(rank: int, world_size: int) -> dict[str, int]:
+    # Lightning's own launcher does not export LOCAL_WORLD_SIZE: the split must come from the Trainer
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    torch.set_num_threads(available_cores())
+    model = _Probe()
+    trainer = Trainer(
+        accelerator="heat", devices=world_size, strategy="ddp", max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model)
+    return {"torch": int(model.seen["torch"]), "numba": int(model.seen["numba"]), "cores": available_cores()}
+
+
+@pytest.mark.numba
+def test_ddp_splits_the_cores_among_local_processes():
+    from tests._distributed import run_distributed
+
+    results = run_distributed(_ddp_heat_threads, 2, init_group=False, timeout=180)
+    for r in results:
+        expected = max(1, r["cores"] // 2)
+        assert r["torch"] == expected and r["numba"] == expected, results
+
+
+def _fresh_process_threads(rank: int, world_size: int) -> dict[str, int]:
+    import numba
+
+    torch.set_num_threads(available_cores())
+    acc = HEATAccelerator(num_threads=1)
+    acc.setup_device(torch.device("cpu"))  # first numba call of this process: starts numba's thread pool
+    try:
+        return {"torch": torch.get_num_threads(), "numba": numba.get_num_threads()}
+    finally:
+        acc.teardown()
+
+
+@pytest.mark.numba
+def test_numba_pool_start_up_keeps_torch_thread_count():
+    from tests._distributed import run_distributed
+
+    (seen,) = run_distributed(_fresh_process_threads, 1, init_group=False, timeout=120)
+    assert seen == {"torch": 1, "numba": 1}

@@ -15,12 +15,19 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_sdp._imports import require
 from lightning_sdp.datamodules.solar.buffer import parse_size
-from lightning_sdp.datamodules.solar.loader import BatchReader, SolarLoader, _no_collate
+from lightning_sdp.datamodules.solar.loader import (
+    BatchFormat,
+    BatchReader,
+    SolarLoader,
+    _no_collate,
+    check_batch_format,
+)
 from lightning_sdp.datamodules.solar.reader import DatasetInfo, HDF5Reader, StorageThrottle, inspect_h5
 from lightning_sdp.datamodules.solar.schedule import SolarSchedule, even_split
 
@@ -80,8 +87,15 @@ class SolarDataModule(LightningDataModule):
     ``loss_scale = P / G`` so that ``loss = loss_scale * per_sample_losses.sum()`` gives the global-mean gradient
     under DDP). Misses are read with one hyperslab per run of consecutive indices, in ``num_workers`` processes.
 
-    Batches are dicts: ``input`` (B, ...), ``target`` (B, ...; several target keys concatenated along dim 1),
-    ``index`` (B,) sample ids, ``loss_scale`` (scalar).
+    Batches are dicts by default: ``input`` (B, ...), ``target`` (B, ...; one target key keeps its per-sample
+    shape, e.g. ``(B,)`` for a 1-D label set; several are concatenated along dim 1), ``index`` (B,) sample ids,
+    ``loss_scale`` (scalar). ``x, y = batch`` on a dict unpacks its *keys* and fails with "too many values to
+    unpack": read ``batch["input"]``, ``batch["target"]``, or set ``batch_format="tuple"`` to get
+    ``(input, target_1, ..., target_k)`` in the configured key order (then there is no ``loss_scale``; see
+    ``batch_format``).
+
+    ``trainer.test`` / ``trainer.predict`` read the test split (``test_path`` or ``test_split``) when one is
+    configured, else the validation split; with neither they raise an error that says what to set.
 
     Needs ``Trainer(use_distributed_sampler=False)``.
 
@@ -104,7 +118,15 @@ class SolarDataModule(LightningDataModule):
         val_path: separate validation HDF5 file with the same keys. Default None.
         val_split: fraction of ``path`` held out for validation (its last samples) when ``val_path`` is None.
             Default 0 (no validation).
-        val_batch_size: validation batch size per rank. Default ``batch_size``.
+        val_batch_size: validation (and test / predict) batch size per rank. Default ``batch_size``.
+        test_path: separate test HDF5 file with the same keys, for ``trainer.test`` / ``trainer.predict``.
+            Default None.
+        test_split: fraction of ``path`` held out for testing (its last samples, after the validation share)
+            when ``test_path`` is None. Default 0 (test and predict use the validation split).
+        batch_format: ``"dict"`` (default; keys above) or ``"tuple"``: ``(input, target_1, ..., target_k)``, one
+            tensor per dataset with its own per-sample shape, so ``x, y = batch`` works. Tuple batches carry no
+            ``loss_scale``: with several ranks and ``balance=True`` local batch sizes differ, so a mean loss is not
+            the global mean (a warning says so); use ``balance=False`` for equal local batches.
         max_gap: merge read runs separated by at most this many unrequested samples. Default 0.
         io_threads: threads per reader process that issue a step's run reads concurrently (contiguous HDF5
             layouts; chunked data uses h5py hyperslab reads one after another). Default 4.
@@ -138,6 +160,9 @@ class SolarDataModule(LightningDataModule):
         val_path: str | None = None,
         val_split: float = 0.0,
         val_batch_size: int | None = None,
+        test_path: str | None = None,
+        test_split: float = 0.0,
+        batch_format: BatchFormat = "dict",
         max_gap: int = 0,
         io_threads: int = 4,
         prefetch_factor: int = 2,
@@ -155,6 +180,13 @@ class SolarDataModule(LightningDataModule):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if not 0.0 <= val_split < 1.0:
             raise ValueError(f"val_split must be in [0, 1), got {val_split}")
+        if not 0.0 <= test_split < 1.0:
+            raise ValueError(f"test_split must be in [0, 1), got {test_split}")
+        if val_split + test_split >= 1.0:
+            raise ValueError(
+                f"val_split + test_split must be below 1 to leave training samples, got {val_split} + {test_split}"
+            )
+        check_batch_format(batch_format)
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         self.save_hyperparameters()
@@ -170,6 +202,8 @@ class SolarDataModule(LightningDataModule):
         self.max_local_batch, self.seed, self.max_epochs = max_local_batch, seed, max_epochs
         self.val_path, self.val_split = val_path, val_split
         self.val_batch_size = val_batch_size or batch_size
+        self.test_path, self.test_split = test_path, test_split
+        self.batch_format = batch_format
         self.max_gap, self.prefetch_factor, self.drop_last = max_gap, prefetch_factor, drop_last
         self.io_threads = io_threads
         self.throttle = (
@@ -186,6 +220,7 @@ class SolarDataModule(LightningDataModule):
         self.rank, self.world_size = 0, 1
         self.num_train = 0
         self._val_ids: np.ndarray | None = None
+        self._test_ids: np.ndarray | None = None
         self._pending_state: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ data preparation
@@ -233,27 +268,31 @@ class SolarDataModule(LightningDataModule):
         if not Path(self.path).exists():
             hint = " (or set generate_if_missing=True to write the synthetic PtychoNN-like set)"
             raise FileNotFoundError(f"SOLAR training file {self.path!r} does not exist{hint}")
-        keys = [self.input_key, *self.target_keys]
-        self.info = inspect_h5(self.path, keys)
+        self.info = inspect_h5(self.path, [self.input_key, *self.target_keys])
         n = self.info.num_samples
+        # the file's layout: [training | validation share | test share]
+        n_test = 0 if self.test_path is not None or self.test_split <= 0 else max(1, round(n * self.test_split))
+        n_val = 0 if self.val_path is not None or self.val_split <= 0 else max(1, round(n * self.val_split))
+        if n_val + n_test >= n:
+            raise ValueError(
+                f"val_split={self.val_split} and test_split={self.test_split} leave no training samples out of {n}"
+            )
+        self.num_train = n - n_val - n_test
         if self.val_path is not None:
-            val_info = inspect_h5(self.val_path, keys)
-            if val_info.shapes != self.info.shapes:
-                raise ValueError(
-                    f"validation file {self.val_path!r} has sample shapes {val_info.shapes}, but the training file "
-                    f"has {self.info.shapes}"
-                )
-            self.num_train = n
-            self._val_ids = np.arange(val_info.num_samples, dtype=np.int64)
-        elif self.val_split > 0:
-            n_val = max(1, int(round(n * self.val_split)))
-            if n_val >= n:
-                raise ValueError(f"val_split={self.val_split} leaves no training samples out of {n}")
-            self.num_train = n - n_val
-            self._val_ids = np.arange(self.num_train, n, dtype=np.int64)
+            self._val_ids = np.arange(self._held_out_samples(self.val_path, "validation"), dtype=np.int64)
         else:
-            self.num_train = n
-            self._val_ids = None
+            self._val_ids = np.arange(self.num_train, self.num_train + n_val, dtype=np.int64) if n_val else None
+        if self.test_path is not None:
+            self._test_ids = np.arange(self._held_out_samples(self.test_path, "test"), dtype=np.int64)
+        else:
+            self._test_ids = np.arange(n - n_test, n, dtype=np.int64) if n_test else None
+        if self.batch_format == "tuple" and self.world_size > 1 and self.balance:
+            rank_zero_warn(
+                "SolarDataModule(batch_format='tuple'): tuple batches carry no loss_scale, and with balance=True "
+                "the local batch sizes differ between ranks, so a per-rank mean loss under DDP is not the global "
+                "mean. Set balance=False for equal local batches, or use batch_format='dict' with "
+                "loss = batch['loss_scale'] * per_sample_losses.sum()."
+            )
         capacity = parse_size(self.buffer_size, self.info.sample_nbytes)
         if capacity > self.num_train:
             _log.info("SolarDataModule: buffer (%d samples) holds the whole training set", capacity)
@@ -276,6 +315,16 @@ class SolarDataModule(LightningDataModule):
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
+
+    def _held_out_samples(self, path: str, role: str) -> int:
+        """Samples of a separate validation or test file, after checking its sample shapes against training's."""
+        assert self.info is not None
+        info = inspect_h5(path, [self.input_key, *self.target_keys])
+        if info.shapes != self.info.shapes:
+            raise ValueError(
+                f"{role} file {path!r} has sample shapes {info.shapes}, but the training file has {self.info.shapes}"
+            )
+        return info.num_samples
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -312,6 +361,7 @@ class SolarDataModule(LightningDataModule):
                 num_workers=self.num_workers,
                 prefetch_factor=self.prefetch_factor,
                 trainer=lambda: self.trainer,
+                batch_format=self.batch_format,
             )
         if self._pending_position is not None:
             self.train_loader.load_state_dict(self._pending_position)
@@ -320,22 +370,43 @@ class SolarDataModule(LightningDataModule):
 
     _pending_position: dict[str, Any] | None = None
 
-    @override
-    def val_dataloader(self) -> DataLoader | list:
-        self._require_setup()
-        if self._val_ids is None:
-            return []
-        ids = self._val_ids
+    def _eval_loader(self, ids: np.ndarray, path: str) -> DataLoader:
+        """This rank's even share of ``ids`` (in file order), in batches of ``val_batch_size``."""
         sizes = even_split(len(ids), self.world_size)
         lo = int(sizes[: self.rank].sum())
         shard = ids[lo : lo + int(sizes[self.rank])]
         batches = [shard[i : i + self.val_batch_size] for i in range(0, len(shard), self.val_batch_size)]
         dataset = BatchReader(
-            self._reader(self.val_path or self.path), self.input_key, self.target_keys, batches=batches
+            self._reader(path), self.input_key, self.target_keys, batches=batches, batch_format=self.batch_format
         )
-        # Validation reads run in the rank's own process: the validation share is small, and forking short-lived
-        # validation workers next to the persistent training readers hung under DDP (gloo) in our tests.
+        # Evaluation reads run in the rank's own process: the held-out share is small, and forking short-lived
+        # workers next to the persistent training readers hung under DDP (gloo) in our tests.
         return DataLoader(dataset, batch_size=None, num_workers=0, collate_fn=_no_collate)
+
+    @override
+    def val_dataloader(self) -> DataLoader | list:
+        self._require_setup()
+        if self._val_ids is None:
+            return []
+        return self._eval_loader(self._val_ids, self.val_path or self.path)
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        """The test split (``test_path`` / ``test_split``) if configured, else the validation split."""
+        self._require_setup()
+        if self._test_ids is not None:
+            return self._eval_loader(self._test_ids, self.test_path or self.path)
+        if self._val_ids is not None:
+            return self._eval_loader(self._val_ids, self.val_path or self.path)
+        raise ValueError(
+            "SolarDataModule has no held-out data for trainer.test / trainer.predict: set test_path= or "
+            "test_split= (or val_path= / val_split=, which they use when no test split is configured)"
+        )
+
+    @override
+    def predict_dataloader(self) -> DataLoader:
+        """The same samples as :meth:`test_dataloader`, in file order."""
+        return self.test_dataloader()
 
     # ------------------------------------------------------------------ checkpointing
     @override
@@ -383,6 +454,21 @@ class SolarDataModule(LightningDataModule):
             self.train_loader.load_state_dict(position)
         else:
             self._pending_position = position
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Add a hint to the errors that unpacking or indexing a dict batch as a tuple raises."""
+        if self.batch_format != "dict" or any("SolarDataModule" in n for n in getattr(exception, "__notes__", ())):
+            return
+        unpack = isinstance(exception, ValueError) and "values to unpack" in str(exception)
+        index = isinstance(exception, KeyError) and bool(exception.args) and isinstance(exception.args[0], int)
+        if unpack or index:
+            exception.add_note(
+                "Hint: SolarDataModule batches are dicts with keys 'input', 'target', 'index', 'loss_scale', so "
+                "`x, y = batch` unpacks the keys and `batch[0]` is a missing key. Read batch['input'] and "
+                "batch['target'], or create SolarDataModule(..., batch_format='tuple') to get "
+                "(input, target_1, ..., target_k)."
+            )
 
     @override
     def teardown(self, stage: str) -> None:

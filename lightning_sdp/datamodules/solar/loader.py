@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -25,10 +25,55 @@ def _no_collate(item: Any) -> Any:
     return item
 
 
+BatchFormat = Literal["dict", "tuple"]
+BATCH_FORMATS: tuple[str, ...] = ("dict", "tuple")
+
+
 def assemble_targets(arrays: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Concatenate several target arrays ``(n, c_i, ...)`` along dim 1 (a ``(n,)`` array counts as one channel)."""
-    parts = [a.unsqueeze(1) if a.dim() == 1 else a for a in arrays]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    """One target array as it is; several ``(n, c_i, ...)`` arrays concatenated along dim 1.
+
+    A single target keeps its per-sample shape (a ``(n,)`` label array stays ``(n,)``). When several are joined,
+    a ``(n,)`` array counts as one channel.
+    """
+    if len(arrays) == 1:
+        return arrays[0]
+    return torch.cat([a.unsqueeze(1) if a.dim() == 1 else a for a in arrays], dim=1)
+
+
+def check_batch_format(batch_format: str) -> None:
+    """Raise a ``ValueError`` naming the accepted values when ``batch_format`` is not one of them."""
+    if batch_format not in BATCH_FORMATS:
+        raise ValueError(f"batch_format must be one of {BATCH_FORMATS}, got {batch_format!r}")
+
+
+def make_batch(
+    arrays: dict[str, torch.Tensor],
+    input_key: str,
+    target_keys: Sequence[str],
+    ids: np.ndarray,
+    loss_scale: float,
+    batch_format: str = "dict",
+) -> dict[str, torch.Tensor] | tuple[torch.Tensor, ...]:
+    """Build one batch from per-dataset arrays.
+
+    Args:
+        arrays: ``{dataset name: (n, *sample_shape) tensor}`` for ``input_key`` and every target key.
+        input_key: dataset name of the inputs.
+        target_keys: dataset names of the targets.
+        ids: the ``n`` sample ids.
+        loss_scale: the factor for the sum of per-sample losses.
+        batch_format: ``"dict"``: ``{"input", "target", "index", "loss_scale"}`` (targets joined by
+            :func:`assemble_targets`); ``"tuple"``: ``(input, target_1, ..., target_k)``, each dataset with its own
+            per-sample shape, in the configured key order. Default ``"dict"``.
+    """
+    if batch_format == "tuple":
+        return tuple(arrays[k] for k in (input_key, *target_keys))
+    return {
+        "input": arrays[input_key],
+        "target": assemble_targets([arrays[k] for k in target_keys]),
+        "index": torch.from_numpy(np.asarray(ids, dtype=np.int64).copy()),
+        "loss_scale": torch.tensor(loss_scale, dtype=torch.float32),
+    }
 
 
 class ReadRequests(Dataset):
@@ -76,8 +121,9 @@ class BatchReader(Dataset):
     Args:
         reader: the HDF5 reader.
         input_key: dataset name of the inputs.
-        target_keys: dataset names of the targets (concatenated along dim 1).
+        target_keys: dataset names of the targets (concatenated along dim 1 in dict batches).
         batches: the id arrays, one per batch; ``len`` is their number and ``__getitem__(int)`` reads one.
+        batch_format: ``"dict"`` or ``"tuple"`` (see :func:`make_batch`). Default ``"dict"``.
     """
 
     def __init__(
@@ -86,27 +132,28 @@ class BatchReader(Dataset):
         input_key: str,
         target_keys: Sequence[str],
         batches: Sequence[np.ndarray] = (),
+        batch_format: BatchFormat = "dict",
     ) -> None:
+        check_batch_format(batch_format)
         self.reader, self.input_key, self.target_keys = reader, input_key, list(target_keys)
         self.batches = list(batches)
+        self.batch_format = batch_format
 
     def __len__(self) -> int:
         return len(self.batches)
 
-    def __getitem__(self, item: int | np.ndarray) -> dict[str, torch.Tensor]:
+    def __getitem__(self, item: int | np.ndarray) -> dict[str, torch.Tensor] | tuple[torch.Tensor, ...]:
         ids = self.batches[item] if isinstance(item, (int, np.integer)) else np.asarray(item)
         rows = self.reader.read(ids)
-        n = len(ids)
-        return {
-            "input": torch.from_numpy(rows[self.input_key]),
-            "target": assemble_targets([torch.from_numpy(rows[k]) for k in self.target_keys]),
-            "index": torch.from_numpy(np.asarray(ids, dtype=np.int64)),
-            "loss_scale": torch.tensor(1.0 / max(n, 1), dtype=torch.float32),
-        }
+        arrays = {k: torch.from_numpy(v) for k, v in rows.items()}
+        loss_scale = 1.0 / max(len(ids), 1)
+        return make_batch(arrays, self.input_key, self.target_keys, ids, loss_scale, self.batch_format)
 
 
 class SolarLoader:
     """The training iterable of one rank: yields ``{"input", "target", "index", "loss_scale"}`` batches.
+
+    With ``batch_format="tuple"`` it yields ``(input, target_1, ..., target_k)`` instead (no ids, no loss scale).
 
     Implements ``state_dict``/``load_state_dict`` so Lightning treats it as resumable; it resumes at any step of
     any epoch with the identical remaining sequence (samples the plan expects buffered are re-read once).
@@ -120,6 +167,7 @@ class SolarLoader:
         num_workers: reader processes (0: read in the main process). Default 0.
         prefetch_factor: read requests in flight per worker. Default 2.
         trainer: callable returning the attached Trainer (or ``None``), for the epoch and the resume position.
+        batch_format: ``"dict"`` or ``"tuple"`` (see :func:`make_batch`). Default ``"dict"``.
     """
 
     def __init__(
@@ -132,12 +180,15 @@ class SolarLoader:
         num_workers: int = 0,
         prefetch_factor: int = 2,
         trainer: Callable[[], Any] | None = None,
+        batch_format: BatchFormat = "dict",
     ) -> None:
+        check_batch_format(batch_format)
         if not 0 <= rank < schedule.world_size:
             raise ValueError(f"rank {rank} is outside 0..{schedule.world_size - 1}")
         self.schedule, self.rank, self.reader = schedule, rank, reader
         self.input_key, self.target_keys = input_key, list(target_keys)
         self.num_workers, self.prefetch_factor = int(num_workers), int(prefetch_factor)
+        self.batch_format = batch_format
         self._trainer = trainer or (lambda: None)
         self.store: dict[int, dict[str, torch.Tensor]] = {}
         self._sampler = _RequestSampler()
@@ -197,7 +248,7 @@ class SolarLoader:
             )
         return self._loader
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor] | tuple[torch.Tensor, ...]]:
         trainer = self._trainer()
         epoch = int(trainer.current_epoch) if trainer is not None else self._epoch_counter
         start = 0
@@ -223,7 +274,7 @@ class SolarLoader:
             requests.append((sp.step, reads))
         return requests
 
-    def _generate(self, epoch: int, start: int) -> Iterator[dict[str, torch.Tensor]]:
+    def _generate(self, epoch: int, start: int) -> Iterator[dict[str, torch.Tensor] | tuple[torch.Tensor, ...]]:
         plan = self.schedule.epoch_plan(epoch)
         self.schedule.release(epoch)
         steps = plan[start:]
@@ -287,12 +338,7 @@ class SolarLoader:
             self._next_pos = (epoch + 1, 0) if last else (epoch, sp.step + 1)
             if last:
                 self._epoch_counter = epoch + 1
-            batch = {
-                "input": out[self.input_key],
-                "target": assemble_targets([out[k] for k in self.target_keys]),
-                "index": torch.from_numpy(ids.copy()),
-                "loss_scale": torch.tensor(sp.loss_scale, dtype=torch.float32),
-            }
+            batch = make_batch(out, self.input_key, self.target_keys, ids, sp.loss_scale, self.batch_format)
             self._last_yield = time.perf_counter()
             yield batch
 

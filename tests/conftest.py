@@ -12,6 +12,14 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # Two cores in CI and tiny tensors in tests: one thread per process avoids oversubscription (threads waiting on
 # each other made tiny backward passes tens of times slower on a loaded 2-core machine).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# EngineProfiler caches measured engine ceilings per device; the suite must not write into the user's ~/.cache.
+if "LIGHTNING_SDP_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["LIGHTNING_SDP_CACHE_DIR"] = tempfile.mkdtemp(prefix="lightning_sdp_test_cache_")
+    atexit.register(shutil.rmtree, os.environ["LIGHTNING_SDP_CACHE_DIR"], ignore_errors=True)
 
 from pathlib import Path  # noqa: E402
 

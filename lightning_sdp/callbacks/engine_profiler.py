@@ -11,6 +11,8 @@ TFLOPS against the device's peaks and findings with advice. The helpers live in 
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,8 @@ _MODEL_DIM_KEYS = {
     "n_heads": ("n_head", "n_heads", "num_heads", "num_attention_heads"),
     "attention": ("attention", "attn_impl", "attention_impl"),
 }
+AUTO_WINDOWS = 5
+"""Windows profiled by default (``repeat=None``), fewer when the run is shorter."""
 
 
 class EngineProfiler(Callback):
@@ -34,7 +38,14 @@ class EngineProfiler(Callback):
     The window follows ``torch.profiler.schedule``: per cycle, ``wait`` batches with no work at all, ``warmup``
     batches (the last one counts FLOPs and vector work under ``FlopCounterMode``, so the timed steps carry no
     counting overhead), then ``active`` batches under ``torch.profiler``; ``repeat`` cycles (0 = until the end).
-    Outside the window the hooks only compare integers.
+    By default (``repeat=None``) it profiles as many windows as the run allows, up to :data:`AUTO_WINDOWS`, and
+    the summary gives each share as the median over the windows with its spread (one window is a sample, not the
+    answer); findings about timing are made only when their effect is larger than that spread. Outside the window
+    the hooks only compare integers.
+
+    Utilisation is reported against the datasheet peak where one is known, and against ceilings measured on the
+    device itself (:func:`~lightning_sdp.profiling.engine_bench.measure_engine_peaks`, quick mode, cached per
+    device, thread count and torch version) where none is (the CPU); where both exist both are shown.
 
     Backends (from ``trainer.strategy.root_device``): CPU (operator self times), CUDA (kernel device times attributed
     to the launching operators; tensor-core kernels detected by name), HPU (Gaudi: engine lanes of the exported
@@ -49,7 +60,8 @@ class EngineProfiler(Callback):
         wait: batches to skip at the start of each cycle. Default 2.
         warmup: batches before the active ones; the last counts FLOPs (needs ``>= 1`` for TFLOPS). Default 1.
         active: profiled batches per cycle. Default 3.
-        repeat: number of cycles; 0 repeats until training ends. Default 1.
+        repeat: number of cycles; 0 repeats until training ends; ``None`` (default): as many as the run holds, up to
+            :data:`AUTO_WINDOWS` (at least one is attempted).
         dirpath: output folder; default ``<trainer.log_dir or default_root_dir>/engine_profiler``.
         filename: stem of the output files. Default ``"engine_profile"``.
         export_trace: write the gzip Chrome trace per rank and window. Default True.
@@ -57,8 +69,12 @@ class EngineProfiler(Callback):
         count_flops: count FLOPs and vector work in the last warm-up batch. Default True.
         module_view: open a ``record_function`` scope per module during active batches for the per-module view
             (attention, MLP, norms, embeddings, head, loss, optimizer). Default True.
-        peaks: overrides of the device peaks: ``matrix_tflops``, ``vector_tflops``, ``mem_gbps``. Needed for
-            utilisation on the CPU or on devices missing from :data:`lightning_sdp.profiling.peaks.PEAKS`.
+        peaks: overrides of the device peaks: ``matrix_tflops``, ``vector_tflops``, ``mem_gbps`` (win over the
+            datasheet table :data:`lightning_sdp.profiling.peaks.PEAKS` and the measured ceilings).
+        measure_peaks: measure the device's matrix and vector ceilings at the start of training (a few seconds,
+            once per device: the profile is cached) and use them where no datasheet peak exists. Default True.
+        peaks_cache_dir: folder of the device-profile cache; default ``$LIGHTNING_SDP_CACHE_DIR`` or
+            ``~/.cache/lightning_sdp/engine_peaks``.
         d_model: model width for the analytic attention model; read from the module's hparams
             (``n_embd``/``d_model``/``hidden_size``) when ``None``.
         n_heads: attention heads, likewise (``n_head``/``n_heads``/``num_heads``).
@@ -72,7 +88,7 @@ class EngineProfiler(Callback):
         wait: int = 2,
         warmup: int = 1,
         active: int = 3,
-        repeat: int = 1,
+        repeat: int | None = None,
         dirpath: str | None = None,
         filename: str = "engine_profile",
         export_trace: bool = True,
@@ -80,6 +96,8 @@ class EngineProfiler(Callback):
         count_flops: bool = True,
         module_view: bool = True,
         peaks: dict[str, float] | None = None,
+        measure_peaks: bool = True,
+        peaks_cache_dir: str | None = None,
         d_model: int | None = None,
         n_heads: int | None = None,
         softmax_k: float = 6.0,
@@ -91,7 +109,7 @@ class EngineProfiler(Callback):
             ("wait", wait, 0),
             ("warmup", warmup, 0),
             ("active", active, 1),
-            ("repeat", repeat, 0),
+            ("repeat", 0 if repeat is None else repeat, 0),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"EngineProfiler: {name} must be an integer >= {low}, got {value!r}")
@@ -113,6 +131,10 @@ class EngineProfiler(Callback):
         self.count_flops = count_flops
         self.module_view = module_view
         self.peaks = dict(peaks) if peaks else None
+        self.measure_peaks = measure_peaks
+        self.peaks_cache_dir = peaks_cache_dir
+        self.device_profile: Any = None  # the measured DeviceProfile once known
+        self._device_profile_file: str | None = None
         self.d_model = d_model
         self.n_heads = n_heads
         self.softmax_k = softmax_k
@@ -132,6 +154,8 @@ class EngineProfiler(Callback):
         self._dir: Path | None = None
         self._rank = 0
         self._world_size = 1
+        self._repeat = AUTO_WINDOWS if repeat is None else repeat
+        self._measured_peaks: dict[str, float | None] | None = None
         self._reset_window()
 
     # ------------------------------------------------------------------ schedule
@@ -143,7 +167,7 @@ class EngineProfiler(Callback):
     def _phase(self, batch: int) -> tuple[str | None, int, int]:
         """(phase, position in the cycle, cycle) of a batch index; phase None after the last cycle."""
         cycle, pos = divmod(batch, self.cycle_length)
-        if self.repeat and cycle >= self.repeat:
+        if self._repeat and cycle >= self._repeat:
             return None, pos, cycle
         if pos < self.wait:
             return "wait", pos, cycle
@@ -160,6 +184,7 @@ class EngineProfiler(Callback):
         self._t_start = 0.0
         self._active_steps = 0
         self._batch_shapes: list[list[list[int]]] = []
+        self._seq_len: int | None = None
         self._window_start_batch = 0
 
     # ------------------------------------------------------------------ Lightning hooks
@@ -185,13 +210,20 @@ class EngineProfiler(Callback):
             if self.dirpath
             else Path(trainer.log_dir or trainer.default_root_dir) / "engine_profiler"
         )
+        _check_writable(base, given=self.dirpath is not None)
         self._dir = base
+        _quiet_kineto_without_cuda()
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._disabled:
             return
         total = self._total_batches(trainer)
+        if self.repeat is None:
+            # As many windows as the run holds (planned from the whole run, so a resumed run plans the same).
+            self._repeat = (
+                AUTO_WINDOWS if total is None else max(1, min(AUTO_WINDOWS, total // self.cycle_length))
+            )
         remaining = None if total is None else total - self._batches_seen
         if remaining is not None and self._phase(self._batches_seen)[0] is not None:
             need = self.cycle_length - self._phase(self._batches_seen)[1]
@@ -201,6 +233,41 @@ class EngineProfiler(Callback):
                     f"warmup={self.warmup}, active={self.active}) but the run has {remaining} left; the window will "
                     "be cut short or not reached. Lower `wait`/`active` or train longer."
                 )
+        if self.measure_peaks and self._phase(self._batches_seen)[0] is not None:
+            self._measure_device(trainer)
+
+    def _measure_device(self, trainer: Trainer) -> None:
+        """Measured ceilings of the training device (cached per device, threads, torch version)."""
+        if self._device_type not in ("cpu", "cuda", "hpu"):
+            return
+        from lightning_sdp.profiling.engine_bench import cached_engine_peaks
+
+        dtype = self._matrix_dtype(trainer)
+        dtypes = tuple(dict.fromkeys(("fp32", dtype)))
+        try:
+            profile, path, cached = cached_engine_peaks(
+                trainer.strategy.root_device,
+                num_threads=torch.get_num_threads(),
+                dtypes=dtypes,
+                quick=True,
+                cache_dir=self.peaks_cache_dir,
+            )
+        except Exception as err:  # noqa: BLE001 - utilisation then falls back to the datasheet only
+            rank_zero_warn(
+                f"EngineProfiler: measuring the device's ceilings failed ({type(err).__name__}: {err}); utilisation "
+                "is reported only where a datasheet peak (or `peaks=`) exists."
+            )
+            return
+        self.device_profile = profile
+        self._measured_peaks = profile.peaks(dtype)
+        self._device_profile_file = str(path)
+        if not cached:
+            from lightning.pytorch.utilities import rank_zero_info
+
+            rank_zero_info(
+                f"EngineProfiler: measured this device's engine ceilings in {profile.elapsed_s:.1f} s (cached at "
+                f"{path}; `lightning-sdp engine-bench` measures the full profile)."
+            )
 
     @staticmethod
     def _total_batches(trainer: Trainer) -> int | None:
@@ -222,6 +289,7 @@ class EngineProfiler(Callback):
         if phase is None or phase == "wait":
             return
         self._batch_shapes.append(_batch_shapes(batch))
+        self._seq_len = _sequence_length(batch)
         if phase == "warmup":
             if self.count_flops and pos == self.wait + self.warmup - 1:
                 from lightning_sdp.profiling.flops import WorkCounter
@@ -436,7 +504,7 @@ class EngineProfiler(Callback):
                 overlap = analyze_trace(trace_path)
             except ValueError as err:
                 rank_zero_warn(f"EngineProfiler: no HPU engine lanes in the trace ({err}); host view only.")
-        device, peaks = self._device_and_peaks(trainer)
+        device, peaks, sources = self._device_and_peaks(trainer)
         dims = self._model_dims(pl_module)
         report = build_report(
             breakdown=breakdown,
@@ -452,6 +520,8 @@ class EngineProfiler(Callback):
             world_size=self._world_size,
             cycle=cycle,
             start_batch=self._window_start_batch,
+            measured_peaks=self._measured_peaks,
+            peak_sources=sources,
         )
         report["trace_file"] = str(trace_path) if trace_path is not None and self.export_trace else None
         # One-off cost after the window: stopping the profiler, exporting the trace, parsing and classifying.
@@ -463,21 +533,22 @@ class EngineProfiler(Callback):
         self._reset_window()
         return report
 
-    def _device_and_peaks(self, trainer: Trainer) -> tuple[dict[str, Any], dict[str, float | None]]:
-        from lightning_sdp.profiling.peaks import device_key, device_name_of, matrix_dtype_key, resolve_peaks
+    def _device_and_peaks(
+        self, trainer: Trainer
+    ) -> tuple[dict[str, Any], dict[str, float | None], dict[str, str | None]]:
+        from lightning_sdp.profiling.peaks import device_key, device_name_of, effective_peaks
 
         index = trainer.strategy.root_device.index or 0
         name = device_name_of(self._device_type, index)
-        tf32 = self._device_type == "cuda" and (
-            torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
-        )
-        dtype = matrix_dtype_key(str(trainer.precision), allow_tf32=tf32)
+        if name is None and self.device_profile is not None:
+            name = self.device_profile.device_name  # the CPU model (no datasheet entry matches a CPU)
+        dtype = self._matrix_dtype(trainer)
         if self._device_type not in ("cpu", "cuda", "hpu"):
             rank_zero_warn(
                 f"EngineProfiler: device type {self._device_type!r} is not known; reporting time shares without "
                 "utilisation."
             )
-        peaks = resolve_peaks(name, dtype, self.peaks)
+        peaks, sources = effective_peaks(name, dtype, self.peaks, self._measured_peaks)
         device = {
             "type": self._device_type,
             "name": name,
@@ -485,7 +556,22 @@ class EngineProfiler(Callback):
             "precision": str(trainer.precision),
             "matrix_dtype": dtype,
         }
-        return device, peaks
+        if self.device_profile is not None:
+            device["profile"] = {
+                "name": self.device_profile.device_name,
+                "num_threads": self.device_profile.num_threads,
+                "quick": self.device_profile.quick,
+                "file": self._device_profile_file,
+            }
+        return device, peaks, sources
+
+    def _matrix_dtype(self, trainer: Trainer) -> str:
+        from lightning_sdp.profiling.peaks import matrix_dtype_key
+
+        tf32 = self._device_type == "cuda" and (
+            torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+        )
+        return matrix_dtype_key(str(trainer.precision), allow_tf32=tf32)
 
     def _model_dims(self, pl_module: LightningModule) -> dict[str, Any]:
         hp = dict(getattr(pl_module, "hparams", {}) or {})
@@ -496,19 +582,32 @@ class EngineProfiler(Callback):
             if value is None:
                 value = next((hp[n] for n in names if hp.get(n) is not None), None)
             dims[key] = value
-        shapes = self._batch_shapes[-1] if self._batch_shapes else []
-        seq = next((s[1] for s in shapes if len(s) >= 2), None)
-        dims["seq_len"] = seq
+        dims["seq_len"] = self._seq_len
         return dims
 
     def _merge_and_summarise(self, trainer: Trainer) -> None:
-        from lightning_sdp.profiling.report import merge_reports, plot_reports, summary_table
+        from lightning_sdp.profiling.report import (
+            combine_windows,
+            merge_reports,
+            metrics,
+            plot_reports,
+            summary_table,
+        )
 
-        last = self.reports[-1] if self.reports else None
-        gathered: list[Any] = [last]
+        combined = combine_windows(self.reports) if self.reports else None
+        if combined is not None and combined["windows"] > 1 and self.log_metrics:
+            m = {
+                k.replace("engine/", "engine/median_", 1): v
+                for k, v in metrics(combined).items()
+                if k.endswith("_frac")
+            }
+            m.update({f"engine/spread_{c}_frac": float(v) for c, v in combined["spread"].items()})
+            for logger in trainer.loggers:
+                logger.log_metrics(m, step=trainer.global_step)
+        gathered: list[Any] = [combined]
         if self._world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             gathered = [None] * self._world_size
-            torch.distributed.all_gather_object(gathered, last)
+            torch.distributed.all_gather_object(gathered, combined)
         if self._rank != 0:
             return
         reports = [r for r in gathered if r is not None]
@@ -520,7 +619,24 @@ class EngineProfiler(Callback):
         self._dir.mkdir(parents=True, exist_ok=True)
         (self._dir / f"{self.filename}-summary.json").write_text(json.dumps(self.merged, indent=1) + "\n")
         if self.save_plot:
-            plot_reports(reports, self._dir / f"{self.filename}.png")
+            if len(reports) == 1 and len(self.reports) > 1:
+                # One rank: a bar per window shows the spread; the roofline uses the medians.
+                plot_reports(self.reports, self._dir / f"{self.filename}.png", roofline=reports[0])
+            else:
+                plot_reports(reports, self._dir / f"{self.filename}.png")
+            if self.device_profile is not None:
+                from lightning_sdp.profiling.engine_bench import plot_roofline
+
+                plot_roofline(
+                    self.device_profile,
+                    self._dir / f"{self.filename}-roofline.png",
+                    report=reports[0],
+                    datasheet={
+                        k: v
+                        for k, v in reports[0]["peaks"].items()
+                        if (reports[0].get("peak_sources") or {}).get(k) == "datasheet"
+                    },
+                )
         if self.print_summary:
             print(summary_table(reports[0]))
             if len(reports) > 1:
@@ -533,3 +649,47 @@ class EngineProfiler(Callback):
 def _batch_shapes(batch: Any) -> list[list[int]]:
     flat, _ = tree_flatten(batch)
     return [list(t.shape) for t in flat if isinstance(t, torch.Tensor)]
+
+
+def _sequence_length(batch: Any) -> int | None:
+    """Sequence length of a batch, only for sequence inputs: token ids ``(B, T)`` (integer) or ``(B, T, C)`` floats.
+
+    Images ``(B, C, H, W)``, flat features ``(B, F)`` and label vectors have no sequence length (``None``).
+    """
+    flat, _ = tree_flatten(batch)
+    for t in flat:
+        if not isinstance(t, torch.Tensor):
+            continue
+        integer = not (t.is_floating_point() or t.is_complex()) and t.dtype != torch.bool
+        if t.ndim == 2 and integer and t.shape[1] > 1:
+            return int(t.shape[1])
+        if t.ndim == 3 and t.is_floating_point():
+            return int(t.shape[1])
+    return None
+
+
+def _check_writable(path: Path, given: bool) -> None:
+    """Create ``path`` and write a probe file in it; raise a clear ``OSError`` at setup rather than mid-training."""
+    what = "dirpath" if given else "the default output folder (<log_dir>/engine_profiler)"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".engine_profiler_probe_")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise OSError(
+            f"EngineProfiler: cannot write to {what} {str(path)!r} ({type(err).__name__}: {err.strerror or err}). "
+            "Pass `dirpath=` a folder this process can create and write, or fix the folder's permissions."
+        ) from err
+
+
+def _quiet_kineto_without_cuda() -> None:
+    """Silence kineto's spurious ``ERROR: gpuGetDeviceCount failed with code 35`` on machines without a GPU.
+
+    A CUDA build of torch on a machine without a CUDA driver makes kineto (the profiler's trace library) log this
+    error once per process when the first profiler session stops, although nothing is wrong for a CPU profile.
+    Kineto reads ``KINETO_LOG_LEVEL`` when it first starts, so it is set (to 5: drop ERROR and lower, keep kineto's
+    USDT markers) before the first window; only when no CUDA device is usable and the user has not set it.
+    """
+    if "KINETO_LOG_LEVEL" not in os.environ and not torch.cuda.is_available():
+        os.environ["KINETO_LOG_LEVEL"] = "5"

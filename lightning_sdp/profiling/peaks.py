@@ -150,6 +150,39 @@ def resolve_peaks(
     return out
 
 
+def effective_peaks(
+    device_name: str | None,
+    dtype: str,
+    overrides: dict[str, float] | None = None,
+    measured: dict[str, float | None] | None = None,
+) -> tuple[dict[str, float | None], dict[str, str | None]]:
+    """Peaks used for utilisation, and where each comes from (``user``, ``datasheet``, ``measured`` or ``None``).
+
+    User overrides win, then the datasheet table, then the ceilings measured on this device
+    (:func:`~lightning_sdp.profiling.engine_bench.measure_engine_peaks`) for the values the table lacks (the CPU).
+
+    Args:
+        device_name: device name (see :func:`device_key`).
+        dtype: matrix dtype key.
+        overrides: user values (see :func:`resolve_peaks`).
+        measured: measured ceilings ``{"matrix_tflops", "vector_tflops", "mem_gbps"}`` or ``None``.
+    """
+    table = resolve_peaks(device_name, dtype)
+    out = resolve_peaks(device_name, dtype, overrides)
+    sources: dict[str, str | None] = {}
+    for k in list(out):
+        if overrides and overrides.get(k) is not None:
+            sources[k] = "user"
+        elif table[k] is not None:
+            sources[k] = "datasheet"
+        elif measured and measured.get(k):
+            out[k] = float(measured[k])  # type: ignore[arg-type]
+            sources[k] = "measured"
+        else:
+            sources[k] = None
+    return out, sources
+
+
 def crossover_seq_len(d_model: int, n_heads: int, p_matrix: float, p_vector: float, k: float = 6.0) -> float:
     """Sequence length past which softmax-side vector time exceeds all linear-layer matmul time.
 
@@ -230,5 +263,5 @@ def describe_peaks(peaks: dict[str, Any]) -> str:
         ("mem_gbps", "GB/s"),
     ):
         v = peaks.get(k)
-        parts.append(f"{v:g} {unit}" if v else f"? {unit}")
+        parts.append(f"{v:.4g} {unit}" if v else f"? {unit}")
     return ", ".join(parts)

@@ -12,7 +12,7 @@ from typing import Any
 from lightning_sdp.profiling.categories import CATEGORIES, MODULE_GROUPS, CategoryBreakdown
 from lightning_sdp.profiling.flops import WorkCount
 from lightning_sdp.profiling.hpu_trace import EngineOverlap
-from lightning_sdp.profiling.peaks import attention_model, crossover_seq_len
+from lightning_sdp.profiling.peaks import attention_model, crossover_seq_len, describe_peaks
 
 # Thresholds of the findings (shares of the step time unless noted).
 HOST_BOUND_FRAC = 0.30
@@ -21,6 +21,13 @@ TENSOR_CORE_MIN_FRAC = 0.50
 MATRIX_ON_TPC_FRAC = 0.05
 HPU_OVERLAP_MIN_FRAC = 0.10
 TOP_OPS = 15
+CEILING_EXCEEDED = 1.05  # utilisation above the measured ceiling (plus timing noise)
+_UTIL_PEAK = {
+    "matrix": "matrix_tflops",
+    "attention": "matrix_tflops",
+    "vector_bandwidth": "mem_gbps",
+    "vector_compute": "vector_tflops",
+}
 
 
 def build_report(
@@ -38,6 +45,8 @@ def build_report(
     world_size: int = 1,
     cycle: int = 0,
     start_batch: int = 0,
+    measured_peaks: dict[str, float | None] | None = None,
+    peak_sources: dict[str, str | None] | None = None,
 ) -> dict[str, Any]:
     """Assemble the report of one profiling window.
 
@@ -55,6 +64,9 @@ def build_report(
         world_size: number of ranks.
         cycle: index of the profiling window.
         start_batch: index of the first active batch.
+        measured_peaks: ceilings measured on this device (:mod:`~lightning_sdp.profiling.engine_bench`), reported
+            next to ``peaks`` with their own utilisation (``utilisation_measured``), or ``None``.
+        peak_sources: where each value of ``peaks`` comes from (``datasheet``, ``user``, ``measured``).
     """
     if steps <= 0:
         raise ValueError(f"steps must be positive, got {steps}")
@@ -111,15 +123,8 @@ def build_report(
         if mem_s > 0:
             throughput["memory_gbps"] = work.bytes.get("memory", 0) / mem_s / 1e9
 
-    utilisation = {
-        "matrix": _ratio(throughput["matrix_tflops"], peaks.get("matrix_tflops")),
-        "attention": _ratio(throughput["attention_tflops"], peaks.get("matrix_tflops")),
-        "vector_bandwidth": _ratio(throughput["vector_gbps"], (peaks.get("mem_gbps") or 0) or None),
-        "vector_compute": _ratio(
-            None if throughput["vector_gelem_per_s"] is None else throughput["vector_gelem_per_s"] / 1e3,
-            peaks.get("vector_tflops"),
-        ),
-    }
+    utilisation = _utilisation(throughput, peaks)
+    utilisation_measured = _utilisation(throughput, measured_peaks) if measured_peaks else None
 
     seq_len = model_dims.get("seq_len")
     analytic = None
@@ -165,7 +170,10 @@ def build_report(
         "flops": flops,
         "throughput": throughput,
         "peaks": dict(peaks),
+        "peak_sources": dict(peak_sources) if peak_sources else None,
+        "peaks_measured": dict(measured_peaks) if measured_peaks else None,
         "utilisation": utilisation,
+        "utilisation_measured": utilisation_measured,
         "analytic": analytic,
         "cuda": cuda,
         "hpu": overlap.to_dict() if overlap is not None else None,
@@ -174,19 +182,61 @@ def build_report(
     return report
 
 
+def _utilisation(
+    throughput: dict[str, float | None], peaks: dict[str, float | None]
+) -> dict[str, float | None]:
+    """Achieved throughput over the peaks (``None`` where either is unknown)."""
+    return {
+        "matrix": _ratio(throughput["matrix_tflops"], peaks.get("matrix_tflops")),
+        "attention": _ratio(throughput["attention_tflops"], peaks.get("matrix_tflops")),
+        "vector_bandwidth": _ratio(throughput["vector_gbps"], (peaks.get("mem_gbps") or 0) or None),
+        "vector_compute": _ratio(
+            None if throughput["vector_gelem_per_s"] is None else throughput["vector_gelem_per_s"] / 1e3,
+            peaks.get("vector_tflops"),
+        ),
+    }
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     if a is None or not b:
         return None
     return a / b
 
 
-def findings(report: dict[str, Any], work: WorkCount | None = None) -> list[dict[str, str]]:
+def findings(
+    report: dict[str, Any], work: WorkCount | None = None, uncertain: list[dict[str, str]] | None = None
+) -> list[dict[str, str]]:
     """Automated checks on a report, each with one sentence of advice.
 
     Checks: ``matrix_off_engine``, ``host_fallback``, ``low_precision_off``, ``changing_shapes``,
-    ``attention_dominating``, ``engine_imbalance``, ``host_bound``.
+    ``attention_dominating``, ``engine_imbalance``, ``ceiling_exceeded`` (utilisation above a measured ceiling:
+    the device profile is stale or was measured on a busy machine), ``host_bound``.
+
+    On a report combined over several windows (:func:`combine_windows`, which sets ``report["spread"]``), the
+    timing checks (``attention_dominating``, ``engine_imbalance``, ``host_bound``) fire only when the median clears
+    the threshold by more than the spread (max - min over the windows); those that clear it by less go to
+    ``uncertain`` (when a list is given) instead of being dropped unseen.
+
+    Args:
+        report: a report of :func:`build_report` or :func:`combine_windows`.
+        work: unused, kept for callers that pass the step's work count.
+        uncertain: list that receives the timing findings within the spread.
     """
     out: list[dict[str, str]] = []
+    spread = report.get("spread") or {}
+    windows = int(report.get("windows") or 1)
+
+    def timing(check: str, effect: float, spread_key: str, message: str, advice: str) -> None:
+        """Report a timing finding (its threshold is met) when its effect is larger than the spread."""
+        s = float(spread.get(spread_key) or 0.0)
+        if spread:
+            message += f" (median of {windows} windows, spread {s:.1%})"
+        if s > 0 and effect <= s:
+            if uncertain is not None:
+                uncertain.append(_f(check, message + "; the effect is within the spread", advice))
+            return
+        out.append(_f(check, message, advice))
+
     dev = report["device"]
     dtype = dev.get("matrix_dtype", "fp32")
     fr = report["fractions"]
@@ -258,13 +308,13 @@ def findings(report: dict[str, Any], work: WorkCount | None = None) -> list[dict
             if cross
             else f" at sequence length {seq} (no device peaks known for the analytic crossover)"
         )
-        out.append(
-            _f(
-                "attention_dominating",
-                f"attention takes {att:.0%} of the step{cross_txt}",
-                "Use fused attention (scaled_dot_product_attention / flash attention), shorter sequences, or a "
-                "linear-attention variant for long contexts.",
-            )
+        timing(
+            "attention_dominating",
+            att - ATTENTION_DOMINANT_FRAC,
+            "module_attention",
+            f"attention takes {att:.0%} of the step{cross_txt}",
+            "Use fused attention (scaled_dot_product_attention / flash attention), shorter sequences, or a "
+            "linear-attention variant for long contexts.",
         )
 
     matrix_side = fr["matrix"] + fr["attention_fused"]
@@ -283,31 +333,147 @@ def findings(report: dict[str, Any], work: WorkCount | None = None) -> list[dict
                 )
             )
     elif vector_side > matrix_side and vector_side > 0.2:
+        timing(
+            "engine_imbalance",
+            vector_side - matrix_side,
+            "imbalance",
+            f"vector and memory work ({vector_side:.0%}) outweigh matrix work ({matrix_side:.0%})",
+            "The step is vector-bound: fuse elementwise operators (torch.compile), use fused attention and "
+            "fused optimizers (foreach/fused AdamW).",
+        )
+
+    over = {
+        k: v
+        for source in ("utilisation", "utilisation_measured")
+        for k, v in (report.get(source) or {}).items()
+        if v is not None
+        and v > CEILING_EXCEEDED
+        and (source == "utilisation_measured" or _measured(report, k))
+    }
+    if over:
         out.append(
             _f(
-                "engine_imbalance",
-                f"vector and memory work ({vector_side:.0%}) outweigh matrix work ({matrix_side:.0%})",
-                "The step is vector-bound: fuse elementwise operators (torch.compile), use fused attention and "
-                "fused optimizers (foreach/fused AdamW).",
+                "ceiling_exceeded",
+                "the step beat the measured ceiling ("
+                + ", ".join(f"{k} {v:.0%}" for k, v in sorted(over.items()))
+                + "): the device profile was probably measured while the machine was busy",
+                "Measure again on a quiet machine with `lightning-sdp engine-bench` (it refreshes the cached "
+                "profile), or pass `peaks=`.",
             )
         )
 
     host = fr["host_other"]
     if host > HOST_BOUND_FRAC:
         where = "the device is idle" if dev.get("type") in ("cuda", "hpu") else "no operator is running"
-        out.append(
-            _f(
-                "host_bound",
-                f"{host:.0%} of the step {where} (framework, Python and data-loading time)",
-                "Raise the batch size, use DataLoader workers, and cut Python overhead (torch.compile, CUDA/HPU "
-                "graphs, fewer small operators).",
-            )
+        timing(
+            "host_bound",
+            host - HOST_BOUND_FRAC,
+            "host_other",
+            f"{host:.0%} of the step {where} (framework, Python and data-loading time)",
+            "Raise the batch size, use DataLoader workers, and cut Python overhead (torch.compile, CUDA/HPU "
+            "graphs, fewer small operators).",
         )
     return out
 
 
+def _measured(report: dict[str, Any], util_key: str) -> bool:
+    return (report.get("peak_sources") or {}).get(_UTIL_PEAK.get(util_key, "")) == "measured"
+
+
 def _f(check: str, message: str, advice: str) -> dict[str, str]:
     return {"check": check, "message": message, "advice": advice}
+
+
+def _median(values: list[float]) -> float:
+    import statistics
+
+    return float(statistics.median(values))
+
+
+def _median_or_none(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return _median(known) if known else None
+
+
+def combine_windows(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Combine the windows of one rank: median of every share and throughput, with the spread over windows.
+
+    One window is a sample, not the answer: the same run profiled twice can differ by several points. The result
+    has the keys of a window report (so :func:`summary_table`, :func:`metrics` and :func:`plot_reports` take it)
+    with medians in ``fractions``, ``categories_s``, ``step_time_s``, ``modules``, ``throughput`` and
+    ``utilisation``, plus ``windows`` (count), ``cycles``, ``fractions_range`` (``[min, max]`` per category) and
+    ``spread`` (max - min per category and for ``module_attention`` and ``imbalance`` = vector + memory minus
+    matrix + fused attention). Medians of the shares need not sum to exactly 1. Findings are recomputed on the
+    medians and keep only the timing effects larger than the spread (the others are listed in
+    ``findings_within_spread``). FLOP counts, peaks and the device come from the last window.
+
+    Args:
+        reports: window reports of one rank (:func:`build_report`), at least one.
+    """
+    import copy
+
+    if not reports:
+        raise ValueError("combine_windows needs at least one window report")
+    n = len(reports)
+    out = copy.deepcopy(reports[-1])
+    out["windows"] = n
+    out["cycles"] = [r["cycle"] for r in reports]
+    out["start_batches"] = [r["start_batch"] for r in reports]
+    out["steps_total"] = sum(r["steps"] for r in reports)
+    if n == 1:
+        out["spread"] = None
+        out["fractions_range"] = None
+        out["findings_within_spread"] = []
+        return out
+    fr = {c: [r["fractions"][c] for r in reports] for c in CATEGORIES}
+    out["fractions"] = {c: _median(v) for c, v in fr.items()}
+    out["fractions_range"] = {c: [min(v), max(v)] for c, v in fr.items()}
+    out["categories_s"] = {c: _median([r["categories_s"][c] for r in reports]) for c in CATEGORIES}
+    out["step_time_s"] = _median([r["step_time_s"] for r in reports])
+    imbalance = [
+        r["fractions"]["vector"]
+        + r["fractions"]["memory"]
+        - r["fractions"]["matrix"]
+        - r["fractions"]["attention_fused"]
+        for r in reports
+    ]
+    att = [(r.get("modules") or {}).get("attention", {}).get("frac", 0.0) for r in reports]
+    spread = {c: max(v) - min(v) for c, v in fr.items()}
+    spread["module_attention"] = max(att) - min(att)
+    spread["imbalance"] = max(imbalance) - min(imbalance)
+    out["spread"] = spread
+    groups = [g for g in out.get("modules", {})]
+    for r in reports:
+        groups += [g for g in r.get("modules", {}) if g not in groups]
+    out["modules"] = {
+        g: {
+            "time_s": _median([r["modules"].get(g, {}).get("time_s", 0.0) for r in reports]),
+            "frac": _median([r["modules"].get(g, {}).get("frac", 0.0) for r in reports]),
+            "frac_range": [
+                min(r["modules"].get(g, {}).get("frac", 0.0) for r in reports),
+                max(r["modules"].get(g, {}).get("frac", 0.0) for r in reports),
+            ],
+            "by_category_s": (out.get("modules", {}).get(g) or {}).get("by_category_s", {}),
+        }
+        for g in groups
+    }
+    for key in ("throughput", "utilisation", "utilisation_measured"):
+        if out.get(key) is not None:
+            out[key] = {k: _median_or_none([(r.get(key) or {}).get(k) for r in reports]) for k in out[key]}
+    if out.get("cuda"):
+        for k in ("tensor_core_frac", "host_busy_frac"):
+            out["cuda"][k] = _median_or_none([(r.get("cuda") or {}).get(k) for r in reports])
+    if out.get("hpu"):
+        sf = out["hpu"]["state_fractions"]
+        out["hpu"]["state_fractions"] = {
+            k: _median([(r.get("hpu") or {}).get("state_fractions", {}).get(k, 0.0) for r in reports])
+            for k in sf
+        }
+    out["batch_shapes"] = [s for r in reports for s in r.get("batch_shapes", [])]
+    uncertain: list[dict[str, str]] = []
+    out["findings"] = findings(out, uncertain=uncertain)
+    out["findings_within_spread"] = uncertain
+    return out
 
 
 def metrics(report: dict[str, Any]) -> dict[str, float]:
@@ -320,6 +486,9 @@ def metrics(report: dict[str, Any]) -> dict[str, float]:
     for k, v in report["utilisation"].items():
         if v is not None:
             m[f"engine/util_{k}"] = float(v)
+    for k, v in (report.get("utilisation_measured") or {}).items():
+        if v is not None:
+            m[f"engine/util_{k}_measured"] = float(v)
     for g, v in report["modules"].items():
         m[f"engine/module_{g}_frac"] = float(v["frac"])
     if report.get("cuda") and report["cuda"].get("tensor_core_frac") is not None:
@@ -331,33 +500,67 @@ def metrics(report: dict[str, Any]) -> dict[str, float]:
 
 
 def summary_table(report: dict[str, Any]) -> str:
-    """Human-readable summary of one report."""
+    """Human-readable summary of one window's report or of a :func:`combine_windows` report (median, spread)."""
     dev = report["device"]
     seq = report.get("model", {}).get("seq_len")
+    n = int(report.get("windows") or 1)
+    ranges = report.get("fractions_range")
+    if n > 1:
+        where = f"median of {n} windows (cycles {', '.join(str(c) for c in report['cycles'])})"
+    elif "windows" in report:
+        where = f"window {report['cycle']} (1 window: no spread; raise `repeat` or train longer for several)"
+    else:
+        where = f"window {report['cycle']}"
     lines = [
-        f"EngineProfiler: rank {report['rank']}/{report['world_size']}, window {report['cycle']}, "
-        f"{dev.get('type')} ({dev.get('name') or 'unknown'}, {dev.get('matrix_dtype')}), {report['steps']} steps, "
-        f"{report['step_time_s'] * 1e3:.2f} ms/step" + (f", seq {seq}" if seq else ""),
-        f"{'category':<16}{'ms/step':>10}{'share':>9}",
+        f"EngineProfiler: rank {report['rank']}/{report['world_size']}, {where}, "
+        f"{dev.get('type')} ({dev.get('name') or 'unknown'}, {dev.get('matrix_dtype')}), {report['steps']} steps"
+        f"{' per window' if n > 1 else ''}, {report['step_time_s'] * 1e3:.2f} ms/step"
+        + (f", seq {seq}" if seq else ""),
+        f"{'category':<16}{'ms/step':>10}{'share':>9}" + (f"{'min-max':>16}" if ranges else ""),
     ]
     for c in CATEGORIES:
-        lines.append(f"{c:<16}{report['categories_s'][c] * 1e3:>10.3f}{report['fractions'][c]:>9.1%}")
+        row = f"{c:<16}{report['categories_s'][c] * 1e3:>10.3f}{report['fractions'][c]:>9.1%}"
+        if ranges:
+            lo, hi = ranges[c]
+            row += f"{f'{lo:.1%}-{hi:.1%}':>16}"
+        lines.append(row)
     if report["modules"]:
         lines.append(f"{'module group':<16}{'ms/step':>10}{'share':>9}")
         for g, v in report["modules"].items():
             lines.append(f"{g:<16}{v['time_s'] * 1e3:>10.3f}{v['frac']:>9.1%}")
     tp = report["throughput"]
     ut = report["utilisation"]
+    um = report.get("utilisation_measured")
+    src = report.get("peak_sources") or {}
+
+    def util(key: str, peak_key: str) -> str:
+        main = _pct(ut[key])
+        label = src.get(peak_key) or ("datasheet" if ut[key] is not None else None)
+        txt = f"util {main}" + (f" of {label}" if label and ut[key] is not None else "")
+        if um is not None and label != "measured" and um.get(key) is not None:
+            txt += f", {_pct(um[key])} of measured"
+        return txt
+
     if report.get("flops"):
         fl = report["flops"]
         lines.append(
             f"matrix {fl['matrix_flops'] / 1e9:.3f} GFLOP/step at {_fmt(tp['matrix_tflops'], 'TFLOPS')}"
-            f" (util {_pct(ut['matrix'])}); fused attention {fl['attention_flops'] / 1e9:.3f} GFLOP/step at "
+            f" ({util('matrix', 'matrix_tflops')}); fused attention {fl['attention_flops'] / 1e9:.3f} GFLOP/step at "
             f"{_fmt(tp['attention_tflops'], 'TFLOPS')}; vector {_fmt(tp['vector_gbps'], 'GB/s')} "
-            f"(util {_pct(ut['vector_bandwidth'])})"
+            f"({util('vector_bandwidth', 'mem_gbps')}), {_fmt(tp['vector_gelem_per_s'], 'Gelem/s')} "
+            f"({util('vector_compute', 'vector_tflops')})"
         )
     else:
         lines.append("FLOPs not counted (needs warmup >= 1 and count_flops=True)")
+    pk = report.get("peaks") or {}
+    pm = report.get("peaks_measured")
+    kinds = sorted({v for v in src.values() if v})
+    lines.append(
+        "peaks: "
+        + describe_peaks(pk)
+        + (f" ({', '.join(kinds)})" if kinds else "")
+        + (f"; measured on this device: {describe_peaks(pm)}" if pm and kinds != ["measured"] else "")
+    )
     if report.get("cuda") and report["cuda"].get("tensor_core_frac") is not None:
         lines.append(f"tensor-core share of matrix-kernel time: {report['cuda']['tensor_core_frac']:.1%}")
     if report.get("hpu"):
@@ -368,6 +571,8 @@ def summary_table(report: dict[str, Any]) -> str:
         lines.append(f"analytic crossover n* ≈ {an['crossover_seq_len']:,.0f} tokens (k={an['softmax_k']:g})")
     for f in report["findings"]:
         lines.append(f"[{f['check']}] {f['message']}. {f['advice']}")
+    for f in report.get("findings_within_spread") or []:
+        lines.append(f"(not a finding: {f['check']}: {f['message']})")
     return "\n".join(lines)
 
 
@@ -376,11 +581,14 @@ def _fmt(v: float | None, unit: str) -> str:
 
 
 def _pct(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.1%}"
+    if v is None:
+        return "n/a"
+    return f"{v:.1%}" if v == 0 or abs(v) >= 0.001 else f"{v * 100:.2g}%"
 
 
 def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """Merge the last report of every rank: mean shares, slowest rank, per-rank step time and findings."""
+    """Merge one report per rank (each rank's :func:`combine_windows` report): mean shares, slowest rank, per-rank
+    step time and findings."""
     if not reports:
         raise ValueError("merge_reports needs at least one report")
     n = len(reports)
@@ -396,6 +604,7 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
         "slowest_rank": reports[slowest]["rank"],
         "matrix_tflops": {str(r["rank"]): r["throughput"]["matrix_tflops"] for r in reports},
         "findings": sorted({f["check"] for r in reports for f in r["findings"]}),
+        "windows": {str(r["rank"]): int(r.get("windows") or 1) for r in reports},
         "per_rank": reports,
     }
 
@@ -410,14 +619,30 @@ _COLORS = {
 }
 
 
-def plot_reports(reports: list[dict[str, Any]], path: str | Path, labels: list[str] | None = None) -> Path:
-    """Save a PNG: stacked category shares per report (left) and a roofline per engine (right)."""
+def plot_reports(
+    reports: list[dict[str, Any]],
+    path: str | Path,
+    labels: list[str] | None = None,
+    roofline: dict[str, Any] | None = None,
+) -> Path:
+    """Save a PNG: stacked category shares per report (left) and a roofline per engine (right).
+
+    Args:
+        reports: one bar each (windows of a rank, or one combined report per rank).
+        path: PNG file.
+        labels: bar labels; default ``rank R wC`` (``median`` for combined reports).
+        roofline: the report whose throughput the roofline shows; default the last of ``reports``.
+    """
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    labels = labels or [f"rank {r['rank']} w{r['cycle']}" for r in reports]
+    labels = labels or [
+        f"rank {r['rank']} "
+        + (f"median of {r['windows']}" if (r.get("windows") or 1) > 1 else f"w{r['cycle']}")
+        for r in reports
+    ]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     bottom = [0.0] * len(reports)
     xs = list(range(len(reports)))
@@ -432,7 +657,7 @@ def plot_reports(reports: list[dict[str, Any]], path: str | Path, labels: list[s
     ax1.set_title("where the step time goes")
 
     # Roofline: achieved throughput (GFLOP/s or Gelem/s) against arithmetic intensity (work per byte).
-    r0 = reports[-1]
+    r0 = roofline if roofline is not None else reports[-1]
     fl = r0.get("flops") or {}
     tp = r0["throughput"]
     pts = []

@@ -145,6 +145,7 @@ def sequence_length_sweep(
                 print_summary=False,
                 log_metrics=False,
                 peaks=peaks,
+                measure_peaks=peaks is None,  # calibrated peaks given: no second measurement
                 softmax_k=softmax_k,
             )
             trainer = Trainer(

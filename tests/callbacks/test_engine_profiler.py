@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -17,6 +17,21 @@ from lightning_sdp.profiling.categories import CATEGORIES
 
 V, T, B = 37, 16, 2
 N_LAYER, D, H = 1, 32, 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _device_profile_cache(tmp_path_factory):
+    """A private device-profile cache, filled once with a tiny measurement (keeps tests fast and $HOME clean)."""
+    import lightning_sdp.profiling.engine_bench as eb
+
+    cache = tmp_path_factory.mktemp("engine_peaks")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LIGHTNING_SDP_CACHE_DIR", str(cache))
+        mp.setitem(eb._GEMMS, ("cpu", True), ((64, 64, 64),))
+        mp.setitem(eb._VECTOR_SIZES, ("cpu", True), (1 << 12,))
+        mp.setitem(eb._MIN_TIME_S, True, 1e-4)
+        mp.setitem(eb._REPEATS, True, 1)
+        yield cache
 
 
 def _model(attention: str = "explicit") -> GPT:
@@ -310,3 +325,152 @@ def test_cuda_bf16_run_reports_tensor_cores(tmp_path):
     assert r["cuda"]["tensor_core_frac"] > 0.5
     assert r["utilisation"]["matrix"] is None or 0 < r["utilisation"]["matrix"] < 1.5
     assert sum(r["fractions"].values()) == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------------------------------------- issue 19 item 12
+
+
+class _CountingGPT(GPT):
+    steps = 0
+
+    def training_step(self, batch, batch_idx):
+        type(self).steps += 1
+        return super().training_step(batch, batch_idx)
+
+
+def test_unwritable_dirpath_fails_at_setup(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    cb = EngineProfiler(wait=0, warmup=1, active=1, dirpath=str(blocker / "ep"))
+    model = _CountingGPT(
+        vocab_size=V, n_layer=N_LAYER, n_head=H, n_embd=D, block_size=T, attention="explicit"
+    )
+    _CountingGPT.steps = 0
+    with pytest.raises(OSError, match="EngineProfiler: cannot write to dirpath .*a_file/ep.*Pass `dirpath=`"):
+        _trainer(tmp_path, cb, max_steps=4).fit(model, _loader())
+    assert _CountingGPT.steps == 0  # raised at setup, before any training
+
+
+def test_several_windows_by_default_with_median_and_spread(tmp_path, capsys):
+    import statistics
+
+    cb = EngineProfiler(
+        wait=0, warmup=1, active=1, dirpath=str(tmp_path), save_plot=False, measure_peaks=False
+    )
+    _trainer(tmp_path, cb, max_steps=8).fit(_model(), _loader())
+    # Four 2-batch cycles fit in 8 batches: four windows without being asked for them.
+    assert [r["start_batch"] for r in cb.reports] == [1, 3, 5, 7]
+    combined = cb.merged["per_rank"][0]
+    assert combined["windows"] == 4
+    for c in CATEGORIES:
+        shares = [r["fractions"][c] for r in cb.reports]
+        assert combined["fractions"][c] == pytest.approx(statistics.median(shares))
+        assert combined["spread"][c] == pytest.approx(max(shares) - min(shares))
+    assert "median of 4 windows" in capsys.readouterr().out
+
+
+def test_short_run_profiles_the_windows_it_holds(tmp_path, recwarn):
+    cb = EngineProfiler(
+        wait=0, warmup=1, active=1, dirpath=str(tmp_path), save_plot=False, measure_peaks=False
+    )
+    _trainer(tmp_path, cb, max_steps=3).fit(_model(), _loader())
+    assert len(cb.reports) == 1
+    assert not [w for w in recwarn if "ended inside" in str(w.message)]  # no partial second window
+
+
+class _TinyCNN(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.head = torch.nn.Linear(4 * 8 * 8, 5)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.head(self.conv(x).relu().flatten(1)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_sequence_length_only_for_sequence_inputs(tmp_path, capsys):
+    from lightning_sdp.callbacks.engine_profiler import _sequence_length
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 5, (16,), generator=g))
+    images = DataLoader(data, batch_size=4)
+    cb = EngineProfiler(
+        wait=0, warmup=1, active=1, dirpath=str(tmp_path), save_plot=False, measure_peaks=False
+    )
+    _trainer(tmp_path, cb, max_steps=2).fit(_TinyCNN(), images)
+    assert cb.reports[0]["model"]["seq_len"] is None
+    header = next(
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("EngineProfiler: rank")
+    )
+    assert "seq" not in header  # was "seq 3" (the channel count)
+    assert _sequence_length((torch.zeros(2, 7, dtype=torch.long), torch.zeros(2, 7, dtype=torch.long))) == 7
+    assert _sequence_length({"x": torch.randn(2, 9, 16)}) == 9  # (B, T, C) embeddings
+    assert _sequence_length((torch.randn(2, 3, 8, 8), torch.zeros(2, dtype=torch.long))) is None
+    assert _sequence_length((torch.randn(2, 3), torch.zeros(2, dtype=torch.long))) is None
+
+
+# ---------------------------------------------------------------------------------------------- issue 20 item 1
+
+
+def test_cpu_utilisation_from_measured_ceilings_and_cached_profile(tmp_path, monkeypatch, capsys):
+    cb = EngineProfiler(wait=0, warmup=1, active=1, dirpath=str(tmp_path / "a"), save_plot=True)
+    _trainer(tmp_path, cb, max_steps=2).fit(_model(), _loader())
+    r = cb.reports[0]
+    assert r["peak_sources"] == {
+        "matrix_tflops": "measured",
+        "vector_tflops": "measured",
+        "mem_gbps": "measured",
+    }
+    assert r["peaks"] == r["peaks_measured"]
+    for key in ("matrix", "vector_bandwidth", "vector_compute"):
+        assert r["utilisation"][key] > 0
+    assert r["device"]["profile"]["num_threads"] == torch.get_num_threads()
+    out = capsys.readouterr().out
+    assert "util n/a" not in out and "of measured" in out
+    assert (tmp_path / "a" / "engine_profile-roofline.png").stat().st_size > 0
+    # The second run reads the cached profile: measuring again would fail here.
+    import lightning_sdp.profiling.engine_bench as eb
+
+    monkeypatch.setattr(eb, "measure_engine_peaks", lambda *a, **k: pytest.fail("measured again"))
+    cb2 = EngineProfiler(wait=0, warmup=1, active=1, dirpath=str(tmp_path / "b"), save_plot=False)
+    _trainer(tmp_path, cb2, max_steps=2).fit(_model(), _loader())
+    assert cb2.reports[0]["peaks_measured"] == r["peaks_measured"]
+
+
+_KINETO_SCRIPT = """
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader, TensorDataset
+from lightning_sdp.callbacks import EngineProfiler
+from lightning_sdp.models.gpt import GPT
+
+x = torch.randint(0, 11, (8, 8))
+cb = EngineProfiler(wait=0, warmup=0, active=1, count_flops=False, measure_peaks=False, export_trace=False,
+                    save_plot=False, print_summary=False, dirpath={out!r})
+Trainer(max_steps=1, callbacks=[cb], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu").fit(
+    GPT(vocab_size=11, n_layer=1, n_head=2, n_embd=8, block_size=8), DataLoader(TensorDataset(x, x), batch_size=4))
+assert len(cb.reports) == 1
+"""
+
+
+def test_no_kineto_gpu_error_on_cpu_machines(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _KINETO_SCRIPT.format(out=str(tmp_path))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "gpuGetDeviceCount" not in proc.stderr

@@ -38,10 +38,14 @@ def _fit_two_ranks(rank: int, world_size: int, out: str) -> dict:
         "report_rank": cb.reports[0]["rank"],
         "comm_frac": cb.reports[0]["fractions"]["communication"],
         "merged_ranks": None if cb.merged is None else cb.merged["ranks"],
+        "matrix_util": cb.reports[0]["utilisation"]["matrix"],
     }
 
 
-def test_per_rank_files_and_merged_summary(tmp_path):
+def test_per_rank_files_and_merged_summary(tmp_path, monkeypatch):
+    monkeypatch.setenv(
+        "LIGHTNING_SDP_CACHE_DIR", str(tmp_path / "cache")
+    )  # measured ceilings: a private cache
     out = tmp_path / "ep"
     results = run_distributed(_fit_two_ranks, 2, str(out), init_group=False, timeout=240)
     assert [r["global_rank"] for r in results] == [0, 1]
@@ -50,6 +54,8 @@ def test_per_rank_files_and_merged_summary(tmp_path):
     assert all(r["comm_frac"] > 0 for r in results)
     assert results[0]["merged_ranks"] == [0, 1]
     assert results[1]["merged_ranks"] is None
+    # Each rank measured (or read from the cache) the CPU's ceilings: utilisation is reported, not n/a.
+    assert all(r["matrix_util"] > 0 for r in results)
     for rank in (0, 1):
         assert (out / f"engine_profile-rank{rank}.json").is_file()
         assert (out / f"engine_profile-rank{rank}-window0.pt.trace.json.gz").is_file()

@@ -202,7 +202,7 @@ def _four_process_run(rank: int, world: int, tmp: str) -> dict:
     trainer.save_checkpoint(f"{tmp}/gpt.ckpt")
     out["gpt_dtypes"] = (
         str(gpt.lm_head.weight.dtype),
-        str(strategy.optimizers[0].param_groups[0]["params"][0].dtype),
+        str(strategy.master_shards(strategy.optimizers[0])[0].dtype),
     )
     out["gpt_identical"] = _identical_on_all_ranks(_flat_params(gpt).float())
     out["gpt_tied"] = gpt.lm_head.weight is gpt.transformer.wte.weight

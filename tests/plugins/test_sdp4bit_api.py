@@ -128,7 +128,7 @@ def test_single_device_trains_and_warns(single_process_group):
     assert not torch.equal(before, model.net.weight)
     assert strategy.comm_stats.bytes_per_step == 0
     # the optimizer holds one flat fp32 shard per param group, padded to whole groups with zeros
-    shard = strategy.optimizers[0].param_groups[0]["params"][0]
+    shard = strategy.master_shards(strategy.optimizers[0])[0]
     assert shard.dtype == torch.float32 and shard.numel() == 2048
     assert torch.all(shard[10:] == 0)
     torch.testing.assert_close(shard[:8].detach().view(2, 4), model.net.weight.detach())
@@ -153,5 +153,5 @@ def test_bf16_mixed_single_device(single_process_group):
         warnings.simplefilter("ignore")
         _trainer(strategy, precision="bf16-mixed").fit(model)
     assert model.net.weight.dtype == torch.float32
-    master = strategy.optimizers[0].param_groups[0]["params"][0]
+    master = strategy.master_shards(strategy.optimizers[0])[0]
     torch.testing.assert_close(master[:8].detach().view(2, 4), model.net.weight.detach())

@@ -11,6 +11,7 @@ from lightning_sdp._lazy import lazy_exports
 
 _EXPORTS = {
     "SDP4BitStrategy": "lightning_sdp.plugins.sdp4bit.strategy",
+    "grad_norm": "lightning_sdp.plugins.sdp4bit.strategy",
     "CommStats": "lightning_sdp.plugins.sdp4bit.exchange",
     "Topology": "lightning_sdp.plugins.sdp4bit.topology",
 }

@@ -252,6 +252,59 @@ def _sent_fraction(k: int) -> float:
     return (k - 1) / k
 
 
+def first_level_bits(topo: Topology, fmt: GradientFormat) -> int:
+    """Bits of the codes each rank sends first (intra-node bits, or inter-node bits with one rank per node)."""
+    bits = fmt.intra_bits if topo.intra_size > 1 else fmt.inter_bits
+    if bits is None:
+        raise ValueError("first_level_bits needs a quantised gradient format.")
+    return bits
+
+
+def encode_gradients(
+    flat: Tensor,
+    topo: Topology,
+    fmt: GradientFormat,
+    group_size: int,
+    rounding: Rounding,
+    rng: RoundingRNG,
+    ops: TorchOps,
+) -> tuple[Tensor, Tensor]:
+    """The local first step of :func:`reduce_scatter_gradients`: (Hadamard) quantise the whole buffer.
+
+    Its scales (``absmax / qmax`` of each group of the values actually quantised) tell whether the exchange can
+    overflow, before anything is sent. Pass the result to :func:`reduce_scatter_gradients` as ``encoded``.
+
+    Args:
+        flat: fp32 buffer of ``world_size * S`` values (already divided by the world size).
+        topo: process topology.
+        fmt: a quantised gradient format.
+        group_size: quantisation group.
+        rounding: ``"stochastic"`` or ``"nearest"``.
+        rng: per-step rounding randomness.
+        ops: torch or Triton kernels.
+
+    Returns:
+        ``(payload, scales)`` of the first level.
+    """
+    s = flat.numel() // topo.world_size
+    if flat.numel() % topo.world_size or s % group_size or (fmt.hadamard and s % fmt.hadamard):
+        raise ValueError(
+            f"The gradient buffer ({flat.numel()} values) is not a whole number of shards of whole groups of "
+            f"{group_size} for {topo.world_size} ranks; pad the buffer."
+        )
+    return ops.encode(flat, first_level_bits(topo, fmt), group_size, rounding, rng, hadamard=fmt.hadamard)
+
+
+def max_safe_scale(bits: int, world_size: int, hadamard: int | None) -> float:
+    """Largest first-level scale for which the exchange cannot overflow fp32.
+
+    A decoded value is at most ``qmax * scale`` (the group's absmax); the sums of the exchange add one such value
+    per rank, and the inverse Hadamard transform adds up to ``hadamard`` of them before dividing. A factor 2 covers
+    rounding. Gradients this large (about ``1e36 / world_size`` after the transform) are a diverged run.
+    """
+    return torch.finfo(torch.float32).max / (2.0 * world_size * ref.qmax(bits) * (hadamard or 1))
+
+
 def reduce_scatter_gradients(
     flat: Tensor,
     topo: Topology,
@@ -261,6 +314,7 @@ def reduce_scatter_gradients(
     rng: RoundingRNG,
     ops: TorchOps,
     stats: CommStats | None = None,
+    encoded: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Sum ``flat`` over all ranks and return this rank's shard (``flat`` should already be divided by W).
 
@@ -273,6 +327,7 @@ def reduce_scatter_gradients(
         rng: per-step rounding randomness.
         ops: torch or Triton kernels.
         stats: accounting, updated in place.
+        encoded: the result of :func:`encode_gradients` on ``flat`` when the caller already computed it.
 
     Returns:
         The reduced shard ``[rank * S, (rank + 1) * S)`` as a new fp32 tensor.
@@ -289,9 +344,11 @@ def reduce_scatter_gradients(
         raise ValueError(
             f"The shard size {s} is not a whole number of groups of {group_size}; pad the buffer."
         )
-    first_bits = fmt.intra_bits if n_intra > 1 else fmt.inter_bits
-    assert first_bits is not None and fmt.inter_bits is not None
-    payload, scales = ops.encode(flat, first_bits, group_size, rounding, rng, hadamard=fmt.hadamard)
+    first_bits = first_level_bits(topo, fmt)
+    assert fmt.inter_bits is not None
+    if encoded is None:
+        encoded = encode_gradients(flat, topo, fmt, group_size, rounding, rng, ops)
+    payload, scales = encoded
     bytes_per_shard = ref.payload_bytes(s, first_bits)
     groups_per_shard = s // group_size
     bits = first_bits

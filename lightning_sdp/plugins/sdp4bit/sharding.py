@@ -19,27 +19,57 @@ from torch.optim import Optimizer
 
 from lightning_sdp.plugins.sdp4bit.exchange import _all_gather_single, padded_shard_size
 
-# Optimizers whose update is element-wise, so that stepping a shard equals stepping the whole tensor.
+# Optimizers whose update is element-wise, so that stepping a shard equals stepping the whole tensor. Subclasses of
+# these (``class MyAdamW(AdamW)``) are accepted too: they inherit the element-wise update.
 SUPPORTED_OPTIMIZERS = (
     "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD", "Rprop",
 )  # fmt: skip
 
+# Optimizers that can never run on a flat shard, and why.
+UNSHARDABLE_OPTIMIZERS = {
+    "LBFGS": "it re-evaluates the closure several times per step and runs a line search on whole tensors",
+    "SparseAdam": "it needs sparse gradients, and a shard gradient is a dense flat buffer",
+    "Adafactor": "it factors the second moment over the rows and columns of each weight matrix, which a flat "
+    "shard does not have",
+}
 
-def check_optimizer(optimizer: Optimizer) -> None:
+
+def _torch_class(name: str) -> type | None:
+    cls = getattr(torch.optim, name, None)
+    return cls if isinstance(cls, type) else None
+
+
+def check_optimizer(optimizer: Optimizer, allow_any: bool = False) -> None:
     """Raise a clear error for optimizers that cannot run on a flat shard.
 
     Args:
         optimizer: the user's optimizer (unwrapped).
+        allow_any: accept optimizers that are not (subclasses of) the element-wise ``torch.optim`` ones; the user
+            asserts that their update is element-wise. Optimizers in :data:`UNSHARDABLE_OPTIMIZERS` stay refused.
     """
-    name = type(optimizer).__name__
-    if type(optimizer).__module__.startswith("torch.optim") and name in SUPPORTED_OPTIMIZERS:
+    cls = type(optimizer)
+    for name, why in UNSHARDABLE_OPTIMIZERS.items():
+        base = _torch_class(name)
+        if base is not None and isinstance(optimizer, base):
+            raise ValueError(
+                f"SDP4BitStrategy cannot shard the optimizer {cls.__module__}.{cls.__qualname__}: {why}. Sharded "
+                "data parallelism steps a flat 1-D slice of the parameters, which is only equivalent for element-wise "
+                f"optimizers (torch.optim.{', torch.optim.'.join(SUPPORTED_OPTIMIZERS)} and their subclasses). Use "
+                "one of those or the 'ddp' strategy."
+            )
+    for name in SUPPORTED_OPTIMIZERS:
+        base = _torch_class(name)
+        if base is not None and isinstance(optimizer, base):
+            return
+    if allow_any:
         return
     raise ValueError(
-        f"SDP4BitStrategy cannot shard the optimizer {type(optimizer).__module__}.{name}: sharded data parallelism "
+        f"SDP4BitStrategy cannot shard the optimizer {cls.__module__}.{cls.__qualname__}: sharded data parallelism "
         "steps a flat 1-D slice of the parameters, which is only equivalent for element-wise optimizers "
-        f"(torch.optim.{', torch.optim.'.join(SUPPORTED_OPTIMIZERS)}). Optimizers that look at whole tensors, "
-        "re-evaluate the closure or use sparse gradients (LBFGS, Adafactor, SparseAdam, Shampoo, Muon, ...) are "
-        "not supported; use one of the above or the 'ddp' strategy."
+        f"(torch.optim.{', torch.optim.'.join(SUPPORTED_OPTIMIZERS)} and their subclasses). Optimizers that look at "
+        "whole tensors, re-evaluate the closure or use sparse gradients (LBFGS, Adafactor, SparseAdam, Shampoo, "
+        "Muon, ...) are not supported; use one of the above or the 'ddp' strategy. If this optimizer's update is "
+        "element-wise (e.g. Lion), pass `SDP4BitStrategy(allow_any_optimizer=True)`."
     )
 
 
@@ -52,10 +82,18 @@ class FlatBucket:
         world_size: data-parallel world size.
         rank: this rank.
         alignment: ``S`` is a multiple of this (lcm of the group sizes and the Hadamard size).
+        param_alignment: every parameter starts at a multiple of this in the flat buffer (the Hadamard block size
+            when gradients are Hadamard-transformed, so that no block mixes two parameters; 1 otherwise).
     """
 
     def __init__(
-        self, params: list[Tensor], names: list[str], world_size: int, rank: int, alignment: int
+        self,
+        params: list[Tensor],
+        names: list[str],
+        world_size: int,
+        rank: int,
+        alignment: int,
+        param_alignment: int = 1,
     ) -> None:
         if not params:
             raise ValueError("An optimizer param group has no parameters.")
@@ -69,10 +107,15 @@ class FlatBucket:
         self.params = params
         self.names = names
         self.numels = [p.numel() for p in params]
-        self.offsets = [0]
+        # offsets[i] is where parameter i starts; offsets[-1] is the end of the last one
+        self.offsets = []
+        end = 0
         for n in self.numels:
-            self.offsets.append(self.offsets[-1] + n)
-        self.numel = self.offsets[-1]
+            start = -(-end // param_alignment) * param_alignment
+            self.offsets.append(start)
+            end = start + n
+        self.offsets.append(end)
+        self.numel = end
         self.world_size = world_size
         self.rank = rank
         self.shard_size = padded_shard_size(self.numel, world_size, alignment)
@@ -109,6 +152,28 @@ class FlatBucket:
             if p.grad is not None:
                 view.copy_(p.grad)
         return self.grad_flat
+
+    def has_grad_flags(self) -> Tensor:
+        """One value per parameter: 1.0 where this rank holds a gradient, 0.0 where it is ``None``."""
+        return torch.tensor([float(p.grad is not None) for p in self.params], dtype=torch.float32)
+
+    def shard_ranges(self, indices: list[int]) -> list[tuple[int, int]]:
+        """Where parameters ``indices`` lie in this rank's shard, as ``[a, b)`` ranges of shard positions."""
+        out = []
+        for i in indices:
+            a = max(self.offsets[i], self.lo)
+            b = min(self.offsets[i] + self.numels[i], self.lo + self.shard_size)
+            if a < b:
+                out.append((a - self.lo, b - self.lo))
+        return out
+
+    def names_in(self, start: int, stop: int) -> list[str]:
+        """Names of the parameters that overlap ``[start, stop)`` of the flat buffer."""
+        return [
+            name
+            for name, a, n in zip(self.names, self.offsets[:-1], self.numels, strict=True)
+            if a < stop and a + n > start
+        ]
 
     def non_finite_names(self) -> list[str]:
         """Names of the parameters whose gradient holds NaN or Inf."""
@@ -147,10 +212,46 @@ class FlatBucket:
         return full[self.lo : self.lo + self.shard_size].clone()
 
 
+def shard_group(
+    group: dict[str, Any],
+    names: dict[int, str],
+    world_size: int,
+    rank: int,
+    alignment: int,
+    param_alignment: int = 1,
+) -> FlatBucket:
+    """Build the :class:`FlatBucket` of one param group (its ``"params"`` are left as they are).
+
+    Args:
+        group: an optimizer param group holding model parameters.
+        names: ``id(param) -> name`` for error messages.
+        world_size: data-parallel world size.
+        rank: this rank.
+        alignment: shard sizes are multiples of this.
+        param_alignment: parameter starts are multiples of this.
+    """
+    params = list(group["params"])
+    bucket = FlatBucket(
+        params, [names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in params], world_size, rank, alignment,
+        param_alignment,
+    )  # fmt: skip
+    bucket.master.requires_grad_(True)
+    return bucket
+
+
 def shard_optimizer(
-    optimizer: Optimizer, names: dict[int, str], world_size: int, rank: int, alignment: int
+    optimizer: Optimizer,
+    names: dict[int, str],
+    world_size: int,
+    rank: int,
+    alignment: int,
+    param_alignment: int = 1,
+    allow_any: bool = False,
 ) -> list[FlatBucket]:
-    """Replace every param group's parameters by one flat fp32 master shard (in place). Returns the buckets.
+    """Build one flat bucket per param group of an optimizer that holds no state yet. Returns the buckets.
+
+    The param groups keep the model parameters; :func:`use_shards` swaps the fp32 master shards in while the
+    optimizer steps (or its state is read or written).
 
     Args:
         optimizer: the user's optimizer, still holding the model parameters and no state.
@@ -158,23 +259,45 @@ def shard_optimizer(
         world_size: data-parallel world size.
         rank: this rank.
         alignment: shard sizes are multiples of this.
+        param_alignment: parameter starts are multiples of this.
+        allow_any: see :func:`check_optimizer`.
     """
-    check_optimizer(optimizer)
+    check_optimizer(optimizer, allow_any)
     if any(len(s) for s in optimizer.state.values()):
         raise ValueError(
             "SDP4BitStrategy must shard the optimizer before its first step, but it already holds state. Create "
             "the optimizer in `configure_optimizers` and load optimizer state through `ckpt_path=`."
         )
-    buckets = []
-    for group in optimizer.param_groups:
-        params = [p for p in group["params"]]
-        bucket = FlatBucket(params, [names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in params], world_size,
-                            rank, alignment)  # fmt: skip
-        bucket.master.requires_grad_(True)
-        group["params"] = [bucket.master]
-        buckets.append(bucket)
+    buckets = [
+        shard_group(group, names, world_size, rank, alignment, param_alignment) for group in optimizer.param_groups
+    ]
     optimizer.state.clear()
     return buckets
+
+
+class use_shards:  # noqa: N801 - used like a function: ``with use_shards(optimizer, buckets): ...``
+    """Context manager: the optimizer's param groups hold the fp32 master shards inside, the model parameters outside.
+
+    Outside, ``optimizer.param_groups`` looks as in plain Lightning (callbacks such as ``BackboneFinetuning`` and
+    ``toggle_optimizer`` see the model parameters); inside, the user's optimizer steps the shards.
+
+    Args:
+        optimizer: the sharded optimizer.
+        buckets: its buckets, one per param group.
+    """
+
+    def __init__(self, optimizer: Optimizer, buckets: list[FlatBucket]) -> None:
+        self.optimizer = optimizer
+        self.buckets = buckets
+
+    def __enter__(self) -> Optimizer:
+        for group, bucket in zip(self.optimizer.param_groups, self.buckets, strict=True):
+            group["params"] = [bucket.master]
+        return self.optimizer
+
+    def __exit__(self, *exc: Any) -> None:
+        for group, bucket in zip(self.optimizer.param_groups, self.buckets, strict=True):
+            group["params"] = list(bucket.params)
 
 
 def consolidate_state(

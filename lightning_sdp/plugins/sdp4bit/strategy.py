@@ -40,7 +40,10 @@ from lightning_sdp.plugins.sdp4bit.exchange import (
     TritonOps,
     WeightCompression,
     all_gather_weights,
+    encode_gradients,
+    first_level_bits,
     gradient_format,
+    max_safe_scale,
     reduce_scatter_gradients,
 )
 from lightning_sdp.plugins.sdp4bit.sharding import (
@@ -48,13 +51,19 @@ from lightning_sdp.plugins.sdp4bit.sharding import (
     all_reduce_sum,
     consolidate_state,
     load_consolidated_state,
+    shard_group,
     shard_optimizer,
+    use_shards,
 )
 from lightning_sdp.plugins.sdp4bit.topology import Topology, build_topology
 
 log = logging.getLogger(__name__)
 
 _SUPPORTED_PRECISION = ("32-true", "32", "bf16-mixed", "bf16-true")
+_MAX_GROUP_SIZE = 2**16
+_MAX_HADAMARD_SIZE = 1024
+# Value of a fresh optimizer state entry where it is not zero (Rprop starts every step size at the learning rate).
+_FRESH_STATE_FROM_GROUP = {"step_size": "lr"}
 
 
 def _lcm(*values: int) -> int:
@@ -96,6 +105,8 @@ class SDP4BitStrategy(DDPStrategy):
         kernel_backend: ``"auto"`` (Triton on CUDA when installed, else torch), ``"torch"`` or ``"triton"``.
         track_drift: log ``sdp4bit/weight_drift`` = ``||w_master - w_model|| / ||w_master||`` every step (one small
             all-reduce).
+        allow_any_optimizer: accept optimizers that are not (subclasses of) the element-wise ``torch.optim`` ones;
+            you assert that their update is element-wise (e.g. Lion). LBFGS, SparseAdam and Adafactor stay refused.
         accelerator: see :class:`~lightning.pytorch.strategies.DDPStrategy`.
         parallel_devices: see ``DDPStrategy``.
         cluster_environment: see ``DDPStrategy``.
@@ -124,6 +135,7 @@ class SDP4BitStrategy(DDPStrategy):
         seed: int = 0,
         kernel_backend: Literal["auto", "torch", "triton"] = "auto",
         track_drift: bool = True,
+        allow_any_optimizer: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -143,6 +155,13 @@ class SDP4BitStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
+        _check_ints(
+            weight_bits=weight_bits, weight_group_size=weight_group_size, gradient_intra_bits=gradient_intra_bits,
+            gradient_inter_bits=gradient_inter_bits, gradient_group_size=gradient_group_size,
+            hadamard_size=hadamard_size, seed=seed,
+        )  # fmt: skip
+        if intra_node_size is not None:
+            _check_ints(intra_node_size=intra_node_size)
         if weight_compression not in WEIGHT_MODES:
             raise ValueError(f"weight_compression must be one of {WEIGHT_MODES}, got {weight_compression!r}.")
         if gradient_compression not in GRADIENT_MODES:
@@ -161,8 +180,19 @@ class SDP4BitStrategy(DDPStrategy):
                 raise ValueError(
                     f"{name} must be a positive even number (two 4-bit codes per byte), got {size}."
                 )
+            if size > _MAX_GROUP_SIZE:
+                raise ValueError(
+                    f"{name} must be at most {_MAX_GROUP_SIZE}, got {size}: every param group is padded to a whole "
+                    "number of groups per rank, so a huge group pads a small model to gigabytes, and one fp32 "
+                    "scale per huge group quantises coarsely. The paper uses 2048 (weights) and 128 (gradients)."
+                )
         if hadamard_size < 1 or hadamard_size & (hadamard_size - 1):
             raise ValueError(f"hadamard_size must be a power of two, got {hadamard_size}.")
+        if hadamard_size > _MAX_HADAMARD_SIZE:
+            raise ValueError(
+                f"hadamard_size must be at most {_MAX_HADAMARD_SIZE}, got {hadamard_size} (the transform builds a "
+                "dense n x n matrix; the paper uses 32)."
+            )
         if gradient_compression == "tlq_hs" and gradient_group_size % hadamard_size:
             raise ValueError(
                 f"gradient_group_size ({gradient_group_size}) must be a multiple of hadamard_size ({hadamard_size}) "
@@ -188,6 +218,7 @@ class SDP4BitStrategy(DDPStrategy):
         self.seed = seed
         self.kernel_backend = kernel_backend
         self.track_drift = track_drift
+        self.allow_any_optimizer = allow_any_optimizer
         self.gradient_format = gradient_format(
             gradient_compression, gradient_intra_bits, gradient_inter_bits, hadamard_size
         )
@@ -200,6 +231,14 @@ class SDP4BitStrategy(DDPStrategy):
         self._ops: TorchOps = TorchOps()
         self._rng: RoundingRNG | None = None
         self._skip_current = False
+        # Hadamard blocks never straddle two parameters (a zero gradient stays exactly zero); off only to measure.
+        self._align_hadamard_blocks = True
+        # Per optimizer step: whether the shard gradients exist yet, clipping requested before that (manual
+        # optimization), the shard ranges of parameters without a gradient on any rank, and what to restore there.
+        self._exchanged = False
+        self._pending_clip: dict[int, tuple[str, float]] = {}
+        self._absent: dict[int, list[int]] = {}
+        self._restore: list[tuple[int, FlatBucket, list[tuple[int, int]], Tensor, dict[str, Tensor | None]]] = []
 
     # ------------------------------------------------------------------------------------------------ set-up
 
@@ -225,6 +264,13 @@ class SDP4BitStrategy(DDPStrategy):
         if local and local.isdigit() and world % int(local) == 0:
             return int(local)
         return world
+
+    @property
+    def param_alignment(self) -> int:
+        """Every parameter starts at a multiple of this in the flat buffer (the Hadamard block, when one is used)."""
+        if self.gradient_format.hadamard and self.world_size > 1 and self._align_hadamard_blocks:
+            return self.gradient_format.hadamard
+        return 1
 
     @override
     def configure_ddp(self) -> None:
@@ -261,15 +307,62 @@ class SDP4BitStrategy(DDPStrategy):
         self._ops = self._select_ops()
         self._rng = RoundingRNG(self.seed, self.global_rank, self.root_device)
         assert self.lightning_module is not None
-        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        if not any(p.requires_grad for p in self.lightning_module.parameters()):
+            raise ValueError(
+                "SDP4BitStrategy has nothing to train: no parameter of the LightningModule requires a gradient. "
+                "Unfreeze at least one parameter before `fit` (or use `trainer.validate`/`test`/`predict` to run a "
+                "frozen model)."
+            )
+        names = self._param_names()
         self._buckets = {}
         for opt in self.optimizers:
             raw = opt._optimizer if isinstance(opt, LightningOptimizer) else opt
             self._buckets[id(raw)] = shard_optimizer(
-                raw, names, self.world_size, self.global_rank, self.alignment
-            )
-        # Global-norm clipping across shards (Lightning clips through the precision plugin).
+                raw, names, self.world_size, self.global_rank, self.alignment, self.param_alignment,
+                self.allow_any_optimizer,
+            )  # fmt: skip
+            self._warn_padding(self._buckets[id(raw)])
+        # Global-norm and value clipping on the shards (Lightning clips through the precision plugin).
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        self.precision_plugin.clip_grad_by_value = self._clip_grad_by_value  # type: ignore[method-assign]
+
+    def _param_names(self) -> dict[int, str]:
+        assert self.lightning_module is not None
+        return {id(p): n for n, p in self.lightning_module.named_parameters()}
+
+    def _warn_padding(self, buckets: list[FlatBucket]) -> None:
+        numel = sum(sum(b.numels) for b in buckets)
+        padded = sum(b.padded for b in buckets)
+        if padded - numel > max(numel, 2**20):
+            rank_zero_warn(
+                f"SDP4BitStrategy pads {numel:,} parameter values to {padded:,} ({len(buckets)} param groups, "
+                f"{self.world_size} ranks, shards a multiple of {self.alignment}): most of what is communicated is "
+                "padding. Lower `weight_group_size`/`gradient_group_size` or merge small param groups."
+            )
+
+    def _sync_groups(self, raw: Optimizer, buckets: list[FlatBucket]) -> None:
+        """Shard param groups added since set-up (``add_param_group``, e.g. by ``BackboneFinetuning``)."""
+        groups = raw.param_groups
+        if len(groups) < len(buckets):
+            raise ValueError(
+                f"The optimizer had {len(buckets)} param groups when SDP4BitStrategy sharded it and now has "
+                f"{len(groups)}: removing param groups during training is not supported (adding them is)."
+            )
+        for i, (group, bucket) in enumerate(zip(groups, buckets)):
+            params = group["params"]
+            if len(params) != len(bucket.params) or any(p is not q for p, q in zip(params, bucket.params)):
+                raise ValueError(
+                    f"The parameters of optimizer param group {i} changed after SDP4BitStrategy sharded it: editing "
+                    "a group's 'params' during training is not supported. Add new parameters with "
+                    "`optimizer.add_param_group(...)` instead."
+                )
+        if len(groups) == len(buckets):
+            return
+        names = self._param_names()
+        for group in groups[len(buckets) :]:
+            buckets.append(
+                shard_group(group, names, self.world_size, self.global_rank, self.alignment, self.param_alignment)
+            )
 
     def _select_ops(self) -> TorchOps:
         from lightning_sdp._imports import _TRITON_AVAILABLE
@@ -312,19 +405,34 @@ class SDP4BitStrategy(DDPStrategy):
         if buckets is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         assert self._rng is not None
+        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        self._sync_groups(raw, buckets)
         self._rng.reset(self._step)
         self.comm_stats.new_step()
         self._skip_current = False
+        self._absent = {}
+        self._restore = []
 
         def closure_with_exchange() -> Any:
             result = closure()
             self._exchange_gradients(buckets)
+            self._exchanged = True
+            self._apply_pending_clip(raw)
+            self._snapshot_absent(raw, buckets)
             return result
 
         model = model or self.lightning_module
-        output = self.precision_plugin.optimizer_step(
-            optimizer, model=model, closure=closure_with_exchange, **kwargs
-        )
+        try:
+            with use_shards(raw, buckets):
+                output = self.precision_plugin.optimizer_step(
+                    optimizer, model=model, closure=closure_with_exchange, **kwargs
+                )
+                self._restore_absent(raw)
+        finally:
+            self._exchanged = False
+            self._pending_clip.pop(id(raw), None)
+            for bucket in buckets:
+                bucket.master.grad = None
         if not self._skip_current:
             self._exchange_weights(buckets)
         self._step += 1
@@ -332,22 +440,92 @@ class SDP4BitStrategy(DDPStrategy):
         return output
 
     def _exchange_gradients(self, buckets: list[FlatBucket]) -> None:
+        """Agree on NaN/overflow and on which parameters have a gradient (one all-reduce), then reduce-scatter."""
         assert self.topology is not None and self._rng is not None
-        flats = [b.gather_grads() for b in buckets]
+        world = self.world_size
+        flats = [b.gather_grads().div_(world) for b in buckets]
         bad_local = [name for b in buckets for name in b.non_finite_names()]
-        flag = all_reduce_sum(torch.tensor([float(len(bad_local))], device=self.root_device))
-        if flag.item() > 0:
+        encoded: list[tuple[Tensor, Tensor] | None] = [None] * len(buckets)
+        fmt = self.gradient_format
+        if fmt.quantized and world > 1 and not bad_local:
+            # guard what is quantised (after the Hadamard transform): values whose sums would overflow fp32
+            limit = max_safe_scale(first_level_bits(self.topology, fmt), world, fmt.hadamard)
+            for i, (bucket, flat) in enumerate(zip(buckets, flats, strict=True)):
+                encoded[i] = encode_gradients(
+                    flat, self.topology, fmt, self.gradient_group_size, self.rounding, self._rng, self._ops
+                )
+                bad_local += self._overflow_names(bucket, encoded[i][1], limit)
+        has_grad = torch.cat([b.has_grad_flags() for b in buckets])
+        agreed = all_reduce_sum(torch.cat([torch.tensor([float(len(bad_local))]), has_grad]).to(self.root_device))
+        if agreed[0].item() > 0:
             self._handle_nonfinite(buckets, bad_local)
             return
-        world = self.world_size
-        for bucket, flat in zip(buckets, flats, strict=True):
-            flat.div_(world)
-            shard = reduce_scatter_gradients(
-                flat, self.topology, self.gradient_format, self.gradient_group_size, self.rounding, self._rng,
-                self._ops, self.comm_stats,
-            )  # fmt: skip
-            bucket.master.grad = shard
+        counts = agreed[1:].cpu().split([len(b.params) for b in buckets])
+        for bucket, flat, enc, count in zip(buckets, flats, encoded, counts, strict=True):
             bucket.zero_model_grads()
+            absent = [i for i, c in enumerate(count.tolist()) if c == 0]
+            if len(absent) == len(bucket.params):
+                # no gradient on any rank: no shard gradient, so the optimizer leaves the group alone (as torch)
+                bucket.master.grad = None
+                continue
+            shard = reduce_scatter_gradients(
+                flat, self.topology, fmt, self.gradient_group_size, self.rounding, self._rng, self._ops,
+                self.comm_stats, encoded=enc,
+            )  # fmt: skip
+            if absent:
+                self._absent[id(bucket)] = absent
+                for a, b in bucket.shard_ranges(absent):
+                    shard[a:b].zero_()
+            bucket.master.grad = shard
+
+    def _overflow_names(self, bucket: FlatBucket, scales: Tensor, limit: float) -> list[str]:
+        bad = ~(torch.isfinite(scales) & (scales <= limit))
+        if not bool(bad.any()):
+            return []
+        qmax = 2 ** (first_level_bits(self.topology, self.gradient_format) - 1) - 1  # type: ignore[arg-type]
+        what = "after the Hadamard transform" if self.gradient_format.hadamard else "as quantised"
+        out: list[str] = []
+        g = self.gradient_group_size
+        for idx in bad.nonzero().flatten().tolist():
+            for name in bucket.names_in(idx * g, (idx + 1) * g):
+                label = f"{name} (|value| up to {float(scales[idx]) * qmax:.3g} {what}, too large to quantise)"
+                if label.split(" (")[0] not in [o.split(" (")[0] for o in out]:
+                    out.append(label)
+        return out
+
+    def _snapshot_absent(self, raw: Optimizer, buckets: list[FlatBucket]) -> None:
+        """Save the master values and optimizer state of parameters without a gradient anywhere (restored after)."""
+        for index, bucket in enumerate(buckets):
+            absent = self._absent.get(id(bucket))
+            if not absent or bucket.master.grad is None:
+                continue
+            ranges = bucket.shard_ranges(absent)
+            if not ranges:
+                continue
+            idx = torch.cat([torch.arange(a, b, device=bucket.master.device) for a, b in ranges])
+            state = raw.state.get(bucket.master, {})
+            saved: dict[str, Tensor | None] = {
+                k: v[idx].clone() for k, v in state.items() if _is_shard_state(v, bucket)
+            }
+            if not state:
+                saved = {"": None}  # the state does not exist yet: reset to fresh values after the step
+            self._restore.append((index, bucket, ranges, bucket.master.detach()[idx].clone(), saved))
+
+    @torch.no_grad()
+    def _restore_absent(self, raw: Optimizer) -> None:
+        for index, bucket, ranges, master, saved in self._restore:
+            idx = torch.cat([torch.arange(a, b, device=bucket.master.device) for a, b in ranges])
+            bucket.master.index_copy_(0, idx, master)
+            state = raw.state.get(bucket.master, {})
+            for k, v in state.items():
+                if not _is_shard_state(v, bucket):
+                    continue
+                if k in saved and saved[k] is not None:
+                    v.index_copy_(0, idx, saved[k])
+                elif "" in saved:
+                    fresh = _FRESH_STATE_FROM_GROUP.get(k)
+                    v.index_fill_(0, idx, float(raw.param_groups[index][fresh]) if fresh else 0.0)
+        self._restore = []
 
     def _handle_nonfinite(self, buckets: list[FlatBucket], bad_local: list[str]) -> None:
         names: list[Any] = [bad_local]
@@ -390,10 +568,17 @@ class SDP4BitStrategy(DDPStrategy):
             self.weight_drift = float(sq[0].sqrt() / sq[1].sqrt().clamp_min(1e-30))
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        """``clip_grad_norm_`` over the whole model: the norm of all shards, all-reduced across ranks."""
+        """``clip_grad_norm_`` over the whole model: the norm of all shards, all-reduced across ranks.
+
+        Called before the gradient exchange (``self.clip_gradients`` in manual optimization), it is applied to the
+        reduced gradients as soon as they exist, inside ``optimizer.step()``.
+        """
         buckets = self._buckets_of(optimizer)
         if buckets is None:
             Precision.clip_grad_by_norm(self.precision_plugin, optimizer, clip_val)
+            return
+        if not self._exchanged:
+            self._pending_clip[id(_unwrap(optimizer))] = ("norm", float(clip_val))
             return
         grads = [b.master.grad for b in buckets if b.master.grad is not None]
         sq = torch.zeros(1, dtype=torch.float32, device=self.root_device)
@@ -403,6 +588,75 @@ class SDP4BitStrategy(DDPStrategy):
         coef = torch.clamp(float(clip_val) / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef)
+
+    def _clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        """``clip_grad_value_`` on the reduced shard gradients (deferred like :meth:`_clip_grad_by_global_norm`)."""
+        buckets = self._buckets_of(optimizer)
+        if buckets is None:
+            Precision.clip_grad_by_value(self.precision_plugin, optimizer, clip_val)
+            return
+        if not self._exchanged:
+            self._pending_clip[id(_unwrap(optimizer))] = ("value", float(clip_val))
+            return
+        for b in buckets:
+            if b.master.grad is not None:
+                b.master.grad.clamp_(-float(clip_val), float(clip_val))
+
+    def _apply_pending_clip(self, raw: Optimizer) -> None:
+        pending = self._pending_clip.pop(id(raw), None)
+        if pending is None:
+            return
+        kind, value = pending
+        if kind == "norm":
+            self._clip_grad_by_global_norm(raw, value)
+        else:
+            self._clip_grad_by_value(raw, value)
+
+    def grad_norm(
+        self, module: Module, norm_type: float | int | str, group_separator: str = "/"
+    ) -> dict[str, Tensor]:
+        """Norms of the reduced gradients, keyed like :func:`lightning.pytorch.utilities.grad_norm` (a collective).
+
+        Call it on every rank where the reduced gradients exist: in ``on_before_optimizer_step`` (or
+        ``configure_gradient_clipping``). Parameters without a gradient on any rank are left out, as Lightning
+        leaves out parameters whose ``.grad`` is ``None``.
+
+        Args:
+            module: the module whose parameters to report (names as in ``module.named_parameters()``).
+            norm_type: the p of the p-norm; ``"inf"`` for the max norm.
+            group_separator: separator between ``grad_{p}_norm`` and the parameter name.
+        """
+        norm_type = float(norm_type)
+        if norm_type <= 0:
+            raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
+        wanted = {id(p): n for n, p in module.named_parameters()}
+        names: list[str] = []
+        parts: list[Tensor] = []
+        for buckets in self._buckets.values():
+            for bucket in buckets:
+                grad = bucket.master.grad
+                if grad is None:
+                    continue
+                absent = set(self._absent.get(id(bucket), []))
+                for i, p in enumerate(bucket.params):
+                    if i in absent or id(p) not in wanted:
+                        continue
+                    names.append(wanted[id(p)])
+                    ranges = bucket.shard_ranges([i])
+                    values = grad[ranges[0][0] : ranges[0][1]].double().abs() if ranges else grad.new_zeros(0).double()
+                    if math.isinf(norm_type):
+                        parts.append(values.max() if values.numel() else values.new_zeros(()))
+                    else:
+                        parts.append(values.pow(norm_type).sum())
+        if not names:
+            return {}
+        local = torch.stack(parts).to(self.root_device)
+        if self.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(local, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
+        norms = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
+        out = {f"grad_{norm_type}_norm{group_separator}{n}": v.float() for n, v in zip(names, norms, strict=True)}
+        out[f"grad_{norm_type}_norm_total"] = torch.tensor([float(v) for v in norms.float()]).norm(norm_type)
+        return out
 
     def _log_metrics(self) -> None:
         module = self.lightning_module
@@ -429,6 +683,7 @@ class SDP4BitStrategy(DDPStrategy):
         if buckets is None:
             return super().optimizer_state(optimizer)
         raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        self._sync_groups(raw, buckets)
         extra = {"step": self._step, "skipped_steps": self.skipped_steps, "world_size": self.world_size}
         return consolidate_state(raw, buckets, extra)
 
@@ -446,6 +701,7 @@ class SDP4BitStrategy(DDPStrategy):
                 opt.load_state_dict(state)
                 continue
             raw = opt._optimizer if isinstance(opt, LightningOptimizer) else opt
+            self._sync_groups(raw, buckets)
             load_consolidated_state(raw, buckets, state)
             extra = state.get("sdp4bit", {})
             self._step = int(extra.get("step", self._step))
@@ -474,6 +730,60 @@ class SDP4BitStrategy(DDPStrategy):
                             state[name] = view.to(state[name].dtype).clone()
         return state
 
+
+    @override
+    def teardown(self) -> None:
+        """Destroy the intra/inter-node process groups created at set-up (one set per ``fit``), then as DDP."""
+        if self.topology is not None:
+            self.topology.destroy()
+        super().teardown()
+
+    def master_shards(self, optimizer: Optimizer) -> list[Tensor]:
+        """The fp32 master shards of ``optimizer``'s param groups on this rank (what the optimizer steps)."""
+        buckets = self._buckets_of(optimizer)
+        if buckets is None:
+            raise ValueError("This optimizer is not sharded by SDP4BitStrategy.")
+        return [b.master for b in buckets]
+
+
+def grad_norm(
+    module: Module, norm_type: float | int | str, group_separator: str = "/", strategy: Any = None
+) -> dict[str, Tensor]:
+    """Drop-in for :func:`lightning.pytorch.utilities.grad_norm` that also works under :class:`SDP4BitStrategy`.
+
+    SDP4Bit reduces the gradients into flat shards and drops the parameters' ``.grad`` before
+    ``on_before_optimizer_step``; this returns the norms of the reduced gradients (what DDP's ``.grad`` holds), with
+    the same keys. Under any other strategy it calls Lightning's ``grad_norm``. Under SDP4Bit it is a collective:
+    call it on every rank (hooks run on every rank).
+
+    Args:
+        module: the module to report (usually ``self`` in a LightningModule hook).
+        norm_type: the p of the p-norm; ``"inf"`` for the max norm.
+        group_separator: separator in the keys (default ``"/"``).
+        strategy: the strategy; default ``module.trainer.strategy`` for a LightningModule.
+    """
+    from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
+
+    if strategy is None:
+        trainer = getattr(module, "_trainer", None)
+        strategy = getattr(trainer, "strategy", None)
+    if isinstance(strategy, SDP4BitStrategy) and strategy._buckets:
+        return strategy.grad_norm(module, norm_type, group_separator)
+    return lightning_grad_norm(module, norm_type, group_separator)
+
+
+def _unwrap(optimizer: Any) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _is_shard_state(value: Any, bucket: FlatBucket) -> bool:
+    return isinstance(value, Tensor) and value.dim() == 1 and value.numel() == bucket.shard_size
+
+
+def _check_ints(**values: Any) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"SDP4BitStrategy: {name} must be an int, got {value!r} ({type(value).__name__}).")
 
 
 # When this module is what first imports lightning.pytorch, the import hook ran before the class existed.

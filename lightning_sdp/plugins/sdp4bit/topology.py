@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -23,6 +23,7 @@ class Topology:
         inter_size: number of nodes.
         intra_group: process group of this node, or ``None``.
         inter_group: process group of the ranks with this local index, or ``None``.
+        owned_groups: the process groups :func:`build_topology` created that hold this rank (to destroy them).
     """
 
     rank: int
@@ -31,6 +32,15 @@ class Topology:
     inter_size: int
     intra_group: Any = None
     inter_group: Any = None
+    owned_groups: list[Any] = field(default_factory=list)
+
+    def destroy(self) -> None:
+        """Destroy the process groups this topology created (not the default group); idempotent."""
+        while self.owned_groups:
+            group = self.owned_groups.pop()
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group(group)
+        self.intra_group = self.inter_group = None
 
     @property
     def node(self) -> int:
@@ -71,10 +81,12 @@ def build_topology(rank: int, world_size: int, intra_size: int) -> Topology:
             group = dist.new_group(ranks)
             if rank in ranks:
                 topo.intra_group = group
+                topo.owned_groups.append(group)
     if inter_size > 1:
         for local in range(intra_size):
             ranks = list(range(local, world_size, intra_size))
             group = dist.new_group(ranks)
             if rank in ranks:
                 topo.inter_group = group
+                topo.owned_groups.append(group)
     return topo

@@ -25,10 +25,14 @@ demo: $(VENV)/.installed-all
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-bench: $(VENV)/.installed-all
+$(VENV)/.installed-bench: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[all,bench]'
+	touch $@
+
+bench: $(VENV)/.installed-bench
 	@set -e; for script in benchmarks/*.py; do \
-	  case $$(basename $$script) in _*) continue;; esac; \
-	  echo "== $$script"; $(BIN)/python $$script; done
+	  name=$$(basename $$script .py); case $$name in _*|__init__) continue;; esac; \
+	  echo "== $$name"; $(BIN)/python -m benchmarks.$$name; done
 
 lint: $(VENV)/.installed-test
 	$(BIN)/python -m pip install -q -e '.[dev]'

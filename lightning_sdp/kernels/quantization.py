@@ -104,12 +104,20 @@ def quantize(
     _check_groups(x.numel(), group_size)
     level = float(qmax(bits))
     groups = x.float().view(-1, group_size)
-    absmax = groups.abs().amax(dim=1)
+    # absmax without an |x| temporary: one pass for the min and the max of each group
+    low, high = torch.aminmax(groups, dim=1)
+    absmax = torch.maximum(high, low.neg())
     scales = torch.where(absmax > 0, absmax / level, torch.ones_like(absmax))
-    if noise is None:
-        noise = rounding_noise(x.numel(), rounding, generator, x.device)
-    scaled = groups / scales[:, None]
-    codes = torch.floor(scaled + noise.view(-1, group_size)).clamp_(-level, level)
+    scaled = groups / scales[:, None]  # the only float temporary; what follows works in place
+    if noise is not None:
+        scaled.add_(noise.view(-1, group_size))
+    elif rounding == "stochastic":
+        scaled.add_(rounding_noise(x.numel(), rounding, generator, x.device).view(-1, group_size))
+    elif rounding == "nearest":
+        scaled.add_(0.5)
+    else:
+        raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}.")
+    codes = scaled.floor_().clamp_(-level, level)
     return codes.to(torch.int8).view(-1), scales
 
 
@@ -140,17 +148,17 @@ def pack_int4(codes: Tensor) -> Tensor:
     codes = codes.reshape(-1)
     if codes.numel() % 2:
         raise ValueError(f"pack_int4 needs an even number of codes, got {codes.numel()}.")
-    nibbles = codes.to(torch.int16).bitwise_and(0xF).view(-1, 2)
-    return (nibbles[:, 0] | (nibbles[:, 1] << 4)).to(torch.uint8)
+    pairs = codes.view(torch.uint8).view(-1, 2)
+    return (pairs[:, 0] & 0xF) | (pairs[:, 1] << 4)  # uint8 arithmetic: the shift drops the high nibble
 
 
 def unpack_int4(packed: Tensor) -> Tensor:
     """Inverse of :func:`pack_int4`: ``uint8`` bytes to twice as many sign-extended ``int8`` codes."""
-    b = packed.reshape(-1).to(torch.int16)
-    lo = b & 0xF
-    hi = (b >> 4) & 0xF
-    both = torch.stack((lo, hi), dim=1).view(-1)
-    return ((both ^ 8) - 8).to(torch.int8)
+    b = packed.reshape(-1).view(torch.int8)
+    out = torch.empty(b.numel(), 2, dtype=torch.int8, device=b.device)
+    torch.bitwise_left_shift(b, 4, out=out[:, 0]).bitwise_right_shift_(4)  # arithmetic shift: sign-extended
+    torch.bitwise_right_shift(b, 4, out=out[:, 1])
+    return out.view(-1)
 
 
 def encode(
@@ -188,7 +196,14 @@ def decode(payload: Tensor, scales: Tensor, bits: int, group_size: int) -> Tenso
     _check_bits(bits)
     payload = payload.reshape(-1)
     codes = unpack_int4(payload) if bits == 4 else payload.view(torch.int8)
-    return dequantize(codes, scales, group_size)
+    _check_groups(codes.numel(), group_size, "code tensor")
+    if scales.numel() * group_size != codes.numel():
+        raise ValueError(
+            f"{codes.numel()} codes need {codes.numel() // group_size} scales for group_size={group_size}, "
+            f"got {scales.numel()}."
+        )
+    out = codes.view(-1, group_size).to(torch.float32)
+    return out.mul_(scales.float().view(-1, 1)).view(-1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -235,7 +250,10 @@ def dequantize_add_(target: Tensor, payload: Tensor, scales: Tensor, bits: int, 
     delta = decode(payload, scales, bits, group_size)
     if delta.numel() != target.numel():
         raise ValueError(f"payload decodes to {delta.numel()} values, target has {target.numel()}.")
-    target.copy_(target.float() + delta)
+    if target.dtype == torch.float32:
+        target.add_(delta)
+    else:
+        target.copy_(target.float() + delta)
     return target
 
 

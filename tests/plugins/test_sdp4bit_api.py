@@ -155,3 +155,16 @@ def test_bf16_mixed_single_device(single_process_group):
     assert model.net.weight.dtype == torch.float32
     master = strategy.master_shards(strategy.optimizers[0])[0]
     torch.testing.assert_close(master[:8].detach().view(2, 4), model.net.weight.detach())
+
+
+def test_strategy_pickles_for_spawn_after_a_fit(single_process_group):
+    # Lightning pickles the strategy to start "spawn" processes; its worker threads and locks must not travel
+    import pickle
+
+    strategy = SDP4BitStrategy(start_method="spawn")
+    strategy.comm_stats.add_codec_time(0.5)
+    strategy._pipeline.submit(lambda: None, lambda: 1)
+    clone = pickle.loads(pickle.dumps(strategy))
+    assert clone.comm_stats.codec_seconds == 0.5
+    clone.comm_stats.add_codec_time(0.25)  # a fresh lock in the new process
+    assert clone.comm_stats.codec_seconds == 0.75

@@ -23,6 +23,8 @@ model weights, so all ranks stay bit-identical and the quantisation error is cor
 from __future__ import annotations
 
 import math
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -75,6 +77,23 @@ class CommStats:
     last: dict[str, CollectiveStats] = field(default_factory=dict)
     total: dict[str, CollectiveStats] = field(default_factory=dict)
     steps: int = 0
+    codec_seconds: float = 0.0
+    codec_seconds_total: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # picklable for "spawn" start methods: the lock is per process
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def add_codec_time(self, seconds: float) -> None:
+        """Account ``seconds`` spent quantising / dequantising (thread-safe: worker threads call it)."""
+        with self._lock:
+            self.codec_seconds += seconds
+            self.codec_seconds_total += seconds
 
     def record(self, name: str, nbytes: int, elements: int) -> None:
         """Account ``nbytes`` sent for ``elements`` values by collective ``name`` in the current step."""
@@ -84,6 +103,7 @@ class CommStats:
     def new_step(self) -> None:
         """Start accounting a new step."""
         self.last = {}
+        self.codec_seconds = 0.0
         self.steps += 1
 
     def bits_per_element(self, name: str, total: bool = False) -> float:
@@ -101,6 +121,7 @@ class CommStats:
         return {
             "steps": self.steps,
             "bytes_per_step": self.bytes_per_step,
+            "codec_seconds": self.codec_seconds,
             "last": {k: {**vars(v), "bits_per_element": v.bits_per_element} for k, v in self.last.items()},
             "total": {k: {**vars(v), "bits_per_element": v.bits_per_element} for k, v in self.total.items()},
         }
@@ -135,6 +156,20 @@ class RoundingRNG:
         """A fresh 31-bit seed for one Triton kernel call."""
         self._calls += 1
         return (self._base * 7_919 + self._calls * 104_729) % (2**31 - 1)
+
+    def child(self, key: int) -> RoundingRNG:
+        """An independent stream for buffer ``key`` of the current step (its own generator and seed counter).
+
+        Each bucket's exchange draws from its own child, so the numbers it draws do not depend on the order in
+        which buckets are processed (overlapped, pipelined or one after the other: bit-identical results).
+        """
+        out = RoundingRNG.__new__(RoundingRNG)
+        out.seed, out.rank = self.seed, self.rank
+        out.generator = torch.Generator(device=self.generator.device)
+        out._base = (self._base * 1_000_003 + (int(key) + 1) * 998_244_353) % (2**31 - 1)
+        out.generator.manual_seed(out._base)
+        out._calls = 0
+        return out
 
 
 class TorchOps:
@@ -171,6 +206,39 @@ class TorchOps:
     def dequantize_add_(self, target: Tensor, payload: Tensor, scales: Tensor, bits: int, group: int) -> None:
         """``target += decode(payload)``."""
         ref.dequantize_add_(target, payload, scales, bits, group)
+
+
+class TimedOps(TorchOps):
+    """Wraps a :class:`TorchOps` and adds the wall time of every kernel call to ``stats.codec_seconds``.
+
+    Meant for CPU tensors (the timing of asynchronous CUDA kernels would measure only their launch).
+
+    Args:
+        ops: the kernels to time.
+        stats: where the time goes.
+    """
+
+    def __init__(self, ops: TorchOps, stats: CommStats) -> None:
+        self.ops, self.stats, self.name = ops, stats, ops.name
+
+    def _timed(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.stats.add_codec_time(time.perf_counter() - start)
+
+    def encode(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        return self._timed(self.ops.encode, *args, **kwargs)
+
+    def dequantize_sum_requantize(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        return self._timed(self.ops.dequantize_sum_requantize, *args, **kwargs)
+
+    def dequantize_sum_hadamard(self, *args: Any, **kwargs: Any) -> Tensor:
+        return self._timed(self.ops.dequantize_sum_hadamard, *args, **kwargs)
+
+    def dequantize_add_(self, *args: Any, **kwargs: Any) -> None:
+        self._timed(self.ops.dequantize_add_, *args, **kwargs)
 
 
 class TritonOps(TorchOps):
@@ -305,6 +373,161 @@ def max_safe_scale(bits: int, world_size: int, hadamard: int | None) -> float:
     return torch.finfo(torch.float32).max / (2.0 * world_size * ref.qmax(bits) * (hadamard or 1))
 
 
+def _pack(payload: Tensor, scales: Tensor) -> Tensor:
+    """One ``uint8`` row per destination: its codes then its fp32 scales as bytes (one collective instead of two)."""
+    return torch.cat((payload, scales.contiguous().view(torch.uint8).view(scales.shape[0], -1)), dim=1)
+
+
+def _unpack(rows: Tensor, payload_bytes: int) -> tuple[Tensor, Tensor]:
+    """Inverse of :func:`_pack`: ``(payload (K, payload_bytes), scales (K, groups) fp32)``."""
+    return rows[:, :payload_bytes], rows[:, payload_bytes:].contiguous().view(torch.float32)
+
+
+class GradientExchange:
+    """One buffer's reduce-scatter, cut at the boundary between the two levels so buckets can be pipelined.
+
+    :meth:`first` quantises (after the Hadamard transform) and runs everything that uses the intra-node group
+    (8-bit all-to-all, dequantise + sum + re-quantise); :meth:`second` runs what uses the inter-node group (4-bit
+    all-to-all, dequantise + sum + inverse Hadamard). Run on two threads, bucket ``k``'s inter-node all-to-all
+    overlaps bucket ``k + 1``'s intra-node one, as the paper pipelines them. Codes and scales travel in one
+    collective per level. ``first()`` then ``second()`` on one thread is :func:`reduce_scatter_gradients`.
+
+    Args:
+        flat: fp32 buffer of ``world_size * S`` values, identical layout on every rank (already divided by W).
+        topo: process topology.
+        fmt: bit widths / transform (see :func:`gradient_format`).
+        group_size: quantisation group (``S`` must be a multiple of it when quantising).
+        rounding: ``"stochastic"`` or ``"nearest"``.
+        rng: rounding randomness of this buffer.
+        ops: torch or Triton kernels.
+        stats: accounting, updated in place.
+        encoded: the result of :func:`encode_gradients` on ``flat`` when the caller already computed it.
+    """
+
+    def __init__(
+        self,
+        flat: Tensor,
+        topo: Topology,
+        fmt: GradientFormat,
+        group_size: int,
+        rounding: Rounding,
+        rng: RoundingRNG,
+        ops: TorchOps,
+        stats: CommStats | None = None,
+        encoded: tuple[Tensor, Tensor] | None = None,
+    ) -> None:
+        w = topo.world_size
+        if flat.numel() % w:
+            raise ValueError(f"The gradient buffer ({flat.numel()}) is not divisible by the world size ({w}).")
+        self.s = flat.numel() // w
+        if fmt.quantized and w > 1 and (self.s % group_size or (fmt.hadamard and self.s % fmt.hadamard)):
+            raise ValueError(
+                f"The shard size {self.s} is not a whole number of groups of {group_size}; pad the buffer."
+            )
+        self.flat, self.topo, self.fmt, self.group_size = flat, topo, fmt, group_size
+        self.rounding, self.rng, self.ops, self.stats = rounding, rng, ops, stats
+        self.encoded = encoded
+        self._partial: Any = None
+        self._result: Tensor | None = None
+
+    def encode(self) -> tuple[Tensor, Tensor] | None:
+        """Quantise the whole buffer for the first level (once); ``None`` when nothing is quantised."""
+        if not self.fmt.quantized or self.topo.world_size == 1:
+            return None
+        if self.encoded is None:
+            self.encoded = encode_gradients(
+                self.flat, self.topo, self.fmt, self.group_size, self.rounding, self.rng, self.ops
+            )
+        return self.encoded
+
+    def first(self) -> None:
+        """Quantise and run the intra-node level (nothing to send with one rank per node)."""
+        topo, fmt, s = self.topo, self.fmt, self.s
+        n_inter, n_intra = topo.inter_size, topo.intra_size
+        if topo.world_size == 1:
+            self._result = self.flat.clone()
+            return
+        if not fmt.quantized:
+            self._first_fp32()
+            return
+        payload, scales = self.encode()  # type: ignore[misc]
+        if n_intra == 1:
+            self._partial = (payload, scales, first_level_bits(topo, fmt))
+            return
+        bits = first_level_bits(topo, fmt)
+        nbytes, ngroups = ref.payload_bytes(s, bits), s // self.group_size
+        # (N, L, S) -> (L, N, S): chunk j goes to local peer j and holds the shards {n * L + j}.
+        send_p = payload.view(n_inter, n_intra, nbytes).transpose(0, 1).reshape(n_intra, -1)
+        send_s = scales.view(n_inter, n_intra, ngroups).transpose(0, 1).reshape(n_intra, -1)
+        send = _pack(send_p, send_s)
+        recv = torch.empty_like(send)
+        _all_to_all(recv, send, topo.intra_group)
+        if self.stats is not None:
+            frac = _sent_fraction(n_intra)
+            self.stats.record(
+                "grad_intra", frac * (send_p.numel() + 4 * send_s.numel()), frac * n_inter * n_intra * s
+            )
+        recv_p, recv_s = _unpack(recv, send_p.shape[1])
+        if n_inter == 1:
+            self._result = self.ops.dequantize_sum_hadamard(recv_p, recv_s, bits, self.group_size, fmt.hadamard)
+            return
+        assert fmt.inter_bits is not None
+        # The node's partial sums of shards {n * L + local}, re-quantised for the inter-node level.
+        payload, scales = self.ops.dequantize_sum_requantize(
+            recv_p, recv_s, bits, fmt.inter_bits, self.group_size, self.rounding, self.rng
+        )
+        self._partial = (payload, scales, fmt.inter_bits)
+
+    def second(self) -> Tensor:
+        """Run the inter-node level and return this rank's reduced shard (fp32, ``S`` values)."""
+        if self._result is not None:
+            return self._result
+        topo, fmt, s = self.topo, self.fmt, self.s
+        n_inter = topo.inter_size
+        if not fmt.quantized:
+            return self._second_fp32()
+        payload, scales, bits = self._partial
+        send_p, send_s = payload.view(n_inter, -1), scales.view(n_inter, -1)
+        send = _pack(send_p, send_s)
+        recv = torch.empty_like(send)
+        _all_to_all(recv, send, topo.inter_group if topo.intra_size > 1 else topo.world_group)
+        if self.stats is not None:
+            frac = _sent_fraction(n_inter)
+            self.stats.record("grad_inter", frac * (send_p.numel() + 4 * send_s.numel()), frac * n_inter * s)
+        recv_p, recv_s = _unpack(recv, send_p.shape[1])
+        self._partial = None
+        return self.ops.dequantize_sum_hadamard(recv_p, recv_s, bits, self.group_size, fmt.hadamard)
+
+    def _first_fp32(self) -> None:
+        topo, s = self.topo, self.s
+        n_inter, n_intra = topo.inter_size, topo.intra_size
+        data = self.flat.float()
+        if n_intra > 1:
+            send = data.view(n_inter, n_intra, s).transpose(0, 1).contiguous()
+            recv = torch.empty_like(send)
+            _all_to_all(recv, send, topo.intra_group)
+            if self.stats is not None:
+                frac = _sent_fraction(n_intra)
+                self.stats.record("grad_intra", frac * 4 * send.numel(), frac * send.numel())
+            data = recv.view(n_intra, n_inter * s).sum(dim=0)
+        if n_inter == 1:
+            self._result = data
+        else:
+            self._partial = data
+
+    def _second_fp32(self) -> Tensor:
+        topo, s = self.topo, self.s
+        n_inter = topo.inter_size
+        send = self._partial.view(n_inter, s)
+        recv = torch.empty_like(send)
+        _all_to_all(recv, send, topo.inter_group if topo.intra_size > 1 else topo.world_group)
+        if self.stats is not None:
+            frac = _sent_fraction(n_inter)
+            self.stats.record("grad_inter", frac * 4 * send.numel(), frac * send.numel())
+        self._partial = None
+        return recv.sum(dim=0)
+
+
 def reduce_scatter_gradients(
     flat: Tensor,
     topo: Topology,
@@ -332,78 +555,95 @@ def reduce_scatter_gradients(
     Returns:
         The reduced shard ``[rank * S, (rank + 1) * S)`` as a new fp32 tensor.
     """
-    w, n_inter, n_intra = topo.world_size, topo.inter_size, topo.intra_size
-    if flat.numel() % w:
-        raise ValueError(f"The gradient buffer ({flat.numel()}) is not divisible by the world size ({w}).")
-    s = flat.numel() // w
-    if w == 1:
-        return flat.clone()
-    if not fmt.quantized:
-        return _reduce_scatter_fp32(flat, topo, s, stats)
-    if s % group_size or (fmt.hadamard and s % fmt.hadamard):
-        raise ValueError(
-            f"The shard size {s} is not a whole number of groups of {group_size}; pad the buffer."
-        )
-    first_bits = first_level_bits(topo, fmt)
-    assert fmt.inter_bits is not None
-    if encoded is None:
-        encoded = encode_gradients(flat, topo, fmt, group_size, rounding, rng, ops)
-    payload, scales = encoded
-    bytes_per_shard = ref.payload_bytes(s, first_bits)
-    groups_per_shard = s // group_size
-    bits = first_bits
-    if n_intra > 1:
-        # (N, L, S) -> (L, N, S): chunk j goes to local peer j and holds the shards {n * L + j}.
-        send_p = payload.view(n_inter, n_intra, bytes_per_shard).transpose(0, 1).contiguous()
-        send_s = scales.view(n_inter, n_intra, groups_per_shard).transpose(0, 1).contiguous()
-        recv_p, recv_s = torch.empty_like(send_p), torch.empty_like(send_s)
-        _all_to_all(recv_p, send_p, topo.intra_group)
-        _all_to_all(recv_s, send_s, topo.intra_group)
-        if stats is not None:
-            frac = _sent_fraction(n_intra)
-            stats.record(
-                "grad_intra", frac * (send_p.numel() + 4 * send_s.numel()), frac * n_inter * n_intra * s
-            )
-        recv_p, recv_s = recv_p.view(n_intra, -1), recv_s.view(n_intra, -1)
-        if n_inter == 1:
-            return ops.dequantize_sum_hadamard(recv_p, recv_s, bits, group_size, fmt.hadamard)
-        # The node's partial sums of shards {n * L + local}, re-quantised for the inter-node level.
-        payload, scales = ops.dequantize_sum_requantize(
-            recv_p, recv_s, bits, fmt.inter_bits, group_size, rounding, rng
-        )
-        bits = fmt.inter_bits
-        bytes_per_shard = ref.payload_bytes(s, bits)
-    send_p = payload.view(n_inter, -1)
-    send_s = scales.view(n_inter, -1)
-    recv_p, recv_s = torch.empty_like(send_p), torch.empty_like(send_s)
-    _all_to_all(recv_p, send_p, topo.inter_group if n_intra > 1 else None)
-    _all_to_all(recv_s, send_s, topo.inter_group if n_intra > 1 else None)
-    if stats is not None:
-        frac = _sent_fraction(n_inter)
-        stats.record("grad_inter", frac * (send_p.numel() + 4 * send_s.numel()), frac * n_inter * s)
-    return ops.dequantize_sum_hadamard(recv_p, recv_s, bits, group_size, fmt.hadamard)
+    exchange = GradientExchange(flat, topo, fmt, group_size, rounding, rng, ops, stats, encoded)
+    exchange.first()
+    return exchange.second()
 
 
-def _reduce_scatter_fp32(flat: Tensor, topo: Topology, s: int, stats: CommStats | None) -> Tensor:
-    n_inter, n_intra = topo.inter_size, topo.intra_size
-    data = flat.float()
-    if n_intra > 1:
-        send = data.view(n_inter, n_intra, s).transpose(0, 1).contiguous()
-        recv = torch.empty_like(send)
-        _all_to_all(recv, send, topo.intra_group)
-        if stats is not None:
-            frac = _sent_fraction(n_intra)
-            stats.record("grad_intra", frac * 4 * send.numel(), frac * send.numel())
-        data = recv.view(n_intra, n_inter * s).sum(dim=0)
-    if n_inter > 1:
-        send = data.view(n_inter, s)
-        recv = torch.empty_like(send)
-        _all_to_all(recv, send, topo.inter_group if n_intra > 1 else None)
-        if stats is not None:
-            frac = _sent_fraction(n_inter)
-            stats.record("grad_inter", frac * 4 * send.numel(), frac * send.numel())
-        data = recv.sum(dim=0)
-    return data
+class WeightExchange:
+    """One buffer's weight all-gather, cut in two stages so buckets can be pipelined.
+
+    :meth:`send` quantises this rank's shard (the difference to the reconstructed weights for ``"qwd"``) and
+    all-gathers codes and scales in one collective; :meth:`apply` decodes every rank's codes into the model
+    buffer. With the two stages on two threads, bucket ``k``'s decoding overlaps bucket ``k + 1``'s all-gather.
+
+    Args:
+        model_flat: the model weights every rank holds (flat, model dtype, ``world_size * S`` values).
+        master_shard: this rank's exact fp32 shard (``S`` values).
+        topo: process topology.
+        mode: ``"qwd"`` (quantised differences), ``"qw"`` (quantised weights) or ``"none"``.
+        bits: bits of the weight codes.
+        group_size: weight quantisation group.
+        rounding: ``"stochastic"`` or ``"nearest"``.
+        rng: rounding randomness of this buffer.
+        ops: torch or Triton kernels.
+        stats: accounting, updated in place.
+        group: process group of all ranks (default: the default group).
+    """
+
+    def __init__(
+        self,
+        model_flat: Tensor,
+        master_shard: Tensor,
+        topo: Topology,
+        mode: str,
+        bits: int,
+        group_size: int,
+        rounding: Rounding,
+        rng: RoundingRNG,
+        ops: TorchOps,
+        stats: CommStats | None = None,
+        group: Any = None,
+    ) -> None:
+        w, s = topo.world_size, master_shard.numel()
+        if model_flat.numel() != w * s:
+            raise ValueError(f"model buffer ({model_flat.numel()}) != world size ({w}) x shard ({s}).")
+        if mode not in WEIGHT_MODES:
+            raise ValueError(f"weight_compression must be one of {WEIGHT_MODES}, got {mode!r}.")
+        if mode != "none" and w > 1 and s % group_size:
+            raise ValueError(f"The shard size {s} is not a whole number of weight groups of {group_size}.")
+        self.model_flat, self.master, self.topo, self.mode = model_flat, master_shard, topo, mode
+        self.bits, self.group_size, self.rounding, self.rng, self.ops = bits, group_size, rounding, rng, ops
+        self.stats, self.group = stats, group
+        self._gathered: Tensor | None = None
+        self._nbytes = 0
+
+    def send(self) -> None:
+        """Quantise this rank's shard and all-gather every rank's codes (the whole exchange for ``"none"``)."""
+        w, s, topo = self.topo.world_size, self.master.numel(), self.topo
+        if w == 1:
+            return
+        frac = _sent_fraction(w)
+        if self.mode == "none":
+            send = self.master.to(self.model_flat.dtype)
+            _all_gather_single(self.model_flat, send, group=self.group)
+            if self.stats is not None:
+                self.stats.record("weight", frac * w * send.numel() * send.element_size(), frac * w * s)
+            return
+        lo = topo.rank * s
+        reference = self.model_flat[lo : lo + s] if self.mode == "qwd" else None
+        payload, scales = self.ops.encode(
+            self.master, self.bits, self.group_size, self.rounding, self.rng, reference=reference
+        )
+        row = _pack(payload.view(1, -1), scales.view(1, -1))
+        gathered = torch.empty(w, row.shape[1], dtype=row.dtype, device=row.device)
+        _all_gather_single(gathered.view(-1), row.view(-1), group=self.group)
+        if self.stats is not None:
+            self.stats.record("weight", frac * w * (payload.numel() + 4 * scales.numel()), frac * w * s)
+        self._gathered, self._nbytes = gathered, payload.numel()
+
+    def apply(self) -> None:
+        """Decode every rank's codes into the model buffer (``w += decode(d)``; ``w = decode(w)`` for ``"qw"``)."""
+        if self.topo.world_size == 1:
+            self.model_flat.copy_(self.master)
+            return
+        if self._gathered is None:
+            return
+        payloads, scales = _unpack(self._gathered, self._nbytes)
+        if self.mode == "qw":
+            self.model_flat.zero_()
+        self.ops.dequantize_add_(self.model_flat, payloads.reshape(-1), scales.reshape(-1), self.bits, self.group_size)
+        self._gathered = None
 
 
 def all_gather_weights(
@@ -417,6 +657,7 @@ def all_gather_weights(
     rng: RoundingRNG,
     ops: TorchOps,
     stats: CommStats | None = None,
+    group: Any = None,
 ) -> None:
     """Bring every rank's full model copy ``model_flat`` up to date with the master shards (in place).
 
@@ -431,36 +672,13 @@ def all_gather_weights(
         rng: per-step rounding randomness.
         ops: torch or Triton kernels.
         stats: accounting, updated in place.
+        group: process group of all ranks (default: the default group).
     """
-    w, s = topo.world_size, master_shard.numel()
-    if model_flat.numel() != w * s:
-        raise ValueError(f"model buffer ({model_flat.numel()}) != world size ({w}) x shard ({s}).")
-    lo = topo.rank * s
-    if w == 1:
-        model_flat.copy_(master_shard)
-        return
-    frac = _sent_fraction(w)
-    if mode == "none":
-        send = master_shard.to(model_flat.dtype)
-        _all_gather_single(model_flat, send)
-        if stats is not None:
-            stats.record("weight", frac * w * send.numel() * send.element_size(), frac * w * s)
-        return
-    if mode not in ("qwd", "qw"):
-        raise ValueError(f"weight_compression must be one of {WEIGHT_MODES}, got {mode!r}.")
-    if s % group_size:
-        raise ValueError(f"The shard size {s} is not a whole number of weight groups of {group_size}.")
-    reference = model_flat[lo : lo + s] if mode == "qwd" else None
-    payload, scales = ops.encode(master_shard, bits, group_size, rounding, rng, reference=reference)
-    all_p = torch.empty(w * payload.numel(), dtype=payload.dtype, device=payload.device)
-    all_s = torch.empty(w * scales.numel(), dtype=scales.dtype, device=scales.device)
-    _all_gather_single(all_p, payload)
-    _all_gather_single(all_s, scales)
-    if stats is not None:
-        stats.record("weight", frac * w * (payload.numel() + 4 * scales.numel()), frac * w * s)
-    if mode == "qw":
-        model_flat.zero_()
-    ops.dequantize_add_(model_flat, all_p, all_s, bits, group_size)
+    exchange = WeightExchange(
+        model_flat, master_shard, topo, mode, bits, group_size, rounding, rng, ops, stats, group
+    )  # fmt: skip
+    exchange.send()
+    exchange.apply()
 
 
 def expected_bits(bits: int, group_size: int) -> float:

@@ -84,6 +84,7 @@ class FlatBucket:
         alignment: ``S`` is a multiple of this (lcm of the group sizes and the Hadamard size).
         param_alignment: every parameter starts at a multiple of this in the flat buffer (the Hadamard block size
             when gradients are Hadamard-transformed, so that no block mixes two parameters; 1 otherwise).
+        group_index: index of the optimizer param group this bucket belongs to (a group may own several buckets).
     """
 
     def __init__(
@@ -94,6 +95,7 @@ class FlatBucket:
         rank: int,
         alignment: int,
         param_alignment: int = 1,
+        group_index: int = 0,
     ) -> None:
         if not params:
             raise ValueError("An optimizer param group has no parameters.")
@@ -106,6 +108,7 @@ class FlatBucket:
             )
         self.params = params
         self.names = names
+        self.group_index = group_index
         self.numels = [p.numel() for p in params]
         # offsets[i] is where parameter i starts; offsets[-1] is the end of the last one
         self.offsets = []
@@ -145,12 +148,21 @@ class FlatBucket:
         torch._foreach_copy_([p.data for p in self.params], self.views(self.model_flat))
 
     @torch.no_grad()
-    def gather_grads(self) -> Tensor:
-        """Flat fp32 copy of the parameters' gradients (missing gradients count as zero)."""
-        self.grad_flat.zero_()
+    def gather_grads(self, divisor: int = 1) -> Tensor:
+        """Flat fp32 copy of the parameters' gradients divided by ``divisor`` (missing gradients count as zero).
+
+        One pass per parameter (copy and divide together); the gaps between parameters and the padding are zero
+        from construction and nothing writes them.
+        """
         for view, p in zip(self.views(self.grad_flat), self.params, strict=True):
-            if p.grad is not None:
+            if p.grad is None:
+                view.zero_()
+            elif divisor == 1:
                 view.copy_(p.grad)
+            elif p.grad.dtype == torch.float32:
+                torch.div(p.grad, divisor, out=view)
+            else:
+                view.copy_(p.grad).div_(divisor)
         return self.grad_flat
 
     def has_grad_flags(self) -> Tensor:
@@ -212,6 +224,32 @@ class FlatBucket:
         return full[self.lo : self.lo + self.shard_size].clone()
 
 
+def split_params(params: list[Tensor], bucket_numel: int | None) -> list[list[Tensor]]:
+    """Cut a param group into consecutive runs of parameters of at most ``bucket_numel`` values each.
+
+    The cut starts from the end of the group, so that the last parameters (whose gradients backward produces first)
+    fill whole buckets; a parameter larger than ``bucket_numel`` gets a bucket of its own. ``None``: one bucket.
+
+    Args:
+        params: the group's parameters in order.
+        bucket_numel: values per bucket, or ``None`` for one bucket per group.
+    """
+    if bucket_numel is None:
+        return [list(params)]
+    runs: list[list[Tensor]] = []
+    current: list[Tensor] = []
+    size = 0
+    for p in reversed(params):
+        if current and size + p.numel() > bucket_numel:
+            runs.append(current[::-1])
+            current, size = [], 0
+        current.append(p)
+        size += p.numel()
+    if current:
+        runs.append(current[::-1])
+    return runs[::-1]
+
+
 def shard_group(
     group: dict[str, Any],
     names: dict[int, str],
@@ -219,8 +257,10 @@ def shard_group(
     rank: int,
     alignment: int,
     param_alignment: int = 1,
-) -> FlatBucket:
-    """Build the :class:`FlatBucket` of one param group (its ``"params"`` are left as they are).
+    group_index: int = 0,
+    bucket_numel: int | None = None,
+) -> list[FlatBucket]:
+    """Build the :class:`FlatBucket` s of one param group (its ``"params"`` are left as they are).
 
     Args:
         group: an optimizer param group holding model parameters.
@@ -229,14 +269,31 @@ def shard_group(
         rank: this rank.
         alignment: shard sizes are multiples of this.
         param_alignment: parameter starts are multiples of this.
+        group_index: index of the group in the optimizer.
+        bucket_numel: values per bucket (see :func:`split_params`); ``None``: one bucket for the group.
     """
     params = list(group["params"])
-    bucket = FlatBucket(
-        params, [names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in params], world_size, rank, alignment,
-        param_alignment,
-    )  # fmt: skip
-    bucket.master.requires_grad_(True)
-    return bucket
+    if not params:
+        raise ValueError("An optimizer param group has no parameters.")
+    buckets = []
+    for run in split_params(params, bucket_numel):
+        bucket = FlatBucket(
+            run, [names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in run], world_size, rank, alignment,
+            param_alignment, group_index,
+        )  # fmt: skip
+        bucket.master.requires_grad_(True)
+        buckets.append(bucket)
+    return buckets
+
+
+def group_buckets(buckets: list[FlatBucket], group_index: int) -> list[FlatBucket]:
+    """The buckets of param group ``group_index``, in parameter order."""
+    return [b for b in buckets if b.group_index == group_index]
+
+
+def group_params(buckets: list[FlatBucket], group_index: int) -> list[Tensor]:
+    """The model parameters of param group ``group_index`` (the concatenation of its buckets' parameters)."""
+    return [p for b in group_buckets(buckets, group_index) for p in b.params]
 
 
 def shard_optimizer(
@@ -247,8 +304,9 @@ def shard_optimizer(
     alignment: int,
     param_alignment: int = 1,
     allow_any: bool = False,
+    bucket_numel: int | None = None,
 ) -> list[FlatBucket]:
-    """Build one flat bucket per param group of an optimizer that holds no state yet. Returns the buckets.
+    """Build the flat buckets of every param group of an optimizer that holds no state yet. Returns the buckets.
 
     The param groups keep the model parameters; :func:`use_shards` swaps the fp32 master shards in while the
     optimizer steps (or its state is read or written).
@@ -261,6 +319,7 @@ def shard_optimizer(
         alignment: shard sizes are multiples of this.
         param_alignment: parameter starts are multiples of this.
         allow_any: see :func:`check_optimizer`.
+        bucket_numel: values per bucket (see :func:`split_params`); ``None``: one bucket per param group.
     """
     check_optimizer(optimizer, allow_any)
     if any(len(s) for s in optimizer.state.values()):
@@ -269,7 +328,9 @@ def shard_optimizer(
             "the optimizer in `configure_optimizers` and load optimizer state through `ckpt_path=`."
         )
     buckets = [
-        shard_group(group, names, world_size, rank, alignment, param_alignment) for group in optimizer.param_groups
+        bucket
+        for i, group in enumerate(optimizer.param_groups)
+        for bucket in shard_group(group, names, world_size, rank, alignment, param_alignment, i, bucket_numel)
     ]
     optimizer.state.clear()
     return buckets
@@ -283,7 +344,7 @@ class use_shards:  # noqa: N801 - used like a function: ``with use_shards(optimi
 
     Args:
         optimizer: the sharded optimizer.
-        buckets: its buckets, one per param group.
+        buckets: its buckets (one or more per param group).
     """
 
     def __init__(self, optimizer: Optimizer, buckets: list[FlatBucket]) -> None:
@@ -291,13 +352,13 @@ class use_shards:  # noqa: N801 - used like a function: ``with use_shards(optimi
         self.buckets = buckets
 
     def __enter__(self) -> Optimizer:
-        for group, bucket in zip(self.optimizer.param_groups, self.buckets, strict=True):
-            group["params"] = [bucket.master]
+        for i, group in enumerate(self.optimizer.param_groups):
+            group["params"] = [b.master for b in group_buckets(self.buckets, i)]
         return self.optimizer
 
     def __exit__(self, *exc: Any) -> None:
-        for group, bucket in zip(self.optimizer.param_groups, self.buckets, strict=True):
-            group["params"] = list(bucket.params)
+        for i, group in enumerate(self.optimizer.param_groups):
+            group["params"] = group_params(self.buckets, i)
 
 
 def consolidate_state(
@@ -310,39 +371,53 @@ def consolidate_state(
 
     Args:
         optimizer: the sharded optimizer.
-        buckets: its buckets, one per param group.
+        buckets: its buckets (one or more per param group).
         extra: more entries for the ``"sdp4bit"`` section.
     """
     state: dict[int, dict[str, Any]] = {}
     groups = []
     masters: dict[int, Tensor] = {}
     index = 0
-    for group, bucket in zip(optimizer.param_groups, buckets, strict=True):
-        shard_state = optimizer.state.get(bucket.master, {})
-        full = {
-            k: bucket.gather_full(v) if isinstance(v, Tensor) and v.numel() == bucket.shard_size and v.dim() == 1
-            else v
-            for k, v in sorted(shard_state.items())
-        }  # fmt: skip
-        master_full = bucket.full_master()
+    for group_index, group in enumerate(optimizer.param_groups):
         ids = []
-        for i, p in enumerate(bucket.params):
-            a, n = bucket.offsets[i], bucket.numels[i]
-            entry = {}
-            for k, v in full.items():
-                is_flat = isinstance(v, Tensor) and v.dim() == 1 and v.numel() == bucket.padded
-                entry[k] = (
-                    v[a : a + n].view_as(p).clone()
-                    if is_flat
-                    else (v.clone() if isinstance(v, Tensor) else v)
-                )
-            if entry:
-                state[index] = entry
-            masters[index] = master_full[a : a + n].view(p.shape).clone()
-            ids.append(index)
-            index += 1
+        for bucket in group_buckets(buckets, group_index):
+            index = _consolidate_bucket(optimizer, bucket, state, masters, ids, index)
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
     return {"state": state, "param_groups": groups, "sdp4bit": {"master": masters, **extra}}
+
+
+def _consolidate_bucket(
+    optimizer: Optimizer,
+    bucket: FlatBucket,
+    state: dict[int, dict[str, Any]],
+    masters: dict[int, Tensor],
+    ids: list[int],
+    index: int,
+) -> int:
+    """Add one bucket's parameters to a consolidated state from ``index`` on; returns the next free index."""
+    shard_state = optimizer.state.get(bucket.master, {})
+    full = {
+        k: bucket.gather_full(v) if isinstance(v, Tensor) and v.numel() == bucket.shard_size and v.dim() == 1
+        else v
+        for k, v in sorted(shard_state.items())
+    }  # fmt: skip
+    master_full = bucket.full_master()
+    for i, p in enumerate(bucket.params):
+        a, n = bucket.offsets[i], bucket.numels[i]
+        entry = {}
+        for k, v in full.items():
+            is_flat = isinstance(v, Tensor) and v.dim() == 1 and v.numel() == bucket.padded
+            entry[k] = (
+                v[a : a + n].view_as(p).clone()
+                if is_flat
+                else (v.clone() if isinstance(v, Tensor) else v)
+            )
+        if entry:
+            state[index] = entry
+        masters[index] = master_full[a : a + n].view(p.shape).clone()
+        ids.append(index)
+        index += 1
+    return index
 
 
 def load_consolidated_state(optimizer: Optimizer, buckets: list[FlatBucket], saved: dict[str, Any]) -> None:
@@ -357,61 +432,74 @@ def load_consolidated_state(optimizer: Optimizer, buckets: list[FlatBucket], sav
             optimizer.
     """
     saved_groups = saved.get("param_groups", [])
-    if len(saved_groups) != len(buckets):
+    n_groups = len(optimizer.param_groups)
+    if len(saved_groups) != n_groups:
         raise ValueError(
-            f"The checkpoint's optimizer has {len(saved_groups)} param groups, this one has {len(buckets)}: the "
+            f"The checkpoint's optimizer has {len(saved_groups)} param groups, this one has {n_groups}: the "
             "checkpoint comes from a different model or optimizer configuration."
         )
     saved_state = saved.get("state", {})
     masters = saved.get("sdp4bit", {}).get("master", {})
-    for group, bucket, sgroup in zip(optimizer.param_groups, buckets, saved_groups, strict=True):
-        ids = sgroup["params"]
-        if len(ids) != len(bucket.params):
+    for group_index, (group, sgroup) in enumerate(zip(optimizer.param_groups, saved_groups, strict=True)):
+        ids = list(sgroup["params"])
+        mine = group_buckets(buckets, group_index)
+        n_params = sum(len(b.params) for b in mine)
+        if len(ids) != n_params:
             raise ValueError(
-                f"A param group of the checkpoint has {len(ids)} parameters, this one has {len(bucket.params)}: the "
+                f"A param group of the checkpoint has {len(ids)} parameters, this one has {n_params}: the "
                 "checkpoint comes from a different configuration."
             )
-        entries = [saved_state.get(i, {}) for i in ids]
-        new_state: dict[str, Any] = {}
-        keys = set().union(*(e.keys() for e in entries)) if entries else set()
-        for k in sorted(keys):
-            values = [e.get(k) for e in entries]
-            first = values[0]
-            per_param = all(
-                isinstance(v, Tensor) and v.shape == p.shape and v.dim() > 0
-                for v, p in zip(values, bucket.params, strict=True)
-            )
-            if per_param:
-                new_state[k] = bucket.shard_of(values).to(bucket.master.device)
-            elif isinstance(first, Tensor) and first.dim() == 0:
-                new_state[k] = first.clone().to(bucket.master.device)
-            elif first is not None and not isinstance(first, Tensor):
-                new_state[k] = first
-            else:
-                shapes = [tuple(v.shape) if isinstance(v, Tensor) else None for v in values]
-                raise ValueError(
-                    f"The checkpoint's optimizer state {k!r} has shapes {shapes}, which do not match the parameters "
-                    f"{[tuple(p.shape) for p in bucket.params]}: it comes from a different configuration."
-                )
-        optimizer.state[bucket.master] = new_state if new_state else {}
-        if not new_state:
-            del optimizer.state[bucket.master]
+        start = 0
+        for bucket in mine:
+            _load_bucket(optimizer, bucket, ids[start : start + len(bucket.params)], saved_state, masters)
+            start += len(bucket.params)
         for k, v in sgroup.items():
             if k != "params":
                 group[k] = v
-        if all(i in masters for i in ids):
-            for i, p in zip(ids, bucket.params, strict=True):
-                if tuple(masters[i].shape) != tuple(p.shape):
-                    raise ValueError(
-                        f"The checkpoint's master weight {i} has shape {tuple(masters[i].shape)}, the parameter "
-                        f"has {tuple(p.shape)}: the checkpoint comes from a different configuration."
-                    )
-            with torch.no_grad():
-                bucket.master.copy_(bucket.shard_of([masters[i] for i in ids]))
+
+
+def _load_bucket(
+    optimizer: Optimizer, bucket: FlatBucket, ids: list[int], saved_state: dict, masters: dict
+) -> None:
+    """Cut the consolidated state of parameters ``ids`` for this rank's shard of ``bucket``."""
+    entries = [saved_state.get(i, {}) for i in ids]
+    new_state: dict[str, Any] = {}
+    keys = set().union(*(e.keys() for e in entries)) if entries else set()
+    for k in sorted(keys):
+        values = [e.get(k) for e in entries]
+        first = values[0]
+        per_param = all(
+            isinstance(v, Tensor) and v.shape == p.shape and v.dim() > 0
+            for v, p in zip(values, bucket.params, strict=True)
+        )
+        if per_param:
+            new_state[k] = bucket.shard_of(values).to(bucket.master.device)
+        elif isinstance(first, Tensor) and first.dim() == 0:
+            new_state[k] = first.clone().to(bucket.master.device)
+        elif first is not None and not isinstance(first, Tensor):
+            new_state[k] = first
         else:
-            with torch.no_grad():
-                bucket.load_from_params()
-                bucket.master.copy_(bucket.model_flat[bucket.lo : bucket.lo + bucket.shard_size].float())
+            shapes = [tuple(v.shape) if isinstance(v, Tensor) else None for v in values]
+            raise ValueError(
+                f"The checkpoint's optimizer state {k!r} has shapes {shapes}, which do not match the parameters "
+                f"{[tuple(p.shape) for p in bucket.params]}: it comes from a different configuration."
+            )
+    optimizer.state[bucket.master] = new_state if new_state else {}
+    if not new_state:
+        del optimizer.state[bucket.master]
+    if all(i in masters for i in ids):
+        for i, p in zip(ids, bucket.params, strict=True):
+            if tuple(masters[i].shape) != tuple(p.shape):
+                raise ValueError(
+                    f"The checkpoint's master weight {i} has shape {tuple(masters[i].shape)}, the parameter "
+                    f"has {tuple(p.shape)}: the checkpoint comes from a different configuration."
+                )
+        with torch.no_grad():
+            bucket.master.copy_(bucket.shard_of([masters[i] for i in ids]))
+    else:
+        with torch.no_grad():
+            bucket.load_from_params()
+            bucket.master.copy_(bucket.model_flat[bucket.lo : bucket.lo + bucket.shard_size].float())
 
 
 def all_reduce_sum(values: Tensor) -> Tensor:

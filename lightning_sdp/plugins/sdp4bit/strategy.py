@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
@@ -35,21 +36,23 @@ from lightning_sdp.plugins.sdp4bit.exchange import (
     WEIGHT_MODES,
     CommStats,
     GradientCompression,
+    GradientExchange,
     RoundingRNG,
+    TimedOps,
     TorchOps,
     TritonOps,
     WeightCompression,
-    all_gather_weights,
-    encode_gradients,
+    WeightExchange,
     first_level_bits,
     gradient_format,
     max_safe_scale,
-    reduce_scatter_gradients,
 )
+from lightning_sdp.plugins.sdp4bit.overlap import Pipeline
 from lightning_sdp.plugins.sdp4bit.sharding import (
     FlatBucket,
     all_reduce_sum,
     consolidate_state,
+    group_params,
     load_consolidated_state,
     shard_group,
     shard_optimizer,
@@ -107,6 +110,14 @@ class SDP4BitStrategy(DDPStrategy):
             all-reduce).
         allow_any_optimizer: accept optimizers that are not (subclasses of) the element-wise ``torch.optim`` ones;
             you assert that their update is element-wise (e.g. Lion). LBFGS, SparseAdam and Adafactor stay refused.
+        bucket_size_mb: each param group is cut into buckets of at most this many MiB of fp32 gradients (default
+            4; ``None``: one bucket per param group). Every bucket is sharded and exchanged on its own, so a
+            bucket's exchange can start while backward still computes the gradients of earlier layers.
+        overlap: exchange each bucket's gradients on background threads as soon as backward has produced them
+            (post-accumulate-grad hooks, as DDP's reducer and Megatron's ``overlap_grad_reduce``), pipeline the
+            intra- and inter-node all-to-alls of consecutive buckets, and pipeline the weight all-gather after the
+            step (default ``True``). ``False`` runs the same per-bucket exchanges one after the other once backward
+            is done; both give bit-identical results.
         accelerator: see :class:`~lightning.pytorch.strategies.DDPStrategy`.
         parallel_devices: see ``DDPStrategy``.
         cluster_environment: see ``DDPStrategy``.
@@ -115,6 +126,11 @@ class SDP4BitStrategy(DDPStrategy):
         process_group_backend: ``"gloo"`` (CPU default) or ``"nccl"`` (CUDA default).
         timeout: process-group timeout.
         start_method: ``"popen"`` (default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+
+    Attributes:
+        comm_stats: bytes and values sent per collective (last step and whole run), and the quantise/dequantise
+            time on the CPU (``codec_seconds``).
+        buckets_launched_in_backward: how many buckets left for the exchange while backward was still running.
     """
 
     strategy_name = "sdp4bit"
@@ -136,6 +152,8 @@ class SDP4BitStrategy(DDPStrategy):
         kernel_backend: Literal["auto", "torch", "triton"] = "auto",
         track_drift: bool = True,
         allow_any_optimizer: bool = False,
+        bucket_size_mb: float | None = 4.0,
+        overlap: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -162,6 +180,16 @@ class SDP4BitStrategy(DDPStrategy):
         )  # fmt: skip
         if intra_node_size is not None:
             _check_ints(intra_node_size=intra_node_size)
+        if bucket_size_mb is not None and (
+            isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float))
+            or not math.isfinite(bucket_size_mb) or bucket_size_mb <= 0
+        ):  # fmt: skip
+            raise ValueError(
+                f"bucket_size_mb must be a positive number of MiB (or None for one bucket per param group), got "
+                f"{bucket_size_mb!r}."
+            )
+        if not isinstance(overlap, bool):
+            raise TypeError(f"SDP4BitStrategy: overlap must be a bool, got {overlap!r} ({type(overlap).__name__}).")
         if weight_compression not in WEIGHT_MODES:
             raise ValueError(f"weight_compression must be one of {WEIGHT_MODES}, got {weight_compression!r}.")
         if gradient_compression not in GRADIENT_MODES:
@@ -219,6 +247,8 @@ class SDP4BitStrategy(DDPStrategy):
         self.kernel_backend = kernel_backend
         self.track_drift = track_drift
         self.allow_any_optimizer = allow_any_optimizer
+        self.bucket_size_mb = bucket_size_mb
+        self.overlap = overlap
         self.gradient_format = gradient_format(
             gradient_compression, gradient_intra_bits, gradient_inter_bits, hadamard_size
         )
@@ -239,6 +269,15 @@ class SDP4BitStrategy(DDPStrategy):
         self._pending_clip: dict[int, tuple[str, float]] = {}
         self._absent: dict[int, list[int]] = {}
         self._restore: list[tuple[int, FlatBucket, list[tuple[int, int]], Tensor, dict[str, Tensor | None]]] = []
+        # Overlap: worker threads, post-accumulate-grad hooks, and the state of the exchange in flight.
+        self._pipeline = Pipeline(threaded=False)
+        self._hooks: dict[int, Any] = {}
+        self._collecting: list[FlatBucket] | None = None
+        self._pending: list[set[int]] = []
+        self._bucket_of_param: dict[int, int] = {}
+        self._jobs: list[_GradJob | None] = []
+        self._next_launch = 0
+        self.buckets_launched_in_backward = 0
 
     # ------------------------------------------------------------------------------------------------ set-up
 
@@ -305,6 +344,8 @@ class SDP4BitStrategy(DDPStrategy):
             topo.inter_size,
         )  # fmt: skip
         self._ops = self._select_ops()
+        if self.root_device.type == "cpu":
+            self._ops = TimedOps(self._ops, self.comm_stats)  # sdp4bit/codec_ms: quantise/dequantise time per step
         self._rng = RoundingRNG(self.seed, self.global_rank, self.root_device)
         assert self.lightning_module is not None
         if not any(p.requires_grad for p in self.lightning_module.parameters()):
@@ -319,12 +360,19 @@ class SDP4BitStrategy(DDPStrategy):
             raw = opt._optimizer if isinstance(opt, LightningOptimizer) else opt
             self._buckets[id(raw)] = shard_optimizer(
                 raw, names, self.world_size, self.global_rank, self.alignment, self.param_alignment,
-                self.allow_any_optimizer,
+                self.allow_any_optimizer, self._bucket_numel,
             )  # fmt: skip
             self._warn_padding(self._buckets[id(raw)])
+        self._pipeline = Pipeline(threaded=self.overlap and self.world_size > 1)
         # Global-norm and value clipping on the shards (Lightning clips through the precision plugin).
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
         self.precision_plugin.clip_grad_by_value = self._clip_grad_by_value  # type: ignore[method-assign]
+
+    @property
+    def _bucket_numel(self) -> int | None:
+        if self.bucket_size_mb is None:
+            return None
+        return max(1, int(self.bucket_size_mb * 2**20) // 4)
 
     def _param_names(self) -> dict[int, str]:
         assert self.lightning_module is not None
@@ -343,25 +391,29 @@ class SDP4BitStrategy(DDPStrategy):
     def _sync_groups(self, raw: Optimizer, buckets: list[FlatBucket]) -> None:
         """Shard param groups added since set-up (``add_param_group``, e.g. by ``BackboneFinetuning``)."""
         groups = raw.param_groups
-        if len(groups) < len(buckets):
+        n_known = len({b.group_index for b in buckets})
+        if len(groups) < n_known:
             raise ValueError(
-                f"The optimizer had {len(buckets)} param groups when SDP4BitStrategy sharded it and now has "
+                f"The optimizer had {n_known} param groups when SDP4BitStrategy sharded it and now has "
                 f"{len(groups)}: removing param groups during training is not supported (adding them is)."
             )
-        for i, (group, bucket) in enumerate(zip(groups, buckets)):
-            params = group["params"]
-            if len(params) != len(bucket.params) or any(p is not q for p, q in zip(params, bucket.params)):
+        for i, group in enumerate(groups[:n_known]):
+            params, known = group["params"], group_params(buckets, i)
+            if len(params) != len(known) or any(p is not q for p, q in zip(params, known)):
                 raise ValueError(
                     f"The parameters of optimizer param group {i} changed after SDP4BitStrategy sharded it: editing "
                     "a group's 'params' during training is not supported. Add new parameters with "
                     "`optimizer.add_param_group(...)` instead."
                 )
-        if len(groups) == len(buckets):
+        if len(groups) == n_known:
             return
         names = self._param_names()
-        for group in groups[len(buckets) :]:
-            buckets.append(
-                shard_group(group, names, self.world_size, self.global_rank, self.alignment, self.param_alignment)
+        for i in range(n_known, len(groups)):
+            buckets.extend(
+                shard_group(
+                    groups[i], names, self.world_size, self.global_rank, self.alignment, self.param_alignment, i,
+                    self._bucket_numel,
+                )
             )
 
     def _select_ops(self) -> TorchOps:
@@ -414,7 +466,12 @@ class SDP4BitStrategy(DDPStrategy):
         self._restore = []
 
         def closure_with_exchange() -> Any:
-            result = closure()
+            self._start_collecting(buckets)
+            try:
+                result = closure()
+            except BaseException:
+                self._abandon_exchange()
+                raise
             self._exchange_gradients(buckets)
             self._exchanged = True
             self._apply_pending_clip(raw)
@@ -439,39 +496,137 @@ class SDP4BitStrategy(DDPStrategy):
         self._log_metrics()
         return output
 
+    # ------------------------------------------------------------------------------------------------ overlap
+
+    def _start_collecting(self, buckets: list[FlatBucket]) -> None:
+        """Arm the post-accumulate-grad hooks for this optimizer's buckets (launched last bucket first)."""
+        order = buckets[::-1]  # backward produces the gradients of the last parameters first
+        self._jobs = [None] * len(order)
+        self._next_launch = 0
+        self._pending = [{id(p) for p in b.params if p.requires_grad} for b in order]
+        self._bucket_of_param = {id(p): pos for pos, b in enumerate(order) for p in b.params}
+        self._collecting = order
+        if not self._pipeline.threaded:
+            return
+        for b in order:
+            for p in b.params:
+                if p.requires_grad and id(p) not in self._hooks:
+                    self._hooks[id(p)] = p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _on_grad_ready(self, param: Tensor) -> None:
+        """Post-accumulate-grad hook: launch every bucket, in order, whose gradients are all complete."""
+        if self._collecting is None:
+            return  # a backward outside the final micro-batch's closure (gradient accumulation): no exchange
+        pos = self._bucket_of_param.get(id(param))
+        if pos is None:
+            return
+        self._pending[pos].discard(id(param))
+        while self._next_launch < len(self._collecting) and not self._pending[self._next_launch]:
+            self._launch(self._next_launch)
+            self._next_launch += 1
+            self.buckets_launched_in_backward += 1
+
+    def _launch(self, pos: int) -> None:
+        """Copy bucket ``pos``'s gradients (divided by W) and queue its exchange on the pipeline."""
+        assert self._collecting is not None and self.topology is not None and self._rng is not None
+        bucket = self._collecting[pos]
+        if not any(p.requires_grad for p in bucket.params):
+            self._jobs[pos] = None  # frozen bucket: nothing to exchange (the same on every rank)
+            return
+        flat = bucket.gather_grads(self.world_size)
+        key = len(self._collecting) - 1 - pos  # the bucket's index in the optimizer, whatever the launch order
+        exchange = GradientExchange(
+            flat, self.topology, self.gradient_format, self.gradient_group_size, self.rounding, self._rng.child(key),
+            self._ops, self.comm_stats,
+        )  # fmt: skip
+        job = _GradJob(bucket, exchange)
+        limit = 0.0
+        if self.gradient_format.quantized and self.world_size > 1:
+            limit = max_safe_scale(first_level_bits(self.topology, self.gradient_format), self.world_size,
+                                   self.gradient_format.hadamard)  # fmt: skip
+
+        def first() -> None:
+            try:
+                job.finite = bool(torch.isfinite(flat).all())
+                encoded = exchange.encode()
+                if encoded is not None and job.finite:
+                    job.overflow = self._overflow_names(bucket, encoded[1], limit)
+            finally:
+                job.checked.set()
+            exchange.first()
+
+        job.future = self._pipeline.submit(first, exchange.second)
+        self._jobs[pos] = job
+
+    def _abandon_exchange(self) -> None:
+        """Wait for the exchanges in flight and forget them (the closure failed)."""
+        self._collecting = None
+        for job in self._jobs:
+            if job is not None and job.future is not None:
+                try:
+                    job.future.result()
+                except Exception:  # noqa: BLE001 - the closure's own error is what the user must see
+                    pass
+        self._jobs = []
+
     def _exchange_gradients(self, buckets: list[FlatBucket]) -> None:
-        """Agree on NaN/overflow and on which parameters have a gradient (one all-reduce), then reduce-scatter."""
+        """Finish the per-bucket reduce-scatters and agree on NaN/overflow and on which parameters have a gradient.
+
+        Buckets whose gradients were not complete during backward (unused parameters, manual optimization, or
+        ``overlap=False``) are launched now, in order. One small all-reduce then carries, per rank: the number of
+        buckets with a non-finite or too large value, one flag per bucket whose gradients changed after it was
+        launched (e.g. in ``on_after_backward``; those are exchanged again on every rank), and the "has grad" flags.
+        """
         assert self.topology is not None and self._rng is not None
-        world = self.world_size
-        flats = [b.gather_grads().div_(world) for b in buckets]
-        bad_local = [name for b in buckets for name in b.non_finite_names()]
-        encoded: list[tuple[Tensor, Tensor] | None] = [None] * len(buckets)
-        fmt = self.gradient_format
-        if fmt.quantized and world > 1 and not bad_local:
-            # guard what is quantised (after the Hadamard transform): values whose sums would overflow fp32
-            limit = max_safe_scale(first_level_bits(self.topology, fmt), world, fmt.hadamard)
-            for i, (bucket, flat) in enumerate(zip(buckets, flats, strict=True)):
-                encoded[i] = encode_gradients(
-                    flat, self.topology, fmt, self.gradient_group_size, self.rounding, self._rng, self._ops
+        order = self._collecting
+        assert order is not None
+        self._collecting = None
+        try:
+            for pos in range(self._next_launch, len(order)):
+                self._collecting = order
+                self._launch(pos)
+            self._collecting = None
+            for job in self._jobs:
+                if job is not None:
+                    job.checked.wait()
+            dirty = [float(job is not None and job.dirty()) for job in self._jobs]
+            has_grad = torch.cat([b.has_grad_flags() for b in buckets])
+            n_bad = float(sum(job is not None and (not job.finite or bool(job.overflow)) for job in self._jobs))
+            agreed = all_reduce_sum(torch.tensor([n_bad, *dirty, *has_grad.tolist()]).to(self.root_device)).cpu()
+            again = [pos for pos, d in enumerate(agreed[1 : 1 + len(order)].tolist()) if d > 0]
+            if again:
+                # gradients edited after their bucket left: wait, then exchange those buckets again everywhere
+                for job in self._jobs:
+                    if job is not None:
+                        job.future.result()
+                self._collecting = order
+                for pos in again:
+                    self._launch(pos)
+                self._collecting = None
+                n_bad = float(
+                    sum(job is not None and (not job.finite or bool(job.overflow)) for job in self._jobs)
                 )
-                bad_local += self._overflow_names(bucket, encoded[i][1], limit)
-        has_grad = torch.cat([b.has_grad_flags() for b in buckets])
-        agreed = all_reduce_sum(torch.cat([torch.tensor([float(len(bad_local))]), has_grad]).to(self.root_device))
+                agreed[0] = all_reduce_sum(torch.tensor([n_bad]).to(self.root_device)).cpu()[0]
+            shards = {id(job.bucket): job.future.result() for job in self._jobs if job is not None}
+            jobs = [job for job in self._jobs[::-1] if job is not None]  # in parameter order
+            bad_local = [name for job in jobs if not job.finite for name in job.bucket.non_finite_names()]
+            bad_local += [name for job in jobs for name in job.overflow]
+            if not bad_local and any(job is not None and not job.finite for job in self._jobs):
+                bad_local = ["<non-finite value in a quantisation group>"]
+        finally:
+            self._jobs = []
         if agreed[0].item() > 0:
             self._handle_nonfinite(buckets, bad_local)
             return
-        counts = agreed[1:].cpu().split([len(b.params) for b in buckets])
-        for bucket, flat, enc, count in zip(buckets, flats, encoded, counts, strict=True):
+        counts = agreed[1 + len(order) :].split([len(b.params) for b in buckets])
+        for bucket, count in zip(buckets, counts, strict=True):
             bucket.zero_model_grads()
             absent = [i for i, c in enumerate(count.tolist()) if c == 0]
-            if len(absent) == len(bucket.params):
+            shard = shards.get(id(bucket))
+            if shard is None or len(absent) == len(bucket.params):
                 # no gradient on any rank: no shard gradient, so the optimizer leaves the group alone (as torch)
                 bucket.master.grad = None
                 continue
-            shard = reduce_scatter_gradients(
-                flat, self.topology, fmt, self.gradient_group_size, self.rounding, self._rng, self._ops,
-                self.comm_stats, encoded=enc,
-            )  # fmt: skip
             if absent:
                 self._absent[id(bucket)] = absent
                 for a, b in bucket.shard_ranges(absent):
@@ -495,7 +650,7 @@ class SDP4BitStrategy(DDPStrategy):
 
     def _snapshot_absent(self, raw: Optimizer, buckets: list[FlatBucket]) -> None:
         """Save the master values and optimizer state of parameters without a gradient anywhere (restored after)."""
-        for index, bucket in enumerate(buckets):
+        for bucket in buckets:
             absent = self._absent.get(id(bucket))
             if not absent or bucket.master.grad is None:
                 continue
@@ -509,7 +664,7 @@ class SDP4BitStrategy(DDPStrategy):
             }
             if not state:
                 saved = {"": None}  # the state does not exist yet: reset to fresh values after the step
-            self._restore.append((index, bucket, ranges, bucket.master.detach()[idx].clone(), saved))
+            self._restore.append((bucket.group_index, bucket, ranges, bucket.master.detach()[idx].clone(), saved))
 
     @torch.no_grad()
     def _restore_absent(self, raw: Optimizer) -> None:
@@ -550,22 +705,35 @@ class SDP4BitStrategy(DDPStrategy):
         )
 
     def _exchange_weights(self, buckets: list[FlatBucket]) -> None:
+        """qWD all-gather of every bucket, pipelined: bucket ``k + 1`` is quantised and sent while ``k`` is decoded."""
         assert self.topology is not None and self._rng is not None
+        jobs = []
+        for index, bucket in enumerate(buckets):
+            exchange = WeightExchange(
+                bucket.model_flat, bucket.master.detach(), self.topology, self.weight_compression, self.weight_bits,
+                self.weight_group_size, self.rounding, self._rng.child(len(buckets) + index), self._ops,
+                self.comm_stats, self.topology.world_group,
+            )  # fmt: skip
+            jobs.append(self._pipeline.submit(_no_grad(exchange.send), _no_grad(self._finish_weights(bucket, exchange))))
         sq = torch.zeros(2, dtype=torch.float64, device=self.root_device)
-        for bucket in buckets:
-            with torch.no_grad():
-                all_gather_weights(
-                    bucket.model_flat, bucket.master.detach(), self.topology, self.weight_compression,
-                    self.weight_bits, self.weight_group_size, self.rounding, self._rng, self._ops, self.comm_stats,
-                )  # fmt: skip
-                bucket.store_to_params()
-                if self.track_drift:
-                    mine = bucket.model_flat[bucket.lo : bucket.lo + bucket.shard_size].float()
-                    sq[0] += (bucket.master.detach() - mine).double().pow(2).sum()
-                    sq[1] += bucket.master.detach().double().pow(2).sum()
+        for job in jobs:
+            sq += job.result()
         if self.track_drift:
             all_reduce_sum(sq)
             self.weight_drift = float(sq[0].sqrt() / sq[1].sqrt().clamp_min(1e-30))
+
+    def _finish_weights(self, bucket: FlatBucket, exchange: WeightExchange) -> Callable[[], Tensor]:
+        def run() -> Tensor:
+            exchange.apply()
+            bucket.store_to_params()
+            sq = torch.zeros(2, dtype=torch.float64, device=self.root_device)
+            if self.track_drift:
+                mine = bucket.model_flat[bucket.lo : bucket.lo + bucket.shard_size].float()
+                sq[0] = (bucket.master.detach() - mine).double().pow(2).sum()
+                sq[1] = bucket.master.detach().double().pow(2).sum()
+            return sq
+
+        return run
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """``clip_grad_norm_`` over the whole model: the norm of all shards, all-reduced across ranks.
@@ -670,6 +838,8 @@ class SDP4BitStrategy(DDPStrategy):
             "sdp4bit/bytes_per_step": float(stats.bytes_per_step),
             "sdp4bit/skipped_steps": float(self.skipped_steps),
         }
+        if isinstance(self._ops, TimedOps):
+            metrics["sdp4bit/codec_ms"] = 1e3 * stats.codec_seconds
         if self.track_drift and not math.isnan(self.weight_drift):
             metrics["sdp4bit/weight_drift"] = self.weight_drift
         module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
@@ -734,6 +904,10 @@ class SDP4BitStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         """Destroy the intra/inter-node process groups created at set-up (one set per ``fit``), then as DDP."""
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks = {}
+        self._pipeline.shutdown()
         if self.topology is not None:
             self.topology.destroy()
         super().teardown()
@@ -770,6 +944,38 @@ def grad_norm(
     if isinstance(strategy, SDP4BitStrategy) and strategy._buckets:
         return strategy.grad_norm(module, norm_type, group_separator)
     return lightning_grad_norm(module, norm_type, group_separator)
+
+
+class _GradJob:
+    """One bucket's gradient exchange in flight: its result, its checks, and what it was launched with."""
+
+    def __init__(self, bucket: FlatBucket, exchange: GradientExchange) -> None:
+        self.bucket = bucket
+        self.exchange = exchange
+        self.future: Any = None
+        self.checked = threading.Event()
+        self.finite = True
+        self.overflow: list[str] = []
+        # the gradient tensors and their version counters when the bucket was copied
+        self.launched = [(p.grad, p.grad._version) if p.grad is not None else None for p in bucket.params]
+
+    def dirty(self) -> bool:
+        """Whether a gradient of the bucket was replaced or edited in place after the bucket was launched."""
+        for p, seen in zip(self.bucket.params, self.launched, strict=True):
+            if seen is None:
+                if p.grad is not None:
+                    return True
+            elif p.grad is not seen[0] or p.grad._version != seen[1]:
+                return True
+        return False
+
+
+def _no_grad(fn: Callable[[], Any]) -> Callable[[], Any]:
+    def run() -> Any:
+        with torch.no_grad():
+            return fn()
+
+    return run
 
 
 def _unwrap(optimizer: Any) -> Optimizer:

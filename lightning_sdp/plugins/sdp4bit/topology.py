@@ -23,6 +23,8 @@ class Topology:
         inter_size: number of nodes.
         intra_group: process group of this node, or ``None``.
         inter_group: process group of the ranks with this local index, or ``None``.
+        world_group: a private process group of all ranks for the strategy's own collectives (weight all-gathers
+            that may run on a communication thread while the training loop uses the default group), or ``None``.
         owned_groups: the process groups :func:`build_topology` created that hold this rank (to destroy them).
     """
 
@@ -32,6 +34,7 @@ class Topology:
     inter_size: int
     intra_group: Any = None
     inter_group: Any = None
+    world_group: Any = None
     owned_groups: list[Any] = field(default_factory=list)
 
     def destroy(self) -> None:
@@ -40,7 +43,7 @@ class Topology:
             group = self.owned_groups.pop()
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group(group)
-        self.intra_group = self.inter_group = None
+        self.intra_group = self.inter_group = self.world_group = None
 
     @property
     def node(self) -> int:
@@ -89,4 +92,6 @@ def build_topology(rank: int, world_size: int, intra_size: int) -> Topology:
             if rank in ranks:
                 topo.inter_group = group
                 topo.owned_groups.append(group)
+    topo.world_group = dist.new_group(list(range(world_size)))
+    topo.owned_groups.append(topo.world_group)
     return topo

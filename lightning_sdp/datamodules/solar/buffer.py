@@ -10,8 +10,15 @@ Policies:
         deletion gives O(log C) per access.
     ``"lru"``: least recently used goes first; every miss is inserted.
     ``"fifo"``: first inserted goes first; hits do not change the order; every miss is inserted.
-    ``"solar"``: the artifact-style rule: FIFO, except that a sample that was just consumed (a hit in this step,
-        so not needed again before the next epoch) moves to the front of the eviction queue.
+    ``"solar"``: our earlier reading of the artifact's rule: FIFO, except that a sample that was just consumed (a
+        hit in this step) moves to the front of the eviction queue. Kept for comparison; it misreads the artifact.
+    ``"artifact_fifo"``: the rule of the SOLAR artifact (``hipdac-lab/SC24-SOLAR``, ``Cosmoflow/io_solar.py``,
+        ``CosDataset.getItemBalancing``), transcribed: insertion-ordered FIFO where hits do not reorder; a miss is
+        inserted first and, when that overflows the capacity, the victim is the oldest buffered sample that is in
+        the step's *load set* (other than the incoming one), else the oldest. The load set of step ``t`` of epoch
+        ``e > 0`` is, for the first ``C // G`` steps only, the step's global-batch samples that are not among the
+        last ``C`` samples of epoch ``e - 1`` (``idx_to_load``); samples in it are read into a side buffer and are
+        not inserted. In later steps and in epoch 0 the load set is empty (plain FIFO).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import heapq
 import re
 from collections import OrderedDict
 
-EVICTION_POLICIES = ("belady", "lru", "fifo", "solar")
+EVICTION_POLICIES = ("belady", "lru", "fifo", "solar", "artifact_fifo")
 
 _UNITS = {
     "": 1,
@@ -159,6 +166,35 @@ class ArtifactBuffer(_OrderedBuffer):
         self._order.move_to_end(sample, last=False)
 
 
+class ArtifactFIFOBuffer(_OrderedBuffer):
+    """The SOLAR artifact's eviction rule, transcribed (see the module docstring); the schedule calls
+    :meth:`begin_step` with each step's load set before offering its samples."""
+
+    policy = "artifact_fifo"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._load_set: frozenset[int] = frozenset()
+
+    def begin_step(self, load_set: set[int] | frozenset[int]) -> None:
+        """Set the load set (``idx_to_load`` of the artifact) of the step about to run."""
+        self._load_set = frozenset(load_set)
+
+    def offer(self, sample: int, next_use: int) -> tuple[bool, int | None]:
+        if self.capacity == 0 or sample in self._load_set:
+            return False, None  # the artifact reads load-set samples into its prefetch buffer, not the cache
+        if sample in self._order:
+            raise ValueError(f"sample {sample} is already buffered; a buffered sample cannot miss")
+        self._order[sample] = None
+        if len(self._order) <= self.capacity:
+            return True, None
+        victim = next((k for k in self._order if k in self._load_set and k != sample), None)
+        if victim is None:
+            victim = next(iter(self._order))
+        del self._order[victim]
+        return True, victim
+
+
 class BeladyBuffer(Buffer):
     """Belady's MIN with bypass: evict the farthest next use; never insert what is needed last.
 
@@ -228,6 +264,7 @@ _POLICIES: dict[str, type[Buffer]] = {
     "lru": LRUBuffer,
     "fifo": FIFOBuffer,
     "solar": ArtifactBuffer,
+    "artifact_fifo": ArtifactFIFOBuffer,
 }
 
 

@@ -158,7 +158,8 @@ class SolarSchedule:
         buffer_size: buffer capacity in samples for all ranks together (``C``); each rank holds ``C / P``
             (the remainder goes to the first ranks). 0 disables buffering; more than ``N`` caches everything.
         seed: seed of the permutations. Default 0.
-        eviction: ``"belady"`` (default), ``"lru"``, ``"fifo"`` or ``"solar"`` (artifact-style); see
+        eviction: ``"belady"`` (default), ``"lru"``, ``"fifo"``, ``"solar"`` (consumed-first FIFO, our earlier
+            reading of the artifact) or ``"artifact_fifo"`` (the artifact's rule, transcribed); see
             :mod:`lightning_sdp.datamodules.solar.buffer`.
         reroute: serve a buffered sample on the rank that holds it (within its global batch). Default True.
         balance: split each step's storage reads evenly across ranks and let local batch sizes vary. Default True.
@@ -352,8 +353,16 @@ class SolarSchedule:
         perm = self.permutation(epoch)
         inv_next, base = self._next_use_base(epoch)
         plans = []
+        prev_tail: set[int] = set()
+        if self.eviction == "artifact_fifo" and epoch > 0 and self.buffer_size > 0:
+            prev_tail = set(self.permutation(epoch - 1)[-self.buffer_size :].tolist())
+        load_steps = self.buffer_size // self.global_batch_size if prev_tail else 0
         for t in range(self.steps_per_epoch):
             ids = perm[t * self.global_batch_size : min((t + 1) * self.global_batch_size, self.num_samples)]
+            if self.eviction == "artifact_fifo":
+                load_set = {x for x in ids.tolist() if x not in prev_tail} if t < load_steps else set()
+                for buf in state.buffers:
+                    buf.begin_step(load_set)  # type: ignore[attr-defined]
             positions = self._assign(state, ids)
             ranks = []
             for r, pos in enumerate(positions):

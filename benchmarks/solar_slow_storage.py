@@ -1,0 +1,183 @@
+"""SOLAR against DataLoader + h5py on real slow storage (a throttled loop device), device bytes measured.
+
+Every configuration runs in its own child process inside the blkio (and memory) cgroup of
+:mod:`benchmarks._throttled_storage`; the page cache is dropped before every epoch; bytes and requests come from the
+cgroup's ``blkio.throttle.io_service_bytes`` / ``io_serviced``, not from the plan. Loading only, one rank (the
+peers, DDP ranks and training in the loop of issue 16 items 2-3 are not built yet).
+
+Modes: ``dl<W>`` = DataLoader + h5py, per-sample reads, shuffled, W workers; ``solar:<window>:<gap>[:opts]`` =
+SolarLoader with a read window of ``window`` steps and ``max_gap``; opts ``ra`` (kernel readahead on, the old
+behaviour), ``nobuf`` (buffer 0: coalesced reads alone), ``serial`` (one read at a time, no threads).
+
+    sudo .venv/bin/python -m benchmarks.solar_slow_storage            # full run
+    sudo .venv/bin/python -m benchmarks.solar_slow_storage --quick    # smoke run (about 2 minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+KEYS = ["diffraction", "amplitude", "phase"]
+DEFAULT_MODES = [
+    "dl0", "dl2", "dl4",
+    "solar:1:0:ra", "solar:1:0:serial:nobuf", "solar:1:0:serial", "solar:1:0",
+    "solar:16:8:nobuf", "solar:16:8",
+]
+
+
+def _child(mode: str, path: str, samples: int, epochs: int, batch: int, buffer: int, headroom_mib: int) -> None:
+    import h5py
+    import numpy as np
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    from benchmarks._throttled_storage import ThrottleGroup
+    from lightning_sdp.datamodules.solar import HDF5Reader, SolarLoader, SolarSchedule
+
+    torch.set_num_threads(1)
+    group = ThrottleGroup.from_env()
+    assert group is not None, "run through ThrottledStorage.run"
+    parts = mode.split(":")
+    opts = set(parts[3:])
+    schedule = SolarSchedule(samples, epochs, 1, batch, buffer_size=0 if "nobuf" in opts else buffer, seed=0)
+
+    class H5(Dataset):
+        def __init__(self) -> None:
+            self.f = None
+
+        def __len__(self) -> int:
+            return samples
+
+        def __getitem__(self, i: int):
+            if self.f is None:
+                self.f = h5py.File(path, "r")
+            return tuple(torch.from_numpy(self.f[k][i]) for k in KEYS)
+
+    loader = None
+    if parts[0] == "solar":
+        reader = HDF5Reader(
+            path, KEYS, max_gap=int(parts[2]), io_threads=1 if "serial" in opts else 4, readahead="ra" in opts
+        )
+        loader = SolarLoader(schedule, 0, reader, KEYS[0], KEYS[1:], read_window=int(parts[1]))
+    if headroom_mib > 0:
+        group.limit_memory(headroom_mib * 2**20)
+    for epoch in range(epochs):
+        group.drop_caches()
+        b0, r0, t0 = group.device_read_bytes(), group.device_read_requests(), time.perf_counter()
+        n = 0
+        if loader is not None:
+            loader.set_epoch(epoch)
+            for b in loader:
+                n += len(b["input"])
+        else:
+            workers = int(parts[0][2:])
+            dl = DataLoader(H5(), batch_size=batch, sampler=schedule.permutation(epoch).tolist(), num_workers=workers)
+            for b in dl:
+                n += len(b[0])
+        dt = time.perf_counter() - t0
+        rss = 0
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM"):
+                    rss = int(line.split()[1]) * 1024
+        print(json.dumps({
+            "mode": mode, "epoch": epoch, "samples": n, "seconds": dt, "samples_per_s": n / dt,
+            "device_mib": (group.device_read_bytes() - b0) / 2**20,
+            "device_requests": group.device_read_requests() - r0, "peak_rss_mib": rss / 2**20,
+        }), flush=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=2048)
+    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--buffer-fraction", type=float, default=0.25)
+    parser.add_argument("--bps", default="40MB")
+    parser.add_argument("--iops", type=int, default=400)
+    parser.add_argument("--readahead-kb", type=int, default=None, help="loop device readahead (default: kernel's)")
+    parser.add_argument("--headroom-mib", type=int, default=0,
+                        help="cap the group's memory at its use + this (0: no cap; the page cache may hold the file)")
+    parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--name", default="solar_slow_storage")
+    parser.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        m, p, s, e, b, c, h = args.child
+        _child(m, p, int(s), int(e), int(b), int(c), int(h))
+        return 0
+    from benchmarks._common import machine_info, markdown_table, write_results
+    from benchmarks._throttled_storage import ThrottledStorage
+    from lightning_sdp.datamodules.solar.ptycho import make_ptycho_h5
+
+    if args.quick:
+        args.samples, args.epochs, args.modes = 1024, 2, ["dl0", "solar:1:0:ra", "solar:1:0", "solar:16:8"]
+        args.name += "_quick"
+    buffer = int(round(args.buffer_fraction * args.samples))
+    rows = []
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        src = make_ptycho_h5(Path(tmp) / "ptycho.h5", args.samples, args.size, seed=0)
+        file_mib = os.path.getsize(src) / 2**20
+        try:
+            storage = ThrottledStorage("512MiB", args.bps, args.iops, args.readahead_kb)
+            storage.__enter__()
+        except PermissionError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        try:
+            path = str(storage.copy_in(src))
+            facts = storage.facts()
+            print(f"file {file_mib:.1f} MiB, buffer {buffer} samples; device {facts}", flush=True)
+            for mode in args.modes:
+                cmd = [sys.executable, "-m", "benchmarks.solar_slow_storage", "--child", mode, path,
+                       str(args.samples), str(args.epochs), str(args.batch), str(buffer), str(args.headroom_mib)]
+                out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
+                                     env={**os.environ, **storage.env()}, preexec_fn=storage.group_join)
+                for line in out.stdout.splitlines():
+                    if line.startswith("{"):
+                        rows.append(json.loads(line))
+                        print(line, flush=True)
+                if out.returncode:
+                    print(f"{mode}: exit {out.returncode}\n{out.stderr[-2000:]}", flush=True)
+        finally:
+            storage.cleanup()
+    summary = []
+    base = [r["samples_per_s"] for r in rows if r["mode"] == "dl0" and r["epoch"] > 0]
+    base_sps = sum(base) / len(base) if base else float("nan")
+    for mode in args.modes:
+        later = [r for r in rows if r["mode"] == mode and r["epoch"] > 0]
+        if not later:
+            continue
+        sps = sum(r["samples_per_s"] for r in later) / len(later)
+        summary.append({
+            "mode": mode, "samples/s (later epochs)": round(sps, 1), "vs dl0": round(sps / base_sps, 2),
+            "device MiB/epoch": round(sum(r["device_mib"] for r in later) / len(later), 1),
+            "device requests/epoch": round(sum(r["device_requests"] for r in later) / len(later)),
+            "peak RSS MiB": round(max(r["peak_rss_mib"] for r in later)),
+        })
+    md = (
+        f"File {file_mib:.1f} MiB ({args.samples} samples), buffer {buffer} samples (C/N = {buffer / args.samples:.2f}, "
+        f"so at most {(1 - buffer / args.samples) * file_mib:.1f} MiB/epoch for SOLAR), batch {args.batch}, "
+        f"{args.epochs} epochs, one rank, page cache dropped before every epoch, memory headroom "
+        f"{args.headroom_mib or 'uncapped'} MiB. Device: {facts}. 'later' = epochs after the first. Device bytes and "
+        "requests from the blkio cgroup.\n\n" + markdown_table(summary)
+        + f"\n\nWall time {time.perf_counter() - start:.0f} s.\n"
+    )
+    print(md)
+    write_results(args.name, {"args": vars(args), "device": facts, "summary": summary, "epochs": rows,
+                              "machine": machine_info()}, md, None)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,370 @@
+"""SOLAR against the loaders users pick, training PtychoNN through ``Trainer`` with real DDP ranks on slow storage.
+
+Issue 16 items 2, 3 and 5. One HDF5 file (and its litdata / webdataset conversions) lies on a throttled loop device
+(:mod:`benchmarks._throttled_storage`: blkio ``read_bps`` + ``read_iops`` limits, page cache dropped before every
+epoch). For every rank count P and loader, one child process inside the cgroups runs
+``Trainer(accelerator="cpu", devices=P, strategy="ddp")`` (P real processes) fitting the PtychoNN-like surrogate
+for a few epochs. Rank 0 records per epoch: wall time from the previous epoch's end (including the same validation
+pass for all), samples/s, bytes and requests the
+device served (cgroup counters, all ranks), peak RSS (rank 0); and the final validation loss (the same held-out
+file, read unthrottled by a plain DataLoader for every loader).
+
+Loaders (``--loaders``):
+
+- ``dl0``, ``dl2``, ``dl4``: ``torch.utils.data.DataLoader`` + h5py per-sample reads, ``DistributedSampler``
+  (exact per-epoch permutation), 0/2/4 workers.
+- ``torchdata``: ``torchdata.stateful_dataloader.StatefulDataLoader``, same dataset and sampler, 2 workers.
+- ``litdata``: ``litdata.StreamingDataset(shuffle=True)`` over chunks written by ``litdata.optimize`` (conversion
+  time reported separately); chunk-level shuffle, not an exact per-sample permutation. 2 workers.
+- ``webdataset``: tar shards (written once, time reported) read with ``shardshuffle`` + a 256-sample shuffle
+  buffer (not an exact permutation), 2 workers.
+- ``solar``: ``SolarDataModule`` defaults (``--solar-workers`` reader processes per rank, default 1) (reads exactly the planned samples); ``solar_window``: with
+  ``read_window=16, max_gap=8`` (fewer, longer requests).
+
+Run as root::
+
+    .venv/bin/python -m benchmarks.solar_vs_loaders --quick   # smoke run
+    .venv/bin/python -m benchmarks.solar_vs_loaders           # full run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+KEYS = ["diffraction", "amplitude", "phase"]
+LOADERS = ["dl0", "dl2", "dl4", "torchdata", "litdata", "webdataset", "solar", "solar_window"]
+
+
+# ----------------------------------------------------------------------------------------------------- child side
+def _peak_rss_mib() -> float:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _train(cfg: dict[str, Any]) -> None:
+    import h5py
+    import numpy as np
+    import torch
+    from lightning.pytorch import Callback, LightningDataModule, Trainer
+    from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+    from benchmarks._throttled_storage import ThrottleGroup
+    from lightning_sdp.datamodules.solar import SolarDataModule
+    from lightning_sdp.models.ptychonn import PtychoNN
+
+    torch.set_num_threads(1)
+    group = ThrottleGroup.from_env()
+    loader, batch, ranks, out = cfg["loader"], cfg["batch"], cfg["ranks"], cfg["out"]
+
+    class H5Samples(Dataset):
+        """Per-sample h5py reads, file opened lazily per process; returns (input, target)."""
+
+        def __init__(self, path: str) -> None:
+            self.path, self.f = path, None
+            with h5py.File(path, "r") as f:
+                self.n = f[KEYS[0]].shape[0]
+
+        def __len__(self) -> int:
+            return self.n
+
+        def __getitem__(self, i: int):
+            if self.f is None:
+                self.f = h5py.File(self.path, "r")
+            x, a, p = (torch.from_numpy(self.f[k][i]) for k in KEYS)
+            return x, torch.cat([a, p], dim=0)
+
+    def _val_loader() -> DataLoader:
+        return DataLoader(H5Samples(cfg["val"]), batch_size=64, num_workers=0)
+
+    class Peers(LightningDataModule):
+        def train_dataloader(self) -> Any:
+            t = self.trainer
+            rank, world = t.global_rank, t.world_size
+            if loader.startswith("dl") or loader == "torchdata":
+                ds = H5Samples(cfg["h5"])
+                sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
+                workers = int(loader[2:]) if loader.startswith("dl") else 2
+                extra = {"persistent_workers": True} if workers else {}
+                if loader == "torchdata":
+                    from torchdata.stateful_dataloader import StatefulDataLoader
+
+                    return StatefulDataLoader(ds, batch_size=batch, sampler=sampler, num_workers=workers, **extra)
+                return DataLoader(ds, batch_size=batch, sampler=sampler, num_workers=workers, **extra)
+            if loader == "litdata":
+                from litdata import StreamingDataLoader, StreamingDataset
+
+                # litdata copies chunks into cache_dir; keep that on the throttled device too, or later epochs
+                # would read the copies from the unthrottled disk
+                ds = StreamingDataset(cfg["litdata"], cache_dir=cfg["litdata_cache"], shuffle=True, drop_last=True,
+                                      seed=0, max_cache_size="64MB")
+                return StreamingDataLoader(ds, batch_size=batch, num_workers=2, collate_fn=_lit_collate)
+            if loader == "webdataset":
+                import webdataset as wds
+
+                steps = cfg["train_samples"] // (world * batch)
+                pipe = (
+                    wds.WebDataset(cfg["wds"], shardshuffle=len(cfg["wds"]), nodesplitter=wds.split_by_node,
+                                   workersplitter=wds.split_by_worker, empty_check=False, seed=0)
+                    .repeat()
+                    .shuffle(256)
+                    .decode()
+                    .to_tuple("x.npy", "y.npy")
+                    .map(lambda s: (torch.from_numpy(s[0]), torch.from_numpy(s[1])))
+                    .batched(batch, partial=False)
+                )
+                return wds.WebLoader(pipe, batch_size=None, num_workers=2).with_epoch(steps).with_length(steps)
+            raise ValueError(loader)
+
+        def val_dataloader(self) -> DataLoader:
+            return _val_loader()
+
+    class Probe(Callback):
+        def __init__(self) -> None:
+            self.t0 = 0.0
+            self.b0 = self.r0 = 0
+            self.rows: list[dict[str, Any]] = []
+
+        def _drop_and_start(self, trainer: Trainer) -> None:
+            """Drop the page cache, then start the clock and the device counters (all ranks wait for it)."""
+            trainer.strategy.barrier()
+            if trainer.global_rank == 0 and group is not None:
+                group.drop_caches()
+                self.b0, self.r0 = group.device_read_bytes(), group.device_read_requests()
+            trainer.strategy.barrier()
+            self.t0 = time.perf_counter()
+
+        def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+            self._drop_and_start(trainer)
+
+        def on_train_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
+            # Loader workers start reading when the epoch's iterator is made, before on_train_epoch_start, so an
+            # epoch is measured from the previous epoch's end (after its cache drop) to this one's end; it includes
+            # the validation pass, which is the same unthrottled file for every loader.
+            trainer.strategy.barrier()
+            dt = time.perf_counter() - self.t0
+            if trainer.global_rank == 0 and group is not None:
+                self.rows.append({
+                    "epoch": trainer.current_epoch, "seconds": dt,
+                    "samples_per_s": cfg["train_samples"] / dt,
+                    "device_mib": (group.device_read_bytes() - self.b0) / 2**20,
+                    "device_requests": group.device_read_requests() - self.r0,
+                    "peak_rss_mib_rank0": _peak_rss_mib(),
+                })
+            self._drop_and_start(trainer)
+
+        def on_fit_end(self, trainer: Trainer, pl_module: Any) -> None:
+            if trainer.global_rank == 0:
+                val = trainer.callback_metrics.get("val/loss")
+                with open(out, "w") as fh:
+                    json.dump({"epochs": self.rows, "val_loss": float(val) if val is not None else None}, fh)
+
+    if loader.startswith("solar"):
+        window = {"read_window": 16, "max_gap": 8} if loader == "solar_window" else {}
+        dm: Any = SolarDataModule(
+            cfg["h5"], KEYS[0], KEYS[1:], batch_size=batch, buffer_size=cfg["buffer"],
+            num_workers=cfg["solar_workers"],
+            seed=0, log_metrics=False, **window,
+        )
+        dm.val_dataloader = _val_loader  # the same held-out set for every loader
+    else:
+        dm = Peers()
+    torch.manual_seed(0)
+    model = PtychoNN(image_size=cfg["size"], base_channels=cfg["channels"], depth=2)
+    trainer = Trainer(
+        accelerator="cpu", devices=ranks, strategy="ddp" if ranks > 1 else "auto", max_epochs=cfg["epochs"],
+        use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[Probe()], num_sanity_val_steps=0,
+    )
+    trainer.fit(model, dm)
+    np.asarray(0)
+
+
+def _lit_collate(items: list[dict[str, Any]]):
+    import torch
+
+    x = torch.stack([torch.as_tensor(i["x"]) for i in items])
+    y = torch.stack([torch.as_tensor(i["y"]) for i in items])
+    return x, y
+
+
+# ---------------------------------------------------------------------------------------------------- conversions
+def _lit_item(i: int, path: str = "") -> dict[str, Any]:
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        import numpy as np
+
+        return {"x": f["diffraction"][i], "y": np.concatenate([f["amplitude"][i], f["phase"][i]], axis=0)}
+
+
+def _convert_litdata(src: str, dst: str, n: int) -> float:
+    import functools
+
+    from litdata import optimize
+
+    t0 = time.perf_counter()
+    optimize(fn=functools.partial(_lit_item, path=src), inputs=list(range(n)), output_dir=dst,
+             chunk_bytes="4MB", num_workers=1, verbose=False)
+    return time.perf_counter() - t0
+
+
+def _convert_webdataset(src: str, dst_dir: Path, n: int, shards: int) -> tuple[list[str], float]:
+    import h5py
+    import numpy as np
+    import webdataset as wds
+
+    t0 = time.perf_counter()
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    per = -(-n // shards)
+    with h5py.File(src, "r") as f:
+        x, a, p = (f[k][:n] for k in KEYS)
+    paths = []
+    for s in range(shards):
+        path = dst_dir / f"shard-{s:04d}.tar"
+        with wds.TarWriter(str(path)) as sink:
+            for i in range(s * per, min((s + 1) * per, n)):
+                sink.write({"__key__": f"{i:08d}", "x.npy": x[i], "y.npy": np.concatenate([a[i], p[i]], axis=0)})
+        paths.append(str(path))
+    return paths, time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------------------------------ controller
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=2048, help="training samples (file = 4x the buffer)")
+    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--channels", type=int, default=4, help="PtychoNN base channels (small: loading-bound)")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=32, help="local batch size")
+    parser.add_argument("--buffer-fraction", type=float, default=0.25)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--loaders", nargs="+", default=LOADERS)
+    parser.add_argument("--solar-workers", type=int, default=1, help="SOLAR reader processes per rank")
+    parser.add_argument("--bps", default="40MB")
+    parser.add_argument("--iops", type=int, default=400)
+    parser.add_argument("--readahead-kb", type=int, default=None)
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per (loader, ranks) run")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--name", default="solar_vs_loaders")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        _train(json.loads(args.child))
+        return 0
+    from benchmarks._common import machine_info, markdown_table, write_results
+    from benchmarks._throttled_storage import ThrottledStorage
+    from lightning_sdp.datamodules.solar.ptycho import make_ptycho_h5
+
+    if args.quick:
+        args.samples, args.epochs, args.ranks, args.size = 512, 2, [1, 2], 32
+        args.loaders = ["dl0", "dl2", "torchdata", "litdata", "webdataset", "solar", "solar_window"]
+        args.name += "_quick"
+    buffer = int(round(args.buffer_fraction * args.samples))
+    rows: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    repo = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        src = str(make_ptycho_h5(Path(tmp) / "train.h5", args.samples, args.size, seed=0))
+        val = str(make_ptycho_h5(Path(tmp) / "val.h5", 256, args.size, seed=1))
+        file_mib = os.path.getsize(src) / 2**20
+        try:
+            storage = ThrottledStorage(f"{max(256, int(4 * file_mib) + 64)}MiB", args.bps, args.iops,
+                                       args.readahead_kb)
+            storage.__enter__()
+        except PermissionError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        try:
+            h5 = str(storage.copy_in(src))
+            assert storage.mount is not None
+            conversions = {}
+            lit_dir = str(storage.mount / "litdata")
+            if "litdata" in args.loaders:
+                conversions["litdata_s"] = _convert_litdata(src, lit_dir, args.samples)
+            wds_paths: list[str] = []
+            if "webdataset" in args.loaders:
+                wds_paths, conversions["webdataset_s"] = _convert_webdataset(
+                    src, storage.mount / "wds", args.samples, 16
+                )
+            os.sync()
+            facts = storage.facts()
+            print(f"file {file_mib:.1f} MiB, buffer {buffer}; conversions {conversions}; device {facts}", flush=True)
+            for ranks in args.ranks:
+                for loader in args.loaders:
+                    out = Path(tmp) / f"{loader}_{ranks}.json"
+                    cfg = {
+                        "loader": loader, "ranks": ranks, "batch": args.batch, "epochs": args.epochs,
+                        "h5": h5, "val": val, "litdata": lit_dir, "litdata_cache": str(storage.mount / "litcache"), "wds": wds_paths, "buffer": buffer,
+                        "size": args.size, "channels": args.channels, "solar_workers": args.solar_workers, "out": str(out),
+                        "train_samples": (args.samples // (ranks * args.batch)) * ranks * args.batch,
+                    }
+                    cmd = [sys.executable, "-m", "benchmarks.solar_vs_loaders", "--child", json.dumps(cfg)]
+                    t0 = time.perf_counter()
+                    try:
+                        res = subprocess.run(cmd, capture_output=True, text=True, cwd=repo, timeout=args.timeout,
+                                             env={**os.environ, **storage.env()}, preexec_fn=storage.group_join)
+                        rc, err = res.returncode, res.stderr
+                    except subprocess.TimeoutExpired as exc:
+                        rc, err = "timeout", str(exc.stderr or "")[-2000:]
+                    if rc != 0 or not out.exists():
+                        print(f"P={ranks} {loader}: failed ({rc})\n{err[-3000:]}", flush=True)
+                        rows.append({"ranks": ranks, "loader": loader, "failed": str(rc)})
+                        continue
+                    result = json.loads(out.read_text())
+                    for e in result["epochs"]:
+                        rows.append({"ranks": ranks, "loader": loader, **e, "val_loss": result["val_loss"]})
+                    print(f"P={ranks} {loader}: " + " ".join(
+                        f"e{e['epoch']}:{e['samples_per_s']:.0f}/s,{e['device_mib']:.0f}MiB" for e in result["epochs"]
+                    ) + f" val {result['val_loss']:.4f} ({time.perf_counter() - t0:.0f}s)", flush=True)
+        finally:
+            storage.cleanup()
+    summary = []
+    for ranks in args.ranks:
+        base = [r["samples_per_s"] for r in rows if r.get("epoch", 0) > 0 and r["ranks"] == ranks
+                and r["loader"] in ("dl0", "dl2", "dl4")]
+        best_dl = max(base) if base else float("nan")
+        for loader in args.loaders:
+            later = [r for r in rows if r["ranks"] == ranks and r["loader"] == loader and r.get("epoch", 0) > 0]
+            if not later:
+                summary.append({"P": ranks, "loader": loader, "samples/s": "failed"})
+                continue
+            sps = sum(r["samples_per_s"] for r in later) / len(later)
+            summary.append({
+                "P": ranks, "loader": loader, "samples/s": round(sps, 1),
+                "vs best DataLoader": round(sps / best_dl, 2),
+                "epoch s": round(sum(r["seconds"] for r in later) / len(later), 2),
+                "device MiB/epoch": round(sum(r["device_mib"] for r in later) / len(later), 1),
+                "device requests/epoch": round(sum(r["device_requests"] for r in later) / len(later)),
+                "peak RSS MiB (rank 0)": round(max(r["peak_rss_mib_rank0"] for r in later)),
+                "final val loss": round(later[-1]["val_loss"], 4) if later[-1]["val_loss"] is not None else None,
+            })
+    md = (
+        f"Training PtychoNN (base channels {args.channels}, depth 2, {args.size}x{args.size}) through Trainer with P "
+        f"real DDP processes (gloo, CPU). File {file_mib:.1f} MiB ({args.samples} samples); SOLAR buffer {buffer} "
+        f"samples (C/N = {buffer / args.samples:.2f}: at most {(1 - buffer / args.samples) * file_mib:.1f} MiB/epoch); "
+        f"local batch {args.batch}; {args.epochs} epochs; page cache dropped before every epoch. Device: {facts}. "
+        f"Conversions (unthrottled source, written to the device): {conversions}. Columns are means over the epochs "
+        "after the first; an epoch runs from the previous epoch's end (cache dropped) to this one's end and includes "
+        "the same validation pass (256 samples, unthrottled) for every loader; samples/s counts training samples; device bytes and requests from the blkio cgroup (all ranks).\n\n"
+        + markdown_table(summary)
+        + f"\n\nWall time {time.perf_counter() - start:.0f} s.\n"
+    )
+    print(md)
+    write_results(args.name, {"args": vars(args), "device": facts, "conversions": conversions,
+                              "summary": summary, "epochs": rows, "machine": machine_info()}, md, None)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

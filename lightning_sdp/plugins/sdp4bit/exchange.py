@@ -97,8 +97,23 @@ class CommStats:
 
     def record(self, name: str, nbytes: int, elements: int) -> None:
         """Account ``nbytes`` sent for ``elements`` values by collective ``name`` in the current step."""
-        self.last.setdefault(name, CollectiveStats()).add(nbytes, elements)
-        self.total.setdefault(name, CollectiveStats()).add(nbytes, elements)
+        with self._lock:
+            self.last.setdefault(name, CollectiveStats()).add(nbytes, elements)
+            self.total.setdefault(name, CollectiveStats()).add(nbytes, elements)
+
+    def merge(self, other: CommStats) -> None:
+        """Add what ``other`` recorded in its current step to this step (and to the run's total).
+
+        A weight all-gather that runs past its optimizer step (overlapped with the next forward) records into its
+        own ``CommStats``; the strategy merges it when it waits for the gather, so the bytes count in that step.
+        """
+        with self._lock:
+            for name, stats in other.last.items():
+                for into in (self.last, self.total):
+                    mine = into.setdefault(name, CollectiveStats())
+                    mine.bytes += stats.bytes
+                    mine.elements += stats.elements
+                    mine.calls += stats.calls
 
     def new_step(self) -> None:
         """Start accounting a new step."""

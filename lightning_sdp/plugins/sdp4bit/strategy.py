@@ -118,6 +118,14 @@ class SDP4BitStrategy(DDPStrategy):
             intra- and inter-node all-to-alls of consecutive buckets, and pipeline the weight all-gather after the
             step (default ``True``). ``False`` runs the same per-bucket exchanges one after the other once backward
             is done; both give bit-identical results.
+        overlap_param_gather: with ``overlap=True`` and automatic optimization, return from the optimizer step
+            while the weight all-gather is still running and let each module's forward wait only for the bucket(s)
+            holding its own parameters (forward pre-hooks, Megatron's ``overlap_param_gather``); the buckets are
+            gathered in forward order, so the first layers' bucket arrives first (default ``False``: on loopback it
+            did not measure faster than waiting in the step, see ``docs/sdp4bit.md``). Everything
+            else that reads the weights (validation, checkpoints, ``on_train_end``, the next optimizer step) waits
+            for all of them first; so can your own code, with :meth:`wait_for_weights`. ``False``: the step waits
+            for the whole all-gather (pipelined per bucket). Ignored with ``overlap=False`` or manual optimization. Bit-identical results.
         accelerator: see :class:`~lightning.pytorch.strategies.DDPStrategy`.
         parallel_devices: see ``DDPStrategy``.
         cluster_environment: see ``DDPStrategy``.
@@ -129,8 +137,12 @@ class SDP4BitStrategy(DDPStrategy):
 
     Attributes:
         comm_stats: bytes and values sent per collective (last step and whole run), and the quantise/dequantise
-            time on the CPU (``codec_seconds``).
+            time on the CPU (``codec_seconds``). With ``overlap_param_gather`` a step's weight all-gather is
+            counted in the step that waits for it (the next one).
         buckets_launched_in_backward: how many buckets left for the exchange while backward was still running.
+        weight_gathers_pending_at_forward: summed over steps, how many buckets' weight all-gathers were still
+            running when the first forward after the optimizer step started (``overlap_param_gather``).
+        forward_waits_for_weights: how many times a module's forward had to wait for its bucket's all-gather.
     """
 
     strategy_name = "sdp4bit"
@@ -154,6 +166,7 @@ class SDP4BitStrategy(DDPStrategy):
         allow_any_optimizer: bool = False,
         bucket_size_mb: float | None = 4.0,
         overlap: bool = True,
+        overlap_param_gather: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -188,8 +201,9 @@ class SDP4BitStrategy(DDPStrategy):
                 f"bucket_size_mb must be a positive number of MiB (or None for one bucket per param group), got "
                 f"{bucket_size_mb!r}."
             )
-        if not isinstance(overlap, bool):
-            raise TypeError(f"SDP4BitStrategy: overlap must be a bool, got {overlap!r} ({type(overlap).__name__}).")
+        for flag, value in (("overlap", overlap), ("overlap_param_gather", overlap_param_gather)):
+            if not isinstance(value, bool):
+                raise TypeError(f"SDP4BitStrategy: {flag} must be a bool, got {value!r} ({type(value).__name__}).")
         if weight_compression not in WEIGHT_MODES:
             raise ValueError(f"weight_compression must be one of {WEIGHT_MODES}, got {weight_compression!r}.")
         if gradient_compression not in GRADIENT_MODES:
@@ -249,6 +263,7 @@ class SDP4BitStrategy(DDPStrategy):
         self.allow_any_optimizer = allow_any_optimizer
         self.bucket_size_mb = bucket_size_mb
         self.overlap = overlap
+        self.overlap_param_gather = overlap_param_gather
         self.gradient_format = gradient_format(
             gradient_compression, gradient_intra_bits, gradient_inter_bits, hadamard_size
         )
@@ -278,6 +293,23 @@ class SDP4BitStrategy(DDPStrategy):
         self._jobs: list[_GradJob | None] = []
         self._next_launch = 0
         self.buckets_launched_in_backward = 0
+        # Weight all-gathers in flight past the optimizer step (overlap_param_gather): a future per bucket, their
+        # accounting, the drift job; forward pre-hooks and the parameters each bucket holds; parameters whose
+        # module's pre-hook ran since the last gather ("covered") and buckets used outside any hooked forward
+        # ("eager": waited for at the start of every training_step).
+        self._weight_jobs: dict[int, Any] = {}
+        self._weight_stats: list[CommStats] = []
+        self._drift_job: Any = None
+        self._defer_weights = False
+        self._weight_bucket_of: dict[int, FlatBucket] = {}
+        self._param_position: dict[int, int] = {}
+        self._forward_hooks: list[Any] = []
+        self._hooked_modules: set[int] = set()
+        self._covered: set[int] = set()
+        self._eager: dict[int, FlatBucket] = {}
+        self._forward_started = True
+        self.weight_gathers_pending_at_forward = 0
+        self.forward_waits_for_weights = 0
 
     # ------------------------------------------------------------------------------------------------ set-up
 
@@ -364,6 +396,11 @@ class SDP4BitStrategy(DDPStrategy):
             )  # fmt: skip
             self._warn_padding(self._buckets[id(raw)])
         self._pipeline = Pipeline(threaded=self.overlap and self.world_size > 1)
+        self._defer_weights = (
+            self._pipeline.threaded and self.overlap_param_gather and self.lightning_module.automatic_optimization
+        )
+        self._eager = {}
+        self._index_params()
         # Global-norm and value clipping on the shards (Lightning clips through the precision plugin).
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
         self.precision_plugin.clip_grad_by_value = self._clip_grad_by_value  # type: ignore[method-assign]
@@ -415,6 +452,7 @@ class SDP4BitStrategy(DDPStrategy):
                     self._bucket_numel,
                 )
             )
+        self._index_params()
 
     def _select_ops(self) -> TorchOps:
         from lightning_sdp._imports import _TRITON_AVAILABLE
@@ -469,6 +507,8 @@ class SDP4BitStrategy(DDPStrategy):
             self._start_collecting(buckets)
             try:
                 result = closure()
+                self._note_uncovered()
+                self._wait_all_weights()  # the forward waited per bucket; the step below rewrites the masters
             except BaseException:
                 self._abandon_exchange()
                 raise
@@ -480,6 +520,7 @@ class SDP4BitStrategy(DDPStrategy):
 
         model = model or self.lightning_module
         try:
+            self._wait_all_weights()  # normally a no-op (done in the closure), unless a precision skips it
             with use_shards(raw, buckets):
                 output = self.precision_plugin.optimizer_step(
                     optimizer, model=model, closure=closure_with_exchange, **kwargs
@@ -491,7 +532,7 @@ class SDP4BitStrategy(DDPStrategy):
             for bucket in buckets:
                 bucket.master.grad = None
         if not self._skip_current:
-            self._exchange_weights(buckets)
+            self._launch_weights(buckets)
         self._step += 1
         self._log_metrics()
         return output
@@ -704,23 +745,46 @@ class SDP4BitStrategy(DDPStrategy):
             f"in {report} (skipped so far: {self.skipped_steps})."
         )
 
-    def _exchange_weights(self, buckets: list[FlatBucket]) -> None:
-        """qWD all-gather of every bucket, pipelined: bucket ``k + 1`` is quantised and sent while ``k`` is decoded."""
+    def _launch_weights(self, buckets: list[FlatBucket]) -> None:
+        """qWD all-gather of every bucket, pipelined: bucket ``k + 1`` is quantised and sent while ``k`` is decoded.
+
+        The buckets leave in forward order (the first layers' bucket first). With ``overlap_param_gather`` this
+        returns at once and each module's forward waits for its own bucket(s) (:meth:`_before_forward`); otherwise
+        it waits for all of them.
+        """
         assert self.topology is not None and self._rng is not None
-        jobs = []
-        for index, bucket in enumerate(buckets):
+        futures = []
+        self._covered = set()
+        self._forward_started = False
+        for index, bucket in sorted(enumerate(buckets), key=lambda item: self._forward_position(item[1])):
+            stats = CommStats()  # merged into comm_stats by _wait_all_weights, on the training thread
             exchange = WeightExchange(
                 bucket.model_flat, bucket.master.detach(), self.topology, self.weight_compression, self.weight_bits,
                 self.weight_group_size, self.rounding, self._rng.child(len(buckets) + index), self._ops,
-                self.comm_stats, self.topology.world_group,
+                stats, self.topology.world_group,
             )  # fmt: skip
-            jobs.append(self._pipeline.submit(_no_grad(exchange.send), _no_grad(self._finish_weights(bucket, exchange))))
-        sq = torch.zeros(2, dtype=torch.float64, device=self.root_device)
-        for job in jobs:
-            sq += job.result()
+            future = self._pipeline.submit(_no_grad(exchange.send), _no_grad(self._finish_weights(bucket, exchange)))
+            self._weight_jobs[id(bucket)] = future
+            self._weight_stats.append(stats)
+            futures.append(future)
         if self.track_drift:
-            all_reduce_sum(sq)
-            self.weight_drift = float(sq[0].sqrt() / sq[1].sqrt().clamp_min(1e-30))
+            self._drift_job = self._pipeline.submit(lambda: None, self._reduce_drift(futures))
+        if not self._defer_weights:
+            self._wait_all_weights()
+
+    def _reduce_drift(self, futures: list[Any]) -> Callable[[], float]:
+        """The all-reduce of the drift terms, on the second thread after every bucket is decoded (private group)."""
+
+        def run() -> float:
+            sq = torch.zeros(2, dtype=torch.float64, device=self.root_device)
+            for future in futures:
+                sq += future.result()
+            group = self.topology.world_group if self.topology is not None else None
+            if group is not None:
+                dist.all_reduce(sq, group=group)
+            return float(sq[0].sqrt() / sq[1].sqrt().clamp_min(1e-30))
+
+        return run
 
     def _finish_weights(self, bucket: FlatBucket, exchange: WeightExchange) -> Callable[[], Tensor]:
         def run() -> Tensor:
@@ -735,6 +799,110 @@ class SDP4BitStrategy(DDPStrategy):
 
         return run
 
+    def wait_for_weights(self) -> None:
+        """Wait until every weight all-gather in flight has written the model's parameters (no collective).
+
+        With ``overlap_param_gather`` the optimizer step returns before the new weights are in the model; a
+        module's forward waits for its own parameters, and the strategy waits for all of them before validation,
+        checkpoints, ``on_train_end`` and the next step. Call this in your own hooks that read the weights between
+        the step and the next forward (e.g. ``on_train_batch_end``); it is cheap when nothing is in flight.
+        """
+        self._wait_all_weights()
+
+    def _wait_all_weights(self) -> None:
+        """Wait for every pending weight all-gather (and the drift all-reduce); re-raise the first error."""
+        jobs, self._weight_jobs = self._weight_jobs, {}
+        drift, self._drift_job = self._drift_job, None
+        error: BaseException | None = None
+        for future in [*jobs.values(), *([drift] if drift is not None else [])]:
+            try:
+                future.result()
+            except BaseException as err:  # noqa: BLE001 - wait for all, then raise the first
+                error = error or err
+        stats, self._weight_stats = self._weight_stats, []
+        for one in stats:
+            self.comm_stats.merge(one)
+        if error is not None:
+            raise error
+        if drift is not None:
+            self.weight_drift = drift.result()
+
+    def _wait_quietly(self) -> None:
+        """:meth:`_wait_all_weights` on a path that is already failing or ending: log an error, do not raise."""
+        try:
+            self._wait_all_weights()
+        except Exception:  # noqa: BLE001 - the original error (or none, at teardown) is what the user must see
+            log.exception("SDP4BitStrategy: a weight all-gather in flight failed")
+
+    def _index_params(self) -> None:
+        """Map parameters to their buckets and forward positions; hook every module that holds a bucketed one."""
+        module = self.lightning_module
+        if module is None:
+            return
+        self._weight_bucket_of = {id(p): b for bs in self._buckets.values() for b in bs for p in b.params}
+        self._param_position = {id(p): i for i, p in enumerate(module.parameters())}
+        if not self._defer_weights:
+            return
+        for sub in module.modules():
+            if id(sub) in self._hooked_modules:
+                continue
+            if any(id(p) in self._weight_bucket_of for p in sub.parameters(recurse=False)):
+                self._forward_hooks.append(sub.register_forward_pre_hook(self._before_forward))
+                self._hooked_modules.add(id(sub))
+
+    def _forward_position(self, bucket: FlatBucket) -> int:
+        return min((self._param_position.get(id(p), len(self._param_position)) for p in bucket.params), default=0)
+
+    def _before_forward(self, module: Module, args: Any) -> None:
+        """Forward pre-hook: wait for the bucket(s) holding this module's own parameters (not its children's)."""
+        params = [p for p in module._parameters.values() if p is not None]
+        self._covered.update(id(p) for p in params)
+        if not self._weight_jobs:
+            return
+        if not self._forward_started:
+            self._forward_started = True
+            self.weight_gathers_pending_at_forward += sum(not f.done() for f in self._weight_jobs.values())
+        for p in params:
+            bucket = self._weight_bucket_of.get(id(p))
+            if bucket is not None:
+                self._wait_bucket(bucket)
+
+    def _wait_bucket(self, bucket: FlatBucket) -> None:
+        future = self._weight_jobs.pop(id(bucket), None)
+        if future is None:
+            return
+        if not future.done():
+            self.forward_waits_for_weights += 1
+        future.result()
+
+    def _note_uncovered(self) -> None:
+        """Buckets of parameters that got a gradient without their module's forward running first are "eager".
+
+        Such a parameter was read outside a hooked forward (e.g. ``self.weight`` used directly in
+        ``training_step``, or a module's parameter read by its parent): from now on its bucket is waited for at the
+        start of every ``training_step``. Found in the first step, where nothing is in flight yet.
+        """
+        if not self._defer_weights:
+            return
+        new = []
+        for buckets in self._buckets.values():
+            for bucket in buckets:
+                if id(bucket) in self._eager:
+                    continue
+                names = [
+                    n for p, n in zip(bucket.params, bucket.names, strict=True)
+                    if p.grad is not None and id(p) not in self._covered
+                ]  # fmt: skip
+                if names:
+                    self._eager[id(bucket)] = bucket
+                    new.extend(names)
+        if new and self._step > 0:
+            rank_zero_warn(
+                f"SDP4BitStrategy: the parameters {new} were used outside the forward of the module that holds them "
+                "after the weight all-gather had been overlapped with the forward; from now on their buckets are "
+                "gathered before each training_step. If this step read them stale, pass "
+                "`overlap_param_gather=False`."
+            )
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """``clip_grad_norm_`` over the whole model: the norm of all shards, all-reduced across ranks.
 
@@ -794,6 +962,7 @@ class SDP4BitStrategy(DDPStrategy):
             norm_type: the p of the p-norm; ``"inf"`` for the max norm.
             group_separator: separator between ``grad_{p}_norm`` and the parameter name.
         """
+        self._wait_all_weights()
         norm_type = float(norm_type)
         if norm_type <= 0:
             raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
@@ -849,6 +1018,7 @@ class SDP4BitStrategy(DDPStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         """Consolidated, world-size-independent state keyed like the unsharded optimizer (a collective)."""
+        self._wait_all_weights()
         buckets = self._buckets_of(optimizer)
         if buckets is None:
             return super().optimizer_state(optimizer)
@@ -860,6 +1030,7 @@ class SDP4BitStrategy(DDPStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Cut the consolidated state for this world size; set every rank's weights to the exact master weights."""
+        self._wait_all_weights()
         states = checkpoint["optimizer_states"]
         if len(states) != len(self.optimizers):
             raise ValueError(
@@ -885,6 +1056,7 @@ class SDP4BitStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model's state dict with the exact (consolidated) master weights in place of the reconstructed ones."""
         assert self.lightning_module is not None
+        self._wait_all_weights()
         state = self.lightning_module.state_dict()
         if not self._buckets:
             return state
@@ -902,11 +1074,56 @@ class SDP4BitStrategy(DDPStrategy):
 
 
     @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """As DDP, after any weight all-gather in flight (it would overwrite the loaded weights)."""
+        self._wait_all_weights()
+        super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Wait for the buckets whose parameters are read outside their module's forward, then as DDP."""
+        for bucket in self._eager.values():
+            self._wait_bucket(bucket)
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def on_train_start(self) -> None:
+        self._covered = set()  # forwards of the sanity check do not count
+        super().on_train_start()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._wait_all_weights()
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self._wait_all_weights()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._wait_all_weights()
+        super().on_predict_start()
+
+    @override
+    def on_train_end(self) -> None:
+        self._wait_all_weights()
+        super().on_train_end()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._wait_quietly()
+        super().on_exception(exception)
+
+    @override
     def teardown(self) -> None:
         """Destroy the intra/inter-node process groups created at set-up (one set per ``fit``), then as DDP."""
-        for handle in self._hooks.values():
+        self._wait_quietly()
+        for handle in [*self._hooks.values(), *self._forward_hooks]:
             handle.remove()
         self._hooks = {}
+        self._forward_hooks, self._hooked_modules = [], set()
         self._pipeline.shutdown()
         if self.topology is not None:
             self.topology.destroy()
@@ -914,6 +1131,7 @@ class SDP4BitStrategy(DDPStrategy):
 
     def master_shards(self, optimizer: Optimizer) -> list[Tensor]:
         """The fp32 master shards of ``optimizer``'s param groups on this rank (what the optimizer steps)."""
+        self._wait_all_weights()
         buckets = self._buckets_of(optimizer)
         if buckets is None:
             raise ValueError("This optimizer is not sharded by SDP4BitStrategy.")

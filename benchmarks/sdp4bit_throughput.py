@@ -1,0 +1,530 @@
+"""SDP4Bit against its peers on an emulated slow network: tokens/s, bytes on the wire and loss, side by side.
+
+One run, 2 emulated nodes x 2 processes (network namespaces joined by a veth pair whose egress is shaped with
+``tc tbf``, see ``benchmarks/emulated_cluster.py``), the same char GPT (>= 3M parameters), data, seed and steps for
+every method:
+
+- ``ddp``: Lightning's DDPStrategy on gloo;
+- ``ddp_fp16`` / ``ddp_bf16``: DDP with torch's ``fp16_compress_hook`` / ``bf16_compress_hook``;
+- ``powersgd_r1`` / ``powersgd_r4``: DDP with torch's PowerSGD hook (rank 1 / 4, error feedback, warm start);
+- ``zero_ddp``: DDP with torch's ``ZeroRedundancyOptimizer`` (AdamW state sharded, parameters broadcast);
+- ``fsdp2``: ``fully_shard`` (per Transformer block and the root) through Lightning's ModelParallelStrategy;
+- ``sdp4bit_none_none``, ``sdp4bit_qwd_tlq_hs``, ``sdp4bit_qw_ulq``: SDP4BitStrategy (weights/gradients);
+  ``..._sequential``: the same with ``overlap=False`` (exchange after backward), to show what overlap buys;
+  ``..._fwd``: the same with ``overlap_param_gather=True`` (the weight all-gather runs on into the next forward).
+
+Lightning's ``DDPStrategy(ddp_comm_hook=...)`` registers a hook only on CUDA devices (on a CPU it is silently not
+applied), so the DDP peers here register theirs with ``DistributedDataParallel.register_comm_hook`` themselves;
+the measured bytes on the wire show each hook acting.
+
+For every bandwidth of the sweep, each method trains ``--timing-steps`` steps and reports the median step time
+after ``--warmup`` steps (tokens/s) and the bytes each node's interface sent per step (kernel counter, headers
+included). At the highest bandwidth each method instead trains ``--steps`` steps and is validated: the arithmetic
+of a method does not depend on the link, so this validation loss stands for every bandwidth (the script checks it:
+the training loss at step ``--timing-steps`` must be identical in every run of a method). For SDP4Bit the bytes
+its own accounting (``strategy.comm_stats``) says had to cross nodes are reported beside the measured ones.
+
+Needs root (network namespaces). Run from the repository root::
+
+    .venv/bin/python -m benchmarks.sdp4bit_throughput            # the full sweep (see --help for the defaults)
+    .venv/bin/python -m benchmarks.sdp4bit_throughput --quick    # 2 bandwidths, 3 methods, few steps
+
+Writes ``benchmarks/results/sdp4bit_throughput{,_quick}.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import SHARED_DATA, machine_info, markdown_table, write_results  # noqa: E402
+
+METHODS = [
+    "ddp",
+    "ddp_fp16",
+    "ddp_bf16",
+    "powersgd_r1",
+    "powersgd_r4",
+    "zero_ddp",
+    "fsdp2",
+    "sdp4bit_none_none",
+    "sdp4bit_qwd_tlq_hs",
+    "sdp4bit_qw_ulq",
+    "sdp4bit_none_none_sequential",
+    "sdp4bit_qwd_tlq_hs_sequential",
+    "sdp4bit_none_none_fwd",
+    "sdp4bit_qwd_tlq_hs_fwd",
+]
+BANDWIDTHS = [50.0, 100.0, 200.0, 500.0, 1000.0, 10000.0]
+QUICK_METHODS = ["ddp", "ddp_fp16", "sdp4bit_qwd_tlq_hs"]
+QUICK_BANDWIDTHS = [100.0, 1000.0]
+
+
+# ------------------------------------------------------------------------------------------------ worker side
+def _hooked_ddp_strategy(hook: Any, state_factory: Any, timeout: timedelta, **ddp_kwargs: Any) -> Any:
+    """A DDPStrategy that registers a DDP communication hook on any device (Lightning's does so only on CUDA)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    class _HookedDDPStrategy(DDPStrategy):
+        def _register_ddp_hooks(self) -> None:
+            if hook is not None:
+                self.model.register_comm_hook(state_factory(), hook)
+
+    return _HookedDDPStrategy(process_group_backend="gloo", timeout=timeout, **ddp_kwargs)
+
+
+def _build(method: str, args: argparse.Namespace, vocab_size: int) -> tuple[Any, Any]:
+    """The LightningModule and the strategy of ``method``."""
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    from lightning_sdp.models.gpt import GPT, _CosineWithWarmup
+
+    timeout = timedelta(seconds=args.pg_timeout)
+    hp = dict(
+        vocab_size=vocab_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block,
+        learning_rate=args.lr, warmup_steps=args.warmup_lr, max_steps=args.steps,
+    )  # fmt: skip
+    if method == "ddp":
+        return GPT(**hp), _hooked_ddp_strategy(None, None, timeout)
+    if method in ("ddp_fp16", "ddp_bf16"):
+        hook = default_hooks.fp16_compress_hook if method == "ddp_fp16" else default_hooks.bf16_compress_hook
+        return GPT(**hp), _hooked_ddp_strategy(hook, lambda: None, timeout)
+    if method.startswith("powersgd_r"):
+        rank = int(method.removeprefix("powersgd_r"))
+
+        def state() -> Any:
+            return powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
+                use_error_feedback=True, warm_start=True, random_seed=args.seed,
+            )  # fmt: skip
+
+        # One bucket: PowerSGD's hook issues its P and Q all-reduces from future callbacks; on gloo, several
+        # buckets' callbacks then interleave in a different order on different ranks (collective mismatch, abort).
+        return GPT(**hp), _hooked_ddp_strategy(powerSGD_hook.powerSGD_hook, state, timeout, bucket_cap_mb=1024)
+    if method == "zero_ddp":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        class ZeroGPT(GPT):
+            def configure_optimizers(self) -> Any:
+                h = self.hparams
+                params = [p for p in self.parameters() if p.requires_grad]
+                optimizer = ZeroRedundancyOptimizer(
+                    [{"params": [p for p in params if p.dim() >= 2], "weight_decay": h.weight_decay},
+                     {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                    optimizer_class=torch.optim.AdamW, lr=h.learning_rate, betas=tuple(h.betas),
+                )  # fmt: skip
+                schedule = _CosineWithWarmup(h.warmup_steps, max(h.max_steps, 1), h.min_lr_ratio)
+                scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+                return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+        return ZeroGPT(**hp), _hooked_ddp_strategy(None, None, timeout)
+    if method == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+        from torch.distributed.fsdp import fully_shard
+
+        class FSDP2GPT(GPT):
+            def configure_model(self) -> None:
+                mesh = self.device_mesh["data_parallel"]
+                for block in self.transformer.h:
+                    fully_shard(block, mesh=mesh)
+                fully_shard(self, mesh=mesh)
+
+        strategy = ModelParallelStrategy(data_parallel_size=args.world, tensor_parallel_size=1, timeout=timeout)
+        return FSDP2GPT(**hp), strategy
+    if method.startswith("sdp4bit_"):
+        from lightning_sdp.plugins.sdp4bit import SDP4BitStrategy
+
+        name = method.removeprefix("sdp4bit_")
+        overlap = not name.endswith("_sequential")
+        forward_gather = name.endswith("_fwd")
+        weights, grads = name.removesuffix("_sequential").removesuffix("_fwd").split("_", 1)
+        strategy = SDP4BitStrategy(
+            weight_compression=weights, gradient_compression=grads, seed=args.seed, timeout=timeout, overlap=overlap,
+            overlap_param_gather=forward_gather,
+        )  # fmt: skip
+        return GPT(**hp), strategy
+    raise ValueError(f"Unknown method {method!r}; choose from {METHODS}.")
+
+
+def _sdp4bit_bytes(strategy: Any) -> dict[str, float] | None:
+    """Bytes SDP4Bit's own accounting (``strategy.comm_stats``) says this rank sent so far, per collective."""
+    stats = getattr(strategy, "comm_stats", None)
+    if stats is None or getattr(strategy, "topology", None) is None:
+        return None
+    return {k: float(v.bytes) for k, v in stats.total.items()}
+
+
+def _expected_node_egress(per_rank: list[dict[str, float]]) -> float:
+    """Bytes one node must send to the others, from its ranks' SDP4Bit accounting and gloo's algorithms.
+
+    ``grad_inter`` is an all-to-all whose every byte goes to a rank on another node; ``grad_intra`` stays on the
+    node. The weight all-gather runs as gloo's ring (rank r sends to r + 1): with ranks numbered node by node, one
+    ring edge leaves each node and carries the ``world - 1`` shards one rank forwards, which is exactly what one
+    rank's ``weight`` entry counts (it counts the bytes a rank's shard is sent to the ``world - 1`` others).
+    """
+    weight = statistics.mean(r.get("weight", 0.0) for r in per_rank)
+    return sum(r.get("grad_inter", 0.0) for r in per_rank) + weight
+
+
+def _meter(args: argparse.Namespace, strategy: Any, local_rank: int) -> Any:
+    import time as _time
+
+    from lightning.pytorch import Callback
+
+    from benchmarks.emulated_cluster import read_tx_bytes
+
+    ifname = os.environ.get("EMULATED_CLUSTER_IFNAME")
+
+    class Meter(Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.losses: list[float] = []
+            self.marks: dict[str, tuple[int | None, float | None]] = {}
+
+        def _mark(self, name: str) -> None:
+            tx = read_tx_bytes(ifname) if ifname and local_rank == 0 else None
+            self.marks[name] = (tx, _sdp4bit_bytes(strategy))
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.times.append(_time.perf_counter())
+            self.losses.append(float(outputs["loss"]))
+            if trainer.global_step == args.warmup:
+                self._mark("start")
+            if trainer.global_step == trainer.max_steps:
+                self._mark("end")
+
+    return Meter()
+
+
+def _run_method(method: str, bandwidth: float, steps: int, validate: bool, args: argparse.Namespace) -> dict:
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+
+    from lightning_sdp.datamodules.text import CharTextDataModule
+
+    pl.seed_everything(args.seed, verbose=False)
+    dm = CharTextDataModule(args.data, block_size=args.block, batch_size=args.batch, seed=args.seed)
+    dm.setup("fit")
+    model, strategy = _build(method, args, dm.vocab_size)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    meter = _meter(args, strategy, local_rank)
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=args.nproc, num_nodes=args.nodes, max_steps=steps,
+        limit_val_batches=args.val_batches if validate else 0, val_check_interval=steps,
+        check_val_every_n_epoch=None, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[meter],
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    trainer.fit(model, dm)
+    wall = time.perf_counter() - t0
+    val = float(trainer.callback_metrics["val/loss"]) if validate and "val/loss" in trainer.callback_metrics else None
+    durations = [b - a for a, b in zip(meter.times[args.warmup - 1 :], meter.times[args.warmup :])]
+    mine = {"marks": meter.marks, "rank": dist.get_rank(), "local_rank": local_rank,
+            "node": int(os.environ.get("GROUP_RANK", os.environ.get("EMULATED_CLUSTER_NODE", "0")))}  # fmt: skip
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    timed = steps - args.warmup
+    wire = [e["marks"]["end"][0] - e["marks"]["start"][0] for e in everyone if e["marks"]["end"][0] is not None]
+    node_ranks: dict[int, list[dict[str, float]]] = {}
+    for e in everyone:
+        (start, end) = (e["marks"]["start"][1], e["marks"]["end"][1])
+        if end is not None:
+            node_ranks.setdefault(e["node"], []).append({k: v - start.get(k, 0.0) for k, v in end.items()})
+    acct_nodes = {node: _expected_node_egress(ranks) for node, ranks in node_ranks.items()}
+    tokens_per_step = args.batch * args.block * args.world
+    median = statistics.median(durations)
+    return {
+        "method": method, "bandwidth_mbit": bandwidth, "steps": steps, "timed_steps": timed,
+        "median_step_s": median, "tokens_per_s": tokens_per_step / median, "step_s": durations,
+        "wire_bytes_per_step_per_node": sum(wire) / len(wire) / timed if wire else None,
+        "wire_bytes_per_node": wire,
+        "accounted_inter_bytes_per_step_per_node": (
+            sum(acct_nodes.values()) / len(acct_nodes) / timed if acct_nodes else None
+        ),
+        "train_losses_rank0": meter.losses, "val_loss": val, "wall_s": wall,
+        "params": sum(p.numel() for p in model.parameters()) if method != "fsdp2" else None,
+        "load_avg_1m": os.getloadavg()[0],
+    }
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One process of the sweep (started by torchrun inside a node of the emulated cluster)."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    from benchmarks.emulated_cluster import shape_interface
+
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    ifname = os.environ.get("EMULATED_CLUSTER_IFNAME")
+    quality_bw = max(args.bandwidths)
+    out = Path(args.out)
+    for bandwidth in sorted(args.bandwidths, reverse=True):
+        if dist.is_initialized():
+            dist.barrier()
+        if local_rank == 0 and ifname:
+            shape_interface(ifname, bandwidth)
+        if dist.is_initialized():
+            dist.barrier()
+        for method in args.methods:
+            quality = bandwidth == quality_bw
+            steps = args.steps if quality else args.timing_steps
+            try:
+                result = _run_method(method, bandwidth, steps, quality, args)
+            except Exception as err:  # noqa: BLE001 - recorded in the results, the sweep goes on
+                result = {"method": method, "bandwidth_mbit": bandwidth, "error": f"{type(err).__name__}: {err}",
+                          "traceback": traceback.format_exc()}  # fmt: skip
+                print(f"[rank {rank}] {method} @ {bandwidth:g} Mbit/s failed:\n{result['traceback']}", flush=True)
+                if dist.is_initialized():
+                    dist.barrier()
+            if rank == 0:
+                with out.open("a") as f:
+                    f.write(json.dumps(result) + "\n")
+                if "error" not in result:
+                    wire = result["wire_bytes_per_step_per_node"]
+                    print(f"[sweep] {bandwidth:>7g} Mbit/s {method:<20} {result['median_step_s']:.3f} s/step "
+                          f"{result['tokens_per_s']:8.0f} tok/s  wire {wire / 1e6 if wire else float('nan'):.2f} "
+                          f"MB/step/node  val {result['val_loss']}", flush=True)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ driver side
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Build the emulated cluster, run the sweep in one torchrun launch per node, return the result rows."""
+    from benchmarks.emulated_cluster import EmulatedCluster, require_root
+
+    require_root()
+    out = Path(tempfile.mkdtemp(prefix="sdp4bit_throughput_")) / "results.jsonl"
+    out.touch()
+    target = ["-m", "benchmarks.sdp4bit_throughput", "--worker", "--out", str(out),
+              "--bandwidths", *map(str, args.bandwidths), "--methods", *args.methods]  # fmt: skip
+    for name in ("data", "steps", "timing_steps", "warmup", "n_layer", "n_head", "n_embd", "block", "batch", "lr",
+                 "warmup_lr", "val_batches", "seed", "pg_timeout"):  # fmt: skip
+        target += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+           "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    with EmulatedCluster(nodes=args.nodes) as cluster:
+        procs = cluster.torchrun(target, nproc_per_node=args.nproc, master_port=_free_port(), env=env,
+                                 cwd=str(Path(__file__).resolve().parents[1]))  # fmt: skip
+        codes = cluster.wait(procs)
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    if any(codes):
+        print(f"torchrun exit codes {codes}; {len(rows)} results were written before", file=sys.stderr)
+        if not rows:
+            raise SystemExit(f"The sweep failed (torchrun exit codes {codes}); see the output above.")
+    return rows
+
+
+def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dict, str, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "error" not in r]
+    failed = {r["method"]: r["error"] for r in rows if "error" in r}
+    by = {(r["method"], r["bandwidth_mbit"]): r for r in ok}
+    methods = [m for m in args.methods if any(k[0] == m for k in by)]
+    bws = sorted({r["bandwidth_mbit"] for r in ok})
+    quality_bw = max(args.bandwidths)
+    ddp_val = by.get(("ddp", quality_bw), {}).get("val_loss")
+    check = min(args.timing_steps, args.steps) - 1
+
+    table = []
+    for m in methods:
+        for bw in bws:
+            r = by.get((m, bw))
+            if r is None:
+                continue
+            d = by.get(("ddp", bw))
+            wire, acct = r["wire_bytes_per_step_per_node"], r["accounted_inter_bytes_per_step_per_node"]
+            dwire = d["wire_bytes_per_step_per_node"] if d else None
+            table.append({
+                "method": m, "Mbit/s": int(bw) if bw == int(bw) else bw, "s/step (median)": r["median_step_s"],
+                "tokens/s": r["tokens_per_s"], "speed-up vs ddp": d["median_step_s"] / r["median_step_s"] if d else
+                float("nan"), "wire MB/step/node": wire / 1e6 if wire is not None else float("nan"),
+                "wire vs ddp": wire / dwire if wire and dwire else float("nan"),
+                "accounted MB/step/node": acct / 1e6 if acct is not None else "",
+                "wire / accounted": wire / acct if wire and acct else "",
+                "load": round(r["load_avg_1m"], 1),
+            })  # fmt: skip
+    quality = []
+    for m in methods:
+        q = by.get((m, quality_bw))
+        if q is None:
+            continue
+        same = [
+            by[(m, bw)]["train_losses_rank0"][check] == q["train_losses_rank0"][check]
+            for bw in bws if (m, bw) in by and len(by[(m, bw)]["train_losses_rank0"]) > check
+        ]  # fmt: skip
+        quality.append({
+            "method": m, f"val loss after {args.steps} steps": q["val_loss"],
+            "gap vs ddp (%)": 100 * (q["val_loss"] / ddp_val - 1) if ddp_val and q["val_loss"] else float("nan"),
+            f"train loss at step {check + 1} identical at every bandwidth": all(same),
+        })  # fmt: skip
+    speedups = []
+    for m in methods:
+        row: dict[str, Any] = {"method": m}
+        for bw in bws:
+            r, d = by.get((m, bw)), by.get(("ddp", bw))
+            row[f"{bw:g}"] = d["median_step_s"] / r["median_step_s"] if r and d else float("nan")
+        speedups.append(row)
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for row in speedups:
+        ys = [row[f"{bw:g}"] for bw in bws]
+        style = "-" if row["method"].startswith("sdp4bit") else "--"
+        ax.plot(bws, ys, style, marker="o", label=row["method"], lw=2 if row["method"].startswith("sdp4bit") else 1)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set(xscale="log", xlabel="inter-node bandwidth per direction (Mbit/s, tc tbf)", ylabel="speed-up over DDP",
+           title=f"GPT {args.n_layer}x{args.n_head}x{args.n_embd}, {args.nodes} nodes x {args.nproc} CPU processes")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+
+    params = next((r["params"] for r in ok if r.get("params")), None)
+    md = [
+        f"# SDP4Bit and peers on an emulated {args.nodes}-node cluster (CPU, gloo, tc tbf)",
+        "",
+        f"Char GPT n_layer={args.n_layer}, n_head={args.n_head}, n_embd={args.n_embd}, block={args.block}, "
+        f"{params} parameters; batch {args.batch} per rank ({args.batch * args.block * args.world} tokens per step); "
+        f"{args.nodes} nodes x {args.nproc} processes; AdamW lr {args.lr}; data `{args.data}`; seed {args.seed}. "
+        f"Timing: median step after {args.warmup} warm-up steps of {args.timing_steps} "
+        f"({args.steps} at {quality_bw:g} Mbit/s). Wire bytes: each node's interface counter (tx_bytes, all "
+        "headers), per step, mean over nodes. Accounted: what SDP4Bit's comm_stats says each node sent to the "
+        "other (its grad_inter all-to-all plus one ring edge of the weight all-gather; gloo runs all-gathers as a "
+        "ring).",
+        "",
+        "## Speed-up over DDP (median step time ratio)",
+        "",
+        markdown_table(speedups, floatfmt="{:.2f}"),
+        "",
+        f"## Quality (validation on {args.val_batches} batches per rank, trained at {quality_bw:g} Mbit/s)",
+        "",
+        markdown_table(quality),
+        "",
+        "## Every run",
+        "",
+        markdown_table(table, floatfmt="{:.3g}"),
+        "",
+    ]
+    if failed:
+        md += ["## Methods that did not run", ""] + [f"- `{m}`: {e}" for m, e in failed.items()] + [""]
+    payload = {"args": vars(args), "rows": rows, "speedups": speedups, "quality": quality, "table": table,
+               "failed": failed}  # fmt: skip
+    return payload, "\n".join(md), fig
+
+
+def _code_version() -> dict[str, Any]:
+    """The commit measured and the files the benchmark uses that differ from it (the results name both)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*argv: str) -> str:
+        proc = subprocess.run(["git", *argv], cwd=root, capture_output=True, text=True)
+        return proc.stdout.rstrip("\n") if proc.returncode == 0 else ""
+
+    used = ["lightning_sdp/plugins/sdp4bit", "lightning_sdp/kernels", "lightning_sdp/models/gpt.py",
+            "lightning_sdp/datamodules/text.py"]  # fmt: skip
+    dirty = [line[3:] for line in git("status", "--porcelain", "--", *used).splitlines()]
+    return {"commit": git("rev-parse", "--short", "HEAD") or "unknown", "dirty": dirty}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="2 bandwidths, 3 methods, few steps; writes *_quick.*")
+    p.add_argument("--bandwidths", type=float, nargs="+", default=None, help=f"Mbit/s (default {BANDWIDTHS})")
+    p.add_argument("--methods", nargs="+", default=None, help=f"subset of {METHODS}")
+    p.add_argument("--steps", type=int, default=None, help="steps of the quality run (highest bandwidth); default 150")
+    p.add_argument("--timing-steps", type=int, default=None, help="steps of every other run (default 8)")
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
+    p.add_argument("--data", default=str(SHARED_DATA / "tinyshakespeare" / "input.txt"))
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=2, help="processes per node")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--block", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4, help="windows per rank per step")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup-lr", type=int, default=20, help="LR warm-up steps")
+    p.add_argument("--val-batches", type=int, default=20)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--pg-timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
+    p.add_argument("--name", default="sdp4bit_throughput", help="stem of the files in benchmarks/results/")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    return p
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    if args.quick:
+        args.bandwidths = args.bandwidths or QUICK_BANDWIDTHS
+        args.methods = args.methods or QUICK_METHODS
+        args.steps = args.steps or 10
+        args.timing_steps = args.timing_steps or 7
+        args.val_batches = min(args.val_batches, 4)
+    args.bandwidths = args.bandwidths or BANDWIDTHS
+    args.methods = args.methods or METHODS
+    args.steps = args.steps or 150
+    args.timing_steps = args.timing_steps or 8
+    args.world = args.nodes * args.nproc
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"Unknown method(s) {unknown}: choose from {METHODS}.")
+    if args.warmup < 1 or min(args.steps, args.timing_steps) <= args.warmup + 1:
+        raise SystemExit(
+            f"--steps ({args.steps}) and --timing-steps ({args.timing_steps}) must exceed --warmup ({args.warmup}) "
+            "by at least 2, so that at least 2 steps are timed; --warmup must be at least 1."
+        )
+    if args.worker:
+        worker(args)
+        return
+    if not Path(args.data).exists():
+        raise SystemExit(f"{args.data} not found: pass --data PATH (tiny Shakespeare, see ../shared/data/README.md)")
+    load_start = os.getloadavg()
+    code = _code_version()
+    t0 = time.perf_counter()
+    rows = run(args)
+    payload, md, fig = summarise(rows, args)
+    payload["total_wall_s"] = time.perf_counter() - t0
+    payload["load_avg_start"], payload["load_avg_end"] = load_start, os.getloadavg()
+    payload["code"] = code
+    md += f"\nCode: commit {code['commit']}" + (
+        f", with uncommitted changes in {', '.join(code['dirty'])}" if code["dirty"] else ", clean"
+    ) + ".\n"
+    noisy = load_start[0] > 0.5 * machine_info()["cores"]  # before our own processes started
+    md += (f"\nTotal wall time {payload['total_wall_s']:.0f} s. Load average (1, 5, 15 min) at start "
+           f"{', '.join(f'{x:.1f}' for x in load_start)}, at end "
+           f"{', '.join(f'{x:.1f}' for x in payload['load_avg_end'])}"
+           + (" (loaded machine: timings are noisy)." if noisy else ".") + "\n")  # fmt: skip
+    write_results(args.name + ("_quick" if args.quick else ""), payload, md, fig)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

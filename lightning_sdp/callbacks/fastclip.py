@@ -9,7 +9,7 @@ it is refused at ``setup`` with a message naming the missing attributes.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 import torch
@@ -213,8 +213,9 @@ class TemperatureScheduler(Callback):
     """Keep the temperature in range after each optimizer step, apply v3's threshold rule, log the temperature.
 
     After every training batch: clamps ``logit_scale`` to ``[0, ln(1 / tau_min)]`` (so ``tau >= tau_min``, the
-    OpenCLIP clamp to 100 with the default); for FastCLIP-v3 switches the temperature's learning rate from
-    ``lr_tau`` to ``lr_tau * thresh_factor`` once ``tau <= step_thresh`` (FastCLIP's ``step_thresh`` rule); logs
+    OpenCLIP clamp to 100 with the default); for FastCLIP-v3 sets the temperature's learning rate to
+    ``lr_tau * thresh_factor`` while ``tau <= step_thresh`` and to ``lr_tau`` otherwise, re-checked after every step
+    (FastCLIP's ``step_thresh`` rule); logs
     ``train/tau`` (mean) and, for individual temperatures (v2, iSogCLR), ``train/tau_std``, ``train/tau_min``,
     ``train/tau_max`` over the samples visited so far.
 
@@ -274,10 +275,17 @@ class TemperatureScheduler(Callback):
             with torch.no_grad():
                 scale.clamp_(0.0, math.log(1.0 / self.tau_min))
             tau = float(torch.exp(-scale.detach()))
-            if variant.objective == "rgcl_g" and self.step_thresh is not None and not self.switched and tau <= self.step_thresh:
-                pl_module.tau_lr_factor.fill_(self.thresh_factor)
-                self.switched = True
-                rank_zero_info(f"TemperatureScheduler: tau={tau:.4f} <= {self.step_thresh}; lr_tau x {self.thresh_factor:.3g}.")
+            if variant.objective == "rgcl_g" and self.step_thresh is not None:
+                # re-checked every step, as the official code does: lr_tau while tau > step_thresh, lr_tau *
+                # thresh_factor while tau <= step_thresh (tau may rise above the threshold again)
+                below = tau <= self.step_thresh
+                pl_module.tau_lr_factor.fill_(self.thresh_factor if below else 1.0)
+                if below != self.switched:
+                    rank_zero_info(
+                        f"TemperatureScheduler: tau={tau:.4f} {'<=' if below else '>'} {self.step_thresh}; lr_tau x "
+                        f"{self.thresh_factor if below else 1.0:.3g}."
+                    )
+                self.switched = below
             pl_module.log("train/tau", tau, on_step=True, on_epoch=False, batch_size=1)
             factor = getattr(pl_module, "tau_lr_factor", None)
             if factor is not None:
@@ -305,8 +313,11 @@ class TemperatureScheduler(Callback):
 class ZeroShotEvaluation(Callback):
     """Zero-shot classification and image-text retrieval on the validation split, every validation epoch.
 
-    Class embeddings are the normalised mean of the text embeddings of ``template.format(classname)`` over the
-    templates; top-k accuracy comes from torchmetrics. Retrieval ranks all validation captions for each image
+    The zero-shot classifier comes from ``open_clip.build_zero_shot_classifier`` (the normalised mean of the
+    normalised text embeddings of each class's prompts; templates may be format strings or callables), fed through
+    the module's ``encode_texts(list_of_str)``; top-k accuracy comes from torchmetrics. What this callback adds to
+    open_clip's zero-shot code: it runs inside ``validate``/``fit`` on the held-out split, gathers and de-duplicates
+    the features of every rank, and reports retrieval too. Retrieval ranks all validation captions for each image
     (``i2t``) and all images for each caption (``t2i``); a hit is any pair with an identical caption (built-in
     sets repeat captions). Logs ``val/zeroshot_top{k}``, ``val/i2t_r{k}``, ``val/t2i_r{k}`` and keeps the last values
     in :attr:`metrics`.
@@ -314,8 +325,8 @@ class ZeroShotEvaluation(Callback):
     Args:
         classnames: class names; ``None`` takes ``trainer.datamodule.classnames`` (zero-shot is skipped, with a
             message, when there are none, e.g. CSV data).
-        templates: prompt templates with one ``{}``; ``None`` takes ``trainer.datamodule.templates`` or
-            ``("a photo of a {}.",)``.
+        templates: prompt templates (format strings with one ``{}``, or callables ``classname -> prompt``); ``None``
+            takes ``trainer.datamodule.templates`` or ``("a photo of a {}.",)``.
         top_k: accuracies to report. Default (1, 5).
         recall_k: retrieval recalls to report. Default (1, 5).
     """
@@ -323,7 +334,7 @@ class ZeroShotEvaluation(Callback):
     def __init__(
         self,
         classnames: Sequence[str] | None = None,
-        templates: Sequence[str] | None = None,
+        templates: Sequence[str | Callable[[str], str]] | None = None,
         top_k: Sequence[int] = (1, 5),
         recall_k: Sequence[int] = (1, 5),
     ) -> None:
@@ -389,15 +400,23 @@ class ZeroShotEvaluation(Callback):
                 self._warned = True
             return out
         templates = self.templates or getattr(val_set, "templates", None) or ["a photo of a {}."]
+        from lightning_sdp._imports import require
+
+        require("open_clip", feature="zero-shot evaluation")
+        from open_clip import build_zero_shot_classifier
+
         with torch.no_grad():
             was_training = pl_module.training
             pl_module.eval()
-            class_emb = []
-            for name in classnames:
-                e = pl_module.encode_texts([t.format(name) for t in templates]).float().mean(dim=0)
-                class_emb.append(e / e.norm())
+            # open_clip builds the classifier (prompts per class, mean of the normalised embeddings, normalised);
+            # the module's encode_texts(list_of_str) does the tokenising, so any module with it works
+            # open_clip takes all-strings or all-callables; callables let the two be mixed
+            prompts = [(lambda c, t=t: t.format(c)) if isinstance(t, str) else t for t in templates]
+            weights = build_zero_shot_classifier(
+                _TextEncoder(pl_module), _keep_strings, list(classnames), prompts, num_classes_per_batch=None
+            )
             pl_module.train(was_training)
-        cls = torch.stack(class_emb).to(img.device)
+        cls = weights.T.float().to(img.device)
         logits = img @ cls.T
         target = labels.to(img.device)[idx]
         for k in self.top_k:
@@ -405,6 +424,28 @@ class ZeroShotEvaluation(Callback):
             acc = multiclass_accuracy(logits, target, num_classes=len(classnames), top_k=kk, average="micro")
             out[f"val/zeroshot_top{k}"] = float(acc)
         return out
+
+
+class _Strings(list):
+    """Prompts passed through open_clip's classifier builder untouched (it calls ``tokenizer(texts).to(device)``)."""
+
+    def to(self, *args: Any, **kwargs: Any) -> _Strings:
+        return self
+
+
+def _keep_strings(texts: Sequence[str]) -> _Strings:
+    return _Strings(texts)
+
+
+class _TextEncoder:
+    """``encode_text(texts, normalize)`` for open_clip's builder, from the module's ``encode_texts(list_of_str)``."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    def encode_text(self, texts: Sequence[str], normalize: bool = True) -> Tensor:
+        emb = self.module.encode_texts(list(texts)).float()
+        return torch.nn.functional.normalize(emb, dim=-1) if normalize else emb
 
 
 def _unique_first(idx: Tensor) -> tuple[Tensor, Tensor]:

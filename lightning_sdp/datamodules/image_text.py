@@ -69,6 +69,12 @@ class ImageTextDataset(Dataset):
         templates: Sequence[str] | None = None,
     ) -> None:
         self.captions = list(captions)
+        bad = [i for i, c in enumerate(self.captions) if not _has_text(c)]
+        if bad:
+            raise ValueError(
+                f"{len(bad)} caption(s) are empty or not text, first at index {bad[0]}: {self.captions[bad[0]]!r}. "
+                "Every pair needs a caption."
+            )
         self.transform = transform
         self.tokens = tokenizer(self.captions) if self.captions else torch.zeros(0, 1, dtype=torch.long)
         self.labels = torch.as_tensor(labels, dtype=torch.long) if labels is not None else None
@@ -131,15 +137,33 @@ class FileImageText(ImageTextDataset):
                     f"{len(missing)} image file(s) not found, first: {missing[0]}. Fix the paths, or pass "
                     "on_error='skip' to drop and count them."
                 )
+            empty = [str(p) for p, c in zip(paths, captions, strict=True) if not _has_text(c)]
+            if empty:
+                raise ValueError(
+                    f"{len(empty)} pair(s) have an empty caption, first: the caption of {empty[0]}. Fill the captions "
+                    "in, or pass on_error='skip' to drop and count these pairs."
+                )
+            # a cheap header check of every file (no decoding), so a corrupt image stops setup, not training
+            unreadable = [str(p) for p in paths if not _readable_header(p)]
+            if unreadable:
+                raise OSError(
+                    f"{len(unreadable)} image file(s) cannot be read as images, first: {unreadable[0]}. Replace or "
+                    "remove them, or pass on_error='skip' to drop and count them."
+                )
         else:
             keep = []
             for i, p in enumerate(paths):
-                if _readable_image(p):
+                if not _has_text(captions[i]):
+                    self.skipped.append(f"{p} (empty caption)")
+                elif _readable_image(p):
                     keep.append(i)
                 else:
                     self.skipped.append(str(p))
             if self.skipped:
-                msg = f"Skipped {len(self.skipped)} missing or unreadable image(s), first: {self.skipped[0]}."
+                msg = (
+                    f"Skipped {len(self.skipped)} missing or unreadable image(s) or empty caption(s), first: "
+                    f"{self.skipped[0]}."
+                )
                 warnings.warn(msg, stacklevel=2)
                 _log.warning(msg)
             paths = [paths[i] for i in keep]
@@ -156,6 +180,22 @@ class FileImageText(ImageTextDataset):
                 return img.convert("RGB")
         except (OSError, ValueError) as err:
             raise OSError(f"Cannot read image {path}: {err}") from err
+
+
+def _has_text(caption: Any) -> bool:
+    return isinstance(caption, str) and bool(caption.strip())
+
+
+def _readable_header(path: Path) -> bool:
+    """Whether PIL recognises the file's format and reads its size from the header (no pixel decoding)."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as img:
+            img.size  # noqa: B018 - parsed from the header
+        return True
+    except (OSError, ValueError, SyntaxError):
+        return False
 
 
 def _readable_image(path: Path) -> bool:
@@ -192,6 +232,13 @@ def read_csv_pairs(path: str | Path, img_key: str = "filepath", caption_key: str
                     f"Column {key!r} not in {path} (columns: {fields}). Set csv_img_key/csv_caption_key/csv_separator."
                 )
         rows = list(reader)
+    for line, r in enumerate(rows, 2):
+        for key in (img_key, caption_key):
+            if r.get(key) is None:
+                raise ValueError(
+                    f"{path}:{line}: the row has no {key!r} value (it has fewer columns than the header "
+                    f"{fields}). Fix the row, or check csv_separator ({separator!r})."
+                )
     return [_resolve(path.parent, r[img_key]) for r in rows], [r[caption_key] for r in rows]
 
 
@@ -262,6 +309,70 @@ def make_captioned_shapes(num_samples: int, seed: int = 0, image_size: int = 32)
     return images, captions, labels
 
 
+SCENE_BACKGROUNDS: dict[str, tuple[int, int, int]] = {
+    "black": (12, 12, 12),
+    "grey": (85, 85, 85),
+    "navy": (20, 25, 95),
+    "brown": (95, 55, 25),
+    "olive": (75, 80, 20),
+    "maroon": (95, 20, 40),
+}
+SCENE_SIZES = {"small": (0.1, 0.13), "medium": (0.15, 0.18), "large": (0.21, 0.25)}
+SCENE_POSITIONS: dict[str, tuple[float, float]] = {
+    f"{v}{' ' if v and h else ''}{h}" or "centre": (cy, cx)
+    for v, cy in (("top", 0.27), ("", 0.5), ("bottom", 0.73))
+    for h, cx in (("left", 0.27), ("", 0.5), ("right", 0.73))
+}
+
+
+def make_captioned_scenes(num_samples: int, seed: int = 0, image_size: int = 32) -> tuple[np.ndarray, list[str], np.ndarray]:
+    """Captioned shapes with more attributes, so that few captions repeat (deterministic in ``seed``).
+
+    One shape (5) of one colour (8), size (3), style (filled or outlined), position (9) on a named background (6):
+    12,960 distinct captions such as "a large outlined red circle at the top left on a navy background". In
+    :func:`make_captioned_shapes` only 400 captions exist, so in a set of 10,000 pairs every caption has ~25 exact
+    copies, which the global contrastive loss must treat as negatives; here a caption has ~1 copy per 13,000 pairs.
+    The label is ``colour shape`` (the 40 classes of :func:`shape_classnames`).
+
+    Returns:
+        ``(images (n, s, s, 3) uint8, captions, labels)``.
+    """
+    rng = np.random.default_rng(seed)
+    s = image_size
+    shape_id = rng.integers(0, len(SHAPES), num_samples)
+    colour_id = rng.integers(0, len(COLOURS), num_samples)
+    size_id = rng.integers(0, len(SCENE_SIZES), num_samples)
+    pos_id = rng.integers(0, len(SCENE_POSITIONS), num_samples)
+    bg_id = rng.integers(0, len(SCENE_BACKGROUNDS), num_samples)
+    outlined = rng.integers(0, 2, num_samples).astype(bool)
+    yy, xx = np.meshgrid((np.arange(s) + 0.5) / s, (np.arange(s) + 0.5) / s, indexing="ij")
+    colours = np.array(list(COLOURS.values()), dtype=np.float32)
+    backgrounds = np.array(list(SCENE_BACKGROUNDS.values()), dtype=np.float32)
+    sizes, positions = list(SCENE_SIZES.values()), list(SCENE_POSITIONS.values())
+    size_names, pos_names, bg_names = list(SCENE_SIZES), list(SCENE_POSITIONS), list(SCENE_BACKGROUNDS)
+    images = np.empty((num_samples, s, s, 3), dtype=np.uint8)
+    captions = []
+    for i in range(num_samples):
+        img = backgrounds[bg_id[i]] + rng.normal(0, 6, (s, s, 3)).astype(np.float32)
+        cy, cx = np.asarray(positions[pos_id[i]]) + rng.uniform(-0.03, 0.03, 2)
+        rad = rng.uniform(*sizes[size_id[i]])
+        dy, dx = yy - cy, xx - cx
+        mask = _shape_mask(SHAPES[shape_id[i]], dy, dx, rad)
+        if outlined[i]:
+            mask &= ~_shape_mask(SHAPES[shape_id[i]], dy, dx, rad * 0.55)
+        img[mask] = np.clip(colours[colour_id[i]] + rng.normal(0, 12, 3), 0, 255)
+        images[i] = np.clip(img, 0, 255).astype(np.uint8)
+        pos = pos_names[pos_id[i]]
+        where = "in the centre" if pos == "centre" else f"at the {pos}"
+        style = "outlined" if outlined[i] else "filled"
+        captions.append(
+            f"a {size_names[size_id[i]]} {style} {list(COLOURS)[colour_id[i]]} {SHAPES[shape_id[i]]} {where} on a "
+            f"{bg_names[bg_id[i]]} background"
+        )
+    labels = colour_id * len(SHAPES) + shape_id
+    return images, captions, labels
+
+
 def shape_classnames() -> list[str]:
     """The 40 ``colour shape`` class names of :func:`make_captioned_shapes`, in label order."""
     return [f"{c} {s}" for c in COLOURS for s in SHAPES]
@@ -307,21 +418,225 @@ def make_digits(image_size: int = 32, seed: int = 0) -> tuple[np.ndarray, list[s
     return images, captions, labels
 
 
+# ---------------------------------------------------------------------------------------------------- WebDataset
+WDS_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+"""Image members of a WebDataset sample (OpenCLIP's ``--wds`` convention: ``<key>.jpg`` + ``<key>.txt``)."""
+WDS_CAPTION_EXTS = ("txt",)
+
+
+def is_webdataset_path(path: str | Path | None) -> bool:
+    """Whether ``path`` names WebDataset shards: a ``.tar`` file, a brace pattern or ``::``-joined patterns."""
+    if path is None:
+        return False
+    text = str(path)
+    return text.endswith(".tar") or ("{" in text and "}" in text) or "::" in text
+
+
+def expand_shards(pattern: str | Path) -> list[Path]:
+    """Expand OpenCLIP's shard notation into local file paths, in order.
+
+    ``a-{000..009}.tar`` (numeric range, zero padding kept), ``{a,b}.tar`` (alternatives), several patterns joined
+    by ``::``. Remote URLs (``s3://``, ``pipe:``, ``http``) are not read by this loader.
+
+    Raises:
+        ValueError: a remote URL, or a pattern with unbalanced braces.
+        FileNotFoundError: a shard that does not exist (the first one is named).
+    """
+    out: list[Path] = []
+    for part in str(pattern).split("::"):
+        if "://" in part or part.startswith("pipe:"):
+            raise ValueError(
+                f"{part!r} is a remote URL; this loader reads local shards only. Download the shards (or mount them) "
+                "and pass a local pattern such as /data/shards/{00000..00099}.tar."
+            )
+        out += [Path(x) for x in _brace_expand(part)]
+    missing = [str(p) for p in out if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{len(missing)} of {len(out)} shard(s) not found, first: {missing[0]}.")
+    return out
+
+
+def _brace_expand(text: str) -> list[str]:
+    start = text.find("{")
+    if start < 0:
+        if "}" in text:
+            raise ValueError(f"Unbalanced braces in shard pattern {text!r}.")
+        return [text]
+    end = text.find("}", start)
+    if end < 0:
+        raise ValueError(f"Unbalanced braces in shard pattern {text!r}.")
+    body, head, tail = text[start + 1 : end], text[:start], text[end + 1 :]
+    if ".." in body:
+        lo, hi = body.split("..", 1)
+        width = len(lo) if lo.startswith("0") and len(lo) > 1 else 0
+        options = [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
+    else:
+        options = body.split(",")
+    return [head + o + rest for o in options for rest in _brace_expand(tail)]
+
+
+class WebDatasetImageText(Dataset):
+    """Image-caption pairs from local WebDataset tar shards, read by random access (OpenCLIP's shard convention).
+
+    Every sample is the members ``<key>.<image ext>`` and ``<key>.txt`` of a shard (``key`` = the member path up to
+    the first dot of its file name). At construction the shards' headers are scanned once (no image is decoded), so
+    each sample gets a fixed **index**: its position in shard order, then member order. That index addresses
+    FastCLIP's per-sample estimators, so ``data_size = len(dataset)``; samples are read by seeking to the member's
+    offset in the uncompressed tar, so any sampler (shuffling, ``DistributedSampler``) works. Compressed shards
+    (``.tar.gz``) cannot be read by offset and are refused.
+
+    Args:
+        shards: the shard paths (see :func:`expand_shards`).
+        transform: image transform (PIL image -> tensor).
+        tokenizer: ``tokenizer(list_of_str) -> LongTensor (n, context_length)``; captions are tokenised when read.
+        on_error: ``raise`` (a sample without an image or a caption, or an empty caption, stops construction naming
+            shard and key) or ``skip`` (dropped, counted in ``skipped`` and warned about). Default ``raise``.
+    """
+
+    def __init__(
+        self,
+        shards: Sequence[str | Path],
+        transform: Callable[[Any], Tensor],
+        tokenizer: Callable[[list[str]], Tensor],
+        on_error: Literal["raise", "skip"] = "raise",
+    ) -> None:
+        import tarfile
+
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}.")
+        self.shards = [Path(p) for p in shards]
+        if not self.shards:
+            raise ValueError("No WebDataset shards given.")
+        self.transform, self.tokenizer = transform, tokenizer
+        self.skipped: list[str] = []
+        # one row per sample: shard index, image offset, image size, caption offset, caption size
+        rows: list[tuple[int, int, int, int, int]] = []
+        self.keys: list[str] = []
+        for si, shard in enumerate(self.shards):
+            try:
+                tar = tarfile.open(shard, mode="r:")
+            except tarfile.TarError as err:
+                raise OSError(
+                    f"Cannot read {shard} as an uncompressed tar shard ({err}). Shards must be plain .tar files."
+                ) from err
+            members: dict[str, dict[str, tarfile.TarInfo]] = {}
+            order: list[str] = []
+            with tar:
+                for m in tar:
+                    if not m.isfile():
+                        continue
+                    folder, _, name = m.name.rpartition("/")
+                    stem, dot, ext = name.partition(".")
+                    if not dot:
+                        continue
+                    key = f"{folder}/{stem}" if folder else stem
+                    if key not in members:
+                        members[key] = {}
+                        order.append(key)
+                    members[key][ext.lower()] = m
+            for key in order:
+                found = members[key]
+                img = next((found[e] for e in WDS_IMAGE_EXTS if e in found), None)
+                cap = next((found[e] for e in WDS_CAPTION_EXTS if e in found), None)
+                problem = None
+                if img is None or cap is None:
+                    problem = f"no {'image' if img is None else 'caption (.txt)'} member"
+                elif cap.size == 0:
+                    problem = "an empty caption"
+                if problem is not None:
+                    where = f"{shard} sample {key!r}: {problem}"
+                    if on_error == "raise":
+                        raise ValueError(
+                            f"{where}. Every sample needs <key>.jpg/.png/.webp and a non-empty <key>.txt; fix the "
+                            "shard or pass on_error='skip' to drop and count such samples."
+                        )
+                    self.skipped.append(where)
+                    continue
+                rows.append((si, img.offset_data, img.size, cap.offset_data, cap.size))
+                self.keys.append(key)
+        if self.skipped:
+            msg = f"Skipped {len(self.skipped)} incomplete WebDataset sample(s), first: {self.skipped[0]}."
+            warnings.warn(msg, stacklevel=2)
+            _log.warning(msg)
+        self._rows = np.asarray(rows, dtype=np.int64).reshape(-1, 5)
+        self.labels = None
+        self.classnames = None
+        self.templates = None
+        self.caption_groups = None
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def _read(self, shard: int, offset: int, size: int) -> bytes:
+        with open(self.shards[shard], "rb") as f:
+            f.seek(offset)
+            return f.read(size)
+
+    def caption(self, index: int) -> str:
+        """The caption of sample ``index`` (UTF-8 text of its ``.txt`` member)."""
+        si, _, _, co, cs = (int(x) for x in self._rows[index])
+        text = self._read(si, co, cs).decode("utf-8").strip()
+        if not text:
+            raise ValueError(f"{self.shards[si]} sample {self.keys[index]!r}: empty caption.")
+        return text
+
+    def load_image(self, index: int) -> Any:
+        import io
+
+        from PIL import Image
+
+        si, io_off, io_size, _, _ = (int(x) for x in self._rows[index])
+        try:
+            with Image.open(io.BytesIO(self._read(si, io_off, io_size))) as img:
+                return img.convert("RGB")
+        except (OSError, ValueError) as err:
+            raise OSError(f"Cannot decode the image of {self.shards[si]} sample {self.keys[index]!r}: {err}") from err
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor, int]:
+        tokens = self.tokenizer([self.caption(index)])[0]
+        return self.transform(self.load_image(index)), tokens, index
+
+
+class _Subset(Dataset):
+    """A subset of a WebDataset set, with its own transform, whose indices are renumbered ``0 .. len - 1`` (the
+    estimators address samples by that index)."""
+
+    def __init__(self, base: WebDatasetImageText, keep: np.ndarray, transform: Callable[[Any], Tensor]) -> None:
+        self.base, self.keep, self.transform = base, np.asarray(keep, dtype=np.int64), transform
+        self.labels = self.classnames = self.templates = self.caption_groups = None
+        self.skipped = base.skipped
+
+    def __len__(self) -> int:
+        return len(self.keep)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor, int]:
+        j = int(self.keep[index])
+        tokens = self.base.tokenizer([self.base.caption(j)])[0]
+        return self.transform(self.base.load_image(j)), tokens, index
+
+
 class ImageTextDataModule(LightningDataModule):
     """Image-caption pairs for CLIP training; samples are ``(image, tokens, index)``.
 
     Args:
-        dataset: ``shapes`` (built-in procedural captioned shapes), ``digits`` (scikit-learn digits with prompt
-            captions), ``csv`` (OpenCLIP's CSV convention) or ``folder`` (images + captions file). Default ``shapes``.
-        train_data: CSV file (``csv``) or image folder (``folder``) of the training pairs.
+        dataset: ``shapes`` (built-in procedural captioned shapes, 400 distinct captions), ``scenes`` (the same
+            with more attributes, 12,960 distinct captions; see :func:`make_captioned_scenes`), ``digits``
+            (scikit-learn digits with prompt captions), ``csv`` (OpenCLIP's CSV convention), ``folder`` (images +
+            captions file), ``webdataset`` (local tar shards, OpenCLIP's convention; see
+            :class:`WebDatasetImageText`) or ``auto``: from ``train_data`` (a ``.tar`` file, a brace pattern such as
+            ``shards/{000..009}.tar`` or ``::``-joined patterns: ``webdataset``; another file: ``csv``; a folder:
+            ``folder``; none: ``shapes``). A shard pattern as ``train_data`` is read as WebDataset also with
+            ``csv`` or ``folder``. Default ``auto``.
+        train_data: CSV file (``csv``), image folder (``folder``) or shard pattern (``webdataset``) of the training
+            pairs.
         val_data: same for validation; ``None`` holds out ``val_fraction`` of the training pairs.
         model: model whose tokenizer and image size to use (``"tiny"``, an open_clip name or config dict). Default
             ``"tiny"``.
         batch_size: per-device training batch size (FastCLIP's global batch = this times the devices). Default 64.
         val_batch_size: validation batch size (default ``batch_size``).
         num_workers: DataLoader workers. Default 0.
-        num_train: number of generated training samples (``shapes``). Default 2000.
-        num_val: number of generated validation samples (``shapes``). Default 500.
+        num_train: number of generated training samples (``shapes``, ``scenes``). Default 2000.
+        num_val: number of generated validation samples (``shapes``, ``scenes``). Default 500.
         val_fraction: held-out fraction when ``val_data`` is ``None`` (``digits``, ``csv``, ``folder``). Default 0.1.
         seed: generation and split seed. Default 0.
         csv_img_key: image-path column of the CSV. Default ``filepath``.
@@ -340,7 +655,7 @@ class ImageTextDataModule(LightningDataModule):
 
     def __init__(
         self,
-        dataset: Literal["shapes", "digits", "csv", "folder"] = "shapes",
+        dataset: Literal["auto", "shapes", "scenes", "digits", "csv", "folder", "webdataset"] = "auto",
         train_data: str | None = None,
         val_data: str | None = None,
         model: str | dict[str, Any] = "tiny",
@@ -360,10 +675,11 @@ class ImageTextDataModule(LightningDataModule):
         drop_last: bool = True,
     ) -> None:
         super().__init__()
-        if dataset not in ("shapes", "digits", "csv", "folder"):
-            raise ValueError(f"dataset must be 'shapes', 'digits', 'csv' or 'folder', got {dataset!r}.")
-        if dataset in ("csv", "folder") and train_data is None:
-            raise ValueError(f"dataset={dataset!r} needs train_data (a CSV file or an image folder).")
+        kinds = ("auto", "shapes", "scenes", "digits", "csv", "folder", "webdataset")
+        if dataset not in kinds:
+            raise ValueError(f"dataset must be one of {', '.join(repr(k) for k in kinds)}, got {dataset!r}.")
+        if dataset in ("csv", "folder", "webdataset") and train_data is None:
+            raise ValueError(f"dataset={dataset!r} needs train_data (a CSV file, an image folder or a shard pattern).")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
         if not 0.0 < val_fraction < 1.0:
@@ -371,6 +687,18 @@ class ImageTextDataModule(LightningDataModule):
         self.save_hyperparameters()
         self.train_set: ImageTextDataset | None = None
         self.val_set: ImageTextDataset | None = None
+
+    @property
+    def kind(self) -> str:
+        """The data source in use: ``dataset``, or what ``auto`` (or a shard pattern) resolves to."""
+        hp = self.hparams
+        if is_webdataset_path(hp.train_data) and hp.dataset in ("auto", "csv", "folder", "webdataset"):
+            return "webdataset"
+        if hp.dataset != "auto":
+            return hp.dataset
+        if hp.train_data is None:
+            return "shapes"
+        return "folder" if Path(hp.train_data).is_dir() else "csv"
 
     @property
     def data_size(self) -> int:
@@ -400,13 +728,17 @@ class ImageTextDataModule(LightningDataModule):
         train_tf = preprocess_for(hp.model, is_train=hp.augment)
         val_tf = preprocess_for(hp.model, is_train=False)
         size = image_size_of(hp.model)
-        if hp.dataset == "shapes":
-            imgs, caps, labels = make_captioned_shapes(hp.num_train, seed=hp.seed, image_size=size)
-            vimgs, vcaps, vlabels = make_captioned_shapes(hp.num_val, seed=hp.seed + 1_000_003, image_size=size)
+        kind = self.kind
+        if kind == "webdataset":
+            self._setup_webdataset(train_tf, val_tf, tok)
+        elif kind in ("shapes", "scenes"):
+            make = make_captioned_shapes if kind == "shapes" else make_captioned_scenes
+            imgs, caps, labels = make(hp.num_train, seed=hp.seed, image_size=size)
+            vimgs, vcaps, vlabels = make(hp.num_val, seed=hp.seed + 1_000_003, image_size=size)
             meta = {"classnames": shape_classnames(), "templates": SHAPE_TEMPLATES}
             self.train_set = ArrayImageText(imgs, caps, transform=train_tf, tokenizer=tok, labels=labels, **meta)
             self.val_set = ArrayImageText(vimgs, vcaps, transform=val_tf, tokenizer=tok, labels=vlabels, **meta)
-        elif hp.dataset == "digits":
+        elif kind == "digits":
             imgs, caps, labels = make_digits(size, seed=hp.seed)
             tr, va = _split(len(caps), hp.val_fraction, hp.seed)
             meta = {"classnames": list(DIGIT_NAMES), "templates": DIGIT_TEMPLATES}
@@ -419,7 +751,7 @@ class ImageTextDataModule(LightningDataModule):
         else:
             read = (
                 (lambda p: read_csv_pairs(p, hp.csv_img_key, hp.csv_caption_key, hp.csv_separator))
-                if hp.dataset == "csv"
+                if kind == "csv"
                 else (lambda p: read_folder_pairs(p, hp.captions_file))
             )
             paths, caps = read(hp.train_data)
@@ -433,6 +765,16 @@ class ImageTextDataModule(LightningDataModule):
             self.val_set = FileImageText(vpaths, vcaps, on_error=hp.on_error, transform=val_tf, tokenizer=tok)
         if len(self.train_set) < 2:
             raise ValueError(f"The training set has {len(self.train_set)} pairs; CLIP training needs at least 2.")
+
+    def _setup_webdataset(self, train_tf: Any, val_tf: Any, tok: Any) -> None:
+        hp = self.hparams
+        train = WebDatasetImageText(expand_shards(hp.train_data), train_tf, tok, on_error=hp.on_error)
+        if hp.val_data is not None:
+            self.train_set = train
+            self.val_set = WebDatasetImageText(expand_shards(hp.val_data), val_tf, tok, on_error=hp.on_error)
+        else:
+            tr, va = _split(len(train), hp.val_fraction, hp.seed)
+            self.train_set, self.val_set = _Subset(train, tr, train_tf), _Subset(train, va, val_tf)
 
     def _world(self) -> tuple[int, int]:
         trainer = self._trainer if hasattr(self, "_trainer") else None

@@ -86,6 +86,21 @@ def test_temperature_scheduler_clamps_and_applies_v3_threshold_rule():
     assert float(other.scale.detach()) == 0.0 and float(other.tau_lr_factor) == 1.0
 
 
+def test_v3_lr_tau_rule_is_rechecked_every_step():
+    """lr_tau x 1/3 while tau <= step_thresh, back to lr_tau when tau rises above it (not latched)."""
+    module = _Stub("fastclip_v3")
+    cb = TemperatureScheduler(tau_min=0.01, step_thresh=0.03)
+    trainer = SimpleNamespace(global_step=1, log_every_n_steps=1)
+    with torch.no_grad():
+        module.scale.fill_(math.log(1 / 0.02))
+    cb.on_train_batch_end(trainer, module, None, None, 0)
+    assert float(module.tau_lr_factor) == pytest.approx(1 / 3)
+    with torch.no_grad():
+        module.scale.fill_(math.log(1 / 0.05))
+    cb.on_train_batch_end(trainer, module, None, None, 1)
+    assert float(module.tau_lr_factor) == 1.0 and not cb.switched
+
+
 def test_temperature_scheduler_logs_individual_temperature_spread():
     module = _Stub("fastclip_v2")
     loss = module.gcl_loss
@@ -144,6 +159,28 @@ def test_zero_shot_and_retrieval_metrics():
     # no class names: retrieval only
     m = ZeroShotEvaluation().compute(_Encoder(dim), img, txt, torch.arange(n), SimpleNamespace(caption_groups=labels))
     assert "val/zeroshot_top1" not in m and m["val/t2i_r1"] == 1.0
+
+
+@pytest.mark.open_clip
+def test_zero_shot_classifier_comes_from_open_clip_and_takes_callable_templates(monkeypatch):
+    import open_clip
+
+    calls = []
+    real = open_clip.build_zero_shot_classifier
+
+    def spy(*args, **kwargs):
+        calls.append(args[3])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(open_clip, "build_zero_shot_classifier", spy)
+    n, dim = 12, 6
+    labels = torch.arange(n) % dim
+    img = F.one_hot(labels, dim).float()
+    val_set = SimpleNamespace(labels=labels, classnames=[f"c{i}" for i in range(dim)], caption_groups=labels)
+    cb = ZeroShotEvaluation(templates=[lambda c: f"{c} drawn", "a {}"])  # open_clip accepts callables too
+    m = cb.compute(_Encoder(dim), img, img, torch.arange(n), val_set)
+    assert m["val/zeroshot_top1"] == 1.0
+    assert len(calls) == 1 and len(calls[0]) == 2
 
 
 # ----------------------------------------------------------------- the callbacks on a user's own LightningModule

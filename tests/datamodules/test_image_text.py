@@ -148,12 +148,40 @@ def test_missing_and_unreadable_images_raise_or_are_skipped_and_counted(tmp_path
         )
         dm.setup()
     assert dm.data_size == 5 and len(dm.train_set.skipped) == 2
-    # raise mode: an unreadable file fails when it is loaded, naming the file
+    # raise mode: an unreadable file stops setup (before any training step), naming the file
     (tmp_path / "captions.tsv").write_text("\n".join(lines[:5] + [lines[6]]) + "\n")
     dm = ImageTextDataModule(dataset="folder", train_data=str(tmp_path), val_data=str(tmp_path), model=MICRO)
-    dm.setup()
-    with pytest.raises(OSError, match="broken.png"):
-        dm.train_set[5]
+    with pytest.raises(OSError, match="1 image file.*broken.png"):
+        dm.setup()
+
+
+def test_corrupt_image_fails_at_setup_not_during_training(tmp_path):
+    """A file whose bytes are not an image (here the 4th of 8) is found by setup's header check."""
+    names = _write_images(tmp_path, 8)
+    (tmp_path / names[3]).write_bytes(b"\x89PNG garbage" + bytes(range(200)))
+    (tmp_path / "captions.tsv").write_text("".join(f"{n}\tpicture {i}\n" for i, n in enumerate(names)))
+    dm = ImageTextDataModule(dataset="folder", train_data=str(tmp_path), val_data=str(tmp_path), model=MICRO)
+    with pytest.raises(OSError, match=names[3]):
+        dm.setup()
+
+
+def test_empty_captions_and_short_csv_rows_get_clear_errors(tmp_path):
+    names = _write_images(tmp_path / "images", 4)
+    csv_path = tmp_path / "pairs.tsv"
+    rows = [f"images/{n}\tpicture {i}" for i, n in enumerate(names)]
+    csv_path.write_text("filepath\ttitle\n" + "\n".join(rows[:2] + [f"images/{names[2]}\t  "] + rows[3:]) + "\n")
+    with pytest.raises(ValueError, match="empty caption.*img_2.png"):
+        ImageTextDataModule(dataset="csv", train_data=str(csv_path), val_data=str(csv_path), model=MICRO).setup()
+    with pytest.warns(UserWarning, match="empty caption"):
+        dm = ImageTextDataModule(
+            dataset="csv", train_data=str(csv_path), val_data=str(csv_path), model=MICRO, on_error="skip"
+        )
+        dm.setup()
+    assert dm.data_size == 3
+    # a row without a caption column (fewer fields than the header) names the file and line
+    csv_path.write_text("filepath\ttitle\n" + "\n".join(rows[:3] + [f"images/{names[3]}"]) + "\n")
+    with pytest.raises(ValueError, match=r"pairs.tsv:5: the row has no 'title' value"):
+        ImageTextDataModule(dataset="csv", train_data=str(csv_path), model=MICRO).setup()
 
 
 def test_bad_arguments():
@@ -163,3 +191,68 @@ def test_bad_arguments():
         ImageTextDataModule(dataset="laion")
     with pytest.raises(FileNotFoundError, match="nowhere.tsv"):
         ImageTextDataModule(dataset="csv", train_data="nowhere.tsv", model=MICRO).setup()
+
+
+def _write_shards(folder, n_shards, per_shard, size=20, broken=None):
+    """OpenCLIP-style shards: <key>.png + <key>.txt per sample (``broken``: a key whose .txt is left out)."""
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    k = 0
+    for s in range(n_shards):
+        with tarfile.open(folder / f"shard-{s:03d}.tar", "w") as tar:
+            for _ in range(per_shard):
+                key = f"{k:06d}"
+                buf = io.BytesIO()
+                Image.fromarray(np.full((size, size, 3), 10 * k % 255, dtype=np.uint8)).save(buf, format="PNG")
+                files = {f"{key}.png": buf.getvalue()}
+                if key != broken:
+                    files[f"{key}.txt"] = f"picture number {k}".encode()
+                for name, data in files.items():
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+                k += 1
+
+
+def test_webdataset_shards_are_picked_from_the_path_and_keep_sample_indices(tmp_path):
+    from lightning_sdp.datamodules.image_text import WebDatasetImageText, expand_shards
+
+    _write_shards(tmp_path / "train", 3, 4)
+    _write_shards(tmp_path / "val", 1, 3)
+    pattern = str(tmp_path / "train" / "shard-{000..002}.tar")
+    assert [p.name for p in expand_shards(pattern)] == ["shard-000.tar", "shard-001.tar", "shard-002.tar"]
+    dm = ImageTextDataModule(train_data=pattern, val_data=str(tmp_path / "val" / "shard-000.tar"), model=MICRO,
+                             batch_size=4, augment=False)
+    assert dm.kind == "webdataset"
+    dm.setup()
+    assert isinstance(dm.train_set, WebDatasetImageText) and dm.data_size == 12 and len(dm.val_set) == 3
+    image, tokens, index = dm.train_set[6]
+    assert image.shape == (3, 16, 16) and index == 6 and dm.train_set.keys[6] == "000006"
+    assert dm.train_set.caption(6) == "picture number 6"
+    seen = sorted(int(i) for batch in dm.train_dataloader() for i in batch[2])
+    assert seen == list(range(12))  # every index once per epoch: the estimators' addresses
+    # no val_data: a held-out split with renumbered indices
+    dm = ImageTextDataModule(dataset="csv", train_data=pattern, model=MICRO, val_fraction=0.25, batch_size=3)
+    dm.setup()
+    assert dm.kind == "webdataset" and dm.data_size == 9 and len(dm.val_set) == 3 and dm.train_set[8][2] == 8
+
+
+def test_webdataset_bad_shards_get_clear_errors(tmp_path):
+    from lightning_sdp.datamodules.image_text import expand_shards
+
+    _write_shards(tmp_path, 1, 4, broken="000002")
+    shard = str(tmp_path / "shard-000.tar")
+    with pytest.raises(ValueError, match="000002.*no caption"):
+        ImageTextDataModule(train_data=shard, val_data=shard, model=MICRO).setup()
+    with pytest.warns(UserWarning, match="Skipped 1"):
+        dm = ImageTextDataModule(train_data=shard, val_data=shard, model=MICRO, on_error="skip", batch_size=2)
+        dm.setup()
+    assert dm.data_size == 3
+    with pytest.raises(FileNotFoundError, match="shard-001.tar"):
+        expand_shards(str(tmp_path / "shard-{000..001}.tar"))
+    with pytest.raises(ValueError, match="remote URL"):
+        expand_shards("s3://bucket/shard-{000..001}.tar")

@@ -23,6 +23,7 @@ class _TwoTower(nn.Module):
         self.img = nn.Linear(10, 6)
         self.txt = nn.Linear(7, 6)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.2)))
+        self.logit_bias = nn.Parameter(torch.tensor(-2.0))  # used by siglip only
 
     def encode_image(self, x: torch.Tensor) -> torch.Tensor:
         return self.img(x)
@@ -48,7 +49,7 @@ def _run(variant: str, rank: int, world_size: int) -> dict[str, object]:
         e1 = F.normalize(model.encode_image(x[sl]), dim=-1)
         e2 = F.normalize(model.encode_text(t[sl]), dim=-1)
         ls = {"learnable": model.logit_scale, "constant": model.logit_scale.detach(), "individual": None}[temperature]
-        out = loss_fn(e1, e2, idx[sl], ls)
+        out = loss_fn(e1, e2, idx[sl], ls, model.logit_bias) if variant == "siglip" else loss_fn(e1, e2, idx[sl], ls)
         out.loss.backward()
         if world_size > 1:  # what DDP does: average parameter gradients
             for p in model.parameters():
@@ -90,7 +91,7 @@ def _rank_fn(rank: int, world_size: int, variants: list[str]) -> dict[str, dict[
 def _variants() -> list[str]:
     from lightning_sdp._imports import _OPEN_CLIP_AVAILABLE
 
-    return [v for v in sorted(VARIANTS) if v != "openclip" or _OPEN_CLIP_AVAILABLE]
+    return [v for v in sorted(VARIANTS) if v not in ("openclip", "siglip") or _OPEN_CLIP_AVAILABLE]
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +107,7 @@ def test_unequal_local_batch_sizes_are_refused(two_process_results):
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_two_process_gradient_equals_one_process(variant, two_process_results):
-    if variant == "openclip":
+    if variant in ("openclip", "siglip"):
         pytest.importorskip("open_clip")
     single = _run(variant, 0, 1)
     ranks = [r[variant] for r in two_process_results]
@@ -116,7 +117,7 @@ def test_two_process_gradient_equals_one_process(variant, two_process_results):
                 torch.testing.assert_close(torch.from_numpy(r["grads"][step][name]), grad, rtol=1e-9, atol=1e-12, msg=f"{variant} {name} {step}")
         for k, v in single["state"].items():
             torch.testing.assert_close(torch.from_numpy(r["state"][k]), v, rtol=1e-9, atol=1e-12, msg=f"{variant} state {k}")
-    if variant != "openclip":
+    if variant not in ("openclip", "siglip"):
         # the gradient of the logit scale is non-zero exactly where it is learned
         learned = VARIANTS[variant].temperature == "learnable"
         assert (float(single["grads"][0]["logit_scale"].abs()) > 0) == learned

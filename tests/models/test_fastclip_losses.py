@@ -56,7 +56,11 @@ def test_gamma_one_eps_matches_open_clip_clip_loss_gradient():
 def test_matches_plain_reference_over_two_steps(objective, gamma):
     n = 6
     temperature = "learnable"
-    loss = _double(GlobalContrastiveLoss(10, objective=objective, temperature=temperature, gamma=gamma, rho=2.0))
+    loss = _double(
+        GlobalContrastiveLoss(
+            10, objective=objective, temperature=temperature, gamma=gamma, rho=2.0, temperature_gradient="exact"
+        )
+    )
     idx = torch.tensor([9, 0, 4, 2, 7, 5])
     u1 = torch.zeros(n, dtype=torch.float64)
     u2 = torch.zeros(n, dtype=torch.float64)
@@ -95,7 +99,11 @@ def test_first_visit_sets_u_to_g_then_moving_average():
 def test_v3_tau_gradient_is_rgcl_g_gradient_when_u_equals_g():
     """With gamma = 1 (u = g) the logit_scale gradient equals autograd of tau*mean[log(eps+g1)+log(eps+g2)]/2 + rho tau."""
     e1, e2 = _features(6)
-    loss = _double(GlobalContrastiveLoss(6, objective="rgcl_g", temperature="learnable", gamma=1.0, rho=3.0))
+    loss = _double(
+        GlobalContrastiveLoss(
+            6, objective="rgcl_g", temperature="learnable", gamma=1.0, rho=3.0, temperature_gradient="exact"
+        )
+    )
     ls = torch.tensor(math.log(1 / 0.3), dtype=torch.float64, requires_grad=True)
     out = loss(e1, e2, torch.arange(6), ls)
     (g_ls,) = torch.autograd.grad(out.loss, (ls,))
@@ -134,7 +142,9 @@ def test_individual_temperatures_stay_in_bounds_and_are_state():
 def test_individual_bound_shift_keeps_gradient_of_unshifted_loss():
     """The running bound only rescales g and u together: gradients equal those computed without a bound."""
     e1, e2 = _features(5)
-    loss = _double(GlobalContrastiveLoss(5, objective="rgcl", temperature="individual", gamma=1.0, eps=0.0))
+    loss = _double(
+        GlobalContrastiveLoss(5, objective="rgcl", temperature="individual", gamma=1.0, eps=0.0, temperature_gradient="exact")
+    )
     loss.tau1.fill_(0.05)
     loss.tau2.fill_(0.1)
     out = loss(e1, e2, torch.arange(5), None)

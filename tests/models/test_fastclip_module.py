@@ -199,6 +199,57 @@ def test_lamb_step_matches_formula():
     assert isinstance(module.configure_optimizers()["optimizer"], Lamb)
 
 
+def test_lamb_matches_timm_lamb_trust_ratio_only_with_weight_decay():
+    """As the official code and timm: no trust ratio on tensors without weight decay (biases, logit_scale)."""
+    timm_optim = pytest.importorskip("timm.optim")
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(3)), nn.Parameter(torch.tensor(2.6))]
+    twins = [nn.Parameter(p.detach().clone()) for p in params]
+
+    def groups(ps):
+        return [{"params": ps[:1], "weight_decay": 0.1}, {"params": ps[1:], "weight_decay": 0.0}]
+
+    ours = Lamb(groups(params), lr=0.05, betas=(0.9, 0.98), eps=1e-6)
+    timm = timm_optim.Lamb(groups(twins), lr=0.05, betas=(0.9, 0.98), eps=1e-6, max_grad_norm=None)
+    for _ in range(3):
+        for p, q in zip(params, twins, strict=True):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        ours.step()
+        timm.step()
+    for p, q in zip(params, twins, strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_one_source_of_defaults_per_variant():
+    from lightning_sdp.models.fastclip.losses import DEFAULT_RHO, DEFAULT_TEMPERATURE, build_loss
+
+    for name, objective in (("fastclip_v2", "rgcl"), ("isogclr", "rgcl"), ("fastclip_v3", "rgcl_g")):
+        module = FastCLIPModule(model=MICRO, loss=name, data_size=10)
+        assert module.rho == module.gcl_loss.rho == build_loss(name, 10).rho == DEFAULT_RHO[objective]
+    v2 = FastCLIPModule(model=MICRO, loss="fastclip_v2", data_size=10)
+    assert float(v2.gcl_loss.tau1[0]) == pytest.approx(DEFAULT_TEMPERATURE["individual"])
+    assert float(build_loss("fastclip_v2", 10).tau1[0]) == pytest.approx(DEFAULT_TEMPERATURE["individual"])
+    assert v2.gcl_loss.temperature_gradient == "reference"
+    exact = FastCLIPModule(model=MICRO, loss="fastclip_v3", data_size=10, temperature_gradient="exact")
+    assert exact.gcl_loss.temperature_gradient == "exact"
+    with pytest.raises(ValueError, match="temperature_gradient"):
+        FastCLIPModule(model=MICRO, loss="fastclip_v3", temperature_gradient="approx")
+
+
+def test_siglip_peer_trains_temperature_and_bias(tmp_path):
+    module = FastCLIPModule(model=MICRO, loss="siglip", warmup_steps=1, lr=5e-3)
+    assert float(module.logit_bias_parameter().detach()) == -10.0
+    assert module.temperature == pytest.approx(0.1)
+    assert module.gcl_loss is None and module.data_size is None
+    bias0 = float(module.logit_bias_parameter().detach())
+    _trainer(tmp_path, 1).fit(module, _dm())
+    assert float(module.logit_bias_parameter().detach()) != bias0
+    assert module.temperature != pytest.approx(0.1)
+    names = [n for n, _ in module.named_parameters()]
+    assert "logit_bias" in names
+
+
 def test_yaml_config_trains_two_steps(tmp_path):
     from lightning_sdp.cli import main
 

@@ -11,6 +11,7 @@ from lightning_sdp.models.fastclip.losses import (
     GlobalContrastiveLoss,
     LossOutput,
     OpenCLIPLoss,
+    SigLIPLoss,
     build_loss,
     reference_global_contrastive_loss,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "GlobalContrastiveLoss",
     "LossOutput",
     "OpenCLIPLoss",
+    "SigLIPLoss",
     "build_loss",
     "reference_global_contrastive_loss",
 ]

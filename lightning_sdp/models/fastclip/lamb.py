@@ -1,7 +1,9 @@
 """LAMB optimiser (You et al., "Large Batch Optimization for Deep Learning", arXiv 1904.00962), plain torch.
 
 Offered by :class:`~lightning_sdp.models.fastclip.FastCLIPModule` as ``optimizer="lamb"`` (FastCLIP's scripts use
-it for large batches). One loop over parameters, no fused kernels.
+it for large batches). As in the official code (``Optimization-AI/fast_clip``, ``src/training/optimizer.py``) and
+``timm.optim.Lamb``, the trust ratio is applied only to tensors whose group has a non-zero weight decay (biases,
+norms and ``logit_scale`` take the plain Adam step). One loop over parameters, no fused kernels.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ class Lamb(torch.optim.Optimizer):
         betas: moment decays. Default (0.9, 0.999).
         eps: denominator epsilon. Default 1e-6.
         weight_decay: decoupled weight decay added to the update before the trust ratio. Default 0.
+        always_adapt: apply the trust ratio to every tensor, also those without weight decay (the behaviour before
+            issue 17; ``timm.optim.Lamb``'s option of the same name). Default False (the official code).
     """
 
     def __init__(
@@ -30,10 +34,12 @@ class Lamb(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-6,
         weight_decay: float = 0.0,
+        always_adapt: bool = False,
     ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"Invalid LAMB hyper-parameters: lr={lr}, betas={betas}, eps={eps}, wd={weight_decay}.")
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "always_adapt": always_adapt}
+        super().__init__(params, defaults)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -61,7 +67,9 @@ class Lamb(torch.optim.Optimizer):
                 update = m_hat / (v_hat.sqrt() + group["eps"])
                 if group["weight_decay"]:
                     update = update + group["weight_decay"] * p
-                w_norm, u_norm = p.norm(), update.norm()
-                trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
-                p.add_(update * trust, alpha=-group["lr"])
+                if group["weight_decay"] or group.get("always_adapt", False):
+                    w_norm, u_norm = p.norm(), update.norm()
+                    trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+                    update = update * trust
+                p.add_(update, alpha=-group["lr"])
         return loss

@@ -16,8 +16,12 @@ moving-average estimators ``u1, u2`` (one entry per training sample, addressed b
 :class:`GlobalContrastiveLoss` implements the paper's distributed reduction (features, estimator values and indices
 all-gathered without autograd; each rank computes its anchors' terms and the terms in which its samples are the
 negatives of other ranks' anchors), so the parameter gradient after data parallelism's all-reduce equals the
-full-global-batch gradient. :func:`reference_global_contrastive_loss` is the plain full-batch reference it is
-tested against.
+full-global-batch gradient. :func:`reference_global_contrastive_loss` is a plain full-batch transcription of the
+*exact* gradient; the tests also compare every variant with an independent transcription of the official code
+(``Optimization-AI/fast_clip``, ``src/fast_clip/loss.py``), which is the default (``temperature_gradient="reference"``).
+
+:class:`SigLIPLoss` wraps ``open_clip``'s sigmoid loss (Zhai et al., arXiv 2303.15343), the loss users pick for small
+batches today, as a peer.
 """
 
 from __future__ import annotations
@@ -32,8 +36,21 @@ from torch import Tensor, nn
 
 from lightning_sdp.models.fastclip.distributed import all_gather_no_grad, check_equal_batch_sizes, world
 
-Objective = Literal["mbcl", "gcl", "rgcl", "rgcl_g"]
+Objective = Literal["mbcl", "sigmoid", "gcl", "rgcl", "rgcl_g"]
 TemperatureMode = Literal["learnable", "constant", "individual"]
+TemperatureGradient = Literal["reference", "exact"]
+
+# The one source of the defaults (the module, ``build_loss`` and the loss classes read them from here).
+DEFAULT_EPS = 1e-14
+"""``eps`` in ``log(eps + g)`` and ``1 / (u + eps)`` (the official code's default)."""
+DEFAULT_RHO: dict[str, float] = {"rgcl": 7.0, "rgcl_g": 6.5}
+"""KL radius: RGCL (v2, iSogCLR; paper script 7.0) and RGCL-g (v3; 6.5 for CC3M, 8.5 CC12M, 16 LAION)."""
+DEFAULT_TEMPERATURE: dict[str, float] = {"learnable": 0.07, "constant": 0.07, "individual": 0.03, "sigmoid": 0.1}
+"""Initial temperature: global 0.07 (CLIP), individual 0.03 (v2 paper script), SigLIP 0.1 (``log 10`` scale)."""
+DEFAULT_LR_TAU_INDIVIDUAL = 0.0133
+"""Step size of the individual temperatures' Adam-like update (v2 paper script)."""
+DEFAULT_SIGLIP_BIAS = -10.0
+"""SigLIP's initial logit bias (paper and open_clip)."""
 
 
 @dataclass(frozen=True)
@@ -41,9 +58,9 @@ class Variant:
     """One row of the FastCLIP variant table.
 
     Attributes:
-        objective: ``mbcl`` (OpenCLIP's mini-batch loss), ``gcl``, ``rgcl`` (individual temperatures) or ``rgcl_g``
-            (global learnable temperature, loss multiplied by tau).
-        gamma_schedule: ``cosine`` or ``constant`` inner learning rate (``None`` for ``mbcl``).
+        objective: ``mbcl`` (OpenCLIP's mini-batch loss), ``sigmoid`` (SigLIP), ``gcl``, ``rgcl`` (individual
+            temperatures) or ``rgcl_g`` (global learnable temperature, loss multiplied by tau).
+        gamma_schedule: ``cosine`` or ``constant`` inner learning rate (``None`` without estimators).
         temperature: ``learnable`` (global, by autograd), ``constant`` or ``individual`` (per sample and side).
     """
 
@@ -51,9 +68,21 @@ class Variant:
     gamma_schedule: Literal["cosine", "constant"] | None
     temperature: TemperatureMode
 
+    @property
+    def temperature_init(self) -> float:
+        """Default initial temperature (from :data:`DEFAULT_TEMPERATURE`)."""
+        key = "sigmoid" if self.objective == "sigmoid" else self.temperature
+        return DEFAULT_TEMPERATURE[key]
+
+    @property
+    def rho(self) -> float:
+        """Default KL radius (from :data:`DEFAULT_RHO`; 0 for the objectives without one)."""
+        return DEFAULT_RHO.get(self.objective, 0.0)
+
 
 VARIANTS: dict[str, Variant] = {
     "openclip": Variant("mbcl", None, "learnable"),
+    "siglip": Variant("sigmoid", None, "learnable"),
     "sogclr": Variant("gcl", "constant", "constant"),
     "isogclr": Variant("rgcl", "constant", "individual"),
     "fastclip_v0": Variant("gcl", "cosine", "learnable"),
@@ -155,6 +184,58 @@ class OpenCLIPLoss(nn.Module):
         return LossOutput(loss=loss, value=loss.detach())
 
 
+class SigLIPLoss(nn.Module):
+    """SigLIP's pairwise sigmoid loss (Zhai et al., arXiv 2303.15343) through ``open_clip.loss.SigLipLoss``.
+
+    Every image-text pair of the global batch is a binary classification (positive on the diagonal), with a learnable
+    temperature (``logit_scale``) and a learnable logit bias. Distributed, open_clip exchanges text features between
+    neighbouring ranks with autograd, so the gradient after data-parallel averaging is the full-global-batch one.
+
+    Args:
+        group: process group (default: the world).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.group = group
+        self._loss: nn.Module | None = None
+        self._world: tuple[int, int] | None = None
+
+    def forward(
+        self,
+        image_features: Tensor,
+        text_features: Tensor,
+        indices: Tensor | None = None,
+        logit_scale: Tensor | None = None,
+        logit_bias: Tensor | None = None,
+    ) -> LossOutput:
+        """Compute the loss.
+
+        Args:
+            image_features: ``(b, d)`` L2-normalised image embeddings (with autograd).
+            text_features: ``(b, d)`` L2-normalised text embeddings.
+            indices: unused (accepted for a uniform interface).
+            logit_scale: ``log(1 / tau)`` (a tensor, learnable or not).
+            logit_bias: the learnable logit bias (a scalar tensor).
+        """
+        _check_inputs(image_features, text_features, None, None)
+        if logit_scale is None or logit_bias is None:
+            raise ValueError(
+                "SigLIPLoss needs logit_scale = log(1 / temperature) and logit_bias (FastCLIPModule has both)."
+            )
+        from lightning_sdp._imports import require
+
+        require("open_clip", feature="the siglip loss")
+        from open_clip.loss import SigLipLoss
+
+        rank, size = world(self.group)
+        if self._loss is None or self._world != (rank, size):
+            self._loss = SigLipLoss(rank=rank, world_size=size)
+            self._world = (rank, size)
+        loss = self._loss(image_features, text_features, logit_scale.exp(), logit_bias)
+        return LossOutput(loss=loss, value=loss.detach())
+
+
 class GlobalContrastiveLoss(nn.Module):
     """GCL / RGCL / RGCL-g with per-sample estimators and FastCLIP's distributed gradient reduction.
 
@@ -168,10 +249,18 @@ class GlobalContrastiveLoss(nn.Module):
         temperature: ``learnable`` (global ``logit_scale`` trained by autograd), ``constant`` or ``individual``
             (per sample and side, updated inside the loss; required for and only allowed with ``rgcl``).
         gamma: inner learning rate of the estimator update (set each epoch by ``GammaScheduler``). Default 1.
-        eps: ``eps`` in ``log(eps + g)`` and ``1 / (u + eps)``. Default 1e-14.
-        rho: KL radius of the robust losses (``rgcl``, ``rgcl_g``). Default 6.5.
-        tau_init: initial individual temperature. Default 0.03.
-        lr_tau: step size of the individual temperatures' Adam-like update. Default 0.0133.
+        eps: ``eps`` in ``log(eps + g)`` and ``1 / (u + eps)``. Default :data:`DEFAULT_EPS` (1e-14).
+        rho: KL radius of the robust losses; ``None`` takes :data:`DEFAULT_RHO` (7.0 for ``rgcl``, 6.5 for ``rgcl_g``).
+        tau_init: initial individual temperature; ``None`` takes :data:`DEFAULT_TEMPERATURE` (0.03).
+        lr_tau: step size of the individual temperatures' Adam-like update; ``None`` takes
+            :data:`DEFAULT_LR_TAU_INDIVIDUAL` (0.0133).
+        temperature_gradient: ``reference`` (default) follows the official code (``Optimization-AI/fast_clip``):
+            the learnable temperature's gradient is taken through both halves of the surrogate (the anchors' terms
+            and the negatives' terms, so the surrogate's part counts twice: at world size 1 the ``logit_scale``
+            gradient is 2x the exact one for GCL), individual temperatures (v2) do not weight the model gradient,
+            and the negatives' half uses the anchors' temperatures after this step's update. ``exact``: the exact
+            gradient of the objective (temperature detached in the negatives' half, v2's model gradient weighted by
+            ``tau_i``, pre-update temperatures throughout). The model gradient of GCL / RGCL-g is the same in both.
         beta1_tau: first-moment decay of that update. Default 0.9.
         beta2_tau: second-moment decay. Default 0.999.
         eps_tau: denominator epsilon of that update. Default 1e-8.
@@ -187,10 +276,11 @@ class GlobalContrastiveLoss(nn.Module):
         objective: Literal["gcl", "rgcl", "rgcl_g"] = "rgcl_g",
         temperature: TemperatureMode = "learnable",
         gamma: float = 1.0,
-        eps: float = 1e-14,
-        rho: float = 6.5,
-        tau_init: float = 0.03,
-        lr_tau: float = 0.0133,
+        eps: float = DEFAULT_EPS,
+        rho: float | None = None,
+        tau_init: float | None = None,
+        lr_tau: float | None = None,
+        temperature_gradient: TemperatureGradient = "reference",
         beta1_tau: float = 0.9,
         beta2_tau: float = 0.999,
         eps_tau: float = 1e-8,
@@ -210,6 +300,11 @@ class GlobalContrastiveLoss(nn.Module):
             raise ValueError("The 'rgcl_g' objective (FastCLIP-v3) needs a learnable global temperature.")
         if not 0.0 < gamma <= 1.0:
             raise ValueError(f"gamma must be in (0, 1], got {gamma}.")
+        if temperature_gradient not in ("reference", "exact"):
+            raise ValueError(f"temperature_gradient must be 'reference' or 'exact', got {temperature_gradient!r}.")
+        rho = DEFAULT_RHO.get(objective, 0.0) if rho is None else rho
+        tau_init = DEFAULT_TEMPERATURE["individual"] if tau_init is None else tau_init
+        lr_tau = DEFAULT_LR_TAU_INDIVIDUAL if lr_tau is None else lr_tau
         if not 0.0 < tau_min <= tau_init <= tau_max:
             raise ValueError(f"Need 0 < tau_min <= tau_init <= tau_max, got {tau_min}, {tau_init}, {tau_max}.")
         self.data_size = int(data_size)
@@ -217,6 +312,7 @@ class GlobalContrastiveLoss(nn.Module):
         self.temperature = temperature
         self.eps = float(eps)
         self.rho = float(rho)
+        self.temperature_gradient: TemperatureGradient = temperature_gradient
         self.lr_tau = float(lr_tau)
         self.beta1_tau = float(beta1_tau)
         self.beta2_tau = float(beta2_tau)
@@ -260,6 +356,7 @@ class GlobalContrastiveLoss(nn.Module):
         """
         _check_inputs(image_features, text_features, indices, self.data_size)
         individual = self.temperature == "individual"
+        reference = self.temperature_gradient == "reference"
         if not individual and logit_scale is None:
             raise ValueError(f"A global-temperature loss ({self.objective}) needs logit_scale = log(1 / tau).")
         rank, size = world(self.group)
@@ -278,13 +375,13 @@ class GlobalContrastiveLoss(nn.Module):
         gathered = all_gather_no_grad(torch.cat([e1, e2], dim=1), self.group)
         all_e1, all_e2 = gathered[:, :d], gathered[:, d:]
         off = rank * b
-        # Remote copies are detached (they come from a no-grad all-gather, or are detached on one device); the local
-        # slice carries autograd, so this rank's anchors' terms reach their positives and local negatives.
-        mix_e1 = torch.cat([all_e1[:off], e1, all_e1[off + b :]])
-        mix_e2 = torch.cat([all_e2[:off], e2, all_e2[off + b :]])
+        # The official code's split (Optimization-AI/fast_clip, FastCLIPLoss.local / forward): (1) this rank's anchors
+        # against all gathered negatives, detached (autograd reaches the anchor and its positive); (2) every anchor of
+        # the global batch, detached, against this rank's samples as negatives (autograd reaches the negatives). After
+        # data parallelism's average each pair's gradient is counted once through each role.
         diag = (e1 * e2).sum(dim=1)
-        sim1 = e1 @ mix_e2.T  # (b, n): image anchors vs all texts
-        sim2 = e2 @ mix_e1.T  # (b, n): text anchors vs all images
+        sim1 = e1 @ all_e2.T  # (b, n): image anchors vs all texts
+        sim2 = e2 @ all_e1.T  # (b, n): text anchors vs all images
         rows = torch.arange(b, device=e1.device)
         not_pos = torch.ones(b, n, dtype=torch.bool, device=e1.device)
         not_pos[rows, rows + off] = False
@@ -341,29 +438,32 @@ class GlobalContrastiveLoss(nn.Module):
 
         w1 = 1.0 / (u1_new + self.eps)
         w2 = 1.0 / (u2_new + self.eps)
-        c1 = tau1 if individual else 1.0
-        c2 = tau2 if individual else 1.0
+        c1 = tau1 if (individual and not reference) else 1.0
+        c2 = tau2 if (individual and not reference) else 1.0
         surrogate = (w1 * g1 * c1 + w2 * g2 * c2).sum() / (2 * n)
-        if size > 1:
-            # Terms where this rank's samples are negatives of the other ranks' anchors: anchors (and their
-            # temperature) detached, weighted by the anchors' gathered estimators.
-            remote = torch.ones(n, dtype=torch.bool, device=e1.device)
-            remote[off : off + b] = False
-            r_e1, r_e2, r_stats = all_e1[remote], all_e2[remote], all_stats[remote].to(e1.dtype)
-            r_diag = (r_e1 * r_e2).sum(dim=1)
-            if individual:
-                rs1, rs2 = (1.0 / r_stats[:, 2])[:, None], (1.0 / r_stats[:, 3])[:, None]
-                rb1, rb2 = r_stats[:, 4:5], r_stats[:, 5:6]
+        # (2) Every anchor of the global batch (detached, weighted by its gathered estimator) against this rank's
+        # samples as negatives.
+        a_stats = all_stats.to(e1.dtype)
+        a_diag = (all_e1 * all_e2).sum(dim=1)
+        if individual:
+            if reference:  # the official code sends the anchors' temperatures after this step's update
+                at1, at2 = self.tau1[all_idx].to(e1.dtype), self.tau2[all_idx].to(e1.dtype)
             else:
-                rs1 = rs2 = s.detach()
-                rb1 = rb2 = 0.0
-            rg1 = torch.exp((r_e1 @ e2.T - r_diag[:, None]) * rs1 - rb1).sum(dim=1) / (n - 1)
-            rg2 = torch.exp((r_e2 @ e1.T - r_diag[:, None]) * rs2 - rb2).sum(dim=1) / (n - 1)
-            rw1 = 1.0 / (r_stats[:, 0] + self.eps)
-            rw2 = 1.0 / (r_stats[:, 1] + self.eps)
-            rc1 = r_stats[:, 2] if individual else 1.0
-            rc2 = r_stats[:, 3] if individual else 1.0
-            surrogate = surrogate + (rw1 * rg1 * rc1 + rw2 * rg2 * rc2).sum() / (2 * n)
+                at1, at2 = a_stats[:, 2], a_stats[:, 3]
+            as1, as2 = (1.0 / at1)[:, None], (1.0 / at2)[:, None]
+            ab1, ab2 = a_stats[:, 4:5], a_stats[:, 5:6]
+        else:
+            as1 = as2 = s if reference else s.detach()
+            ab1 = ab2 = 0.0
+        is_pos = torch.zeros(n, b, dtype=torch.bool, device=e1.device)
+        is_pos[rows + off, rows] = True
+        ag1 = torch.exp((all_e1 @ e2.T - a_diag[:, None]) * as1 - ab1).masked_fill(is_pos, 0.0).sum(dim=1) / (n - 1)
+        ag2 = torch.exp((all_e2 @ e1.T - a_diag[:, None]) * as2 - ab2).masked_fill(is_pos, 0.0).sum(dim=1) / (n - 1)
+        aw1 = 1.0 / (a_stats[:, 0] + self.eps)
+        aw2 = 1.0 / (a_stats[:, 1] + self.eps)
+        ac1 = a_stats[:, 2] if (individual and not reference) else 1.0
+        ac2 = a_stats[:, 3] if (individual and not reference) else 1.0
+        surrogate = surrogate + (aw1 * ag1 * ac1 + aw2 * ag2 * ac2).sum() / (2 * n)
 
         if self.objective == "rgcl_g":
             tau = 1.0 / s
@@ -428,27 +528,33 @@ def build_loss(
     name: str,
     data_size: int | None,
     gamma: float = 1.0,
-    eps: float = 1e-14,
-    rho: float = 6.5,
-    tau_init: float = 0.03,
-    lr_tau: float = 0.0133,
+    eps: float = DEFAULT_EPS,
+    rho: float | None = None,
+    tau_init: float | None = None,
+    lr_tau: float | None = None,
+    temperature_gradient: TemperatureGradient = "reference",
     group: dist.ProcessGroup | None = None,
 ) -> nn.Module:
     """Build the loss module of a named variant (see :data:`VARIANTS`).
 
     Args:
         name: variant name, e.g. ``"fastclip_v3"``.
-        data_size: training-set size (needed by every variant except ``openclip``).
+        data_size: training-set size (needed by every variant except ``openclip`` and ``siglip``).
         gamma: initial inner learning rate. Default 1.
-        eps: epsilon of the compositional losses. Default 1e-14.
-        rho: KL radius of RGCL / RGCL-g. Default 6.5.
-        tau_init: initial individual temperature (v2, iSogCLR). Default 0.03.
-        lr_tau: step size of the individual temperature update (v2, iSogCLR). Default 0.0133.
+        eps: epsilon of the compositional losses. Default :data:`DEFAULT_EPS`.
+        rho: KL radius of RGCL / RGCL-g; ``None`` takes the variant's default (:data:`DEFAULT_RHO`).
+        tau_init: initial individual temperature (v2, iSogCLR); ``None``: :data:`DEFAULT_TEMPERATURE`.
+        lr_tau: step size of the individual temperature update (v2, iSogCLR); ``None``:
+            :data:`DEFAULT_LR_TAU_INDIVIDUAL`.
+        temperature_gradient: ``reference`` (the official code's gradients, default) or ``exact`` (see
+            :class:`GlobalContrastiveLoss`).
         group: process group (default: the world).
     """
     variant = get_variant(name)
     if variant.objective == "mbcl":
         return OpenCLIPLoss(group=group)
+    if variant.objective == "sigmoid":
+        return SigLIPLoss(group=group)
     if data_size is None:
         raise ValueError(f"The {name} loss keeps one estimator per training sample: pass data_size=len(train_set).")
     return GlobalContrastiveLoss(
@@ -460,6 +566,7 @@ def build_loss(
         rho=rho,
         tau_init=tau_init,
         lr_tau=lr_tau,
+        temperature_gradient=temperature_gradient,
         group=group,
     )
 
@@ -472,10 +579,11 @@ def reference_global_contrastive_loss(
     gamma: float,
     logit_scale: Tensor | float,
     objective: Literal["gcl", "rgcl_g"] = "gcl",
-    eps: float = 1e-14,
-    rho: float = 6.5,
+    eps: float = DEFAULT_EPS,
+    rho: float = DEFAULT_RHO["rgcl_g"],
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Plain full-batch reference of one GCL / RGCL-g step with a global temperature (one anchor at a time).
+    """Plain full-batch transcription of one GCL / RGCL-g step's *exact* gradient (``temperature_gradient="exact"``),
+    one anchor at a time, with a global temperature.
 
     Args:
         image_features: ``(n, d)`` normalised image embeddings of the whole global batch.

@@ -18,10 +18,15 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_sdp.models.fastclip.lamb import Lamb
-from lightning_sdp.models.fastclip.losses import GlobalContrastiveLoss, LossOutput, build_loss, get_variant
-
-_DEFAULT_TEMPERATURE = {"individual": 0.03, "learnable": 0.07, "constant": 0.07}
-_DEFAULT_RHO = {"rgcl": 7.0, "rgcl_g": 6.5}
+from lightning_sdp.models.fastclip.losses import (
+    DEFAULT_EPS,
+    DEFAULT_SIGLIP_BIAS,
+    GlobalContrastiveLoss,
+    LossOutput,
+    TemperatureGradient,
+    build_loss,
+    get_variant,
+)
 
 
 class FastCLIPModule(LightningModule):
@@ -39,24 +44,29 @@ class FastCLIPModule(LightningModule):
         model: ``"tiny"`` (bundled ~2M-parameter open_clip config for CPUs), an open_clip model name such as
             ``"ViT-B-32"`` (random init unless ``pretrained``), an open_clip config dict, or any ``nn.Module`` with
             ``encode_image`` and ``encode_text``. Default ``"tiny"``.
-        loss: ``openclip``, ``sogclr``, ``isogclr``, ``fastclip_v0``, ``fastclip_v1``, ``fastclip_v2`` or
-            ``fastclip_v3``. Default ``fastclip_v3``.
+        loss: ``openclip``, ``siglip``, ``sogclr``, ``isogclr``, ``fastclip_v0``, ``fastclip_v1``, ``fastclip_v2``
+            or ``fastclip_v3``. Default ``fastclip_v3``.
         data_size: number of training samples; ``None`` takes the datamodule's ``data_size`` at ``setup``.
         pretrained: path of a local open_clip checkpoint for a named model. Default ``None`` (random init).
         lr: peak learning rate of the model weights. Default 1e-3.
         weight_decay: AdamW/LAMB weight decay (not on gains, biases, embeddings' norms or logit_scale). Default 0.1.
         betas: optimiser moment decays. Default (0.9, 0.98).
         optimizer_eps: optimiser epsilon. Default 1e-6.
-        optimizer: ``adamw`` or ``lamb``. Default ``adamw``.
+        optimizer: ``adamw`` or ``lamb`` (the official code's LAMB: trust ratio only on tensors with weight decay).
+            Default ``adamw``.
         warmup_steps: linear warm-up steps of the cosine schedule. Default 100.
         max_steps: length of the cosine schedule; ``None`` uses the trainer's estimated stepping batches.
         min_lr_ratio: final learning rate as a fraction of ``lr``. Default 0.
-        temperature: initial (learnable), fixed (constant) or initial individual temperature. Default 0.07 for
-            global temperatures, 0.03 for individual ones.
+        temperature: initial (learnable), fixed (constant) or initial individual temperature. Default (from
+            ``losses.DEFAULT_TEMPERATURE``): 0.07 for global temperatures, 0.03 for individual ones, 0.1 for SigLIP.
         lr_tau: learnable global temperature: learning rate of ``logit_scale`` (default ``lr``; v3's paper scripts
             use 2e-4 to 5e-5). Individual temperatures: step size of their Adam-like update (default 0.0133).
-        rho: KL radius of RGCL (v2, iSogCLR; default 7.0) and RGCL-g (v3; default 6.5).
+        rho: KL radius of RGCL (v2, iSogCLR; default 7.0) and RGCL-g (v3; default 6.5), from ``losses.DEFAULT_RHO``.
         eps: epsilon of the compositional losses. Default 1e-14.
+        temperature_gradient: ``reference`` (default: the official code's gradients, for which its published
+            ``rho`` and ``lr_tau`` were tuned) or ``exact`` (the exact gradient of the objective); see
+            :class:`~lightning_sdp.models.fastclip.losses.GlobalContrastiveLoss`.
+        logit_bias_init: SigLIP only: initial value of the learnable logit bias. Default -10 (the paper's).
     """
 
     def __init__(
@@ -76,12 +86,16 @@ class FastCLIPModule(LightningModule):
         temperature: float | None = None,
         lr_tau: float | None = None,
         rho: float | None = None,
-        eps: float = 1e-14,
+        eps: float = DEFAULT_EPS,
+        temperature_gradient: TemperatureGradient = "reference",
+        logit_bias_init: float = DEFAULT_SIGLIP_BIAS,
     ) -> None:
         super().__init__()
         self.variant = get_variant(loss)
         if optimizer not in ("adamw", "lamb"):
             raise ValueError(f"optimizer must be 'adamw' or 'lamb', got {optimizer!r}.")
+        if temperature_gradient not in ("reference", "exact"):
+            raise ValueError(f"temperature_gradient must be 'reference' or 'exact', got {temperature_gradient!r}.")
         if data_size is not None and data_size < 2:
             raise ValueError(f"data_size must be >= 2, got {data_size}.")
         self.save_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else None)
@@ -90,19 +104,22 @@ class FastCLIPModule(LightningModule):
         self._model_spec = model
         self.model = build_clip(model, pretrained)
         mode = self.variant.temperature
-        self.temperature_init = float(temperature if temperature is not None else _DEFAULT_TEMPERATURE[mode])
+        self.temperature_init = float(temperature if temperature is not None else self.variant.temperature_init)
         if not 0.0 < self.temperature_init <= 1.0:
             raise ValueError(f"temperature must be in (0, 1], got {self.temperature_init}.")
-        self.rho = float(rho if rho is not None else _DEFAULT_RHO.get(self.variant.objective, 0.0))
+        self.rho = float(rho if rho is not None else self.variant.rho)
         if not isinstance(getattr(self.model, "logit_scale", None), nn.Parameter):
             self.logit_scale = nn.Parameter(torch.tensor(0.0))
         scale = self.logit_scale_parameter()
         with torch.no_grad():
             scale.fill_(math.log(1.0 / (self.temperature_init if mode != "individual" else 0.07)))
         scale.requires_grad_(mode == "learnable")
+        model_bias = getattr(self.model, "logit_bias", None)
+        if self.variant.objective == "sigmoid" and not isinstance(model_bias, nn.Parameter):
+            self.logit_bias = nn.Parameter(torch.tensor(float(logit_bias_init)))
         self.register_buffer("tau_lr_factor", torch.tensor(1.0))
         self.loss_fn: nn.Module | None = None
-        if data_size is not None or self.variant.objective == "mbcl":
+        if data_size is not None or self.variant.objective in ("mbcl", "sigmoid"):
             self._build_loss(data_size)
         self._tokenizer: Callable[..., Tensor] | None = None
 
@@ -120,16 +137,23 @@ class FastCLIPModule(LightningModule):
         scale = self.logit_scale_parameter()
         return scale if mode == "learnable" else scale.detach()
 
+    def logit_bias_parameter(self) -> nn.Parameter | None:
+        """SigLIP's learnable logit bias (the model's ``logit_bias`` or the module's own; ``None`` for other losses)."""
+        if self.variant.objective != "sigmoid":
+            return None
+        own = self.__dict__.get("_parameters", {}).get("logit_bias")
+        return own if own is not None else self.model.logit_bias
+
     def _build_loss(self, data_size: int | None) -> None:
-        mode = self.variant.temperature
-        default_lr_tau = 0.0133
+        individual = self.variant.temperature == "individual"
         self.loss_fn = build_loss(
             self.hparams.loss,
             data_size,
             eps=self.hparams.eps,
             rho=self.rho,
-            tau_init=self.temperature_init if mode == "individual" else 0.03,
-            lr_tau=self.hparams.lr_tau if (mode == "individual" and self.hparams.lr_tau is not None) else default_lr_tau,
+            tau_init=self.temperature_init if individual else None,
+            lr_tau=self.hparams.lr_tau if individual else None,
+            temperature_gradient=self.hparams.get("temperature_gradient", "reference"),
         )
         if data_size is not None:
             self.hparams.data_size = int(data_size)
@@ -219,7 +243,7 @@ class FastCLIPModule(LightningModule):
 
     @override
     def on_fit_start(self) -> None:
-        if self.variant.objective != "mbcl":
+        if self.variant.objective not in ("mbcl", "sigmoid"):
             if self.trainer.accumulate_grad_batches != 1:
                 raise ValueError(
                     f"Gradient accumulation is not supported with the {self.hparams.loss} loss: the estimator update "
@@ -239,7 +263,10 @@ class FastCLIPModule(LightningModule):
     def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
         images, tokens, indices = self._unpack(batch)
         e1, e2 = self.encode(images, tokens)
-        out: LossOutput = self.loss_fn(e1, e2, indices, self.logit_scale_arg())
+        if self.variant.objective == "sigmoid":
+            out: LossOutput = self.loss_fn(e1, e2, indices, self.logit_scale_arg(), self.logit_bias_parameter())
+        else:
+            out = self.loss_fn(e1, e2, indices, self.logit_scale_arg())
         b = images.shape[0]
         self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=b)
         self.log("train/objective", out.value, batch_size=b)

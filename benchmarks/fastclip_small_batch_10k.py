@@ -1,0 +1,420 @@
+"""FastCLIP vs OpenCLIP, SigLIP and SogCLR at small global batches on 10,240 procedural pairs (CPU), with a
+diagnostic of the per-sample estimators u.
+
+For every global batch size (16, 32, 64), loss (FastCLIP-v3, OpenCLIP, SigLIP, SogCLR) and seed (3), trains the same
+small open_clip model for the same number of epochs with ``FastCLIPModule`` + ``GammaScheduler`` +
+``TemperatureScheduler`` (Lightning ``Trainer``, one process per run, two runs in parallel) on the built-in
+captioned shapes (10,240 generated training pairs, 1,000 held-out pairs from another generator seed), and evaluates
+zero-shot top-1/top-5 (40 ``colour shape`` classes, classifier from ``open_clip.build_zero_shot_classifier``) and
+image<->text retrieval R@1 with ``ZeroShotEvaluation`` on the held-out pairs.
+
+The u diagnostic (compositional losses only): at the end of every epoch, a fixed sample of 256 training anchors is
+scored exactly against the *whole* training set with the current model and temperature: the full-data inner
+function ``g1_i = mean_{j != i} exp((e1_i.e2_j - e1_i.e2_i) / tau)`` (and ``g2_i``, text anchors). Reported: the
+median relative error ``|u_i - g_i| / g_i`` of the estimators against it, next to the median relative error of the
+mini-batch estimate that OpenCLIP's loss uses (the same mean over ``B - 1`` random negatives, B the global batch).
+If the estimators do their job, the first is clearly below the second.
+
+    .venv/bin/python -m benchmarks.fastclip_small_batch_10k            # full run (about 45 minutes on 2 shared cores)
+    .venv/bin/python -m benchmarks.fastclip_small_batch_10k --quick    # smoke run (about 1 minute)
+
+Writes ``benchmarks/results/fastclip_small_batch_10k.{json,md,png}`` (``..._quick`` with ``--quick``), and after
+every finished run ``benchmarks/results/fastclip_small_batch_10k.partial.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from benchmarks._common import RESULTS_DIR, markdown_table, write_results  # noqa: E402
+
+# A small CLIP for 2 CPU cores: ViT with 4x4 patches of 8 px on 32 px images, 1-layer towers.
+BENCH_MODEL: dict[str, Any] = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 32, "layers": 1, "width": 48, "head_width": 24, "mlp_ratio": 2.0, "patch_size": 8},
+    "text_cfg": {"context_length": 12, "vocab_size": 49408, "width": 16, "heads": 1, "layers": 1, "mlp_ratio": 2.0},
+}
+GCL_LOSSES = ("fastclip_v0", "fastclip_v1", "fastclip_v2", "fastclip_v3", "sogclr", "isogclr")
+
+_DATA: dict[Any, Any] = {}
+
+
+def _datamodule(args: argparse.Namespace, batch: int, seed: int) -> Any:
+    """One generated data set per worker process (generation and tokenisation are not what we measure)."""
+    from lightning_sdp.datamodules import ImageTextDataModule
+
+    key = (args.dataset, args.num_train, args.num_val, args.data_seed)
+    if key not in _DATA:
+        dm = ImageTextDataModule(
+            dataset=args.dataset,
+            model=BENCH_MODEL,
+            batch_size=batch,
+            val_batch_size=500,
+            num_train=args.num_train,
+            num_val=args.num_val,
+            seed=args.data_seed,
+            augment=False,
+        )
+        dm.setup("fit")
+        _DATA[key] = dm
+    dm = _DATA[key]
+    dm.hparams.batch_size = batch
+    dm.hparams.seed = seed  # the training order's seed
+    return dm
+
+
+def _make_probe(args: argparse.Namespace, batch: int) -> Any:
+    """The u-error diagnostic as a Callback (built inside the worker so Lightning is imported there)."""
+    import torch
+    import torch.nn.functional as F
+    from lightning.pytorch import Callback
+
+    class UErrorProbe(Callback):
+        """Median relative error of u (and of a mini-batch estimate) against the full-data inner function."""
+
+        def __init__(self) -> None:
+            self.rows: list[dict[str, float]] = []
+
+        @torch.no_grad()
+        def _encode_train(self, trainer: Any, pl_module: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            ds = trainer.datamodule.train_set
+            was = pl_module.training
+            pl_module.eval()
+            e1, e2 = [], []
+            for start in range(0, len(ds), 1024):
+                idx = range(start, min(len(ds), start + 1024))
+                images = torch.stack([ds.transform(ds.load_image(i)) for i in idx])
+                e1.append(F.normalize(pl_module.model.encode_image(images), dim=-1))
+                e2.append(F.normalize(pl_module.model.encode_text(ds.tokens[start : start + len(idx)]), dim=-1))
+            pl_module.train(was)
+            return torch.cat(e1).double(), torch.cat(e2).double()
+
+        def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+            loss = pl_module.gcl_loss
+            if loss is None:
+                return
+            e1, e2 = self._encode_train(trainer, pl_module)
+            n = e1.shape[0]
+            gen = torch.Generator().manual_seed(12345)
+            anchors = torch.randperm(n, generator=gen)[: args.probe_anchors]
+            s = 1.0 / pl_module.temperature
+            errs: dict[str, list[float]] = {"u": [], "minibatch": []}
+            for side, (a, o) in enumerate(((e1, e2), (e2, e1))):
+                pos = (a[anchors] * o[anchors]).sum(1, keepdim=True)
+                ex = torch.exp((a[anchors] @ o.T - pos) * s)  # (K, n)
+                ex[torch.arange(len(anchors)), anchors] = 0.0
+                g = ex.sum(1) / (n - 1)
+                u = (loss.u1 if side == 0 else loss.u2)[anchors].double()
+                errs["u"].append(((u - g).abs() / g)[u > 0])
+                # mini-batch estimate: B - 1 random negatives per anchor (several draws)
+                for _ in range(4):
+                    neg = torch.randint(0, n - 1, (len(anchors), batch - 1), generator=gen)
+                    neg = neg + (neg >= anchors[:, None]).long()  # skip the anchor itself
+                    gb = ex.gather(1, neg).mean(1)
+                    errs["minibatch"].append((gb - g).abs() / g)
+            u_err = torch.cat(errs["u"])
+            mb_err = torch.cat(errs["minibatch"])
+            self.rows.append(
+                {
+                    "epoch": trainer.current_epoch,
+                    "tau": pl_module.temperature,
+                    "gamma": loss.gamma,
+                    "u_rel_err_median": float(u_err.median()) if u_err.numel() else float("nan"),
+                    "u_rel_err_p90": float(u_err.quantile(0.9)) if u_err.numel() else float("nan"),
+                    "minibatch_rel_err_median": float(mb_err.median()),
+                    "minibatch_rel_err_p90": float(mb_err.quantile(0.9)),
+                    "visited": float((u_err.numel()) / (2 * len(anchors))),
+                }
+            )
+
+    return UErrorProbe()
+
+
+def train_one(loss: str, batch: int, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_sdp.callbacks import GammaScheduler, TemperatureScheduler, ZeroShotEvaluation
+    from lightning_sdp.models import FastCLIPModule
+
+    # One thread per process: on a loaded 2-core machine OpenMP threads spin-wait and cost ~10x the CPU time.
+    torch.set_num_threads(args.threads)
+    dm = _datamodule(args, batch, seed)
+    pl.seed_everything(seed, verbose=False)
+    steps = args.epochs * (dm.data_size // batch)
+    v3 = loss == "fastclip_v3"
+    module = FastCLIPModule(
+        model=BENCH_MODEL,
+        loss=loss,
+        lr=args.lr,
+        weight_decay=0.1,
+        warmup_steps=max(1, steps // 20),
+        max_steps=steps,
+        temperature=None if loss == "siglip" else args.temperature,
+        lr_tau=args.lr_tau if v3 else None,
+        rho=args.rho if v3 else None,
+    )
+    zs = ZeroShotEvaluation()
+    probe = _make_probe(args, batch)
+    decay = max(1, round(args.epochs * args.gamma_decay_fraction))
+    trainer = pl.Trainer(
+        max_epochs=args.epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        check_val_every_n_epoch=args.epochs,
+        callbacks=[GammaScheduler(gamma_min=args.gamma_min, decay_epochs=decay), TemperatureScheduler(), zs, probe],
+    )
+    t0 = time.perf_counter()
+    trainer.fit(module, dm)
+    wall = time.perf_counter() - t0
+    m = zs.metrics
+    return {
+        "loss": loss,
+        "batch": batch,
+        "seed": seed,
+        "steps": steps,
+        "zeroshot_top1": m["val/zeroshot_top1"],
+        "zeroshot_top5": m["val/zeroshot_top5"],
+        "i2t_r1": m["val/i2t_r1"],
+        "t2i_r1": m["val/t2i_r1"],
+        "retrieval_r1": (m["val/i2t_r1"] + m["val/t2i_r1"]) / 2,
+        "final_tau": module.temperature,
+        "u_probe": probe.rows,
+        "wall_s": wall,
+    }
+
+
+def _train_job(job: tuple[str, int, int, argparse.Namespace]) -> dict[str, Any]:
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger().setLevel(logging.ERROR)
+    return train_one(*job)
+
+
+def summarise(runs: list[dict[str, Any]], losses: list[str], batches: list[int]) -> list[dict[str, Any]]:
+    """Mean, sample std and min-max range over seeds per (batch, loss); the last epoch's u diagnostic."""
+    import numpy as np
+
+    rows = []
+    for b in batches:
+        for loss in losses:
+            sel = [r for r in runs if r["loss"] == loss and r["batch"] == b]
+            if not sel:
+                continue
+            row: dict[str, Any] = {"batch": b, "loss": loss, "seeds": len(sel)}
+            for key in ("zeroshot_top1", "zeroshot_top5", "retrieval_r1"):
+                vals = np.array([r[key] for r in sel]) * 100
+                row[f"{key}_mean"] = float(vals.mean())
+                row[f"{key}_std"] = float(vals.std(ddof=1)) if len(vals) > 1 else 0.0
+                row[f"{key}_range"] = float(vals.max() - vals.min())
+            row["final_tau"] = float(np.mean([r["final_tau"] for r in sel]))
+            probes = [r["u_probe"][-1] for r in sel if r.get("u_probe")]
+            if probes:
+                row["u_err_median"] = float(np.mean([p["u_rel_err_median"] for p in probes]))
+                row["minibatch_err_median"] = float(np.mean([p["minibatch_rel_err_median"] for p in probes]))
+            row["wall_s"] = float(np.mean([r["wall_s"] for r in sel]))
+            rows.append(row)
+    return rows
+
+
+def comparisons(summary: list[dict[str, Any]], batches: list[int]) -> list[dict[str, Any]]:
+    """FastCLIP-v3 minus each peer, against the seed spread (the larger of the two min-max ranges)."""
+    out = []
+    for b in batches:
+        v3 = next((r for r in summary if r["batch"] == b and r["loss"] == "fastclip_v3"), None)
+        for peer in ("openclip", "siglip", "sogclr"):
+            o = next((r for r in summary if r["batch"] == b and r["loss"] == peer), None)
+            if not (v3 and o):
+                continue
+            for key in ("zeroshot_top1", "retrieval_r1"):
+                spread = max(v3[f"{key}_range"], o[f"{key}_range"])
+                delta = v3[f"{key}_mean"] - o[f"{key}_mean"]
+                out.append({"batch": b, "peer": peer, "metric": key, "v3_minus_peer": delta, "seed_spread": spread,
+                            "seeds": min(v3["seeds"], o["seeds"]), "beats_by_more_than_spread": bool(delta > spread)})
+    return out
+
+
+def probe_table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (loss, batch, epoch): the u diagnostic averaged over seeds."""
+    import numpy as np
+
+    keys = sorted({(r["loss"], r["batch"]) for r in runs if r.get("u_probe")}, key=lambda k: (k[1], k[0]))
+    rows = []
+    for loss, b in keys:
+        sel = [r["u_probe"] for r in runs if r["loss"] == loss and r["batch"] == b and r.get("u_probe")]
+        for e in range(min(len(p) for p in sel)):
+            rows.append({
+                "batch": b, "loss": loss, "epoch": e,
+                "gamma": float(np.mean([p[e]["gamma"] for p in sel])),
+                "tau": float(np.mean([p[e]["tau"] for p in sel])),
+                "u_rel_err_median": float(np.mean([p[e]["u_rel_err_median"] for p in sel])),
+                "minibatch_rel_err_median": float(np.mean([p[e]["minibatch_rel_err_median"] for p in sel])),
+                "u_rel_err_p90": float(np.mean([p[e]["u_rel_err_p90"] for p in sel])),
+                "minibatch_rel_err_p90": float(np.mean([p[e]["minibatch_rel_err_p90"] for p in sel])),
+            })
+    return rows
+
+
+def render_markdown(payload: dict[str, Any]) -> str:
+    """The result tables (from a payload, so ``--from-json`` can re-render a run)."""
+    a = payload["args"]
+    sizes = payload["data_sizes"]
+    cols = ["batch", "loss", "seeds", "zeroshot_top1_mean", "zeroshot_top1_range", "zeroshot_top5_mean",
+            "retrieval_r1_mean", "retrieval_r1_range", "final_tau", "u_err_median", "minibatch_err_median", "wall_s"]
+    status = "complete" if payload.get("complete") else f"PARTIAL ({len(payload['runs'])} of {payload['planned_runs']} runs)"
+    what = {"shapes": "Built-in captioned shapes (400 distinct captions", "scenes": "Built-in captioned scenes (12,960 "
+            "distinct captions"}[a["dataset"]]
+    md = [
+        f"{what}; 40 zero-shot `colour shape` classes), {sizes['train']} train / {sizes['val']} "
+        f"held-out pairs, {a['epochs']} epochs for every run, seeds 0..{a['seeds'] - 1}, model `BENCH_MODEL` (open_clip "
+        f"ViT, 32 px, 1-layer towers), lr {a['lr']}, tau0 {a['temperature']} (SigLIP: its default 0.1, bias -10), "
+        f"GammaScheduler(gamma_min={a['gamma_min']}, decay over {a['gamma_decay_fraction']:.2g} of the epochs), "
+        f"v3: rho {a['rho']}, lr_tau {a['lr_tau']}, temperature_gradient='reference'. Metrics in %, mean over seeds; "
+        f"`_range` = max - min over seeds. Status: {status}; wall time {payload['total_wall_s'] / 60:.1f} min.",
+        "",
+        markdown_table(payload["summary"], cols, floatfmt="{:.3g}"),
+        "",
+        "FastCLIP-v3 minus each peer (points); the target is `v3_minus_peer > seed_spread` (the larger of the two "
+        "methods' min-max ranges over the seeds):",
+        "",
+        markdown_table(payload["comparisons"], floatfmt="{:.3g}"),
+        "",
+        "u diagnostic (end of each epoch, 256 fixed training anchors, both sides; mean over seeds): median and 90th "
+        "percentile of |u - g| / g against the exact full-data inner function g, next to the same for a mini-batch "
+        "estimate from B - 1 random negatives (what the mini-batch loss divides by):",
+        "",
+        markdown_table(payload["probe"], floatfmt="{:.3g}"),
+    ]
+    return "\n".join(md)
+
+
+def _figure(summary: list[dict[str, Any]], probe: list[dict[str, Any]], losses: list[str], batches: list[int]) -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    for ax, key, title in ((axes[0], "zeroshot_top1", "zero-shot top-1 (%)"), (axes[1], "retrieval_r1", "retrieval R@1 (%)")):
+        for loss in losses:
+            rows = [r for r in summary if r["loss"] == loss]
+            if not rows:
+                continue
+            mean = [r[f"{key}_mean"] for r in rows]
+            half = [r[f"{key}_range"] / 2 for r in rows]
+            ax.errorbar([r["batch"] for r in rows], mean, yerr=half, marker="o", capsize=3, label=loss)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_xlabel("global batch")
+        ax.set_title(title + ", bars: seed range")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    ax = axes[2]
+    for loss, b in sorted({(r["loss"], r["batch"]) for r in probe}):
+        rows = [r for r in probe if r["loss"] == loss and r["batch"] == b]
+        line = ax.plot([r["epoch"] for r in rows], [r["u_rel_err_median"] for r in rows], marker="o", label=f"u {loss} B={b}")
+        ax.plot([r["epoch"] for r in rows], [r["minibatch_rel_err_median"] for r in rows], ls="--",
+                color=line[0].get_color(), label=f"mini-batch B={b}")
+    ax.set_xlabel("epoch")
+    ax.set_yscale("log")
+    ax.set_title("median |estimate - g| / g")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    return fig
+
+
+def _payload(args: argparse.Namespace, runs: list[dict[str, Any]], planned: int, t_start: float) -> dict[str, Any]:
+    losses = args.losses.split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+    runs = sorted(runs, key=lambda r: (r["batch"], r["loss"], r["seed"]))
+    summary = summarise(runs, losses, batches)
+    return {"args": vars(args), "runs": runs, "summary": summary, "comparisons": comparisons(summary, batches),
+            "probe": probe_table(runs), "bench_model": BENCH_MODEL, "planned_runs": planned,
+            "complete": len(runs) == planned, "total_wall_s": time.perf_counter() - t_start,
+            "data_sizes": {"train": args.num_train, "val": args.num_val}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 512 pairs, 2 epochs, 1 seed, batch 16, 32")
+    parser.add_argument("--losses", default="fastclip_v3,openclip,siglip,sogclr")
+    parser.add_argument("--batches", default="16,32,64")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--dataset", default="scenes", choices=["shapes", "scenes"])
+    parser.add_argument("--num-train", type=int, default=10_240)
+    parser.add_argument("--num-val", type=int, default=1_000)
+    parser.add_argument("--data-seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--temperature", type=float, default=0.07)
+    parser.add_argument("--lr-tau", type=float, default=4e-4, help="v3: logit_scale's lr (the paper's lr / 5)")
+    parser.add_argument("--rho", type=float, default=6.5, help="v3: the paper's CC3M value")
+    parser.add_argument("--gamma-min", type=float, default=0.2, help="the paper scripts' value")
+    parser.add_argument("--gamma-decay-fraction", type=float, default=0.5, help="cosine decay over this part of the epochs")
+    parser.add_argument("--probe-anchors", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--workers", type=int, default=2, help="training runs in parallel processes")
+    parser.add_argument("--order", default="batch", choices=["batch", "seed"], help="job order (see main)")
+    parser.add_argument("--name", default="fastclip_small_batch_10k")
+    parser.add_argument("--from-json", default=None, help="re-render the tables and plot of a (partial) run's JSON")
+    args = parser.parse_args()
+    if args.from_json:
+        payload = json.loads(Path(args.from_json).read_text())
+        a = argparse.Namespace(**payload["args"])
+        payload = _payload(a, payload["runs"], payload["planned_runs"], time.perf_counter() - payload["total_wall_s"])
+        fig = _figure(payload["summary"], payload["probe"], a.losses.split(","), [int(b) for b in a.batches.split(",")])
+        write_results(a.name, payload, render_markdown(payload), fig)
+        return
+    if args.quick:
+        args.batches, args.seeds, args.epochs, args.num_train, args.num_val = "16,32", 1, 2, 512, 200
+        args.probe_anchors, args.name = 64, args.name + "_quick"
+    losses = args.losses.split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+    t_start = time.perf_counter()
+    # batch-major order (smallest batch first, where the claim is): a run stopped early has every loss and seed at
+    # the batches it finished; --order seed gives every (batch, loss) for the seeds it finished instead
+    if args.order == "batch":
+        jobs = [(loss, b, seed, args) for b in batches for seed in range(args.seeds) for loss in losses]
+    else:
+        jobs = [(loss, b, seed, args) for seed in range(args.seeds) for b in batches for loss in losses]
+    runs: list[dict[str, Any]] = []
+    partial = RESULTS_DIR / f"{args.name}.partial.json"
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(args.workers) as pool:
+        for r in pool.imap_unordered(_train_job, jobs):
+            runs.append(r)
+            p = r["u_probe"][-1] if r["u_probe"] else None
+            diag = f" u-err {p['u_rel_err_median']:.3f} mb-err {p['minibatch_rel_err_median']:.3f}" if p else ""
+            print(
+                f"batch {r['batch']:3d} seed {r['seed']} {r['loss']:12s} top1 {100 * r['zeroshot_top1']:5.1f} R@1 "
+                f"{100 * r['retrieval_r1']:5.1f} tau {r['final_tau']:.3f}{diag} ({r['wall_s']:.0f}s, total "
+                f"{time.perf_counter() - t_start:.0f}s)",
+                flush=True,
+            )
+            RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps(_payload(args, runs, len(jobs), t_start), indent=1) + "\n")
+    payload = _payload(args, runs, len(jobs), t_start)
+    write_results(args.name, payload, render_markdown(payload), _figure(payload["summary"], payload["probe"], losses, batches))
+
+
+if __name__ == "__main__":
+    main()

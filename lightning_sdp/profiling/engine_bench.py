@@ -620,12 +620,9 @@ def plot_roofline(
     threads = f", {profile.num_threads} threads" if profile.num_threads else ""
     ax.set_title(f"measured roofline: {profile.device_name}{threads}", fontsize=10)
     ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    from lightning_sdp.profiling.report import save_figure
+
+    return save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------------- command line

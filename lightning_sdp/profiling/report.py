@@ -691,6 +691,13 @@ def plot_reports(
     ax2.set_xlabel("work per byte moved (FLOP/B or elem/B)")
     ax2.set_ylabel("achieved GFLOP/s (vector: Gelem/s)")
     ax2.set_title("roofline per engine" + (" (peaks unknown)" if not peaks.get("matrix_tflops") else ""))
+    return save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """Lay out ``fig``, write it to ``path`` (creating the folder) and close it; returns the path."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,10 @@ TFLOPS against the device's peaks and findings with advice. The helpers live in 
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -373,7 +375,7 @@ class EngineProfiler(Callback):
                     cycle = self._phase(self._window_start_batch)[2]
                     path = self._trace_path(cycle)
                     path.parent.mkdir(parents=True, exist_ok=True)
-                    prof.export_chrome_trace(str(path))
+                    _export_trace(prof, path)
                     rank_zero_warn(
                         f"EngineProfiler: training raised {type(exception).__name__}; trace kept at {path}"
                     )
@@ -485,7 +487,7 @@ class EngineProfiler(Callback):
         trace_path = None
         if self.export_trace or self._device_type == "hpu":
             trace_path = self._trace_path(cycle)
-            prof.export_chrome_trace(str(trace_path))
+            _export_trace(prof, trace_path)
         if steps == 0:
             self._reset_window()
             return None
@@ -644,6 +646,23 @@ class EngineProfiler(Callback):
                     "EngineProfiler ranks: "
                     + ", ".join(f"rank {r['rank']} {r['step_time_s'] * 1e3:.2f} ms/step" for r in reports)
                 )
+
+
+def _export_trace(prof: Any, path: Path) -> None:
+    """Write the profiler's Chrome trace to ``path`` (gzip).
+
+    torch compresses a ``.gz`` trace line by line (hundreds of thousands of small writes, about a third of a window's
+    analysis time); writing plain JSON and compressing it in large blocks at a fast level gives the same file type
+    in a fraction of the time.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".json", dir=path.parent)
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(tmp)
+        with open(tmp, "rb") as src, gzip.open(path, "wb", compresslevel=1) as dst:
+            shutil.copyfileobj(src, dst, length=1 << 20)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def _batch_shapes(batch: Any) -> list[list[int]]:

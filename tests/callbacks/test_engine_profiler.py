@@ -87,7 +87,13 @@ def test_fit_writes_reports_metrics_and_exact_flops(tmp_path, capsys):
     # Files: per-rank JSON + gzip trace, merged summary and PNG from rank 0.
     ep = tmp_path / "ep"
     assert json.loads((ep / "engine_profile-rank0.json").read_text())[0]["cycle"] == 0
-    assert (ep / "engine_profile-rank0-window0.pt.trace.json.gz").stat().st_size > 0
+    trace = ep / "engine_profile-rank0-window0.pt.trace.json.gz"
+    import gzip
+
+    with gzip.open(trace, "rt") as f:  # a Chrome/Perfetto trace that tools can open, with the model's operators
+        events = json.load(f)["traceEvents"]
+    assert any(str(e.get("name", "")).startswith("aten::") for e in events)
+    assert not list(ep.glob(".*.json")), "the uncompressed temporary trace is removed"
     assert json.loads((ep / "engine_profile-summary.json").read_text())["ranks"] == [0]
     assert (ep / "engine_profile.png").stat().st_size > 0
     assert "EngineProfiler: rank 0/1" in capsys.readouterr().out

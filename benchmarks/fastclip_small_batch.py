@@ -66,7 +66,7 @@ def train_one(loss: str, batch: int, seed: int, args: argparse.Namespace) -> dic
     import lightning.pytorch as pl
     import torch
 
-    from lightning_sdp.callbacks import GammaScheduler, TemperatureScheduler, ZeroShotEvaluation
+    from lightning_sdp.callbacks import GammaScheduler, TemperatureScheduler
     from lightning_sdp.models import FastCLIPModule
 
     # One thread per process: on a loaded 2-core machine OpenMP threads spin-wait and cost ~10x the CPU time.
@@ -85,9 +85,24 @@ def train_one(loss: str, batch: int, seed: int, args: argparse.Namespace) -> dic
         lr_tau=args.lr_tau if loss == "fastclip_v3" else None,
         rho=args.rho if loss == "fastclip_v3" else None,
     )
+    gamma = GammaScheduler(gamma_min=args.gamma_min, decay_epochs=max(1, args.epochs // 2))
+    scores = fit_and_score(module, dm, args.epochs, [gamma, TemperatureScheduler()])
+    return {"loss": loss, "batch": batch, "seed": seed, "steps": steps, **scores}
+
+
+def fit_and_score(module: Any, dm: Any, epochs: int, callbacks: list[Any]) -> dict[str, Any]:
+    """Train ``module`` on ``dm`` for ``epochs`` on the CPU, then score it once on the held-out split.
+
+    Returns zero-shot top-1/top-5, image-to-text / text-to-image R@1 and their mean, the final temperature and
+    the training wall time (evaluation included once, at the end).
+    """
+    import lightning.pytorch as pl
+
+    from lightning_sdp.callbacks import ZeroShotEvaluation
+
     zs = ZeroShotEvaluation()
     trainer = pl.Trainer(
-        max_epochs=args.epochs,
+        max_epochs=epochs,
         accelerator="cpu",
         devices=1,
         logger=False,
@@ -95,18 +110,14 @@ def train_one(loss: str, batch: int, seed: int, args: argparse.Namespace) -> dic
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        check_val_every_n_epoch=args.epochs,
-        callbacks=[GammaScheduler(gamma_min=args.gamma_min, decay_epochs=max(1, args.epochs // 2)), TemperatureScheduler(), zs],
+        check_val_every_n_epoch=epochs,
+        callbacks=[*callbacks, zs],
     )
     t0 = time.perf_counter()
     trainer.fit(module, dm)
     wall = time.perf_counter() - t0
     m = zs.metrics
     return {
-        "loss": loss,
-        "batch": batch,
-        "seed": seed,
-        "steps": steps,
         "zeroshot_top1": m["val/zeroshot_top1"],
         "zeroshot_top5": m["val/zeroshot_top5"],
         "i2t_r1": m["val/i2t_r1"],
@@ -117,14 +128,19 @@ def train_one(loss: str, batch: int, seed: int, args: argparse.Namespace) -> dic
     }
 
 
-def _train_job(job: tuple[str, int, int, argparse.Namespace]) -> dict[str, Any]:
+def run_quietly(train: Any, job: tuple[Any, ...]) -> dict[str, Any]:
+    """Run ``train(*job)`` in a worker process with Lightning's and Python's warnings silenced."""
     import logging
     import warnings
 
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     logging.getLogger().setLevel(logging.ERROR)
-    return train_one(*job)
+    return train(*job)
+
+
+def _train_job(job: tuple[str, int, int, argparse.Namespace]) -> dict[str, Any]:
+    return run_quietly(train_one, job)
 
 
 def _comm_rank(rank: int, world: int, port: int, local_batch: int, steps: int, queue: Any) -> None:

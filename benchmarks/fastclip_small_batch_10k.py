@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from benchmarks._common import RESULTS_DIR, markdown_table, write_results  # noqa: E402
+from benchmarks.fastclip_small_batch import fit_and_score, run_quietly  # noqa: E402
 
 # A small CLIP for 2 CPU cores: ViT with 4x4 patches of 8 px on 32 px images, 1-layer towers.
 BENCH_MODEL: dict[str, Any] = {
@@ -143,7 +144,7 @@ def train_one(loss: str, batch: int, seed: int, args: argparse.Namespace) -> dic
     import lightning.pytorch as pl
     import torch
 
-    from lightning_sdp.callbacks import GammaScheduler, TemperatureScheduler, ZeroShotEvaluation
+    from lightning_sdp.callbacks import GammaScheduler, TemperatureScheduler
     from lightning_sdp.models import FastCLIPModule
 
     # One thread per process: on a loaded 2-core machine OpenMP threads spin-wait and cost ~10x the CPU time.
@@ -163,49 +164,14 @@ def train_one(loss: str, batch: int, seed: int, args: argparse.Namespace) -> dic
         lr_tau=args.lr_tau if v3 else None,
         rho=args.rho if v3 else None,
     )
-    zs = ZeroShotEvaluation()
     probe = _make_probe(args, batch)
-    decay = max(1, round(args.epochs * args.gamma_decay_fraction))
-    trainer = pl.Trainer(
-        max_epochs=args.epochs,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        check_val_every_n_epoch=args.epochs,
-        callbacks=[GammaScheduler(gamma_min=args.gamma_min, decay_epochs=decay), TemperatureScheduler(), zs, probe],
-    )
-    t0 = time.perf_counter()
-    trainer.fit(module, dm)
-    wall = time.perf_counter() - t0
-    m = zs.metrics
-    return {
-        "loss": loss,
-        "batch": batch,
-        "seed": seed,
-        "steps": steps,
-        "zeroshot_top1": m["val/zeroshot_top1"],
-        "zeroshot_top5": m["val/zeroshot_top5"],
-        "i2t_r1": m["val/i2t_r1"],
-        "t2i_r1": m["val/t2i_r1"],
-        "retrieval_r1": (m["val/i2t_r1"] + m["val/t2i_r1"]) / 2,
-        "final_tau": module.temperature,
-        "u_probe": probe.rows,
-        "wall_s": wall,
-    }
+    gamma = GammaScheduler(gamma_min=args.gamma_min, decay_epochs=max(1, round(args.epochs * args.gamma_decay_fraction)))
+    scores = fit_and_score(module, dm, args.epochs, [gamma, TemperatureScheduler(), probe])
+    return {"loss": loss, "batch": batch, "seed": seed, "steps": steps, **scores, "u_probe": probe.rows}
 
 
 def _train_job(job: tuple[str, int, int, argparse.Namespace]) -> dict[str, Any]:
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger().setLevel(logging.ERROR)
-    return train_one(*job)
+    return run_quietly(train_one, job)
 
 
 def summarise(runs: list[dict[str, Any]], losses: list[str], batches: list[int]) -> list[dict[str, Any]]:

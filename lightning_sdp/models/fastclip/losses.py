@@ -27,8 +27,9 @@ batches today, as a peer.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -140,6 +141,20 @@ def _check_inputs(image_features: Tensor, text_features: Tensor, indices: Tensor
         )
 
 
+def _open_clip_loss(owner: Any, feature: str, build: Callable[[int, int], nn.Module]) -> nn.Module:
+    """``owner``'s open_clip loss object for the current (rank, world size), built once per world.
+
+    open_clip's losses bake the rank and world size in at construction, so they are rebuilt when those change.
+    """
+    from lightning_sdp._imports import require
+
+    require("open_clip", feature=feature)
+    key = world(owner.group)
+    if owner._loss is None or owner._world != key:
+        owner._loss, owner._world = build(*key), key
+    return owner._loss
+
+
 class OpenCLIPLoss(nn.Module):
     """OpenCLIP's mini-batch contrastive loss (MBCL) through ``open_clip.ClipLoss``.
 
@@ -171,16 +186,12 @@ class OpenCLIPLoss(nn.Module):
         _check_inputs(image_features, text_features, None, None)
         if logit_scale is None:
             raise ValueError("OpenCLIPLoss needs logit_scale = log(1 / temperature).")
-        from lightning_sdp._imports import require
+        def build(rank: int, size: int) -> nn.Module:
+            import open_clip
 
-        require("open_clip", feature="the openclip loss")
-        import open_clip
+            return open_clip.ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=size)
 
-        rank, size = world(self.group)
-        if self._loss is None or self._world != (rank, size):
-            self._loss = open_clip.ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=size)
-            self._world = (rank, size)
-        loss = self._loss(image_features, text_features, logit_scale.exp())
+        loss = _open_clip_loss(self, "the openclip loss", build)(image_features, text_features, logit_scale.exp())
         return LossOutput(loss=loss, value=loss.detach())
 
 
@@ -223,16 +234,14 @@ class SigLIPLoss(nn.Module):
             raise ValueError(
                 "SigLIPLoss needs logit_scale = log(1 / temperature) and logit_bias (FastCLIPModule has both)."
             )
-        from lightning_sdp._imports import require
+        def build(rank: int, size: int) -> nn.Module:
+            from open_clip.loss import SigLipLoss
 
-        require("open_clip", feature="the siglip loss")
-        from open_clip.loss import SigLipLoss
+            return SigLipLoss(rank=rank, world_size=size)
 
-        rank, size = world(self.group)
-        if self._loss is None or self._world != (rank, size):
-            self._loss = SigLipLoss(rank=rank, world_size=size)
-            self._world = (rank, size)
-        loss = self._loss(image_features, text_features, logit_scale.exp(), logit_bias)
+        loss = _open_clip_loss(self, "the siglip loss", build)(
+            image_features, text_features, logit_scale.exp(), logit_bias
+        )
         return LossOutput(loss=loss, value=loss.detach())
 
 

@@ -8,10 +8,33 @@ reduce each batch of users to two sums right away. States are sums, so the value
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 from torchmetrics import Metric
 from typing_extensions import override
+
+
+def csr_rows_mask(indptr: np.ndarray, indices: np.ndarray, rows: np.ndarray | Tensor, num_items: int) -> Tensor:
+    """Dense ``(len(rows), num_items)`` bool mask of the items that CSR rows ``rows`` hold.
+
+    Args:
+        indptr: ``(num_users + 1,)`` CSR offsets.
+        indices: CSR item ids.
+        rows: the users whose rows to take.
+        num_items: width of the mask.
+
+    Returns:
+        ``mask[i, j]`` is ``True`` where user ``rows[i]`` has item ``j``.
+    """
+    rows = np.asarray(rows.cpu() if isinstance(rows, Tensor) else rows, dtype=np.int64)
+    starts, stops = indptr[rows], indptr[rows + 1]
+    counts = (stops - starts).astype(np.int64)
+    row_ids = np.repeat(np.arange(len(rows)), counts)
+    cols = indices[np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())]
+    mask = torch.zeros(len(rows), int(num_items), dtype=torch.bool)
+    mask[torch.from_numpy(row_ids), torch.from_numpy(cols.astype(np.int64))] = True
+    return mask
 
 
 def topk_hits(preds: Tensor, target: Tensor, k: int, exclude: Tensor | None = None) -> tuple[Tensor, Tensor]:

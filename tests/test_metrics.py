@@ -118,3 +118,20 @@ def test_metrics_are_exact_under_ddp():
     for r, n in results:
         assert r == pytest.approx(want[0], rel=1e-5)
         assert n == pytest.approx(want[1], rel=1e-5)
+
+
+def test_csr_rows_mask_matches_a_python_loop():
+    import numpy as np
+
+    from lightning_sdp.metrics import csr_rows_mask
+
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 6, size=30)
+    indptr = np.concatenate([[0], np.cumsum(counts)])
+    indices = np.concatenate([rng.choice(40, size=c, replace=False) for c in counts]).astype(np.int64)
+    rows = rng.integers(0, 30, size=17)
+    expected = torch.zeros(len(rows), 40, dtype=torch.bool)
+    for i, u in enumerate(rows):
+        for j in indices[indptr[u] : indptr[u + 1]]:
+            expected[i, j] = True
+    assert torch.equal(csr_rows_mask(indptr, indices, rows, 40), expected)

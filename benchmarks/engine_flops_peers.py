@@ -29,7 +29,6 @@ import contextlib
 import io
 import logging
 import os
-import sys
 import tempfile
 import time
 import traceback
@@ -39,13 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from torch import Tensor, nn
 
-import torch  # noqa: E402
-from torch import Tensor, nn  # noqa: E402
-
-from benchmarks._common import machine_info, markdown_table, write_results  # noqa: E402
-from lightning_sdp.profiling.flops import WorkCount, WorkCounter  # noqa: E402
+from benchmarks._common import machine_info, markdown_table, write_results
+from lightning_sdp.profiling.flops import WorkCount, WorkCounter
 
 VOCAB = 65
 
@@ -317,11 +314,9 @@ def callback_check(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     x = torch.randint(0, VOCAB, (4 * args.batch_size, seq + 1), generator=g)
     loader = DataLoader(TensorDataset(x[:, :-1], x[:, 1:]), batch_size=args.batch_size)
     cb = EngineProfiler(
-        wait=0, warmup=1, active=1, repeat=1, dirpath=str(tmp / "cb"), export_trace=False, save_plot=False
-    )
-    for attr, value in (("print_summary", False), ("log_metrics", False)):
-        if hasattr(cb, attr):
-            setattr(cb, attr, value)
+        wait=0, warmup=1, active=1, repeat=1, dirpath=str(tmp / "cb"), export_trace=False, save_plot=False,
+        print_summary=False, log_metrics=False,
+    )  # fmt: skip
     Trainer(
         accelerator="cpu",
         devices=1,
@@ -333,9 +328,8 @@ def callback_check(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         enable_model_summary=False,
         limit_val_batches=0,
     ).fit(model, loader)
-    report = cb.reports[0] if cb.reports else {}
-    fl = report.get("flops") or {}
-    step = int(fl.get("matrix_flops", 0)) + int(fl.get("attention_flops", 0)) if fl else None
+    fl = cb.reports[0].flops if cb.reports else None
+    step = fl.total_flops if fl is not None else None
     # The same training step under the counter alone (train mode, cross-entropy loss; AdamW adds no matrix work).
     model = case.build().train()
     xb, yb = x[: args.batch_size, :-1], x[: args.batch_size, 1:]
@@ -483,7 +477,7 @@ def plot(rows: list[dict[str, Any]]) -> Any:
     return fig
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small inputs, fewer models (well under a minute)")
     p.add_argument("--seq-lens", type=int, nargs="+", default=[128, 512, 2048])
@@ -494,7 +488,7 @@ def main() -> None:
     p.add_argument("--image-size", type=int, default=224, help="resnet18 input size")
     p.add_argument("--vits", nargs="+", default=["fastclip-tiny", "ViT-S-16"], help="open_clip model names")
     p.add_argument("--threads", type=int, default=2)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.quick:
         args.seq_lens, args.image_size, args.vits = [64, 256], 64, ["fastclip-tiny"]
     torch.set_num_threads(args.threads)

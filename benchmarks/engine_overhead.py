@@ -31,57 +31,52 @@ import argparse
 import functools
 import json
 import statistics
-import sys
 import tempfile
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.utils.data import DataLoader, TensorDataset
 
-import torch  # noqa: E402
-from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-
-from benchmarks._common import machine_info, markdown_table, write_results  # noqa: E402
-from lightning_sdp.callbacks.engine_profiler import EngineProfiler  # noqa: E402
-from lightning_sdp.models.gpt import GPT  # noqa: E402
+from benchmarks._common import StepTimer, machine_info, markdown_table, write_results
+from lightning_sdp.callbacks.engine_profiler import EngineProfiler
+from lightning_sdp.models.gpt import GPT
 
 VOCAB = 65
 
 
-class _StepClock(Callback):
-    """Wall and process CPU time at the start of every batch, and whether autograd profiling was on then.
+class _ProfiledStepTimer(StepTimer):
+    """:class:`~benchmarks._common.StepTimer` that also notes whether autograd profiling was on at each batch start.
 
     Put it first in ``callbacks`` so its ``on_train_batch_start`` runs before any other callback's.
     """
 
     def __init__(self) -> None:
-        self.starts: list[float] = []
-        self.cpu: list[float] = []
+        super().__init__()
         self.profiling: list[bool] = []
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self.starts.append(time.perf_counter())
-        self.cpu.append(time.process_time())
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         self.profiling.append(bool(torch.autograd._profiler_enabled()))
 
-    def intervals(self) -> list[tuple[int, float, bool, float]]:
+    def steps(self) -> list[tuple[int, float, bool, float]]:
         """``(batch, wall seconds to the next batch's start, profiling on at both ends, process CPU seconds)``."""
-        out = []
-        for i in range(len(self.starts) - 1):
-            both = self.profiling[i] and self.profiling[i + 1]
-            out.append((i, self.starts[i + 1] - self.starts[i], both, self.cpu[i + 1] - self.cpu[i]))
-        return out
+        cpu = [b - a for a, b in zip(self.cpu_starts[:-1], self.cpu_starts[1:])]
+        return [
+            (i, wall, self.profiling[i] and self.profiling[i + 1], cpu[i])
+            for i, wall in enumerate(self.intervals())
+        ]
 
 
-def _time_hooks(cb: Callback, clock: _StepClock, sink: dict[int, float]) -> None:
+def _time_hooks(cb: Callback, clock: StepTimer, sink: dict[int, float]) -> None:
     """Wrap every Lightning hook that ``cb``'s class overrides with a timer; seconds per batch go to ``sink``."""
     names = [
         n
@@ -115,12 +110,8 @@ class Setting:
 
 
 def _ep(args: argparse.Namespace, tmp: Path, **kwargs: Any) -> EngineProfiler:
-    """An EngineProfiler with only the public, stable constructor arguments (others keep their defaults)."""
-    cb = EngineProfiler(dirpath=str(tmp), save_plot=False, **kwargs)
-    for attr in ("print_summary", "log_metrics"):  # quiet, without relying on the arguments existing
-        if hasattr(cb, attr):
-            setattr(cb, attr, False)
-    return cb
+    """A quiet EngineProfiler writing to ``tmp`` (no plot, no printed summary, no logged metrics)."""
+    return EngineProfiler(dirpath=str(tmp), save_plot=False, print_summary=False, log_metrics=False, **kwargs)
 
 
 def settings(args: argparse.Namespace) -> list[Setting]:
@@ -206,7 +197,7 @@ def run_setting(setting: Setting, args: argparse.Namespace, tmp: Path) -> dict[s
         block_size=args.seq_len,
         warmup_steps=1,
     )
-    clock = _StepClock()
+    clock = _ProfiledStepTimer()
     callbacks, profiler = setting.make(tmp, args)
     hook_s: dict[int, float] = defaultdict(float)
     eps = [c for c in callbacks if isinstance(c, EngineProfiler)]
@@ -229,7 +220,7 @@ def run_setting(setting: Setting, args: argparse.Namespace, tmp: Path) -> dict[s
             num_sanity_val_steps=0,
         ).fit(model, _loader(args))
     fit_s = time.perf_counter() - t0
-    iv = [row for row in clock.intervals() if row[0] >= args.first]
+    iv = [row for row in clock.steps() if row[0] >= args.first]
     keep = [row for row in iv if row[2] == (setting.window == "inside")]
     steady = [row[1] for row in keep]
     cpu = [row[3] for row in keep]
@@ -250,8 +241,8 @@ def run_setting(setting: Setting, args: argparse.Namespace, tmp: Path) -> dict[s
         out["ep_hook_us_median"] = statistics.median(hooks) * 1e6 if hooks else None
         reports = getattr(cb, "reports", []) or []
         out["ep_windows"] = len(reports)
-        out["ep_analysis_s"] = [r.get("analysis_s") for r in reports]
-        out["ep_step_time_s"] = [r.get("step_time_s") for r in reports]
+        out["ep_analysis_s"] = [r.analysis_s for r in reports]
+        out["ep_step_time_s"] = [r.step_time_s for r in reports]
         # The FLOP-counting batch: the last warm-up batch of the first window (all hooks + counting, one-off).
         warm = getattr(cb, "wait", None), getattr(cb, "warmup", 0)
         if warm[0] is not None and warm[1] and warm[0] + warm[1] - 1 < len(clock.starts) - 1:
@@ -425,7 +416,7 @@ def plot(rows: list[dict[str, Any]], result: dict[str, Any]) -> Any:
     return fig
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--quick", action="store_true", help="small model, few steps, one repeat (well under a minute)"
@@ -441,7 +432,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadier on a shared machine)")
     p.add_argument("--only", nargs="+", default=None, help="run only these setting keys (and 'none')")
     p.add_argument("--from-json", default=None, help="re-render the tables and plot of a finished run's JSON")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.from_json:
         payload = json.loads(Path(args.from_json).read_text())
         saved = argparse.Namespace(**payload["config"])
@@ -455,7 +446,7 @@ def main() -> None:
         return
     if args.quick:
         args.steps, args.first, args.repeats = 14, 4, 1
-        args.seq_len, args.batch_size = 128, 4
+        args.seq_len, args.batch_size, args.n_layer, args.n_embd = 64, 4, 1, 64
     if args.first < 2 or args.steps < args.first + 4:
         p.error("need --first >= 2 and --steps >= --first + 4 (warm-up batches, then a window of at least 4)")
     torch.set_num_threads(args.threads)

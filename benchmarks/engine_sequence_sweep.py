@@ -6,8 +6,8 @@
 2. Overhead: step time without the callback, with the callback outside its window, and inside its window
    (profiled); plus the cost of one hook call outside the window, timed directly.
 
-    .venv/bin/python benchmarks/engine_sequence_sweep.py            # full (a few minutes on 2 shared cores)
-    .venv/bin/python benchmarks/engine_sequence_sweep.py --quick    # smoke run (~1 min)
+    .venv/bin/python -m benchmarks.engine_sequence_sweep            # full (a few minutes on 2 shared cores)
+    .venv/bin/python -m benchmarks.engine_sequence_sweep --quick    # smoke run (tiny GPT, well under a minute)
 
 Writes ``benchmarks/results/engine_sequence_sweep.{json,md,png}`` (``engine_sequence_sweep_quick`` with --quick).
 """
@@ -16,49 +16,28 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
+import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from lightning.pytorch import Callback, Trainer
+from torch.utils.data import DataLoader, TensorDataset
 
-import torch  # noqa: E402
-from lightning.pytorch import Callback, Trainer  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-
-from benchmarks._common import machine_info, markdown_table, write_results  # noqa: E402
-from lightning_sdp.callbacks.engine_profiler import EngineProfiler  # noqa: E402
-from lightning_sdp.profiling.peaks import calibrate_cpu  # noqa: E402
-from lightning_sdp.profiling.sweep import (  # noqa: E402
+from benchmarks._common import StepTimer, machine_info, markdown_table, write_results
+from lightning_sdp.callbacks.engine_profiler import EngineProfiler
+from lightning_sdp.callbacks.engine_profiler.sweep import (
     add_sweep_arguments,
     gpt_factory,
     plot_sweep,
     sequence_length_sweep,
     sweep_markdown,
 )
+from lightning_sdp.profiling.peaks import calibrate_cpu
 
 VOCAB = 65
-
-
-class _StepTimer(Callback):
-    """Per-batch start/end times (the same span the profiler measures)."""
-
-    def __init__(self) -> None:
-        self.starts: list[float] = []
-        self.ends: list[float] = []
-
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self.starts.append(time.perf_counter())
-
-    def on_train_batch_end(
-        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        self.ends.append(time.perf_counter())
-
-    def per_step(self, first: int, last: int) -> float:
-        """Mean seconds per step from the start of batch ``first`` to the end of batch ``last``."""
-        return (self.ends[last] - self.starts[first]) / (last - first + 1)
 
 
 def _run(args: argparse.Namespace, callbacks: list[Callback], steps: int, seq_len: int) -> None:
@@ -87,13 +66,13 @@ def measure_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     first, last = 2, steps - 1  # skip the first batches (allocator warm-up)
     base, outside, inside, window = [], [], [], []
     for rep in range(args.overhead_repeats):
-        t = _StepTimer()
+        t = StepTimer()  # the same span the profiler measures: start of batch `first` to end of batch `last`
         _run(args, [t], steps, seq_len)
         base.append(t.per_step(first, last))
-        t = _StepTimer()
+        t = StepTimer()
         _run(args, [EngineProfiler(wait=10**6, dirpath=str(tmp / f"o{rep}")), t], steps, seq_len)
         outside.append(t.per_step(first, last))
-        t = _StepTimer()
+        t = StepTimer()
         # Profiled batches 2..steps-1 (warm-up batch 1 counts FLOPs and is not timed here).
         cb = EngineProfiler(
             wait=1,
@@ -104,12 +83,11 @@ def measure_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             print_summary=False,
         )
         _run(args, [t, cb], steps, seq_len)
-        inside.append(cb.reports[0]["step_time_s"])  # the step time the profiler measured (profiler running)
-        window.append(cb.reports[0]["analysis_s"])  # one-off: profiler stop, trace export, parsing, report
+        inside.append(cb.reports[0].step_time_s)  # the step time the profiler measured (profiler running)
+        window.append(cb.reports[0].analysis_s)  # one-off: profiler stop, trace export, parsing, report
     # Cost of the hooks outside the window, timed directly (no training noise).
     cb = EngineProfiler(wait=10**9)
-    cb._dir = tmp
-    n = 20000
+    n = 2000 if args.quick else 20000
     t0 = time.perf_counter()
     for _ in range(n):
         cb.on_train_batch_start(None, None, None, 0)  # type: ignore[arg-type]
@@ -135,7 +113,7 @@ def measure_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny smoke run")
     add_sweep_arguments(p, seq_lens=[64, 128, 256, 512, 1024, 2048], steps=3)
@@ -143,14 +121,13 @@ def main() -> None:
     p.add_argument("--overhead-seq-len", type=int, default=256)
     p.add_argument("--overhead-repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadier on a loaded machine)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.quick:
-        args.seq_lens, args.n_layer, args.n_embd, args.batch_size = [32, 64, 128], 1, 64, 2
-        args.overhead_steps, args.overhead_seq_len, args.overhead_repeats = 5, 64, 1
+        args.seq_lens, args.n_layer, args.n_embd, args.batch_size, args.steps = [16, 32], 1, 32, 2, 1
+        args.attention = [a for a in args.attention if a != "linear"]
+        args.overhead_steps, args.overhead_seq_len, args.overhead_repeats = 5, 32, 1
     torch.set_num_threads(args.threads)
     name = "engine_sequence_sweep" + ("_quick" if args.quick else "")
-    import tempfile
-
     tmp = Path(tempfile.mkdtemp(prefix="engine_bench_"))
     t_start = time.perf_counter()
     load_before = machine_info().get("load_avg_1m")
@@ -166,6 +143,7 @@ def main() -> None:
         accelerator="cpu",
         peaks=peaks,
         dirpath=str(tmp / "sweep"),
+        verbose=not args.quick,
     )
     t_sweep = time.perf_counter() - t_start
     overhead = measure_overhead(args, tmp)

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from benchmarks._common import markdown_table, write_results
 from lightning_sdp.callbacks.engine_profiler import EngineProfiler
 from lightning_sdp.models.gpt import GPT
-from lightning_sdp.profiling.engine_bench import measure_engine_peaks
+from lightning_sdp.profiling.engine_bench import cache_path, measure_engine_peaks
 from lightning_sdp.profiling.report import combine_windows
 
 
@@ -106,22 +106,22 @@ def _profile(
     trainer.fit(model, data)
     per_window = profiler.reports
     combined = combine_windows(per_window)
-    matrix = [w["fractions"]["matrix"] for w in per_window]
-    util = [(w.get("utilisation_measured") or {}).get("matrix") for w in per_window]
+    matrix = [w.fractions["matrix"] for w in per_window]
+    util = [(w.utilisation_measured or {}).get("matrix") for w in per_window]
     return {
         "workload": name,
         "windows": len(per_window),
         "matrix_share_per_window": matrix,
-        "matrix_share_median": combined["fractions"]["matrix"],
+        "matrix_share_median": combined.fractions["matrix"],
         "matrix_share_spread_points": 100 * (max(matrix) - min(matrix)),
-        "matrix_tflops_median": combined["throughput"]["matrix_tflops"],
+        "matrix_tflops_median": combined.throughput["matrix_tflops"],
         "matrix_util_measured_per_window": util,
-        "matrix_util_measured_median": (combined.get("utilisation_measured") or {}).get("matrix"),
-        "vector_util_measured_median": (combined.get("utilisation_measured") or {}).get("vector_compute"),
-        "step_time_s_median": combined["step_time_s"],
-        "peak_sources": combined.get("peak_sources"),
-        "fractions_median": combined["fractions"],
-        "fractions_range": combined["fractions_range"],
+        "matrix_util_measured_median": (combined.utilisation_measured or {}).get("matrix"),
+        "vector_util_measured_median": (combined.utilisation_measured or {}).get("vector_compute"),
+        "step_time_s_median": combined.step_time_s,
+        "peak_sources": combined.peak_sources,
+        "fractions_median": combined.fractions,
+        "fractions_range": combined.fractions_range,
     }
 
 
@@ -154,13 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = measure_engine_peaks("cpu", num_threads=args.threads, quick=args.quick)
         cache = f"{tmp}/cache"
         # the callback reads its ceilings from this cache: seed it with the full measurement above
-        from lightning_sdp.profiling.engine_bench import cache_path
-
-        path = cache_path(profile.device_type, profile.device_name, args.threads, cache_dir=cache)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        import json
-
-        path.write_text(json.dumps(profile.to_dict()))
+        profile.save(cache_path(profile.device_type, profile.device_name, args.threads, cache_dir=cache))
         rows = [
             _profile(name, model, data, windows, args.threads, cache, tmp)
             for name, (model, data) in _workloads(args.quick).items()

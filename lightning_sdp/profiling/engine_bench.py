@@ -39,6 +39,9 @@ from typing import Any
 
 import torch
 
+from lightning_sdp.profiling.report import roofline_points, save_figure
+from lightning_sdp.profiling.results import EngineReport
+
 PROFILE_VERSION = 1
 MATRIX_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -520,7 +523,7 @@ def _save_quietly(profile: DeviceProfile, path: Path) -> None:
 def plot_roofline(
     profile: DeviceProfile,
     path: str | Path,
-    report: dict[str, Any] | None = None,
+    report: EngineReport | None = None,
     datasheet: dict[str, float | None] | None = None,
 ) -> Path:
     """PNG roofline: measured matrix ceilings (per dtype) and the vector ceiling, both under the measured bandwidth,
@@ -553,25 +556,7 @@ def plot_roofline(
     for kernel, rows in profile.vector.items():
         for row in rows:
             pts.append((f"{kernel}", row["gelem_per_s"] / row["gbps"], row["gelem_per_s"], "^"))
-    model_pts: list[tuple[str, float, float]] = []
-    if report is not None:
-        fl = report.get("flops") or {}
-        tp = report.get("throughput") or {}
-        byts = fl.get("bytes") or {}
-        if tp.get("matrix_tflops") and byts.get("matrix"):
-            model_pts.append(("model matrix", fl["matrix_flops"] / byts["matrix"], tp["matrix_tflops"] * 1e3))
-        if tp.get("attention_tflops") and byts.get("attention_fused"):
-            model_pts.append(
-                (
-                    "model attention_fused",
-                    fl["attention_flops"] / byts["attention_fused"],
-                    tp["attention_tflops"] * 1e3,
-                )
-            )
-        if tp.get("vector_gelem_per_s") and byts.get("vector"):
-            model_pts.append(
-                ("model vector", fl["elements"]["vector"] / byts["vector"], tp["vector_gelem_per_s"])
-            )
+    model_pts = [(f"model {name}", x, y) for name, x, y in roofline_points(report)] if report is not None else []
     xs = [p[1] for p in pts] + [p[1] for p in model_pts] or [0.1, 100.0]
     xmin, xmax = min(xs) / 4, max(xs) * 4
     grid = [xmin * (xmax / xmin) ** (i / 80) for i in range(81)]
@@ -620,8 +605,6 @@ def plot_roofline(
     threads = f", {profile.num_threads} threads" if profile.num_threads else ""
     ax.set_title(f"measured roofline: {profile.device_name}{threads}", fontsize=10)
     ax.legend(fontsize=7, loc="lower right")
-    from lightning_sdp.profiling.report import save_figure
-
     return save_figure(fig, path)
 
 
@@ -676,7 +659,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _read_report(path: Path) -> dict[str, Any]:
+def _read_report(path: Path) -> EngineReport:
     """One report out of an EngineProfiler file (per-rank list, summary or a single report)."""
     try:
         data = json.loads(path.read_text())
@@ -684,16 +667,15 @@ def _read_report(path: Path) -> dict[str, Any]:
         raise SystemExit(f"engine-bench: cannot read the report {path}: {err}") from err
     if isinstance(data, list) and data:
         data = data[-1]
-    if isinstance(data, dict) and "combined" in data and isinstance(data["combined"], dict):
-        data = data["combined"]
-    elif isinstance(data, dict) and "per_rank" in data and data["per_rank"]:
+    if isinstance(data, dict) and data.get("per_rank"):
         data = data["per_rank"][0]
-    if not isinstance(data, dict) or "throughput" not in data:
+    try:
+        return EngineReport.from_dict(data)
+    except ValueError as err:
         raise SystemExit(
-            f"engine-bench: {path} is not an EngineProfiler report; pass engine_profile-rank0.json or "
+            f"engine-bench: {path} is not an EngineProfiler report ({err}); pass engine_profile-rank0.json or "
             "engine_profile-summary.json."
-        )
-    return data
+        ) from err
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -89,6 +89,20 @@ class WorkCount:
             "flops_by_module": dict(self.flops_by_module),
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WorkCount:
+        """Rebuild a count from :meth:`to_dict` output (``matrix_dtypes`` is the JSON name of ``dtypes``)."""
+        return cls(
+            matrix_flops=int(data["matrix_flops"]),
+            attention_flops=int(data["attention_flops"]),
+            flops_by_module={k: int(v) for k, v in (data.get("flops_by_module") or {}).items()},
+            elements=defaultdict(int, data.get("elements") or {}),
+            bytes=defaultdict(int, data.get("bytes") or {}),
+            op_calls=defaultdict(int, data.get("op_calls") or {}),
+            host_fallback_ops=defaultdict(int, data.get("host_fallback_ops") or {}),
+            dtypes=defaultdict(int, data.get("matrix_dtypes") or {}),
+        )
+
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
     flat, _ = tree_flatten(obj)

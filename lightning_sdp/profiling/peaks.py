@@ -2,7 +2,9 @@
 
 Peaks are dense (no sparsity) datasheet numbers in TFLOPS (matrix engine per dtype, vector engines) and memory
 bandwidth in GB/s. ``None`` means "not known to us": utilisation is then not reported for that entry; pass
-``peaks=`` to :class:`~lightning_sdp.callbacks.EngineProfiler` to fill or override any value.
+``peaks=`` to :class:`~lightning_sdp.callbacks.EngineProfiler` to fill or override any value. For a CUDA card that
+:data:`PEAKS` lacks, the matrix peak comes from Lightning's table
+(``lightning.fabric.utilities.throughput.get_available_flops``, the numbers ``ThroughputMonitor`` uses).
 
 Analytic model (per Transformer layer, sequence length ``n``, width ``d``, ``h`` heads, unfused attention):
 linear layers cost ``24·d²`` FLOPs per token on the matrix engine, the two attention matmuls ``4·n·d`` per token,
@@ -15,7 +17,8 @@ the vector engines (``k`` ≈ 5-8). The score-matrix vector work overtakes all l
 from __future__ import annotations
 
 import time
-from typing import Any
+
+import torch
 
 # Datasheet numbers (dense). Keys of each entry:
 #   matrix_<dtype>: matrix-engine TFLOPS for that dtype; vector: vector-engine TFLOPS (fp32 on GPUs, bf16 on Gaudi
@@ -98,12 +101,8 @@ def device_name_of(device_type: str, index: int = 0) -> str | None:
     """Marketing name of the current accelerator, or ``None`` (CPU, or the name cannot be read)."""
     try:
         if device_type == "cuda":
-            import torch
-
             return torch.cuda.get_device_name(index)
         if device_type == "hpu":
-            import torch
-
             hpu = getattr(torch, "hpu", None)
             if hpu is not None and hasattr(hpu, "get_device_name"):
                 return str(hpu.get_device_name())
@@ -155,20 +154,26 @@ def effective_peaks(
     dtype: str,
     overrides: dict[str, float] | None = None,
     measured: dict[str, float | None] | None = None,
+    device: torch.device | None = None,
 ) -> tuple[dict[str, float | None], dict[str, str | None]]:
     """Peaks used for utilisation, and where each comes from (``user``, ``datasheet``, ``measured`` or ``None``).
 
-    User overrides win, then the datasheet table, then the ceilings measured on this device
-    (:func:`~lightning_sdp.profiling.engine_bench.measure_engine_peaks`) for the values the table lacks (the CPU).
+    User overrides win, then the datasheet table (:data:`PEAKS`, then for a CUDA ``device`` Lightning's matrix
+    peaks, :func:`lightning_matrix_tflops`), then the ceilings measured on this device
+    (:func:`~lightning_sdp.profiling.engine_bench.measure_engine_peaks`) for the values the tables lack (the CPU).
 
     Args:
         device_name: device name (see :func:`device_key`).
         dtype: matrix dtype key.
         overrides: user values (see :func:`resolve_peaks`).
         measured: measured ceilings ``{"matrix_tflops", "vector_tflops", "mem_gbps"}`` or ``None``.
+        device: the profiled device; a CUDA device whose name :data:`PEAKS` lacks is looked up in Lightning's table.
     """
     table = resolve_peaks(device_name, dtype)
-    out = resolve_peaks(device_name, dtype, overrides)
+    if table["matrix_tflops"] is None and device is not None and device.type == "cuda":
+        table["matrix_tflops"] = lightning_matrix_tflops(device, dtype)
+    user = resolve_peaks(None, dtype, overrides)  # validates the overrides
+    out = {k: user[k] if overrides and k in overrides else v for k, v in table.items()}
     sources: dict[str, str | None] = {}
     for k in list(out):
         if overrides and overrides.get(k) is not None:
@@ -181,6 +186,32 @@ def effective_peaks(
         else:
             sources[k] = None
     return out, sources
+
+
+def lightning_matrix_tflops(device: torch.device, dtype: str) -> float | None:
+    """Matrix peak (TFLOPS) of a CUDA device from Lightning's table, or ``None`` (unknown card or dtype).
+
+    Lightning picks its fp32 or TF32 figure from ``torch.get_float32_matmul_precision()``; a figure of the other
+    kind than ``dtype`` asks for is not used.
+
+    Args:
+        device: a CUDA device.
+        dtype: matrix dtype key (``bf16``, ``fp16``, ``tf32``, ``fp32``; ``fp8`` is not in Lightning's table).
+    """
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    torch_dtype: torch.dtype | str | None = {
+        "bf16": torch.bfloat16,
+        "fp16": torch.float16,
+        "tf32": "tfloat32",
+        "fp32": torch.float32,
+    }.get(dtype)
+    if torch_dtype is None:
+        return None
+    if dtype == "fp32" and torch.get_float32_matmul_precision() != "highest":
+        return None  # Lightning would answer with its TF32 figure
+    flops = get_available_flops(device, torch_dtype)
+    return None if flops is None else flops / 1e12
 
 
 def crossover_seq_len(d_model: int, n_heads: int, p_matrix: float, p_vector: float, k: float = 6.0) -> float:
@@ -234,8 +265,6 @@ def calibrate_cpu(size: int = 384, elements: int = 1 << 21, repeats: int = 5) ->
     Matrix: best of ``repeats`` fp32 ``size×size`` matmuls. Vector: best of ``repeats`` ``exp`` + ``mul`` passes
     over ``elements`` floats (2 element operations each). Returns ``{"matrix_tflops", "vector_tflops"}``.
     """
-    import torch
-
     a = torch.randn(size, size)
     b = torch.randn(size, size)
     x = torch.randn(elements)
@@ -252,16 +281,3 @@ def calibrate_cpu(size: int = 384, elements: int = 1 << 21, repeats: int = 5) ->
         "matrix_tflops": 2.0 * size**3 / best_mm / 1e12,
         "vector_tflops": 2.0 * elements / best_vec / 1e12,
     }
-
-
-def describe_peaks(peaks: dict[str, Any]) -> str:
-    """One-line description of resolved peaks for the summary table."""
-    parts = []
-    for k, unit in (
-        ("matrix_tflops", "TFLOPS matrix"),
-        ("vector_tflops", "TFLOPS vector"),
-        ("mem_gbps", "GB/s"),
-    ):
-        v = peaks.get(k)
-        parts.append(f"{v:.4g} {unit}" if v else f"? {unit}")
-    return ", ".join(parts)

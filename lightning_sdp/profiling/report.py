@@ -1,18 +1,35 @@
 """The EngineProfiler report: numbers per step, findings with advice, summary table, metrics, merge and picture.
 
-A report is a plain JSON-ready ``dict`` (see :func:`build_report`), so per-rank reports can be gathered with
-``all_gather_object`` and written as they are.
+A report is an :class:`~lightning_sdp.profiling.results.EngineReport` (see :func:`build_report`); it pickles for
+``all_gather_object`` and ``to_dict()`` gives the JSON the callback writes.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import statistics
 from pathlib import Path
 from typing import Any
 
-from lightning_sdp.profiling.categories import CATEGORIES, MODULE_GROUPS, CategoryBreakdown
+from lightning_sdp.profiling.breakdown import CategoryBreakdown
+from lightning_sdp.profiling.categories import CATEGORIES
 from lightning_sdp.profiling.flops import WorkCount
 from lightning_sdp.profiling.hpu_trace import EngineOverlap
-from lightning_sdp.profiling.peaks import attention_model, crossover_seq_len, describe_peaks
+from lightning_sdp.profiling.module_groups import MODULE_GROUPS
+from lightning_sdp.profiling.peaks import attention_model, crossover_seq_len
+from lightning_sdp.profiling.results import (
+    AnalyticModel,
+    CudaKernels,
+    DeviceInfo,
+    EngineReport,
+    Finding,
+    HpuEngines,
+    MergedReport,
+    ModelDims,
+    ModuleShare,
+    TopOp,
+)
 
 # Thresholds of the findings (shares of the step time unless noted).
 HOST_BOUND_FRAC = 0.30
@@ -34,11 +51,11 @@ def build_report(
     *,
     breakdown: CategoryBreakdown,
     steps: int,
-    device: dict[str, Any],
+    device: DeviceInfo,
     work: WorkCount | None,
     peaks: dict[str, float | None],
     batch_shapes: list[list[list[int]]],
-    model_dims: dict[str, Any],
+    model_dims: ModelDims,
     softmax_k: float = 6.0,
     overlap: EngineOverlap | None = None,
     rank: int = 0,
@@ -47,17 +64,17 @@ def build_report(
     start_batch: int = 0,
     measured_peaks: dict[str, float | None] | None = None,
     peak_sources: dict[str, str | None] | None = None,
-) -> dict[str, Any]:
+) -> EngineReport:
     """Assemble the report of one profiling window.
 
     Args:
         breakdown: category times over the window (host view on CPU/HPU, kernel view on CUDA).
         steps: number of profiled (active) steps.
-        device: ``{"type", "name", "precision", "matrix_dtype"}``.
+        device: the profiled device.
         work: FLOPs and vector work of one step (counted in the last warm-up step), or ``None``.
         peaks: resolved peaks ``{"matrix_tflops", "vector_tflops", "mem_gbps"}`` (values may be ``None``).
         batch_shapes: shapes of the batch tensors of each step seen in the window.
-        model_dims: ``{"d_model", "n_heads", "attention", "seq_len"}`` where known.
+        model_dims: model dimensions where known.
         softmax_k: element operations per attention score in the analytic model.
         overlap: Gaudi engine overlap from the device trace, or ``None``.
         rank: global rank.
@@ -83,16 +100,16 @@ def build_report(
     module_total = {g: sum(v.values()) for g, v in breakdown.module_times_us.items()}
     mt_sum = breakdown.span_us or 1.0
     modules = {
-        g: {
-            "time_s": module_total[g] / steps / 1e6,
-            "frac": module_total[g] / mt_sum,
-            "by_category_s": {c: t / steps / 1e6 for c, t in breakdown.module_times_us[g].items()},
-        }
+        g: ModuleShare(
+            time_s=module_total[g] / steps / 1e6,
+            frac=module_total[g] / mt_sum,
+            by_category_s={c: t / steps / 1e6 for c, t in breakdown.module_times_us[g].items()},
+        )
         for g in sorted(module_total, key=lambda g: MODULE_GROUPS.index(g) if g in MODULE_GROUPS else 99)
     }
     top = sorted(breakdown.op_times_us.items(), key=lambda kv: -kv[1][1])[:TOP_OPS]
     top_ops = [
-        {"name": n, "category": c, "time_ms": t / steps / 1e3, "frac": t / (breakdown.span_us or 1.0)}
+        TopOp(name=n, category=c, time_ms=t / steps / 1e3, frac=t / (breakdown.span_us or 1.0))
         for n, (c, t) in top
     ]
 
@@ -104,9 +121,9 @@ def build_report(
         "vector_gbps": None,
         "memory_gbps": None,
     }
-    flops: dict[str, Any] | None = None
+    flops: WorkCount | None = None
     if work is not None:
-        flops = work.to_dict()
+        flops = WorkCount.from_dict(work.to_dict())  # a snapshot: the counter's dicts are not shared
         mat_s = per_step_s["matrix"]
         att_s = per_step_s["attention_fused"]
         vec_s = per_step_s["vector"]
@@ -126,59 +143,59 @@ def build_report(
     utilisation = _utilisation(throughput, peaks)
     utilisation_measured = _utilisation(throughput, measured_peaks) if measured_peaks else None
 
-    seq_len = model_dims.get("seq_len")
+    seq_len = model_dims.seq_len
     analytic = None
-    d, h = model_dims.get("d_model"), model_dims.get("n_heads")
-    if d and h and peaks.get("matrix_tflops") and peaks.get("vector_tflops"):
-        p_mat, p_vec = float(peaks["matrix_tflops"]), float(peaks["vector_tflops"])  # type: ignore[arg-type]
-        analytic = {
-            "softmax_k": softmax_k,
-            "crossover_seq_len": crossover_seq_len(d, h, p_mat, p_vec, softmax_k),
-            "vector_to_matrix_attention_ratio": softmax_k / (4.0 * d / h) * p_mat / p_vec,
-        }
-        if seq_len and model_dims.get("attention") != "linear":  # the model is for softmax attention
-            analytic["predicted_at_seq_len"] = attention_model(
-                seq_len, d, h, p_mat, p_vec, softmax_k, fused=model_dims.get("attention") == "sdpa"
+    d, h = model_dims.d_model, model_dims.n_heads
+    p_mat, p_vec = peaks.get("matrix_tflops"), peaks.get("vector_tflops")
+    if d and h and p_mat and p_vec:
+        analytic = AnalyticModel(
+            softmax_k=softmax_k,
+            crossover_seq_len=crossover_seq_len(d, h, p_mat, p_vec, softmax_k),
+            vector_to_matrix_attention_ratio=softmax_k / (4.0 * d / h) * p_mat / p_vec,
+        )
+        if seq_len and model_dims.attention != "linear":  # the model is for softmax attention
+            analytic.predicted_at_seq_len = attention_model(
+                seq_len, d, h, p_mat, p_vec, softmax_k, fused=model_dims.attention == "sdpa"
             )
 
     cuda = None
     if breakdown.tensor_core_us is not None:
         mk = breakdown.matrix_kernel_us or 0.0
-        cuda = {
-            "tensor_core_us": breakdown.tensor_core_us,
-            "matrix_kernel_us": mk,
-            "tensor_core_frac": (breakdown.tensor_core_us / mk) if mk > 0 else None,
-            "host_busy_frac": breakdown.host_busy_us / (breakdown.span_us or 1.0),
-        }
+        cuda = CudaKernels(
+            tensor_core_us=breakdown.tensor_core_us,
+            matrix_kernel_us=mk,
+            tensor_core_frac=(breakdown.tensor_core_us / mk) if mk > 0 else None,
+            host_busy_frac=breakdown.host_busy_us / (breakdown.span_us or 1.0),
+        )
 
-    report: dict[str, Any] = {
-        "rank": rank,
-        "world_size": world_size,
-        "cycle": cycle,
-        "start_batch": start_batch,
-        "device": dict(device),
-        "steps": steps,
-        "step_time_s": step_time_s,
-        "window_us": span,
-        "batch_shapes": batch_shapes,
-        "model": dict(model_dims),
-        "categories_s": per_step_s,
-        "fractions": fractions,
-        "overlap_scale": breakdown.overlap_scale,
-        "modules": modules,
-        "top_ops": top_ops,
-        "flops": flops,
-        "throughput": throughput,
-        "peaks": dict(peaks),
-        "peak_sources": dict(peak_sources) if peak_sources else None,
-        "peaks_measured": dict(measured_peaks) if measured_peaks else None,
-        "utilisation": utilisation,
-        "utilisation_measured": utilisation_measured,
-        "analytic": analytic,
-        "cuda": cuda,
-        "hpu": overlap.to_dict() if overlap is not None else None,
-    }
-    report["findings"] = findings(report, work)
+    report = EngineReport(
+        rank=rank,
+        world_size=world_size,
+        cycle=cycle,
+        start_batch=start_batch,
+        device=dataclasses.replace(device),
+        steps=steps,
+        step_time_s=step_time_s,
+        window_us=span,
+        batch_shapes=batch_shapes,
+        model=dataclasses.replace(model_dims),
+        categories_s=per_step_s,
+        fractions=fractions,
+        overlap_scale=breakdown.overlap_scale,
+        modules=modules,
+        top_ops=top_ops,
+        flops=flops,
+        throughput=throughput,
+        peaks=dict(peaks),
+        peak_sources=dict(peak_sources) if peak_sources else None,
+        peaks_measured=dict(measured_peaks) if measured_peaks else None,
+        utilisation=utilisation,
+        utilisation_measured=utilisation_measured,
+        analytic=analytic,
+        cuda=cuda,
+        hpu=HpuEngines.from_overlap(overlap) if overlap is not None else None,
+    )
+    report.findings = findings(report)
     return report
 
 
@@ -203,28 +220,25 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-def findings(
-    report: dict[str, Any], work: WorkCount | None = None, uncertain: list[dict[str, str]] | None = None
-) -> list[dict[str, str]]:
+def findings(report: EngineReport, uncertain: list[Finding] | None = None) -> list[Finding]:
     """Automated checks on a report, each with one sentence of advice.
 
     Checks: ``matrix_off_engine``, ``host_fallback``, ``low_precision_off``, ``changing_shapes``,
     ``attention_dominating``, ``engine_imbalance``, ``ceiling_exceeded`` (utilisation above a measured ceiling:
     the device profile is stale or was measured on a busy machine), ``host_bound``.
 
-    On a report combined over several windows (:func:`combine_windows`, which sets ``report["spread"]``), the
+    On a report combined over several windows (:func:`combine_windows`, which sets ``report.spread``), the
     timing checks (``attention_dominating``, ``engine_imbalance``, ``host_bound``) fire only when the median clears
     the threshold by more than the spread (max - min over the windows); those that clear it by less go to
     ``uncertain`` (when a list is given) instead of being dropped unseen.
 
     Args:
         report: a report of :func:`build_report` or :func:`combine_windows`.
-        work: unused, kept for callers that pass the step's work count.
         uncertain: list that receives the timing findings within the spread.
     """
-    out: list[dict[str, str]] = []
-    spread = report.get("spread") or {}
-    windows = int(report.get("windows") or 1)
+    out: list[Finding] = []
+    spread = report.spread or {}
+    windows = report.windows or 1
 
     def timing(check: str, effect: float, spread_key: str, message: str, advice: str) -> None:
         """Report a timing finding (its threshold is met) when its effect is larger than the spread."""
@@ -233,64 +247,64 @@ def findings(
             message += f" (median of {windows} windows, spread {s:.1%})"
         if s > 0 and effect <= s:
             if uncertain is not None:
-                uncertain.append(_f(check, message + "; the effect is within the spread", advice))
+                uncertain.append(Finding(check, message + "; the effect is within the spread", advice))
             return
-        out.append(_f(check, message, advice))
+        out.append(Finding(check, message, advice))
 
-    dev = report["device"]
-    dtype = dev.get("matrix_dtype", "fp32")
-    fr = report["fractions"]
-    dtype_of_ops = (report.get("flops") or {}).get("matrix_dtypes") or {}
+    dev = report.device
+    dtype = dev.matrix_dtype
+    fr = report.fractions
+    dtype_of_ops = report.flops.dtypes if report.flops is not None else {}
 
-    cuda = report.get("cuda")
-    if cuda and cuda.get("tensor_core_frac") is not None and cuda["matrix_kernel_us"] > 0:
-        if cuda["tensor_core_frac"] < TENSOR_CORE_MIN_FRAC and fr["matrix"] > 0.05:
+    cuda = report.cuda
+    if cuda and cuda.tensor_core_frac is not None and cuda.matrix_kernel_us > 0:
+        if cuda.tensor_core_frac < TENSOR_CORE_MIN_FRAC and fr["matrix"] > 0.05:
             out.append(
-                _f(
+                Finding(
                     "matrix_off_engine",
-                    f"only {cuda['tensor_core_frac']:.0%} of matrix-kernel time ran on tensor cores",
+                    f"only {cuda.tensor_core_frac:.0%} of matrix-kernel time ran on tensor cores",
                     "Use bf16/fp16 autocast (precision='bf16-mixed') or enable TF32 "
                     "(torch.set_float32_matmul_precision('high')) and keep matrix dimensions multiples of 8.",
                 )
             )
-    hpu = report.get("hpu")
-    if hpu and hpu["window_us"] > 0 and hpu["matrix_on_tpc_us"] / hpu["window_us"] > MATRIX_ON_TPC_FRAC:
+    hpu = report.hpu
+    if hpu and hpu.window_us > 0 and hpu.matrix_on_tpc_us / hpu.window_us > MATRIX_ON_TPC_FRAC:
         out.append(
-            _f(
+            Finding(
                 "matrix_off_engine",
-                f"{hpu['matrix_on_tpc_us'] / hpu['window_us']:.0%} of the window is matrix work on the TPC",
+                f"{hpu.matrix_on_tpc_us / hpu.window_us:.0%} of the window is matrix work on the TPC",
                 "Reshape the operation to a plain (batched) matmul the graph compiler can place on the MME, e.g. "
                 "replace einsum patterns with bmm and keep dimensions multiples of the MME tile.",
             )
         )
 
-    fallback = (report.get("flops") or {}).get("host_fallback_ops") or {}
-    if fallback and dev.get("type") not in (None, "cpu"):
+    fallback = report.flops.host_fallback_ops if report.flops is not None else {}
+    if fallback and dev.type not in (None, "cpu"):
         names = ", ".join(sorted(fallback, key=lambda k: -fallback[k])[:5])
         out.append(
-            _f(
+            Finding(
                 "host_fallback",
                 f"{sum(fallback.values())} operator calls ran on CPU tensors while the model is on "
-                f"{dev.get('type')} ({names})",
+                f"{dev.type} ({names})",
                 "Move these tensors to the device (register buffers, create tensors with device=...), or replace "
                 "the operators the device does not support.",
             )
         )
 
-    if dev.get("type") in ("cuda", "hpu") and dtype == "fp32":
+    if dev.type in ("cuda", "hpu") and dtype == "fp32":
         out.append(
-            _f(
+            Finding(
                 "low_precision_off",
                 f"matrix work runs in {','.join(dtype_of_ops) or 'fp32'}; the matrix engine's peak is for bf16",
                 "Train with precision='bf16-mixed' (Gaudi and Ampere+ GPUs run bf16 matmuls at full speed).",
             )
         )
 
-    shapes = report.get("batch_shapes") or []
+    shapes = report.batch_shapes or []
     distinct = {repr(s) for s in shapes}
     if len(distinct) > 1:
         out.append(
-            _f(
+            Finding(
                 "changing_shapes",
                 f"{len(distinct)} different batch shapes in {len(shapes)} steps of the window",
                 "Pad or bucket batches to a few fixed shapes: each new shape recompiles the graph on HPU "
@@ -298,11 +312,10 @@ def findings(
             )
         )
 
-    att = (report.get("modules") or {}).get("attention", {}).get("frac", 0.0)
+    att = _attention_frac(report)
     if att >= ATTENTION_DOMINANT_FRAC:
-        seq = report.get("model", {}).get("seq_len")
-        analytic = report.get("analytic") or {}
-        cross = analytic.get("crossover_seq_len")
+        seq = report.model.seq_len
+        cross = report.analytic.crossover_seq_len if report.analytic is not None else None
         cross_txt = (
             f"; the analytic crossover for this device is n* ≈ {cross:,.0f} tokens (measured at n = {seq})"
             if cross
@@ -320,11 +333,11 @@ def findings(
     matrix_side = fr["matrix"] + fr["attention_fused"]
     vector_side = fr["vector"] + fr["memory"]
     if hpu:
-        st = hpu["state_fractions"]
+        st = hpu.state_fractions
         busy = 1.0 - st["idle"]
         if busy > 0 and st["both"] / busy < HPU_OVERLAP_MIN_FRAC and (st["mme_only"] + st["tpc_only"]) > 0.5:
             out.append(
-                _f(
+                Finding(
                     "engine_imbalance",
                     f"MME and TPC overlap only {st['both']:.0%} of the window "
                     f"(MME-only {st['mme_only']:.0%}, TPC-only {st['tpc_only']:.0%})",
@@ -345,14 +358,14 @@ def findings(
     over = {
         k: v
         for source in ("utilisation", "utilisation_measured")
-        for k, v in (report.get(source) or {}).items()
+        for k, v in (getattr(report, source) or {}).items()
         if v is not None
         and v > CEILING_EXCEEDED
         and (source == "utilisation_measured" or _measured(report, k))
     }
     if over:
         out.append(
-            _f(
+            Finding(
                 "ceiling_exceeded",
                 "the step beat the measured ceiling ("
                 + ", ".join(f"{k} {v:.0%}" for k, v in sorted(over.items()))
@@ -364,7 +377,7 @@ def findings(
 
     host = fr["host_other"]
     if host > HOST_BOUND_FRAC:
-        where = "the device is idle" if dev.get("type") in ("cuda", "hpu") else "no operator is running"
+        where = "the device is idle" if dev.type in ("cuda", "hpu") else "no operator is running"
         timing(
             "host_bound",
             host - HOST_BOUND_FRAC,
@@ -376,17 +389,17 @@ def findings(
     return out
 
 
-def _measured(report: dict[str, Any], util_key: str) -> bool:
-    return (report.get("peak_sources") or {}).get(_UTIL_PEAK.get(util_key, "")) == "measured"
+def _measured(report: EngineReport, util_key: str) -> bool:
+    return (report.peak_sources or {}).get(_UTIL_PEAK.get(util_key, "")) == "measured"
 
 
-def _f(check: str, message: str, advice: str) -> dict[str, str]:
-    return {"check": check, "message": message, "advice": advice}
+def _attention_frac(report: EngineReport) -> float:
+    """Share of the step in the attention module group (0 without the per-module view)."""
+    share = report.modules.get("attention")
+    return share.frac if share is not None else 0.0
 
 
 def _median(values: list[float]) -> float:
-    import statistics
-
     return float(statistics.median(values))
 
 
@@ -395,11 +408,11 @@ def _median_or_none(values: list[float | None]) -> float | None:
     return _median(known) if known else None
 
 
-def combine_windows(reports: list[dict[str, Any]]) -> dict[str, Any]:
+def combine_windows(reports: list[EngineReport]) -> EngineReport:
     """Combine the windows of one rank: median of every share and throughput, with the spread over windows.
 
     One window is a sample, not the answer: the same run profiled twice can differ by several points. The result
-    has the keys of a window report (so :func:`summary_table`, :func:`metrics` and :func:`plot_reports` take it)
+    is an :class:`EngineReport` (so :func:`summary_table`, :func:`metrics` and :func:`plot_reports` take it)
     with medians in ``fractions``, ``categories_s``, ``step_time_s``, ``modules``, ``throughput`` and
     ``utilisation``, plus ``windows`` (count), ``cycles``, ``fractions_range`` (``[min, max]`` per category) and
     ``spread`` (max - min per category and for ``module_attention`` and ``imbalance`` = vector + memory minus
@@ -410,128 +423,139 @@ def combine_windows(reports: list[dict[str, Any]]) -> dict[str, Any]:
     Args:
         reports: window reports of one rank (:func:`build_report`), at least one.
     """
-    import copy
-
     if not reports:
         raise ValueError("combine_windows needs at least one window report")
-    n = len(reports)
     out = copy.deepcopy(reports[-1])
-    out["windows"] = n
-    out["cycles"] = [r["cycle"] for r in reports]
-    out["start_batches"] = [r["start_batch"] for r in reports]
-    out["steps_total"] = sum(r["steps"] for r in reports)
-    if n == 1:
-        out["spread"] = None
-        out["fractions_range"] = None
-        out["findings_within_spread"] = []
+    out.windows = len(reports)
+    out.cycles = [r.cycle for r in reports]
+    out.start_batches = [r.start_batch for r in reports]
+    out.steps_total = sum(r.steps for r in reports)
+    if len(reports) == 1:
+        out.spread = None
+        out.fractions_range = None
+        out.findings_within_spread = []
         return out
-    fr = {c: [r["fractions"][c] for r in reports] for c in CATEGORIES}
-    out["fractions"] = {c: _median(v) for c, v in fr.items()}
-    out["fractions_range"] = {c: [min(v), max(v)] for c, v in fr.items()}
-    out["categories_s"] = {c: _median([r["categories_s"][c] for r in reports]) for c in CATEGORIES}
-    out["step_time_s"] = _median([r["step_time_s"] for r in reports])
-    imbalance = [
-        r["fractions"]["vector"]
-        + r["fractions"]["memory"]
-        - r["fractions"]["matrix"]
-        - r["fractions"]["attention_fused"]
-        for r in reports
-    ]
-    att = [(r.get("modules") or {}).get("attention", {}).get("frac", 0.0) for r in reports]
-    spread = {c: max(v) - min(v) for c, v in fr.items()}
-    spread["module_attention"] = max(att) - min(att)
-    spread["imbalance"] = max(imbalance) - min(imbalance)
-    out["spread"] = spread
-    groups = [g for g in out.get("modules", {})]
-    for r in reports:
-        groups += [g for g in r.get("modules", {}) if g not in groups]
-    out["modules"] = {
-        g: {
-            "time_s": _median([r["modules"].get(g, {}).get("time_s", 0.0) for r in reports]),
-            "frac": _median([r["modules"].get(g, {}).get("frac", 0.0) for r in reports]),
-            "frac_range": [
-                min(r["modules"].get(g, {}).get("frac", 0.0) for r in reports),
-                max(r["modules"].get(g, {}).get("frac", 0.0) for r in reports),
-            ],
-            "by_category_s": (out.get("modules", {}).get(g) or {}).get("by_category_s", {}),
+    fr = {c: [r.fractions[c] for r in reports] for c in CATEGORIES}
+    out.fractions = {c: _median(v) for c, v in fr.items()}
+    out.fractions_range = {c: [min(v), max(v)] for c, v in fr.items()}
+    out.categories_s = {c: _median([r.categories_s[c] for r in reports]) for c in CATEGORIES}
+    out.step_time_s = _median([r.step_time_s for r in reports])
+    out.spread = _spread(reports, fr)
+    out.modules = _median_modules(reports, last=out.modules)
+    out.throughput = _median_map([r.throughput for r in reports], out.throughput)  # type: ignore[assignment]
+    out.utilisation = _median_map([r.utilisation for r in reports], out.utilisation)  # type: ignore[assignment]
+    if out.utilisation_measured is not None:
+        out.utilisation_measured = _median_map([r.utilisation_measured for r in reports], out.utilisation_measured)
+    if out.cuda is not None:
+        out.cuda.tensor_core_frac = _median_or_none([r.cuda.tensor_core_frac if r.cuda else None for r in reports])
+        out.cuda.host_busy_frac = _median_or_none([r.cuda.host_busy_frac if r.cuda else None for r in reports])
+    if out.hpu is not None:
+        out.hpu.state_fractions = {
+            k: _median([r.hpu.state_fractions.get(k, 0.0) if r.hpu else 0.0 for r in reports])
+            for k in out.hpu.state_fractions
         }
-        for g in groups
-    }
-    for key in ("throughput", "utilisation", "utilisation_measured"):
-        if out.get(key) is not None:
-            out[key] = {k: _median_or_none([(r.get(key) or {}).get(k) for r in reports]) for k in out[key]}
-    if out.get("cuda"):
-        for k in ("tensor_core_frac", "host_busy_frac"):
-            out["cuda"][k] = _median_or_none([(r.get("cuda") or {}).get(k) for r in reports])
-    if out.get("hpu"):
-        sf = out["hpu"]["state_fractions"]
-        out["hpu"]["state_fractions"] = {
-            k: _median([(r.get("hpu") or {}).get("state_fractions", {}).get(k, 0.0) for r in reports])
-            for k in sf
-        }
-    out["batch_shapes"] = [s for r in reports for s in r.get("batch_shapes", [])]
-    uncertain: list[dict[str, str]] = []
-    out["findings"] = findings(out, uncertain=uncertain)
-    out["findings_within_spread"] = uncertain
+    out.batch_shapes = [s for r in reports for s in r.batch_shapes]
+    uncertain: list[Finding] = []
+    out.findings = findings(out, uncertain=uncertain)
+    out.findings_within_spread = uncertain
     return out
 
 
-def metrics(report: dict[str, Any]) -> dict[str, float]:
+def _spread(reports: list[EngineReport], fractions: dict[str, list[float]]) -> dict[str, float]:
+    """max - min over the windows per category, of the attention module's share and of the imbalance."""
+    imbalance = [
+        r.fractions["vector"] + r.fractions["memory"] - r.fractions["matrix"] - r.fractions["attention_fused"]
+        for r in reports
+    ]
+    att = [_attention_frac(r) for r in reports]
+    spread = {c: max(v) - min(v) for c, v in fractions.items()}
+    spread["module_attention"] = max(att) - min(att)
+    spread["imbalance"] = max(imbalance) - min(imbalance)
+    return spread
+
+
+def _median_modules(reports: list[EngineReport], last: dict[str, ModuleShare]) -> dict[str, ModuleShare]:
+    """Median time and share per module group over the windows (0 where a window lacks the group)."""
+    groups = list(last)
+    for r in reports:
+        groups += [g for g in r.modules if g not in groups]
+    empty = ModuleShare(time_s=0.0, frac=0.0)
+    out = {}
+    for g in groups:
+        shares = [r.modules.get(g, empty) for r in reports]
+        fracs = [m.frac for m in shares]
+        out[g] = ModuleShare(
+            time_s=_median([m.time_s for m in shares]),
+            frac=_median(fracs),
+            frac_range=[min(fracs), max(fracs)],
+            by_category_s=last[g].by_category_s if g in last else {},
+        )
+    return out
+
+
+def _median_map(
+    maps: list[dict[str, float | None] | None], keys: dict[str, float | None]
+) -> dict[str, float | None]:
+    """Median over the windows of each key of ``keys`` (``None`` where no window knows it)."""
+    return {k: _median_or_none([(m or {}).get(k) for m in maps]) for k in keys}
+
+
+def metrics(report: EngineReport) -> dict[str, float]:
     """Scalar metrics for the Trainer's loggers (``engine/matrix_frac``, ``engine/matrix_tflops``, ...)."""
-    m: dict[str, float] = {f"engine/{c}_frac": float(v) for c, v in report["fractions"].items()}
-    m["engine/step_time_s"] = float(report["step_time_s"])
-    for k, v in report["throughput"].items():
+    m: dict[str, float] = {f"engine/{c}_frac": float(v) for c, v in report.fractions.items()}
+    m["engine/step_time_s"] = float(report.step_time_s)
+    for k, v in report.throughput.items():
         if v is not None:
             m[f"engine/{k}"] = float(v)
-    for k, v in report["utilisation"].items():
+    for k, v in report.utilisation.items():
         if v is not None:
             m[f"engine/util_{k}"] = float(v)
-    for k, v in (report.get("utilisation_measured") or {}).items():
+    for k, v in (report.utilisation_measured or {}).items():
         if v is not None:
             m[f"engine/util_{k}_measured"] = float(v)
-    for g, v in report["modules"].items():
-        m[f"engine/module_{g}_frac"] = float(v["frac"])
-    if report.get("cuda") and report["cuda"].get("tensor_core_frac") is not None:
-        m["engine/tensor_core_frac"] = float(report["cuda"]["tensor_core_frac"])
-    if report.get("hpu"):
-        for s, v in report["hpu"]["state_fractions"].items():
+    for g, share in report.modules.items():
+        m[f"engine/module_{g}_frac"] = float(share.frac)
+    if report.cuda is not None and report.cuda.tensor_core_frac is not None:
+        m["engine/tensor_core_frac"] = float(report.cuda.tensor_core_frac)
+    if report.hpu is not None:
+        for s, v in report.hpu.state_fractions.items():
             m[f"engine/hpu_{s}_frac"] = float(v)
     return m
 
 
-def summary_table(report: dict[str, Any]) -> str:
+def summary_table(report: EngineReport) -> str:
     """Human-readable summary of one window's report or of a :func:`combine_windows` report (median, spread)."""
-    dev = report["device"]
-    seq = report.get("model", {}).get("seq_len")
-    n = int(report.get("windows") or 1)
-    ranges = report.get("fractions_range")
+    dev = report.device
+    seq = report.model.seq_len
+    n = report.windows or 1
+    ranges = report.fractions_range
     if n > 1:
-        where = f"median of {n} windows (cycles {', '.join(str(c) for c in report['cycles'])})"
-    elif "windows" in report:
-        where = f"window {report['cycle']} (1 window: no spread; raise `repeat` or train longer for several)"
+        where = f"median of {n} windows (cycles {', '.join(str(c) for c in report.cycles or [])})"
+    elif report.combined:
+        where = f"window {report.cycle} (1 window: no spread; raise `repeat` or train longer for several)"
     else:
-        where = f"window {report['cycle']}"
+        where = f"window {report.cycle}"
     lines = [
-        f"EngineProfiler: rank {report['rank']}/{report['world_size']}, {where}, "
-        f"{dev.get('type')} ({dev.get('name') or 'unknown'}, {dev.get('matrix_dtype')}), {report['steps']} steps"
-        f"{' per window' if n > 1 else ''}, {report['step_time_s'] * 1e3:.2f} ms/step"
+        f"EngineProfiler: rank {report.rank}/{report.world_size}, {where}, "
+        f"{dev.type} ({dev.name or 'unknown'}, {dev.matrix_dtype}), {report.steps} steps"
+        f"{' per window' if n > 1 else ''}, {report.step_time_s * 1e3:.2f} ms/step"
         + (f", seq {seq}" if seq else ""),
         f"{'category':<16}{'ms/step':>10}{'share':>9}" + (f"{'min-max':>16}" if ranges else ""),
     ]
     for c in CATEGORIES:
-        row = f"{c:<16}{report['categories_s'][c] * 1e3:>10.3f}{report['fractions'][c]:>9.1%}"
+        row = f"{c:<16}{report.categories_s[c] * 1e3:>10.3f}{report.fractions[c]:>9.1%}"
         if ranges:
             lo, hi = ranges[c]
             row += f"{f'{lo:.1%}-{hi:.1%}':>16}"
         lines.append(row)
-    if report["modules"]:
+    if report.modules:
         lines.append(f"{'module group':<16}{'ms/step':>10}{'share':>9}")
-        for g, v in report["modules"].items():
-            lines.append(f"{g:<16}{v['time_s'] * 1e3:>10.3f}{v['frac']:>9.1%}")
-    tp = report["throughput"]
-    ut = report["utilisation"]
-    um = report.get("utilisation_measured")
-    src = report.get("peak_sources") or {}
+        for g, share in report.modules.items():
+            lines.append(f"{g:<16}{share.time_s * 1e3:>10.3f}{share.frac:>9.1%}")
+    tp = report.throughput
+    ut = report.utilisation
+    um = report.utilisation_measured
+    src = report.peak_sources or {}
 
     def util(key: str, peak_key: str) -> str:
         main = _pct(ut[key])
@@ -541,39 +565,50 @@ def summary_table(report: dict[str, Any]) -> str:
             txt += f", {_pct(um[key])} of measured"
         return txt
 
-    if report.get("flops"):
-        fl = report["flops"]
+    if report.flops is not None:
+        fl = report.flops
         lines.append(
-            f"matrix {fl['matrix_flops'] / 1e9:.3f} GFLOP/step at {_fmt(tp['matrix_tflops'], 'TFLOPS')}"
-            f" ({util('matrix', 'matrix_tflops')}); fused attention {fl['attention_flops'] / 1e9:.3f} GFLOP/step at "
+            f"matrix {fl.matrix_flops / 1e9:.3f} GFLOP/step at {_fmt(tp['matrix_tflops'], 'TFLOPS')}"
+            f" ({util('matrix', 'matrix_tflops')}); fused attention {fl.attention_flops / 1e9:.3f} GFLOP/step at "
             f"{_fmt(tp['attention_tflops'], 'TFLOPS')}; vector {_fmt(tp['vector_gbps'], 'GB/s')} "
             f"({util('vector_bandwidth', 'mem_gbps')}), {_fmt(tp['vector_gelem_per_s'], 'Gelem/s')} "
             f"({util('vector_compute', 'vector_tflops')})"
         )
     else:
         lines.append("FLOPs not counted (needs warmup >= 1 and count_flops=True)")
-    pk = report.get("peaks") or {}
-    pm = report.get("peaks_measured")
+    pm = report.peaks_measured
     kinds = sorted({v for v in src.values() if v})
     lines.append(
         "peaks: "
-        + describe_peaks(pk)
+        + _describe_peaks(report.peaks or {})
         + (f" ({', '.join(kinds)})" if kinds else "")
-        + (f"; measured on this device: {describe_peaks(pm)}" if pm and kinds != ["measured"] else "")
+        + (f"; measured on this device: {_describe_peaks(pm)}" if pm and kinds != ["measured"] else "")
     )
-    if report.get("cuda") and report["cuda"].get("tensor_core_frac") is not None:
-        lines.append(f"tensor-core share of matrix-kernel time: {report['cuda']['tensor_core_frac']:.1%}")
-    if report.get("hpu"):
-        st = report["hpu"]["state_fractions"]
-        lines.append("HPU engines: " + ", ".join(f"{k} {v:.1%}" for k, v in st.items()))
-    an = report.get("analytic")
-    if an:
-        lines.append(f"analytic crossover n* ≈ {an['crossover_seq_len']:,.0f} tokens (k={an['softmax_k']:g})")
-    for f in report["findings"]:
-        lines.append(f"[{f['check']}] {f['message']}. {f['advice']}")
-    for f in report.get("findings_within_spread") or []:
-        lines.append(f"(not a finding: {f['check']}: {f['message']})")
+    if report.cuda is not None and report.cuda.tensor_core_frac is not None:
+        lines.append(f"tensor-core share of matrix-kernel time: {report.cuda.tensor_core_frac:.1%}")
+    if report.hpu is not None:
+        lines.append("HPU engines: " + ", ".join(f"{k} {v:.1%}" for k, v in report.hpu.state_fractions.items()))
+    an = report.analytic
+    if an is not None:
+        lines.append(f"analytic crossover n* ≈ {an.crossover_seq_len:,.0f} tokens (k={an.softmax_k:g})")
+    for f in report.findings:
+        lines.append(f"[{f.check}] {f.message}. {f.advice}")
+    for f in report.findings_within_spread or []:
+        lines.append(f"(not a finding: {f.check}: {f.message})")
     return "\n".join(lines)
+
+
+def _describe_peaks(peaks: dict[str, float | None]) -> str:
+    """One-line description of resolved peaks for the summary table."""
+    parts = []
+    for k, unit in (
+        ("matrix_tflops", "TFLOPS matrix"),
+        ("vector_tflops", "TFLOPS vector"),
+        ("mem_gbps", "GB/s"),
+    ):
+        v = peaks.get(k)
+        parts.append(f"{v:.4g} {unit}" if v else f"? {unit}")
+    return ", ".join(parts)
 
 
 def _fmt(v: float | None, unit: str) -> str:
@@ -586,27 +621,46 @@ def _pct(v: float | None) -> str:
     return f"{v:.1%}" if v == 0 or abs(v) >= 0.001 else f"{v * 100:.2g}%"
 
 
-def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+def merge_reports(reports: list[EngineReport]) -> MergedReport:
     """Merge one report per rank (each rank's :func:`combine_windows` report): mean shares, slowest rank, per-rank
     step time and findings."""
     if not reports:
         raise ValueError("merge_reports needs at least one report")
     n = len(reports)
-    mean_fr = {c: sum(r["fractions"][c] for r in reports) / n for c in CATEGORIES}
-    times = [r["step_time_s"] for r in reports]
+    times = [r.step_time_s for r in reports]
     slowest = max(range(n), key=lambda i: times[i])
-    return {
-        "world_size": reports[0]["world_size"],
-        "ranks": [r["rank"] for r in reports],
-        "mean_fractions": mean_fr,
-        "step_time_s": {str(r["rank"]): r["step_time_s"] for r in reports},
-        "max_step_time_s": times[slowest],
-        "slowest_rank": reports[slowest]["rank"],
-        "matrix_tflops": {str(r["rank"]): r["throughput"]["matrix_tflops"] for r in reports},
-        "findings": sorted({f["check"] for r in reports for f in r["findings"]}),
-        "windows": {str(r["rank"]): int(r.get("windows") or 1) for r in reports},
-        "per_rank": reports,
-    }
+    return MergedReport(
+        world_size=reports[0].world_size,
+        ranks=[r.rank for r in reports],
+        mean_fractions={c: sum(r.fractions[c] for r in reports) / n for c in CATEGORIES},
+        step_time_s={str(r.rank): r.step_time_s for r in reports},
+        max_step_time_s=times[slowest],
+        slowest_rank=reports[slowest].rank,
+        matrix_tflops={str(r.rank): r.throughput["matrix_tflops"] for r in reports},
+        findings=sorted({f.check for r in reports for f in r.findings}),
+        windows={str(r.rank): r.windows or 1 for r in reports},
+        per_rank=list(reports),
+    )
+
+
+def roofline_points(report: EngineReport) -> list[tuple[str, float, float]]:
+    """``(category, work per byte, achieved rate)`` of the report's engines for a roofline.
+
+    Matrix and fused attention: FLOP per byte and GFLOP/s; vector: elements per byte and Gelem/s. An engine whose
+    throughput or bytes are unknown is left out.
+    """
+    fl, tp = report.flops, report.throughput
+    if fl is None:
+        return []
+    pts = []
+    matrix, attention, vector = tp.get("matrix_tflops"), tp.get("attention_tflops"), tp.get("vector_gelem_per_s")
+    if matrix and fl.bytes.get("matrix"):
+        pts.append(("matrix", fl.matrix_flops / fl.bytes["matrix"], matrix * 1e3))
+    if attention and fl.bytes.get("attention_fused"):
+        pts.append(("attention_fused", fl.attention_flops / fl.bytes["attention_fused"], attention * 1e3))
+    if vector and fl.bytes.get("vector"):
+        pts.append(("vector", fl.elements.get("vector", 0) / fl.bytes["vector"], vector))
+    return pts
 
 
 _COLORS = {
@@ -620,10 +674,10 @@ _COLORS = {
 
 
 def plot_reports(
-    reports: list[dict[str, Any]],
+    reports: list[EngineReport],
     path: str | Path,
     labels: list[str] | None = None,
-    roofline: dict[str, Any] | None = None,
+    roofline: EngineReport | None = None,
 ) -> Path:
     """Save a PNG: stacked category shares per report (left) and a roofline per engine (right).
 
@@ -639,15 +693,14 @@ def plot_reports(
     import matplotlib.pyplot as plt
 
     labels = labels or [
-        f"rank {r['rank']} "
-        + (f"median of {r['windows']}" if (r.get("windows") or 1) > 1 else f"w{r['cycle']}")
+        f"rank {r.rank} " + (f"median of {r.windows}" if (r.windows or 1) > 1 else f"w{r.cycle}")
         for r in reports
     ]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     bottom = [0.0] * len(reports)
     xs = list(range(len(reports)))
     for c in CATEGORIES:
-        vals = [r["fractions"][c] for r in reports]
+        vals = [r.fractions[c] for r in reports]
         ax1.bar(xs, vals, bottom=bottom, color=_COLORS[c], label=c)
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax1.set_xticks(xs, labels, rotation=30, ha="right")
@@ -658,21 +711,10 @@ def plot_reports(
 
     # Roofline: achieved throughput (GFLOP/s or Gelem/s) against arithmetic intensity (work per byte).
     r0 = roofline if roofline is not None else reports[-1]
-    fl = r0.get("flops") or {}
-    tp = r0["throughput"]
-    pts = []
-    byts = fl.get("bytes") or {}
-    if tp.get("matrix_tflops") and byts.get("matrix"):
-        pts.append(("matrix", fl["matrix_flops"] / byts["matrix"], tp["matrix_tflops"] * 1e3))
-    if tp.get("attention_tflops") and byts.get("attention_fused"):
-        pts.append(
-            ("attention_fused", fl["attention_flops"] / byts["attention_fused"], tp["attention_tflops"] * 1e3)
-        )
-    if tp.get("vector_gelem_per_s") and byts.get("vector"):
-        pts.append(("vector", fl["elements"]["vector"] / byts["vector"], tp["vector_gelem_per_s"]))
+    pts = roofline_points(r0)
     for name, x, y in pts:
         ax2.scatter([x], [y], color=_COLORS[name], label=name, s=60)
-    peaks = r0.get("peaks") or {}
+    peaks = r0.peaks or {}
     if pts:
         xmin = min(p[1] for p in pts) / 4
         xmax = max(p[1] for p in pts) * 4

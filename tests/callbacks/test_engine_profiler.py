@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_sdp.callbacks import EngineProfiler
 from lightning_sdp.models.gpt import GPT
 from lightning_sdp.profiling.categories import CATEGORIES
+from lightning_sdp.profiling.results import EngineReport, ModelDims
 
 V, T, B = 37, 16, 2
 N_LAYER, D, H = 1, 32, 2
@@ -75,18 +76,20 @@ def test_fit_writes_reports_metrics_and_exact_flops(tmp_path, capsys):
     _trainer(tmp_path, cb, max_steps=5, logger=logger, log_every_n_steps=1).fit(_model(), _loader())
     assert len(cb.reports) == 1
     r = cb.reports[0]
-    assert r["steps"] == 2 and r["start_batch"] == 2
-    assert sum(r["fractions"].values()) == pytest.approx(1.0)
+    assert r.steps == 2 and r.start_batch == 2
+    assert sum(r.fractions.values()) == pytest.approx(1.0)
     # The categories add up to the measured step time.
-    assert sum(r["categories_s"].values()) == pytest.approx(r["step_time_s"], rel=1e-6)
-    assert r["flops"]["matrix_flops"] == _gpt_step_flops()
-    assert r["throughput"]["matrix_tflops"] > 0
-    assert r["model"] == {"d_model": D, "n_heads": H, "attention": "explicit", "seq_len": T}
-    assert {"attention", "mlp", "norm", "embedding", "loss", "optimizer"} <= set(r["modules"])
-    assert r["fractions"]["matrix"] > 0 and r["fractions"]["vector"] > 0
+    assert sum(r.categories_s.values()) == pytest.approx(r.step_time_s, rel=1e-6)
+    assert r.flops.matrix_flops == _gpt_step_flops()
+    assert r.throughput["matrix_tflops"] > 0
+    assert r.model == ModelDims(d_model=D, n_heads=H, attention="explicit", seq_len=T)
+    assert {"attention", "mlp", "norm", "embedding", "loss", "optimizer"} <= set(r.modules)
+    assert r.fractions["matrix"] > 0 and r.fractions["vector"] > 0
     # Files: per-rank JSON + gzip trace, merged summary and PNG from rank 0.
     ep = tmp_path / "ep"
-    assert json.loads((ep / "engine_profile-rank0.json").read_text())[0]["cycle"] == 0
+    written = json.loads((ep / "engine_profile-rank0.json").read_text())
+    assert written == [r.to_dict()] and written[0]["cycle"] == 0
+    assert EngineReport.from_dict(written[0]) == r
     trace = ep / "engine_profile-rank0-window0.pt.trace.json.gz"
     import gzip
 
@@ -114,9 +117,9 @@ def test_fused_attention_is_counted_and_attributed(tmp_path):
     # Default folder: <default_root_dir>/engine_profiler.
     assert (tmp_path / "engine_profiler" / "engine_profile-rank0.json").is_file()
     r = cb.reports[0]
-    assert r["flops"]["attention_flops"] > 0
-    assert r["fractions"]["attention_fused"] > 0
-    assert r["modules"]["attention"]["by_category_s"].get("attention_fused", 0) > 0
+    assert r.flops.attention_flops > 0
+    assert r.fractions["attention_fused"] > 0
+    assert r.modules["attention"].by_category_s.get("attention_fused", 0) > 0
     assert not list(tmp_path.rglob("*.pt.trace.json.gz"))
 
 
@@ -171,7 +174,7 @@ def test_repeat_runs_exactly_the_scheduled_windows(tmp_path, monkeypatch):
     # Module scopes are added for each active window and removed afterwards.
     assert hooks["n"] == 2 * (len(list(model.modules())) - 1)
     assert all(not m._forward_pre_hooks for m in model.modules())
-    assert [r["start_batch"] for r in cb.reports] == [2, 5]
+    assert [r.start_batch for r in cb.reports] == [2, 5]
 
 
 def test_pytorch_profiler_present_warns_and_stays_off(tmp_path):
@@ -207,7 +210,7 @@ def test_run_ending_inside_the_window_reports_partial(tmp_path):
     cb = EngineProfiler(wait=0, warmup=1, active=5, dirpath=str(tmp_path), save_plot=False)
     with pytest.warns(UserWarning, match="ended inside the profiling window"):
         _trainer(tmp_path, cb, max_steps=3).fit(_model(), _loader())
-    assert cb.reports[0]["steps"] == 2
+    assert cb.reports[0].steps == 2
 
 
 def test_checkpoint_resume_keeps_the_schedule(tmp_path):
@@ -220,7 +223,7 @@ def test_checkpoint_resume_keeps_the_schedule(tmp_path):
     _trainer(tmp_path, cb2, max_steps=6).fit(_model(), _loader(), ckpt_path=str(ckpt))
     uninterrupted = EngineProfiler(wait=3, warmup=1, active=1, dirpath=str(tmp_path / "c"), save_plot=False)
     _trainer(tmp_path, uninterrupted, max_steps=6).fit(_model(), _loader())
-    assert [r["start_batch"] for r in cb2.reports] == [r["start_batch"] for r in uninterrupted.reports] == [4]
+    assert [r.start_batch for r in cb2.reports] == [r.start_batch for r in uninterrupted.reports] == [4]
     assert cb2.state_dict() == uninterrupted.state_dict() == {"batches_seen": 6, "cycles_done": 1}
     with pytest.raises(KeyError, match="batches_seen"):
         cb2.load_state_dict({"cycles_done": 1})
@@ -269,8 +272,8 @@ def test_shipped_yaml_parses_and_runs(tmp_path):
             "--data.init_args.batch_size=2",
         ]
     )
-    report = json.loads((tmp_path / "ep" / "engine_profile-rank0.json").read_text())[0]
-    assert report["steps"] == 2 and report["model"]["attention"] == "explicit"
+    report = EngineReport.from_dict(json.loads((tmp_path / "ep" / "engine_profile-rank0.json").read_text())[0])
+    assert report.steps == 2 and report.model.attention == "explicit"
     assert (tmp_path / "ep" / "engine_profile.png").is_file()
 
 
@@ -298,14 +301,14 @@ def test_hpu_branch_uses_the_engine_trace(tmp_path, monkeypatch):
     _trainer(tmp_path, cb, max_steps=2).fit(_model(), _loader())
     r = cb.reports[0]
     assert seen == ["engine_profile-rank0-window0.pt.trace.json.gz"]
-    assert r["hpu"]["states_us"]["both"] == pytest.approx(10)
-    assert r["fractions"]["matrix"] == pytest.approx(0.40)  # MME busy: both + MME-only
-    assert r["fractions"]["vector"] == pytest.approx(0.25)  # TPC only
-    assert r["device"]["type"] == "hpu"
-    checks = {f["check"] for f in r["findings"]}
+    assert r.hpu.states_us["both"] == pytest.approx(10)
+    assert r.fractions["matrix"] == pytest.approx(0.40)  # MME busy: both + MME-only
+    assert r.fractions["vector"] == pytest.approx(0.25)  # TPC only
+    assert r.device.type == "hpu"
+    checks = {f.check for f in r.findings}
     # fp32 on a Gaudi, and (here) every op on CPU tensors = host fallback. The 5 % GEMM on TPC is at the threshold.
     assert {"low_precision_off", "host_fallback"} <= checks
-    assert r["hpu"]["matrix_on_tpc_us"] == pytest.approx(5)
+    assert r.hpu.matrix_on_tpc_us == pytest.approx(5)
     assert "matrix_off_engine" not in checks
 
 
@@ -326,11 +329,11 @@ def test_cuda_bf16_run_reports_tensor_cores(tmp_path):
         enable_progress_bar=False,
     ).fit(model, loader)
     r = cb.reports[0]
-    assert r["device"]["matrix_dtype"] == "bf16"
-    assert r["cuda"]["matrix_kernel_us"] > 0
-    assert r["cuda"]["tensor_core_frac"] > 0.5
-    assert r["utilisation"]["matrix"] is None or 0 < r["utilisation"]["matrix"] < 1.5
-    assert sum(r["fractions"].values()) == pytest.approx(1.0)
+    assert r.device.matrix_dtype == "bf16"
+    assert r.cuda.matrix_kernel_us > 0
+    assert r.cuda.tensor_core_frac > 0.5
+    assert r.utilisation["matrix"] is None or 0 < r.utilisation["matrix"] < 1.5
+    assert sum(r.fractions.values()) == pytest.approx(1.0)
 
 
 # ---------------------------------------------------------------------------------------------- issue 19 item 12
@@ -365,13 +368,13 @@ def test_several_windows_by_default_with_median_and_spread(tmp_path, capsys):
     )
     _trainer(tmp_path, cb, max_steps=8).fit(_model(), _loader())
     # Four 2-batch cycles fit in 8 batches: four windows without being asked for them.
-    assert [r["start_batch"] for r in cb.reports] == [1, 3, 5, 7]
-    combined = cb.merged["per_rank"][0]
-    assert combined["windows"] == 4
+    assert [r.start_batch for r in cb.reports] == [1, 3, 5, 7]
+    combined = cb.merged.per_rank[0]
+    assert combined.windows == 4
     for c in CATEGORIES:
-        shares = [r["fractions"][c] for r in cb.reports]
-        assert combined["fractions"][c] == pytest.approx(statistics.median(shares))
-        assert combined["spread"][c] == pytest.approx(max(shares) - min(shares))
+        shares = [r.fractions[c] for r in cb.reports]
+        assert combined.fractions[c] == pytest.approx(statistics.median(shares))
+        assert combined.spread[c] == pytest.approx(max(shares) - min(shares))
     assert "median of 4 windows" in capsys.readouterr().out
 
 
@@ -399,7 +402,7 @@ class _TinyCNN(LightningModule):
 
 
 def test_sequence_length_only_for_sequence_inputs(tmp_path, capsys):
-    from lightning_sdp.callbacks.engine_profiler import _sequence_length
+    from lightning_sdp.callbacks.engine_profiler.callback import _sequence_length
 
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 5, (16,), generator=g))
@@ -408,7 +411,7 @@ def test_sequence_length_only_for_sequence_inputs(tmp_path, capsys):
         wait=0, warmup=1, active=1, dirpath=str(tmp_path), save_plot=False, measure_peaks=False
     )
     _trainer(tmp_path, cb, max_steps=2).fit(_TinyCNN(), images)
-    assert cb.reports[0]["model"]["seq_len"] is None
+    assert cb.reports[0].model.seq_len is None
     header = next(
         line for line in capsys.readouterr().out.splitlines() if line.startswith("EngineProfiler: rank")
     )
@@ -426,15 +429,15 @@ def test_cpu_utilisation_from_measured_ceilings_and_cached_profile(tmp_path, mon
     cb = EngineProfiler(wait=0, warmup=1, active=1, dirpath=str(tmp_path / "a"), save_plot=True)
     _trainer(tmp_path, cb, max_steps=2).fit(_model(), _loader())
     r = cb.reports[0]
-    assert r["peak_sources"] == {
+    assert r.peak_sources == {
         "matrix_tflops": "measured",
         "vector_tflops": "measured",
         "mem_gbps": "measured",
     }
-    assert r["peaks"] == r["peaks_measured"]
+    assert r.peaks == r.peaks_measured
     for key in ("matrix", "vector_bandwidth", "vector_compute"):
-        assert r["utilisation"][key] > 0
-    assert r["device"]["profile"]["num_threads"] == torch.get_num_threads()
+        assert r.utilisation[key] > 0
+    assert r.device.profile["num_threads"] == torch.get_num_threads()
     out = capsys.readouterr().out
     assert "util n/a" not in out and "of measured" in out
     assert (tmp_path / "a" / "engine_profile-roofline.png").stat().st_size > 0
@@ -444,7 +447,7 @@ def test_cpu_utilisation_from_measured_ceilings_and_cached_profile(tmp_path, mon
     monkeypatch.setattr(eb, "measure_engine_peaks", lambda *a, **k: pytest.fail("measured again"))
     cb2 = EngineProfiler(wait=0, warmup=1, active=1, dirpath=str(tmp_path / "b"), save_plot=False)
     _trainer(tmp_path, cb2, max_steps=2).fit(_model(), _loader())
-    assert cb2.reports[0]["peaks_measured"] == r["peaks_measured"]
+    assert cb2.reports[0].peaks_measured == r.peaks_measured
 
 
 _KINETO_SCRIPT = """

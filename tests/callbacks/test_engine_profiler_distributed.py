@@ -35,10 +35,10 @@ def _fit_two_ranks(rank: int, world_size: int, out: str) -> dict:
     trainer.fit(model, loader)
     return {
         "global_rank": trainer.global_rank,
-        "report_rank": cb.reports[0]["rank"],
-        "comm_frac": cb.reports[0]["fractions"]["communication"],
-        "merged_ranks": None if cb.merged is None else cb.merged["ranks"],
-        "matrix_util": cb.reports[0]["utilisation"]["matrix"],
+        "report_rank": cb.reports[0].rank,
+        "comm_frac": cb.reports[0].fractions["communication"],
+        "merged_ranks": None if cb.merged is None else cb.merged.ranks,
+        "matrix_util": cb.reports[0].utilisation["matrix"],
     }
 
 

@@ -10,14 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from lightning_sdp.profiling.categories import (
-    CATEGORIES,
-    categorize_events,
-    classify_kernel,
-    classify_op,
-    is_tensor_core_kernel,
-    module_group,
-)
+from lightning_sdp.profiling.breakdown import categorize_events
+from lightning_sdp.profiling.categories import CATEGORIES, classify_kernel, classify_op, is_tensor_core_kernel
+from lightning_sdp.profiling.module_groups import module_group
 
 
 @pytest.mark.parametrize(

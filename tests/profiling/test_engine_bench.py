@@ -19,6 +19,31 @@ from lightning_sdp.profiling.engine_bench import (
     measure_engine_peaks,
     plot_roofline,
 )
+from lightning_sdp.profiling.breakdown import CategoryBreakdown
+from lightning_sdp.profiling.categories import CATEGORIES
+from lightning_sdp.profiling.flops import WorkCount
+from lightning_sdp.profiling.report import build_report, roofline_points
+from lightning_sdp.profiling.results import DeviceInfo, EngineReport, ModelDims
+
+
+
+def _report() -> EngineReport:
+    """A report of one window: 1 GFLOP of matrix work in 0.2 ms, 1 M vector elements in 0.1 ms."""
+    times = {c: 0.0 for c in CATEGORIES}
+    times.update(matrix=200.0, vector=100.0)
+    work = WorkCount(matrix_flops=1_000_000_000)
+    work.elements["vector"] = 1_000_000
+    work.bytes.update(matrix=10_000_000, vector=8_000_000)
+    return build_report(
+        breakdown=CategoryBreakdown(span_us=300.0, times_us=times),
+        steps=1,
+        device=DeviceInfo(type="cpu"),
+        work=work,
+        peaks={"matrix_tflops": None, "vector_tflops": None, "mem_gbps": None},
+        batch_shapes=[],
+        model_dims=ModelDims(),
+    )
+
 
 TINY = {
     "gemm_shapes": [(32, 32, 32), (64, 16, 32)],
@@ -96,15 +121,12 @@ def test_cache_adds_missing_dtypes_and_survives_a_corrupt_file(tmp_path, tiny_de
 
 def test_roofline_png_with_a_report(tmp_path):
     p = measure_engine_peaks("cpu", dtypes=["fp32"], **TINY)
-    report = {
-        "flops": {
-            "matrix_flops": 2e9,
-            "attention_flops": 0,
-            "elements": {"vector": 1e7},
-            "bytes": {"matrix": 4e7, "vector": 8e7},
-        },
-        "throughput": {"matrix_tflops": 0.01, "attention_tflops": None, "vector_gelem_per_s": 0.5},
-    }
+    report = _report()
+    # The model's engines on the roofline: FLOP (elements) per byte at the achieved rate.
+    assert roofline_points(report) == [
+        ("matrix", pytest.approx(100.0), pytest.approx(1e9 / 200e-6 / 1e9)),
+        ("vector", pytest.approx(0.125), pytest.approx(1e6 / 100e-6 / 1e9)),
+    ]
     out = plot_roofline(p, tmp_path / "roof.png", report=report, datasheet={"matrix_tflops": 1.0})
     assert out.stat().st_size > 0
 
@@ -113,25 +135,7 @@ def test_engine_bench_command_writes_profile_roofline_and_cache(tmp_path, tiny_d
     from lightning_sdp.cli import main
 
     report = tmp_path / "engine_profile-rank0.json"
-    report.write_text(
-        json.dumps(
-            [
-                {
-                    "flops": {
-                        "matrix_flops": 1e9,
-                        "attention_flops": 0,
-                        "elements": {"vector": 1e6},
-                        "bytes": {"matrix": 1e7, "vector": 8e6},
-                    },
-                    "throughput": {
-                        "matrix_tflops": 0.005,
-                        "attention_tflops": None,
-                        "vector_gelem_per_s": 0.1,
-                    },
-                }
-            ]
-        )
-    )
+    report.write_text(json.dumps([_report().to_dict()]))
     out = tmp_path / "bench"
     code = main(
         [

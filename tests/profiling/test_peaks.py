@@ -77,3 +77,25 @@ def test_attention_model_shares():
 def test_cpu_calibration_positive():
     c = calibrate_cpu(size=64, elements=1 << 12, repeats=1)
     assert c["matrix_tflops"] > 0 and c["vector_tflops"] > 0
+
+
+def test_cuda_card_missing_from_the_table_takes_lightnings_matrix_peak(monkeypatch):
+    import torch
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    from lightning_sdp.profiling.peaks import effective_peaks
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L4")
+    cuda = torch.device("cuda", 0)
+    assert device_key("NVIDIA L4") is None  # not in our table
+    peaks, sources = effective_peaks("NVIDIA L4", "bf16", device=cuda)
+    assert peaks["matrix_tflops"] == pytest.approx(get_available_flops(cuda, torch.bfloat16) / 1e12)
+    assert peaks["matrix_tflops"] > 0 and sources["matrix_tflops"] == "datasheet"
+    assert peaks["vector_tflops"] is None and sources["vector_tflops"] is None  # Lightning has matrix peaks only
+    # Our table still wins for the cards it has; user overrides win over both.
+    h100, _ = effective_peaks("NVIDIA H100 80GB HBM3", "bf16", device=cuda)
+    assert h100["matrix_tflops"] == PEAKS["h100"]["matrix_bf16"]
+    user, src = effective_peaks("NVIDIA L4", "bf16", {"matrix_tflops": 7.0}, device=cuda)
+    assert user["matrix_tflops"] == 7.0 and src["matrix_tflops"] == "user"
+    # The same name without a CUDA device (e.g. a report read back on a CPU machine) has no peak.
+    assert effective_peaks("NVIDIA L4", "bf16")[0]["matrix_tflops"] is None

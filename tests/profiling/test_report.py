@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from lightning_sdp.profiling.categories import CATEGORIES, CategoryBreakdown
+from lightning_sdp.profiling.breakdown import CategoryBreakdown
+from lightning_sdp.profiling.categories import CATEGORIES
 from lightning_sdp.profiling.flops import WorkCount
 from lightning_sdp.profiling.hpu_trace import EngineOverlap
 from lightning_sdp.profiling.report import build_report, merge_reports, metrics, plot_reports, summary_table
+from lightning_sdp.profiling.results import DeviceInfo, ModelDims
 
 
 def _breakdown(att_share=0.8, **times):
@@ -38,11 +42,11 @@ def _report(device_type="cpu", dtype="fp32", shapes=None, overlap=None, peaks=No
     return build_report(
         breakdown=_breakdown(att_share, **times),
         steps=2,
-        device={"type": device_type, "name": None, "precision": "32-true", "matrix_dtype": dtype},
+        device=DeviceInfo(type=device_type, name=None, precision="32-true", matrix_dtype=dtype),
         work=_work(),
         peaks=peaks or {"matrix_tflops": None, "vector_tflops": None, "mem_gbps": None},
         batch_shapes=shapes or [[[4, 64], [4, 64]], [[4, 64], [4, 64]]],
-        model_dims={"d_model": 768, "n_heads": 12, "attention": "explicit", "seq_len": 64},
+        model_dims=ModelDims(d_model=768, n_heads=12, attention="explicit", seq_len=64),
         overlap=overlap,
     )
 
@@ -54,15 +58,15 @@ def test_shares_throughput_and_utilisation():
         vector=300_000,
         host_other=100_000,
     )
-    assert r["step_time_s"] == pytest.approx(0.5)
-    assert r["fractions"]["matrix"] == pytest.approx(0.6)
-    assert sum(r["fractions"].values()) == pytest.approx(1.0)
+    assert r.step_time_s == pytest.approx(0.5)
+    assert r.fractions["matrix"] == pytest.approx(0.6)
+    assert sum(r.fractions.values()) == pytest.approx(1.0)
     # 2 GFLOP per step in 0.3 s of matrix time per step.
-    assert r["throughput"]["matrix_tflops"] == pytest.approx(2e9 / 0.3 / 1e12)
-    assert r["utilisation"]["matrix"] == pytest.approx(2e9 / 0.3 / 1e12 / 2.0)
-    assert r["throughput"]["vector_gbps"] == pytest.approx(80e6 / 0.15 / 1e9)
-    assert r["analytic"]["crossover_seq_len"] == pytest.approx(24 * 768**2 * 0.1 / (6 * 12 * 2.0))
-    assert r["modules"]["attention"]["frac"] == pytest.approx(0.48)
+    assert r.throughput["matrix_tflops"] == pytest.approx(2e9 / 0.3 / 1e12)
+    assert r.utilisation["matrix"] == pytest.approx(2e9 / 0.3 / 1e12 / 2.0)
+    assert r.throughput["vector_gbps"] == pytest.approx(80e6 / 0.15 / 1e9)
+    assert r.analytic.crossover_seq_len == pytest.approx(24 * 768**2 * 0.1 / (6 * 12 * 2.0))
+    assert r.modules["attention"].frac == pytest.approx(0.48)
     m = metrics(r)
     for key in ("engine/matrix_frac", "engine/vector_frac", "engine/matrix_tflops", "engine/step_time_s"):
         assert key in m
@@ -71,14 +75,14 @@ def test_shares_throughput_and_utilisation():
 
 def test_unknown_device_has_shares_without_utilisation():
     r = _report(matrix=500, vector=500)
-    assert all(v is None for v in r["utilisation"].values())
-    assert r["analytic"] is None
+    assert all(v is None for v in r.utilisation.values())
+    assert r.analytic is None
     assert "engine/util_matrix" not in metrics(r)
     assert "util n/a" in summary_table(r)
 
 
 def _checks(r):
-    return {f["check"] for f in r["findings"]}
+    return {f.check for f in r.findings}
 
 
 def test_findings_trigger_and_stay_quiet():
@@ -94,15 +98,15 @@ def test_findings_trigger_and_stay_quiet():
     )
     # Attention module takes 80 % of the matrix time -> attention dominates at 72 % of the step.
     att = _report(matrix=900, vector=100)
-    f = next(x for x in att["findings"] if x["check"] == "attention_dominating")
-    assert "no device peaks" in f["message"]
+    f = next(x for x in att.findings if x.check == "attention_dominating")
+    assert "no device peaks" in f.message
     att2 = _report(
         matrix=900, vector=100, peaks={"matrix_tflops": 2.0, "vector_tflops": 0.1, "mem_gbps": None}
     )
-    f2 = next(x for x in att2["findings"] if x["check"] == "attention_dominating")
-    assert "crossover" in f2["message"]
-    for finding in att2["findings"]:
-        assert finding["advice"].endswith(".")
+    f2 = next(x for x in att2.findings if x.check == "attention_dominating")
+    assert "crossover" in f2.message
+    for finding in att2.findings:
+        assert finding.advice.endswith(".")
 
 
 def test_cuda_tensor_core_and_host_fallback_findings():
@@ -114,14 +118,14 @@ def test_cuda_tensor_core_and_host_fallback_findings():
     r = build_report(
         breakdown=br,
         steps=1,
-        device={"type": "cuda", "name": "NVIDIA A100", "precision": "bf16-mixed", "matrix_dtype": "bf16"},
+        device=DeviceInfo(type="cuda", name="NVIDIA A100", precision="bf16-mixed", matrix_dtype="bf16"),
         work=work,
         peaks={"matrix_tflops": 312.0, "vector_tflops": 19.5, "mem_gbps": 2039.0},
         batch_shapes=[],
-        model_dims={},
+        model_dims=ModelDims(),
     )
     assert {"matrix_off_engine", "host_fallback"} <= _checks(r)
-    assert r["cuda"]["tensor_core_frac"] == pytest.approx(0.125)
+    assert r.cuda.tensor_core_frac == pytest.approx(0.125)
     assert metrics(r)["engine/tensor_core_frac"] == pytest.approx(0.125)
 
 
@@ -140,8 +144,8 @@ def test_hpu_overlap_drives_categories_and_imbalance():
         matrix_on_tpc_us=10.0,
     )
     r = _report(device_type="hpu", dtype="bf16", overlap=ov, matrix=10, vector=10)
-    assert r["fractions"]["matrix"] == pytest.approx(0.42)
-    assert r["fractions"]["vector"] == pytest.approx(0.40)
+    assert r.fractions["matrix"] == pytest.approx(0.42)
+    assert r.fractions["vector"] == pytest.approx(0.40)
     assert {"engine_imbalance", "matrix_off_engine"} <= _checks(r)
     assert metrics(r)["engine/hpu_both_frac"] == pytest.approx(0.02)
     assert "HPU engines" in summary_table(r)
@@ -149,11 +153,11 @@ def test_hpu_overlap_drives_categories_and_imbalance():
 
 def test_merge_and_plot(tmp_path):
     r0 = _report(matrix=800, vector=200)
-    r1 = dict(_report(matrix=600, vector=400), rank=1)
-    r1["step_time_s"] = 1.0
+    r1 = dataclasses.replace(_report(matrix=600, vector=400), rank=1)
+    r1.step_time_s = 1.0
     merged = merge_reports([r0, r1])
-    assert merged["mean_fractions"]["matrix"] == pytest.approx(0.7)
-    assert merged["slowest_rank"] == 1
+    assert merged.mean_fractions["matrix"] == pytest.approx(0.7)
+    assert merged.slowest_rank == 1
     path = plot_reports([r0, r1], tmp_path / "x.png")
     assert path.stat().st_size > 1000
     with pytest.raises(ValueError):
@@ -165,9 +169,53 @@ def test_steps_must_be_positive():
         build_report(
             breakdown=_breakdown(matrix=1),
             steps=0,
-            device={"type": "cpu"},
+            device=DeviceInfo(type="cpu"),
             work=None,
             peaks={},
             batch_shapes=[],
-            model_dims={},
+            model_dims=ModelDims(),
         )
+
+
+# The keys of the dict reports of earlier releases: result files written before the typed report stay readable.
+_WINDOW_KEYS = [
+    "rank", "world_size", "cycle", "start_batch", "device", "steps", "step_time_s", "window_us", "batch_shapes",
+    "model", "categories_s", "fractions", "overlap_scale", "modules", "top_ops", "flops", "throughput", "peaks",
+    "peak_sources", "peaks_measured", "utilisation", "utilisation_measured", "analytic", "cuda", "hpu", "findings",
+    "trace_file", "analysis_s",
+]  # fmt: skip
+
+
+def test_json_keeps_the_keys_and_round_trips():
+    import json
+
+    from lightning_sdp.profiling.report import combine_windows
+    from lightning_sdp.profiling.results import EngineReport, MergedReport
+
+    r = _report(peaks={"matrix_tflops": 2.0, "vector_tflops": 0.1, "mem_gbps": 10.0}, matrix=900, vector=100)
+    d = json.loads(json.dumps(r.to_dict()))
+    assert list(d) == _WINDOW_KEYS
+    assert set(d["modules"]["attention"]) == {"time_s", "frac", "by_category_s"}
+    assert set(d["flops"]) >= {"matrix_flops", "attention_flops", "matrix_dtypes", "host_fallback_ops"}
+    assert d["findings"][0] == {"check": "attention_dominating", "message": r.findings[0].message,
+                                "advice": r.findings[0].advice}  # fmt: skip
+    assert EngineReport.from_dict(d) == r
+    c = combine_windows([r, _report(matrix=800, vector=200)])
+    cd = c.to_dict()
+    assert list(cd)[: len(_WINDOW_KEYS)] == _WINDOW_KEYS and cd["windows"] == 2
+    assert cd["modules"]["attention"]["frac_range"] == c.modules["attention"].frac_range
+    assert EngineReport.from_dict(json.loads(json.dumps(cd))) == c
+    merged = merge_reports([c])
+    assert MergedReport.from_dict(json.loads(json.dumps(merged.to_dict()))) == merged
+    with pytest.raises(ValueError, match="not an EngineProfiler report: missing"):
+        EngineReport.from_dict({"throughput": {}})
+
+
+def test_dict_style_access_still_reads_the_json_view_with_a_deprecation_warning():
+    r = _report(matrix=900, vector=100)
+    with pytest.warns(DeprecationWarning, match="report.fractions"):
+        assert r["fractions"] == r.fractions
+    with pytest.warns(DeprecationWarning):
+        assert r.get("modules")["attention"]["frac"] == r.modules["attention"].frac
+    with pytest.warns(DeprecationWarning):
+        assert r.get("windows", "absent") == "absent"  # a window report has no combined fields

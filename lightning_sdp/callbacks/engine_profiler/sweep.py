@@ -4,7 +4,8 @@
 :class:`~lightning_sdp.callbacks.EngineProfiler` and returns one row per point: matrix / vector / attention shares,
 achieved TFLOPS, and the analytic model's prediction for the current device next to them. The command line::
 
-    python -m lightning_sdp.profiling.sweep --seq-lens 64 128 256 512 --attention explicit sdpa linear --out sweep/
+    python -m lightning_sdp.callbacks.engine_profiler.sweep --seq-lens 64 128 256 512 \\
+        --attention explicit sdpa linear --out sweep/
 
 (also ``lightning-sdp sequence-sweep ...``) writes ``sweep.json``, ``sweep.md`` and ``sweep.png`` to ``--out``.
 """
@@ -13,14 +14,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader, TensorDataset
 
-ModelFactory = Callable[[str, int], Any]
+from lightning_sdp.callbacks.engine_profiler.callback import EngineProfiler
+from lightning_sdp.models.gpt import GPT
+from lightning_sdp.profiling.peaks import calibrate_cpu
+from lightning_sdp.profiling.results import EngineReport
+
+ModelFactory = Callable[[str, int], LightningModule]
 
 ROW_COLUMNS = [
     "attention",
@@ -44,9 +53,7 @@ def gpt_factory(
 ) -> ModelFactory:
     """A ``(attention, seq_len) -> GPT`` factory for :func:`sequence_length_sweep`."""
 
-    def make(attention: str, seq_len: int) -> Any:
-        from lightning_sdp.models.gpt import GPT
-
+    def make(attention: str, seq_len: int) -> LightningModule:
         return GPT(
             vocab_size=vocab_size,
             n_layer=n_layer,
@@ -104,14 +111,6 @@ def sequence_length_sweep(
     Returns:
         One row per point with :data:`ROW_COLUMNS` plus the full report under ``"report"``.
     """
-    import tempfile
-
-    from lightning.pytorch import Trainer
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from lightning_sdp.callbacks.engine_profiler import EngineProfiler
-    from lightning_sdp.profiling.peaks import calibrate_cpu
-
     if not seq_lens or any(int(n) <= 0 for n in seq_lens):
         raise ValueError(f"seq_lens must be positive integers, got {list(seq_lens)}")
     if batch_size <= 0 or steps <= 0:
@@ -185,26 +184,28 @@ def _resolved_accelerator(accelerator: str) -> str:
     return "cpu"
 
 
-def sweep_row(report: dict[str, Any], attention: str, seq_len: int) -> dict[str, Any]:
-    """One table row from an EngineProfiler report."""
-    fr = report["fractions"]
-    pred = (report.get("analytic") or {}).get("predicted_at_seq_len") or {}
+def sweep_row(report: EngineReport, attention: str, seq_len: int) -> dict[str, Any]:
+    """One table row from an EngineProfiler report (the report itself under ``"report"``)."""
+    fr = report.fractions
+    analytic = report.analytic
+    pred = (analytic.predicted_at_seq_len if analytic is not None else None) or {}
+    attention_module = report.modules.get("attention")
     return {
         "attention": attention,
         "seq_len": seq_len,
-        "step_ms": report["step_time_s"] * 1e3,
+        "step_ms": report.step_time_s * 1e3,
         "matrix": fr["matrix"],
         "attention_fused": fr["attention_fused"],
         "vector": fr["vector"],
         "memory": fr["memory"],
         "host_other": fr["host_other"],
-        "attn_module": report["modules"].get("attention", {}).get("frac", 0.0),
-        "matrix_tflops": report["throughput"]["matrix_tflops"],
-        "total_tflops": report["throughput"]["total_tflops"],
+        "attn_module": attention_module.frac if attention_module is not None else 0.0,
+        "matrix_tflops": report.throughput["matrix_tflops"],
+        "total_tflops": report.throughput["total_tflops"],
         "pred_attn_share": pred.get("attention_share"),
         "pred_vector_share": pred.get("vector_share"),
-        "crossover_seq_len": (report.get("analytic") or {}).get("crossover_seq_len"),
-        "findings": [f["check"] for f in report["findings"]],
+        "crossover_seq_len": analytic.crossover_seq_len if analytic is not None else None,
+        "findings": [f.check for f in report.findings],
         "report": report,
     }
 
@@ -310,7 +311,8 @@ def add_sweep_arguments(p: argparse.ArgumentParser, seq_lens: Sequence[int], ste
         steps: default ``--steps`` (profiled steps per sweep point).
     """
     p.add_argument("--seq-lens", type=int, nargs="+", default=list(seq_lens))
-    p.add_argument("--attention", nargs="+", default=["explicit", "sdpa", "linear"], choices=["explicit", "sdpa", "linear"])
+    kinds = ["explicit", "sdpa", "linear"]
+    p.add_argument("--attention", nargs="+", default=kinds, choices=kinds)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-head", type=int, default=4)

@@ -5,7 +5,7 @@ Habana Gaudi Processors" (SC-W 2023, arXiv 2309.16976), which compares Gaudi's m
 cores (TPC) and finds Transformers held back by non-matrix work such as softmax, worst at long sequences. Add
 ``callbacks=[EngineProfiler()]`` to any Trainer: for a few steps it splits the step time into ``matrix``,
 ``attention_fused``, ``vector``, ``memory``, ``communication`` and ``host_other``, per module group, with achieved
-TFLOPS against the device's peaks and findings with advice. The helpers live in :mod:`lightning_sdp.profiling`.
+TFLOPS against the device's peaks and findings with advice. The analysis lives in :mod:`lightning_sdp.profiling`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils._pytree import tree_flatten
 from typing_extensions import override
+
+from lightning_sdp.profiling.results import DeviceInfo, EngineReport, MergedReport, ModelDims
 
 _MODEL_DIM_KEYS = {
     "d_model": ("n_embd", "d_model", "hidden_size", "embed_dim", "dim"),
@@ -147,8 +149,8 @@ class EngineProfiler(Callback):
                 "EngineProfiler: FLOPs are counted in the last warm-up batch; with warmup=0 no TFLOPS."
             )
 
-        self.reports: list[dict[str, Any]] = []
-        self.merged: dict[str, Any] | None = None
+        self.reports: list[EngineReport] = []
+        self.merged: MergedReport | None = None
         self._batches_seen = 0
         self._cycles_done = 0
         self._disabled = False
@@ -465,10 +467,8 @@ class EngineProfiler(Callback):
         assert self._dir is not None
         return self._dir / f"{self.filename}-rank{self._rank}-window{cycle}.pt.trace.json.gz"
 
-    def _finish_window(
-        self, trainer: Trainer, pl_module: LightningModule, cycle: int
-    ) -> dict[str, Any] | None:
-        from lightning_sdp.profiling.categories import categorize_events
+    def _finish_window(self, trainer: Trainer, pl_module: LightningModule, cycle: int) -> EngineReport | None:
+        from lightning_sdp.profiling.breakdown import categorize_events
         from lightning_sdp.profiling.report import build_report
 
         self._sync()
@@ -525,19 +525,19 @@ class EngineProfiler(Callback):
             measured_peaks=self._measured_peaks,
             peak_sources=sources,
         )
-        report["trace_file"] = str(trace_path) if trace_path is not None and self.export_trace else None
+        report.trace_file = str(trace_path) if trace_path is not None and self.export_trace else None
         # One-off cost after the window: stopping the profiler, exporting the trace, parsing and classifying.
-        report["analysis_s"] = time.perf_counter() - t_stop
+        report.analysis_s = time.perf_counter() - t_stop
         self.reports.append(report)
         (self._dir / f"{self.filename}-rank{self._rank}.json").write_text(
-            json.dumps(self.reports, indent=1) + "\n"
+            json.dumps([r.to_dict() for r in self.reports], indent=1) + "\n"
         )
         self._reset_window()
         return report
 
     def _device_and_peaks(
         self, trainer: Trainer
-    ) -> tuple[dict[str, Any], dict[str, float | None], dict[str, str | None]]:
+    ) -> tuple[DeviceInfo, dict[str, float | None], dict[str, str | None]]:
         from lightning_sdp.profiling.peaks import device_key, device_name_of, effective_peaks
 
         index = trainer.strategy.root_device.index or 0
@@ -550,16 +550,18 @@ class EngineProfiler(Callback):
                 f"EngineProfiler: device type {self._device_type!r} is not known; reporting time shares without "
                 "utilisation."
             )
-        peaks, sources = effective_peaks(name, dtype, self.peaks, self._measured_peaks)
-        device = {
-            "type": self._device_type,
-            "name": name,
-            "key": device_key(name),
-            "precision": str(trainer.precision),
-            "matrix_dtype": dtype,
-        }
+        peaks, sources = effective_peaks(
+            name, dtype, self.peaks, self._measured_peaks, device=trainer.strategy.root_device
+        )
+        device = DeviceInfo(
+            type=self._device_type,
+            name=name,
+            key=device_key(name),
+            precision=str(trainer.precision),
+            matrix_dtype=dtype,
+        )
         if self.device_profile is not None:
-            device["profile"] = {
+            device.profile = {
                 "name": self.device_profile.device_name,
                 "num_threads": self.device_profile.num_threads,
                 "quick": self.device_profile.quick,
@@ -575,7 +577,7 @@ class EngineProfiler(Callback):
         )
         return matrix_dtype_key(str(trainer.precision), allow_tf32=tf32)
 
-    def _model_dims(self, pl_module: LightningModule) -> dict[str, Any]:
+    def _model_dims(self, pl_module: LightningModule) -> ModelDims:
         hp = dict(getattr(pl_module, "hparams", {}) or {})
         dims: dict[str, Any] = {}
         explicit = {"d_model": self.d_model, "n_heads": self.n_heads}
@@ -584,8 +586,7 @@ class EngineProfiler(Callback):
             if value is None:
                 value = next((hp[n] for n in names if hp.get(n) is not None), None)
             dims[key] = value
-        dims["seq_len"] = self._seq_len
-        return dims
+        return ModelDims(**dims, seq_len=self._seq_len)
 
     def _merge_and_summarise(self, trainer: Trainer) -> None:
         from lightning_sdp.profiling.report import (
@@ -597,13 +598,13 @@ class EngineProfiler(Callback):
         )
 
         combined = combine_windows(self.reports) if self.reports else None
-        if combined is not None and combined["windows"] > 1 and self.log_metrics:
+        if combined is not None and (combined.windows or 1) > 1 and self.log_metrics:
             m = {
                 k.replace("engine/", "engine/median_", 1): v
                 for k, v in metrics(combined).items()
                 if k.endswith("_frac")
             }
-            m.update({f"engine/spread_{c}_frac": float(v) for c, v in combined["spread"].items()})
+            m.update({f"engine/spread_{c}_frac": float(v) for c, v in (combined.spread or {}).items()})
             for logger in trainer.loggers:
                 logger.log_metrics(m, step=trainer.global_step)
         gathered: list[Any] = [combined]
@@ -619,7 +620,9 @@ class EngineProfiler(Callback):
         self.merged = merge_reports(reports)
         assert self._dir is not None
         self._dir.mkdir(parents=True, exist_ok=True)
-        (self._dir / f"{self.filename}-summary.json").write_text(json.dumps(self.merged, indent=1) + "\n")
+        (self._dir / f"{self.filename}-summary.json").write_text(
+            json.dumps(self.merged.to_dict(), indent=1) + "\n"
+        )
         if self.save_plot:
             if len(reports) == 1 and len(self.reports) > 1:
                 # One rank: a bar per window shows the spread; the roofline uses the medians.
@@ -635,8 +638,8 @@ class EngineProfiler(Callback):
                     report=reports[0],
                     datasheet={
                         k: v
-                        for k, v in reports[0]["peaks"].items()
-                        if (reports[0].get("peak_sources") or {}).get(k) == "datasheet"
+                        for k, v in reports[0].peaks.items()
+                        if (reports[0].peak_sources or {}).get(k) == "datasheet"
                     },
                 )
         if self.print_summary:
@@ -644,7 +647,7 @@ class EngineProfiler(Callback):
             if len(reports) > 1:
                 print(
                     "EngineProfiler ranks: "
-                    + ", ".join(f"rank {r['rank']} {r['step_time_s'] * 1e3:.2f} ms/step" for r in reports)
+                    + ", ".join(f"rank {r.rank} {r.step_time_s * 1e3:.2f} ms/step" for r in reports)
                 )
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lightning_sdp.profiling.sweep import gpt_factory, main, sequence_length_sweep, sweep_markdown
+from lightning_sdp.callbacks.engine_profiler.sweep import gpt_factory, main, sequence_length_sweep, sweep_markdown
 
 PEAKS = {"matrix_tflops": 0.05, "vector_tflops": 0.002, "mem_gbps": 10.0}
 

@@ -7,48 +7,49 @@ and evaluates zero-shot top-1/top-5 (40 ``colour shape`` classes) and image<->te
 communicated of OpenCLIP's reduction (gather with autograd) and FastCLIP's (no-grad gather of features and
 estimator values).
 
-    .venv/bin/python benchmarks/fastclip_small_batch.py            # full run (about 15 minutes on 2 cores)
-    .venv/bin/python benchmarks/fastclip_small_batch.py --quick    # smoke run
+    .venv/bin/python -m benchmarks.fastclip_small_batch            # full run (about 15 minutes on 2 cores)
+    .venv/bin/python -m benchmarks.fastclip_small_batch --quick    # smoke run (2 short runs in-process, < 1 min)
 
-Writes ``benchmarks/results/fastclip_small_batch.{json,md,png}``.
+Writes ``benchmarks/results/fastclip_small_batch.{json,md,png}`` (``..._quick`` with ``--quick``). The model is
+``lightning_sdp.integrations.open_clip.NANO_CONFIG`` (called ``BENCH_MODEL`` in results written before issue 18).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._common import free_port, markdown_table, write_results
+from lightning_sdp.integrations.open_clip import NANO_CONFIG
+
+# inherited by the spawned worker processes, which import torch after this is set
 os.environ.setdefault("OMP_NUM_THREADS", "2")
-
-from benchmarks._common import markdown_table, write_results  # noqa: E402
-
-# A small CLIP for 2 CPU cores: ViT with 4x4 patches of 8 px on 32 px images, 1-layer towers.
-BENCH_MODEL: dict[str, Any] = {
-    "embed_dim": 32,
-    "vision_cfg": {"image_size": 32, "layers": 1, "width": 48, "head_width": 24, "mlp_ratio": 2.0, "patch_size": 8},
-    "text_cfg": {"context_length": 12, "vocab_size": 49408, "width": 16, "heads": 1, "layers": 1, "mlp_ratio": 2.0},
-}
-
 
 _DATA: dict[Any, Any] = {}
 
 
-def _datamodule(args: argparse.Namespace, batch: int, seed: int) -> Any:
-    """One generated data set per worker process (generation and tokenisation are not what we measure)."""
+def cached_datamodule(args: argparse.Namespace, batch: int, seed: int, val_batch_size: int = 256) -> Any:
+    """One generated data set per worker process (generation and tokenisation are not what we measure).
+
+    Args:
+        args: the benchmark's arguments (``dataset``, ``num_train``, ``num_val``, ``data_seed``).
+        batch: training batch size of this run.
+        seed: seed of this run's training order.
+        val_batch_size: validation batch size.
+    """
     from lightning_sdp.datamodules import ImageTextDataModule
 
     key = (args.dataset, args.num_train, args.num_val, args.data_seed)
     if key not in _DATA:
         dm = ImageTextDataModule(
             dataset=args.dataset,
-            model=BENCH_MODEL,
+            model=NANO_CONFIG,
             batch_size=batch,
-            val_batch_size=256,
+            val_batch_size=val_batch_size,
             num_train=args.num_train,
             num_val=args.num_val,
             seed=args.data_seed,
@@ -57,7 +58,7 @@ def _datamodule(args: argparse.Namespace, batch: int, seed: int) -> Any:
         dm.setup("fit")
         _DATA[key] = dm
     dm = _DATA[key]
-    dm.hparams.batch_size = batch
+    dm.hparams.batch_size, dm.hparams.val_batch_size = batch, val_batch_size
     dm.hparams.seed = seed  # the training order's seed
     return dm
 
@@ -71,11 +72,11 @@ def train_one(loss: str, batch: int, seed: int, args: argparse.Namespace) -> dic
 
     # One thread per process: on a loaded 2-core machine OpenMP threads spin-wait and cost ~10x the CPU time.
     torch.set_num_threads(args.threads)
-    dm = _datamodule(args, batch, seed)
+    dm = cached_datamodule(args, batch, seed)
     pl.seed_everything(seed, verbose=False)
     steps = args.epochs * (dm.data_size // batch)
     module = FastCLIPModule(
-        model=BENCH_MODEL,
+        model=NANO_CONFIG,
         loss=loss,
         lr=args.lr,
         weight_decay=0.1,
@@ -143,6 +144,20 @@ def _train_job(job: tuple[str, int, int, argparse.Namespace]) -> dict[str, Any]:
     return run_quietly(train_one, job)
 
 
+def run_jobs(
+    train_job: Callable[[Any], dict[str, Any]], jobs: Iterable[Any], workers: int
+) -> Iterator[dict[str, Any]]:
+    """Results of ``train_job(job)`` for every job, as they finish: in ``workers`` spawned processes, or in this
+    process when ``workers == 1`` (no process start-up: what ``--quick`` uses)."""
+    if workers <= 1:
+        yield from map(train_job, jobs)
+        return
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(workers) as pool:
+        yield from pool.imap_unordered(train_job, jobs)
+
+
 def _comm_rank(rank: int, world: int, port: int, local_batch: int, steps: int, queue: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import torch
@@ -150,19 +165,19 @@ def _comm_rank(rank: int, world: int, port: int, local_batch: int, steps: int, q
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lightning_sdp.models.fastclip import FastCLIPModule
-    from lightning_sdp.models.fastclip.distributed import COMM_STATS
+    from lightning_sdp.models.fastclip.distributed import GATHER_BYTES
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     out = {}
     for loss in ("openclip", "fastclip_v3"):
         torch.manual_seed(0)
-        module = FastCLIPModule(model=BENCH_MODEL, loss=loss, data_size=10_000, max_steps=100)
+        module = FastCLIPModule(model=NANO_CONFIG, loss=loss, data_size=10_000, max_steps=100)
         ddp = DDP(module)
         opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
         g = torch.Generator().manual_seed(rank)
         times, loss_times = [], []
-        COMM_STATS.reset()
+        GATHER_BYTES.reset()
         for step in range(steps + 2):
             images = torch.randn(local_batch, 3, 32, 32, generator=g)
             tokens = torch.randint(1, 400, (local_batch, 12), generator=g)
@@ -180,13 +195,13 @@ def _comm_rank(rank: int, world: int, port: int, local_batch: int, steps: int, q
             if step >= 2:
                 times.append(t3 - t0)
                 loss_times.append(t2 - t1)
-        d = BENCH_MODEL["embed_dim"]
+        d = NANO_CONFIG["embed_dim"]
         if loss == "openclip":
             # open_clip's gather_with_grad: forward all_gather of image and text features, backward all-to-all of
             # their gradients (torch.distributed.nn on gloo); bytes received by one rank per step
             feat_bytes = 2 * 2 * (world - 1) * local_batch * d * 4
         else:
-            feat_bytes = COMM_STATS.bytes_received / (steps + 2)
+            feat_bytes = GATHER_BYTES.bytes_received / (steps + 2)
         params = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         out[loss] = {
             "step_ms": 1000 * sorted(times)[len(times) // 2],
@@ -200,15 +215,12 @@ def _comm_rank(rank: int, world: int, port: int, local_batch: int, steps: int, q
 
 
 def measure_comm(local_batches: list[int], steps: int) -> list[dict[str, Any]]:
-    import socket
-
+    """Per-step time and loss bytes of OpenCLIP's and FastCLIP's reductions, 2 gloo processes per local batch."""
     import torch.multiprocessing as mp
 
     rows = []
     for b in local_batches:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         ctx = mp.get_context("spawn")
         queue = ctx.SimpleQueue()
         procs = [ctx.Process(target=_comm_rank, args=(r, 2, port, b, steps, queue)) for r in range(2)]
@@ -244,7 +256,7 @@ def summarise(runs: list[dict[str, Any]], losses: list[str], batches: list[int])
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run")
+    parser.add_argument("--quick", action="store_true", help="smoke run: openclip and fastclip_v3, batch 16, 64 pairs")
     parser.add_argument("--losses", default="openclip,sogclr,fastclip_v1,fastclip_v3")
     parser.add_argument("--batches", default="16,32,64,128")
     parser.add_argument("--seeds", type=int, default=3)
@@ -259,7 +271,7 @@ def main() -> None:
     parser.add_argument("--rho", type=float, default=6.5)
     parser.add_argument("--gamma-min", type=float, default=0.8)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    parser.add_argument("--workers", type=int, default=2, help="training runs in parallel processes")
+    parser.add_argument("--workers", type=int, default=2, help="training runs in parallel processes (1: in-process)")
     parser.add_argument("--comm-steps", type=int, default=10)
     parser.add_argument("--comm-batches", default="16,64")
     parser.add_argument("--no-comm", action="store_true")
@@ -276,7 +288,8 @@ def main() -> None:
         write_results(a["name"], payload, md, fig)
         return
     if args.quick:
-        args.batches, args.seeds, args.epochs, args.num_train, args.num_val = "16,32", 1, 1, 128, 64
+        args.losses, args.batches, args.seeds, args.epochs = "openclip,fastclip_v3", "16", 1, 1
+        args.num_train, args.num_val, args.workers = 64, 48, 1
         args.comm_steps, args.comm_batches, args.name = 2, "8", "fastclip_small_batch_quick"
     losses = args.losses.split(",")
     batches = [int(b) for b in args.batches.split(",")]
@@ -284,30 +297,27 @@ def main() -> None:
     t_start = time.perf_counter()
     jobs = [(loss, b, seed, args) for b in batches for seed in range(args.seeds) for loss in losses]
     jobs.sort(key=lambda j: j[1])  # small batches (most steps) first keeps the pool busy to the end
-    import multiprocessing as mp
-
-    with mp.get_context("spawn").Pool(args.workers) as pool:
-        for r in pool.imap_unordered(_train_job, jobs):
-            runs.append(r)
-            print(
-                f"batch {r['batch']:4d} seed {r['seed']} {r['loss']:12s} top1 {100 * r['zeroshot_top1']:5.1f} top5 "
-                f"{100 * r['zeroshot_top5']:5.1f} R@1 {100 * r['retrieval_r1']:5.1f} tau {r['final_tau']:.3f} "
-                f"({r['wall_s']:.0f}s, total {time.perf_counter() - t_start:.0f}s)",
-                flush=True,
-            )
+    for r in run_jobs(_train_job, jobs, args.workers):
+        runs.append(r)
+        print(
+            f"batch {r['batch']:4d} seed {r['seed']} {r['loss']:12s} top1 {100 * r['zeroshot_top1']:5.1f} top5 "
+            f"{100 * r['zeroshot_top5']:5.1f} R@1 {100 * r['retrieval_r1']:5.1f} tau {r['final_tau']:.3f} "
+            f"({r['wall_s']:.0f}s, total {time.perf_counter() - t_start:.0f}s)",
+            flush=True,
+        )
     runs.sort(key=lambda r: (r["batch"], r["loss"], r["seed"]))
     summary = summarise(runs, losses, batches)
     comm = [] if args.no_comm else measure_comm([int(b) for b in args.comm_batches.split(",")], args.comm_steps)
 
     payload = {"args": vars(args), "runs": runs, "summary": summary, "v3_vs_openclip": [], "comm": comm,
-               "bench_model": BENCH_MODEL, "total_wall_s": time.perf_counter() - t_start,
+               "bench_model": NANO_CONFIG, "total_wall_s": time.perf_counter() - t_start,
                "data_sizes": _data_sizes(args)}
     md, payload["v3_vs_openclip"] = render_markdown(payload)
     write_results(args.name, payload, md, _figure(summary, losses, batches))
 
 
 def _data_sizes(args: argparse.Namespace) -> dict[str, int]:
-    dm = _datamodule(args, 16, 0)
+    dm = cached_datamodule(args, 16, 0)
     return {"train": len(dm.train_set), "val": len(dm.val_set)}
 
 
@@ -325,7 +335,7 @@ def render_markdown(payload: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]
             "retrieval_r1_mean", "retrieval_r1_std", "final_tau", "wall_s"]
     md = [
         f"{what}, {sizes['train']} train / {sizes['val']} val pairs, "
-        f"{a['epochs']} epochs for every run, {a['seeds']} seeds, model `BENCH_MODEL` "
+        f"{a['epochs']} epochs for every run, {a['seeds']} seeds, model `NANO_CONFIG` "
         f"(open_clip ViT, 32 px, 1-layer towers), lr {a['lr']}, tau0 {a['temperature']}, gamma_min {a['gamma_min']}, "
         f"v3: rho {a['rho']}, lr_tau {a['lr_tau']}. Metrics in %, mean and sample std over seeds; "
         f"total wall time {payload['total_wall_s'] / 60:.1f} min.",
@@ -364,7 +374,8 @@ def _figure(summary: list[dict[str, Any]], losses: list[str], batches: list[int]
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for ax, key, title in ((axes[0], "zeroshot_top1", "zero-shot top-1 (%)"), (axes[1], "retrieval_r1", "retrieval R@1 (%)")):
+    panels = ((axes[0], "zeroshot_top1", "zero-shot top-1 (%)"), (axes[1], "retrieval_r1", "retrieval R@1 (%)"))
+    for ax, key, title in panels:
         for loss in losses:
             rows = [r for r in summary if r["loss"] == loss]
             if not rows:

@@ -16,10 +16,11 @@ mini-batch estimate that OpenCLIP's loss uses (the same mean over ``B - 1`` rand
 If the estimators do their job, the first is clearly below the second.
 
     .venv/bin/python -m benchmarks.fastclip_small_batch_10k            # full run (about 45 minutes on 2 shared cores)
-    .venv/bin/python -m benchmarks.fastclip_small_batch_10k --quick    # smoke run (about 1 minute)
+    .venv/bin/python -m benchmarks.fastclip_small_batch_10k --quick    # smoke run (2 short runs in-process, < 1 min)
 
 Writes ``benchmarks/results/fastclip_small_batch_10k.{json,md,png}`` (``..._quick`` with ``--quick``), and after
-every finished run ``benchmarks/results/fastclip_small_batch_10k.partial.json``.
+every finished run ``benchmarks/results/fastclip_small_batch_10k.partial.json``. The model is
+``lightning_sdp.integrations.open_clip.NANO_CONFIG`` (called ``BENCH_MODEL`` in results written before issue 18).
 """
 
 from __future__ import annotations
@@ -27,51 +28,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._common import RESULTS_DIR, markdown_table, write_results
+from benchmarks.fastclip_small_batch import cached_datamodule, fit_and_score, run_jobs, run_quietly
+from lightning_sdp.integrations.open_clip import NANO_CONFIG
+
+# inherited by the spawned worker processes, which import torch after this is set
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from benchmarks._common import RESULTS_DIR, markdown_table, write_results  # noqa: E402
-from benchmarks.fastclip_small_batch import fit_and_score, run_quietly  # noqa: E402
-
-# A small CLIP for 2 CPU cores: ViT with 4x4 patches of 8 px on 32 px images, 1-layer towers.
-BENCH_MODEL: dict[str, Any] = {
-    "embed_dim": 32,
-    "vision_cfg": {"image_size": 32, "layers": 1, "width": 48, "head_width": 24, "mlp_ratio": 2.0, "patch_size": 8},
-    "text_cfg": {"context_length": 12, "vocab_size": 49408, "width": 16, "heads": 1, "layers": 1, "mlp_ratio": 2.0},
-}
 GCL_LOSSES = ("fastclip_v0", "fastclip_v1", "fastclip_v2", "fastclip_v3", "sogclr", "isogclr")
-
-_DATA: dict[Any, Any] = {}
-
-
-def _datamodule(args: argparse.Namespace, batch: int, seed: int) -> Any:
-    """One generated data set per worker process (generation and tokenisation are not what we measure)."""
-    from lightning_sdp.datamodules import ImageTextDataModule
-
-    key = (args.dataset, args.num_train, args.num_val, args.data_seed)
-    if key not in _DATA:
-        dm = ImageTextDataModule(
-            dataset=args.dataset,
-            model=BENCH_MODEL,
-            batch_size=batch,
-            val_batch_size=500,
-            num_train=args.num_train,
-            num_val=args.num_val,
-            seed=args.data_seed,
-            augment=False,
-        )
-        dm.setup("fit")
-        _DATA[key] = dm
-    dm = _DATA[key]
-    dm.hparams.batch_size = batch
-    dm.hparams.seed = seed  # the training order's seed
-    return dm
-
 
 def _make_probe(args: argparse.Namespace, batch: int) -> Any:
     """The u-error diagnostic as a Callback (built inside the worker so Lightning is imported there)."""
@@ -149,12 +117,12 @@ def train_one(loss: str, batch: int, seed: int, args: argparse.Namespace) -> dic
 
     # One thread per process: on a loaded 2-core machine OpenMP threads spin-wait and cost ~10x the CPU time.
     torch.set_num_threads(args.threads)
-    dm = _datamodule(args, batch, seed)
+    dm = cached_datamodule(args, batch, seed, val_batch_size=500)
     pl.seed_everything(seed, verbose=False)
     steps = args.epochs * (dm.data_size // batch)
     v3 = loss == "fastclip_v3"
     module = FastCLIPModule(
-        model=BENCH_MODEL,
+        model=NANO_CONFIG,
         loss=loss,
         lr=args.lr,
         weight_decay=0.1,
@@ -165,7 +133,8 @@ def train_one(loss: str, batch: int, seed: int, args: argparse.Namespace) -> dic
         rho=args.rho if v3 else None,
     )
     probe = _make_probe(args, batch)
-    gamma = GammaScheduler(gamma_min=args.gamma_min, decay_epochs=max(1, round(args.epochs * args.gamma_decay_fraction)))
+    decay_epochs = max(1, round(args.epochs * args.gamma_decay_fraction))
+    gamma = GammaScheduler(gamma_min=args.gamma_min, decay_epochs=decay_epochs)
     scores = fit_and_score(module, dm, args.epochs, [gamma, TemperatureScheduler(), probe])
     return {"loss": loss, "batch": batch, "seed": seed, "steps": steps, **scores, "u_probe": probe.rows}
 
@@ -244,12 +213,14 @@ def render_markdown(payload: dict[str, Any]) -> str:
     sizes = payload["data_sizes"]
     cols = ["batch", "loss", "seeds", "zeroshot_top1_mean", "zeroshot_top1_range", "zeroshot_top5_mean",
             "retrieval_r1_mean", "retrieval_r1_range", "final_tau", "u_err_median", "minibatch_err_median", "wall_s"]
-    status = "complete" if payload.get("complete") else f"PARTIAL ({len(payload['runs'])} of {payload['planned_runs']} runs)"
+    done = f"{len(payload['runs'])} of {payload['planned_runs']} runs"
+    status = "complete" if payload.get("complete") else f"PARTIAL ({done})"
     what = {"shapes": "Built-in captioned shapes (400 distinct captions", "scenes": "Built-in captioned scenes (12,960 "
             "distinct captions"}[a["dataset"]]
     md = [
         f"{what}; 40 zero-shot `colour shape` classes), {sizes['train']} train / {sizes['val']} "
-        f"held-out pairs, {a['epochs']} epochs for every run, seeds 0..{a['seeds'] - 1}, model `BENCH_MODEL` (open_clip "
+        f"held-out pairs, {a['epochs']} epochs for every run, seeds 0..{a['seeds'] - 1}, model `NANO_CONFIG` "
+        f"(open_clip "
         f"ViT, 32 px, 1-layer towers), lr {a['lr']}, tau0 {a['temperature']} (SigLIP: its default 0.1, bias -10), "
         f"GammaScheduler(gamma_min={a['gamma_min']}, decay over {a['gamma_decay_fraction']:.2g} of the epochs), "
         f"v3: rho {a['rho']}, lr_tau {a['lr_tau']}, temperature_gradient='reference'. Metrics in %, mean over seeds; "
@@ -262,7 +233,8 @@ def render_markdown(payload: dict[str, Any]) -> str:
         "",
         markdown_table(payload["comparisons"], floatfmt="{:.3g}"),
         "",
-        "u diagnostic (end of each epoch, 256 fixed training anchors, both sides; mean over seeds): median and 90th "
+        f"u diagnostic (end of each epoch, {a.get('probe_anchors', 256)} fixed training anchors, both sides; mean over "
+        "seeds): median and 90th "
         "percentile of |u - g| / g against the exact full-data inner function g, next to the same for a mini-batch "
         "estimate from B - 1 random negatives (what the mini-batch loss divides by):",
         "",
@@ -278,7 +250,8 @@ def _figure(summary: list[dict[str, Any]], probe: list[dict[str, Any]], losses: 
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    for ax, key, title in ((axes[0], "zeroshot_top1", "zero-shot top-1 (%)"), (axes[1], "retrieval_r1", "retrieval R@1 (%)")):
+    panels = ((axes[0], "zeroshot_top1", "zero-shot top-1 (%)"), (axes[1], "retrieval_r1", "retrieval R@1 (%)"))
+    for ax, key, title in panels:
         for loss in losses:
             rows = [r for r in summary if r["loss"] == loss]
             if not rows:
@@ -295,7 +268,8 @@ def _figure(summary: list[dict[str, Any]], probe: list[dict[str, Any]], losses: 
     ax = axes[2]
     for loss, b in sorted({(r["loss"], r["batch"]) for r in probe}):
         rows = [r for r in probe if r["loss"] == loss and r["batch"] == b]
-        line = ax.plot([r["epoch"] for r in rows], [r["u_rel_err_median"] for r in rows], marker="o", label=f"u {loss} B={b}")
+        epochs = [r["epoch"] for r in rows]
+        line = ax.plot(epochs, [r["u_rel_err_median"] for r in rows], marker="o", label=f"u {loss} B={b}")
         ax.plot([r["epoch"] for r in rows], [r["minibatch_rel_err_median"] for r in rows], ls="--",
                 color=line[0].get_color(), label=f"mini-batch B={b}")
     ax.set_xlabel("epoch")
@@ -313,14 +287,14 @@ def _payload(args: argparse.Namespace, runs: list[dict[str, Any]], planned: int,
     runs = sorted(runs, key=lambda r: (r["batch"], r["loss"], r["seed"]))
     summary = summarise(runs, losses, batches)
     return {"args": vars(args), "runs": runs, "summary": summary, "comparisons": comparisons(summary, batches),
-            "probe": probe_table(runs), "bench_model": BENCH_MODEL, "planned_runs": planned,
+            "probe": probe_table(runs), "bench_model": NANO_CONFIG, "planned_runs": planned,
             "complete": len(runs) == planned, "total_wall_s": time.perf_counter() - t_start,
             "data_sizes": {"train": args.num_train, "val": args.num_val}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke run: 512 pairs, 2 epochs, 1 seed, batch 16, 32")
+    parser.add_argument("--quick", action="store_true", help="smoke run: fastclip_v3 and openclip, 128 pairs, batch 16")
     parser.add_argument("--losses", default="fastclip_v3,openclip,siglip,sogclr")
     parser.add_argument("--batches", default="16,32,64")
     parser.add_argument("--seeds", type=int, default=3)
@@ -334,10 +308,12 @@ def main() -> None:
     parser.add_argument("--lr-tau", type=float, default=4e-4, help="v3: logit_scale's lr (the paper's lr / 5)")
     parser.add_argument("--rho", type=float, default=6.5, help="v3: the paper's CC3M value")
     parser.add_argument("--gamma-min", type=float, default=0.2, help="the paper scripts' value")
-    parser.add_argument("--gamma-decay-fraction", type=float, default=0.5, help="cosine decay over this part of the epochs")
+    parser.add_argument(
+        "--gamma-decay-fraction", type=float, default=0.5, help="cosine decay over this part of the epochs"
+    )
     parser.add_argument("--probe-anchors", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    parser.add_argument("--workers", type=int, default=2, help="training runs in parallel processes")
+    parser.add_argument("--workers", type=int, default=2, help="training runs in parallel processes (1: in-process)")
     parser.add_argument("--order", default="batch", choices=["batch", "seed"], help="job order (see main)")
     parser.add_argument("--name", default="fastclip_small_batch_10k")
     parser.add_argument("--from-json", default=None, help="re-render the tables and plot of a (partial) run's JSON")
@@ -350,8 +326,9 @@ def main() -> None:
         write_results(a.name, payload, render_markdown(payload), fig)
         return
     if args.quick:
-        args.batches, args.seeds, args.epochs, args.num_train, args.num_val = "16,32", 1, 2, 512, 200
-        args.probe_anchors, args.name = 64, args.name + "_quick"
+        args.losses, args.batches, args.seeds, args.epochs = "fastclip_v3,openclip", "16", 1, 2
+        args.num_train, args.num_val, args.probe_anchors, args.workers = 128, 48, 32, 1
+        args.name += "_quick"
     losses = args.losses.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     t_start = time.perf_counter()
@@ -363,23 +340,21 @@ def main() -> None:
         jobs = [(loss, b, seed, args) for seed in range(args.seeds) for b in batches for loss in losses]
     runs: list[dict[str, Any]] = []
     partial = RESULTS_DIR / f"{args.name}.partial.json"
-    import multiprocessing as mp
-
-    with mp.get_context("spawn").Pool(args.workers) as pool:
-        for r in pool.imap_unordered(_train_job, jobs):
-            runs.append(r)
-            p = r["u_probe"][-1] if r["u_probe"] else None
-            diag = f" u-err {p['u_rel_err_median']:.3f} mb-err {p['minibatch_rel_err_median']:.3f}" if p else ""
-            print(
-                f"batch {r['batch']:3d} seed {r['seed']} {r['loss']:12s} top1 {100 * r['zeroshot_top1']:5.1f} R@1 "
-                f"{100 * r['retrieval_r1']:5.1f} tau {r['final_tau']:.3f}{diag} ({r['wall_s']:.0f}s, total "
-                f"{time.perf_counter() - t_start:.0f}s)",
-                flush=True,
-            )
-            RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-            partial.write_text(json.dumps(_payload(args, runs, len(jobs), t_start), indent=1) + "\n")
+    for r in run_jobs(_train_job, jobs, args.workers):
+        runs.append(r)
+        p = r["u_probe"][-1] if r["u_probe"] else None
+        diag = f" u-err {p['u_rel_err_median']:.3f} mb-err {p['minibatch_rel_err_median']:.3f}" if p else ""
+        print(
+            f"batch {r['batch']:3d} seed {r['seed']} {r['loss']:12s} top1 {100 * r['zeroshot_top1']:5.1f} R@1 "
+            f"{100 * r['retrieval_r1']:5.1f} tau {r['final_tau']:.3f}{diag} ({r['wall_s']:.0f}s, total "
+            f"{time.perf_counter() - t_start:.0f}s)",
+            flush=True,
+        )
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(_payload(args, runs, len(jobs), t_start), indent=1) + "\n")
     payload = _payload(args, runs, len(jobs), t_start)
-    write_results(args.name, payload, render_markdown(payload), _figure(payload["summary"], payload["probe"], losses, batches))
+    figure = _figure(payload["summary"], payload["probe"], losses, batches)
+    write_results(args.name, payload, render_markdown(payload), figure)
 
 
 if __name__ == "__main__":

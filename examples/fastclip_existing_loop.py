@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from lightning_sdp.callbacks.fastclip import gamma_at
 from lightning_sdp.datamodules.image_text import ImageTextDataModule
+from lightning_sdp.integrations.open_clip import build_clip
 from lightning_sdp.models.fastclip.losses import build_loss
-from lightning_sdp.models.fastclip.tiny import build_clip
 
 
 def main() -> None:

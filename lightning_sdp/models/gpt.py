@@ -18,6 +18,8 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_sdp.schedules import WarmupCosine
+
 AttentionKind = Literal["sdpa", "explicit", "linear"]
 
 
@@ -137,7 +139,8 @@ class GPT(LightningModule):
         weight_decay: AdamW decay of every matrix (the tied embedding/head included, as in nanoGPT); biases and
             norms get none (default 0.1).
         betas: AdamW betas (default ``(0.9, 0.99)``).
-        warmup_steps: linear warm-up steps (default 100).
+        warmup_steps: linear warm-up steps: the factor is ``(step + 1) / warmup_steps``, reaching 1 at the last
+            warm-up step (:class:`~lightning_sdp.schedules.WarmupCosine`; default 100).
         min_lr_ratio: the cosine schedule ends at ``learning_rate * min_lr_ratio`` (default 0.1).
         max_steps: length of the cosine schedule; ``None`` uses the Trainer's estimated stepping batches.
     """
@@ -298,25 +301,12 @@ class GPT(LightningModule):
         total = hp.max_steps
         if total is None:
             total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 0
-        schedule = _CosineWithWarmup(hp.warmup_steps, max(total, 1), hp.min_lr_ratio)
+        schedule = WarmupCosine(hp.warmup_steps, max(total, 1), hp.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-class _CosineWithWarmup:
-    """LR multiplier: linear warm-up to 1, cosine decay to ``min_ratio`` at ``total`` steps, then flat.
-
-    A class rather than a closure so the scheduler (and so the checkpoint) can be pickled.
-    """
-
-    def __init__(self, warmup: int, total: int, min_ratio: float) -> None:
-        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return (step + 1) / (self.warmup + 1)
-        if step >= self.total:
-            return self.min_ratio
-        progress = (step - self.warmup) / max(1, self.total - self.warmup)
-        return self.min_ratio + 0.5 * (1.0 - self.min_ratio) * (1.0 + math.cos(math.pi * progress))
-
+_CosineWithWarmup = WarmupCosine
+"""Deprecated private alias of :class:`lightning_sdp.schedules.WarmupCosine`, kept while
+``benchmarks/sdp4bit_throughput.py`` still imports it. (Checkpoints never pickled it: ``LambdaLR`` saves a callable
+object's ``__dict__``, whose keys ``warmup``, ``total``, ``min_ratio`` ``WarmupCosine`` keeps.)"""

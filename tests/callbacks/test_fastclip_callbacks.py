@@ -298,3 +298,19 @@ def test_callbacks_work_on_a_users_module_that_follows_the_protocols(tmp_path):
     assert module.loss_fn.gamma == pytest.approx(gamma_at(1, 0.2, 2, "cosine"))
     assert float(module.logit_scale.detach()) <= math.log(40.0) + 1e-6
     assert temp.switched and float(module.tau_lr_factor) == pytest.approx(1 / 3)
+
+
+def test_callbacks_use_only_public_attributes_of_the_module():
+    """The callbacks read the module through its public protocol (``logit_scale_parameter()``, ``gcl_loss``, ...)."""
+    import ast
+    from pathlib import Path
+
+    import lightning_sdp.callbacks.fastclip as callbacks
+
+    private = [
+        f"{node.value.id}.{node.attr} (line {node.lineno})"
+        for node in ast.walk(ast.parse(Path(callbacks.__file__).read_text()))
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+        and node.value.id in ("pl_module", "module") and node.attr.startswith("_")
+    ]  # fmt: skip
+    assert private == []

@@ -6,12 +6,15 @@ import numpy as np
 import pytest
 import torch
 
+from lightning_sdp.datamodules import sampling
 from lightning_sdp.datamodules.image_text import (
     COLOURS,
     POSITIONS,
+    SCENE_BACKGROUNDS,
     SHAPES,
     EpochSeededSampler,
     ImageTextDataModule,
+    make_captioned_scenes,
     make_captioned_shapes,
     shape_classnames,
 )
@@ -53,6 +56,40 @@ def test_captioned_shapes_are_deterministic_and_match_their_captions():
     assert hits >= 50
 
 
+def test_captioned_scenes_are_deterministic_and_their_labels_match_their_captions():
+    imgs, caps, labels = make_captioned_scenes(80, seed=2, image_size=24)
+    imgs2, caps2, labels2 = make_captioned_scenes(80, seed=2, image_size=24)
+    assert imgs.shape == (80, 24, 24, 3) and np.array_equal(imgs, imgs2) and caps == caps2
+    assert np.array_equal(labels, labels2)
+    names = shape_classnames()
+    for cap, y in zip(caps, labels, strict=True):
+        colour, shape = names[y].split()
+        assert f" {colour} {shape} " in cap and any(cap.endswith(f"on a {bg} background") for bg in SCENE_BACKGROUNDS)
+    assert len(set(caps)) > 70  # 12,960 possible captions: few repeat
+    # the shared drawing routine: shapes and scenes of one seed differ (different attributes and backgrounds)
+    assert not np.array_equal(imgs, make_captioned_shapes(80, seed=2, image_size=24)[0])
+
+
+def test_image_text_package_imports_no_higher_layer():
+    """The data layer imports neither models, callbacks nor plugins (the open_clip adapter lives in integrations)."""
+    import ast
+    from pathlib import Path
+
+    import lightning_sdp.datamodules.image_text as package
+    import lightning_sdp.integrations.open_clip as adapter
+
+    files = [*Path(package.__file__).parent.glob("*.py"), Path(adapter.__file__)]
+    assert len(files) >= 7
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                assert not name.startswith(tuple(f"lightning_sdp.{p}" for p in ("models", "callbacks", "plugins"))), (
+                    f"{path.name} imports {name}"
+                )
+
+
 def test_shapes_datamodule_samples_and_loaders():
     dm = ImageTextDataModule(model=MICRO, num_train=40, num_val=12, batch_size=8, augment=False)
     assert dm.data_size == 40
@@ -68,9 +105,12 @@ def test_shapes_datamodule_samples_and_loaders():
     # the order depends only on (seed, epoch): a fresh loader repeats it, a new epoch changes it
     assert torch.equal(torch.cat([b[2] for b in dm.train_dataloader()]), seen)
     sampler = loader.sampler
-    assert isinstance(sampler, EpochSeededSampler)
+    # the shared epoch-seeded sampler (issue 18): the order is NumPy's permutation for [seed, epoch]
+    assert isinstance(sampler, EpochSeededSampler) and EpochSeededSampler is sampling.EpochSeededSampler
+    assert seen.tolist() == sampling.epoch_permutation(40, seed=0, epoch=0).tolist()
     sampler.set_epoch(1)
     assert list(sampler) != seen.tolist()
+    assert list(sampler) == sampling.epoch_permutation(40, seed=0, epoch=1).tolist()
     val = next(iter(dm.val_dataloader()))
     assert len(val) == 3 and val[0].shape[0] == 8
     with pytest.raises(ValueError, match="batch_size=64"):

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_sdp.models.fastclip.distributed import COMM_STATS
+from lightning_sdp.models.fastclip.distributed import GATHER_BYTES
 from lightning_sdp.models.fastclip.losses import VARIANTS, build_loss
 from tests._distributed import run_distributed
 
@@ -68,13 +68,13 @@ def _run(variant: str, rank: int, world_size: int) -> dict[str, object]:
 def _rank_fn(rank: int, world_size: int, variants: list[str]) -> dict[str, dict[str, object]]:
     results = {}
     for variant in variants:
-        COMM_STATS.reset()
+        GATHER_BYTES.reset()
         result = _run(variant, rank, world_size)
         # plain numpy crosses the process boundary without torch's shared-memory file descriptors
         results[variant] = {
             "grads": [{k: v.numpy() for k, v in step.items()} for step in result["grads"]],
             "state": {k: v.numpy() for k, v in result["state"].items()},
-            "bytes": COMM_STATS.bytes_received,
+            "bytes": GATHER_BYTES.bytes_received,
         }
     # unequal local batch sizes are refused on every rank (the sizes are gathered before the features)
     loss_fn = build_loss("fastclip_v1", DATA)

@@ -1,4 +1,5 @@
-"""The tiny open_clip config's file: written privately, never through a planted symlink."""
+"""The open_clip adapter's bundled configs: registered from a privately written file, never through a planted
+symlink; ``tiny`` and ``nano`` aliases; the old ``models.fastclip.tiny`` path still works."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import stat
 
 import pytest
 
-from lightning_sdp.models.fastclip import tiny
-from lightning_sdp.models.fastclip.tiny import TINY_CONFIG, TINY_NAME, register_tiny_config
+from lightning_sdp.integrations import open_clip as adapter
+from lightning_sdp.integrations.open_clip import TINY_CONFIG, TINY_NAME, register_tiny_config
 
 pytestmark = pytest.mark.open_clip
 
@@ -21,8 +22,9 @@ def fresh_registry(tmp_path, monkeypatch):
 
     monkeypatch.setattr(factory, "_MODEL_CONFIG_PATHS", list(factory._MODEL_CONFIG_PATHS))
     monkeypatch.setattr(factory, "_MODEL_CONFIGS", dict(factory._MODEL_CONFIGS))
-    factory._MODEL_CONFIGS.pop(TINY_NAME, None)
-    monkeypatch.setattr(tiny.tempfile, "tempdir", str(tmp_path))
+    for name in (TINY_NAME, adapter.NANO_NAME):
+        factory._MODEL_CONFIGS.pop(name, None)
+    monkeypatch.setattr(adapter.tempfile, "tempdir", str(tmp_path))
     return tmp_path / f"lightning_sdp_open_clip_{os.getuid()}"
 
 
@@ -83,3 +85,25 @@ def test_a_folder_of_another_user_is_refused(fresh_registry, tmp_path, monkeypat
     with pytest.raises(PermissionError, match=rf"belongs to user id {real}, not to you"):
         register_tiny_config()
     assert list(folder.iterdir()) == []
+
+
+def test_nano_alias_registers_the_benchmark_config_and_builds_the_same_model(fresh_registry):
+    import open_clip
+
+    from lightning_sdp.integrations.open_clip import CLIP_CONFIGS, NANO_CONFIG, NANO_NAME, build_clip, tokenizer_for
+
+    assert CLIP_CONFIGS == {"tiny": TINY_CONFIG, "nano": NANO_CONFIG}
+    assert adapter.resolve_model_name("nano") == NANO_NAME == adapter.registered_name("nano")
+    assert open_clip.get_model_config(NANO_NAME) == NANO_CONFIG
+    by_alias = sum(p.numel() for p in build_clip("nano").parameters())
+    assert by_alias == sum(p.numel() for p in build_clip(NANO_CONFIG).parameters()) < 1_000_000
+    assert tokenizer_for("nano")(["a red circle"]).shape == (1, NANO_CONFIG["text_cfg"]["context_length"])
+    with pytest.raises(ValueError, match="'tiny', 'nano'"):
+        adapter.register_config("huge")
+
+
+def test_old_import_path_re_exports_the_adapter():
+    from lightning_sdp.models.fastclip import tiny
+
+    assert tiny.build_clip is adapter.build_clip and tiny.TINY_CONFIG is TINY_CONFIG
+    assert tiny.register_tiny_config is register_tiny_config

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from lightning.pytorch import Trainer
 
 from lightning_sdp.datamodules.text import CharTextDataModule
-from lightning_sdp.models.gpt import GPT, _causal_linear_attention, _CosineWithWarmup
+from lightning_sdp.models.gpt import GPT, _causal_linear_attention
+from lightning_sdp.schedules import WarmupCosine
 
 
 def _tiny(**kw) -> GPT:
@@ -65,11 +66,27 @@ def test_bad_arguments_raise():
 
 
 def test_cosine_schedule_shape():
-    s = _CosineWithWarmup(warmup=10, total=110, min_ratio=0.1)
-    assert s(0) < s(5) < s(9) < 1.0
-    assert math.isclose(s(10), 1.0)
+    s = WarmupCosine(warmup=10, total=110, min_ratio=0.1)
+    # warm-up (step + 1) / warmup: the last warm-up step reaches 1 (it was (step + 1) / (warmup + 1) before issue 18)
+    assert math.isclose(s(0), 0.1) and s(0) < s(5) < s(9)
+    assert math.isclose(s(9), 1.0) and math.isclose(s(10), 1.0)
     assert math.isclose(s(60), 0.55)
     assert math.isclose(s(110), 0.1) and math.isclose(s(500), 0.1)
+
+
+def test_schedule_is_the_shared_warmup_cosine_and_its_checkpoint_state_loads():
+    conf = GPT(vocab_size=5, n_layer=1, n_head=2, n_embd=16, block_size=8, warmup_steps=4, max_steps=20)
+    conf = conf.configure_optimizers()
+    scheduler = conf["lr_scheduler"]["scheduler"]
+    assert isinstance(scheduler.lr_lambdas[0], WarmupCosine)
+    assert math.isclose(conf["optimizer"].param_groups[0]["lr"], 1e-3 / 4)  # step 0: 1 / warmup of the peak
+    # a checkpoint holds the schedule's attributes (the old _CosineWithWarmup had the same ones), not its class
+    state = scheduler.state_dict()
+    assert state["lr_lambdas"] == [{"warmup": 4, "total": 20, "min_ratio": 0.1}] * 2  # one per parameter group
+    other = GPT(vocab_size=5, n_layer=1, n_head=2, n_embd=16, block_size=8, warmup_steps=1, max_steps=5)
+    other_scheduler = other.configure_optimizers()["lr_scheduler"]["scheduler"]
+    other_scheduler.load_state_dict(state)
+    assert (other_scheduler.lr_lambdas[0].warmup, other_scheduler.lr_lambdas[0].total) == (4, 20)
 
 
 def test_optimizer_groups_decay_only_matrices():

@@ -1,4 +1,4 @@
-"""Collectives used by the FastCLIP losses: all-gathers *without* autograd, with a byte counter.
+"""Collectives used by the FastCLIP losses: all-gathers *without* autograd, with a byte counter (:data:`GATHER_BYTES`).
 
 FastCLIP (Wei et al., arXiv 2407.01445, Sec. 4) all-gathers features, estimator values and indices without
 building an autograd graph through the collective: every rank computes the terms of its own anchors and the terms
@@ -15,8 +15,11 @@ import torch.distributed as dist
 
 
 @dataclass
-class CommStats:
-    """Bytes this rank received from the other ranks through :func:`all_gather_no_grad` (and call count)."""
+class GatherByteCounter:
+    """Bytes this rank received from the other ranks through :func:`all_gather_no_grad`, and the number of calls.
+
+    (Named apart from ``lightning_sdp.plugins.sdp4bit.CommStats``, which counts the SDP4Bit strategy's traffic.)
+    """
 
     bytes_received: int = 0
     calls: int = 0
@@ -26,7 +29,8 @@ class CommStats:
         self.calls = 0
 
 
-COMM_STATS = CommStats()
+GATHER_BYTES = GatherByteCounter()
+"""The process-wide counter that :func:`all_gather_no_grad` adds to (``reset()`` it before a measurement)."""
 
 
 def world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
@@ -52,8 +56,8 @@ def all_gather_no_grad(tensor: torch.Tensor, group: dist.ProcessGroup | None = N
         return tensor
     out = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(out, tensor, group=group)
-    COMM_STATS.bytes_received += (size - 1) * tensor.numel() * tensor.element_size()
-    COMM_STATS.calls += 1
+    GATHER_BYTES.bytes_received += (size - 1) * tensor.numel() * tensor.element_size()
+    GATHER_BYTES.calls += 1
     return torch.cat(out, dim=0)
 
 

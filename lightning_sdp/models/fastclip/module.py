@@ -27,6 +27,7 @@ from lightning_sdp.models.fastclip.losses import (
     build_loss,
     get_variant,
 )
+from lightning_sdp.schedules import WarmupCosine
 
 
 class FastCLIPModule(LightningModule):
@@ -41,7 +42,8 @@ class FastCLIPModule(LightningModule):
     ``logit_scale_parameter()``, ``tau_lr_factor``).
 
     Args:
-        model: ``"tiny"`` (bundled ~2M-parameter open_clip config for CPUs), an open_clip model name such as
+        model: ``"tiny"`` or ``"nano"`` (bundled ~1.7M / ~0.8M-parameter open_clip configs for CPUs, see
+            :mod:`lightning_sdp.integrations.open_clip`), an open_clip model name such as
             ``"ViT-B-32"`` (random init unless ``pretrained``), an open_clip config dict, or any ``nn.Module`` with
             ``encode_image`` and ``encode_text``. Default ``"tiny"``.
         loss: ``openclip``, ``siglip``, ``sogclr``, ``isogclr``, ``fastclip_v0``, ``fastclip_v1``, ``fastclip_v2``
@@ -99,7 +101,7 @@ class FastCLIPModule(LightningModule):
         if data_size is not None and data_size < 2:
             raise ValueError(f"data_size must be >= 2, got {data_size}.")
         self.save_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else None)
-        from lightning_sdp.models.fastclip.tiny import build_clip
+        from lightning_sdp.integrations.open_clip import build_clip
 
         self._model_spec = model
         self.model = build_clip(model, pretrained)
@@ -175,7 +177,7 @@ class FastCLIPModule(LightningModule):
     def tokenizer(self) -> Callable[..., Tensor]:
         """The open_clip tokenizer of the model (``tokenizer(list_of_str) -> LongTensor``)."""
         if self._tokenizer is None:
-            from lightning_sdp.models.fastclip.tiny import tokenizer_for
+            from lightning_sdp.integrations.open_clip import tokenizer_for
 
             self._tokenizer = tokenizer_for(self._model_spec)
         return self._tokenizer
@@ -232,7 +234,7 @@ class FastCLIPModule(LightningModule):
         dm_model = getattr(getattr(dm, "hparams", None), "model", None)
         if dm_model is None or isinstance(self._model_spec, nn.Module) or not isinstance(dm_model, (str, dict)):
             return
-        from lightning_sdp.models.fastclip.tiny import image_size_of
+        from lightning_sdp.integrations.open_clip import image_size_of
 
         ours, theirs = image_size_of(self._model_spec), image_size_of(dm_model)
         if ours != theirs:
@@ -317,7 +319,7 @@ class FastCLIPModule(LightningModule):
         total = hp.max_steps
         if total is None:
             total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 10_000
-        cosine = _WarmupCosine(hp.warmup_steps, max(total, 1), hp.min_lr_ratio)
+        cosine = WarmupCosine(hp.warmup_steps, max(total, 1), hp.min_lr_ratio)
         lambdas: list[Callable[[int], float]] = [cosine, cosine]
         if tau:
             if self.variant.objective == "rgcl_g":  # v3: constant lr_tau, divided by 3 by TemperatureScheduler
@@ -352,16 +354,3 @@ class FastCLIPModule(LightningModule):
                 f"The checkpoint's estimators cover data_size={size} but this module has data_size={self.data_size}; "
                 "resume on the same training set."
             )
-
-
-class _WarmupCosine:
-    """Learning-rate factor: linear warm-up to 1, then cosine decay to ``min_ratio`` at ``total`` steps."""
-
-    def __init__(self, warmup: int, total: int, min_ratio: float) -> None:
-        self.warmup, self.total, self.min_ratio = int(warmup), int(total), float(min_ratio)
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return (step + 1) / self.warmup
-        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
-        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))

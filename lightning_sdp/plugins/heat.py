@@ -23,7 +23,7 @@ import torch
 from lightning.fabric.utilities.types import _DEVICE
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision, TransformerEnginePrecision
 from typing_extensions import override
 
 from lightning_sdp._imports import _NUMBA_AVAILABLE
@@ -64,6 +64,28 @@ def _env_local_world_size() -> int:
         return 1
 
 
+def _check_cpu_precision(plugin: Precision) -> None:
+    """Refuse a precision plugin that computes on a GPU: HEAT runs on the CPU.
+
+    Lightning builds ``MixedPrecision(..., "cuda")`` for ``precision="16-mixed"`` / ``"bf16-mixed"`` whenever the
+    accelerator is not the built-in ``"cpu"`` / ``"mps"``, so a custom CPU accelerator has to be given the CPU plugin
+    explicitly.
+    """
+    if isinstance(plugin, MixedPrecision) and plugin.device != "cpu":
+        raise ValueError(
+            f"HEATAccelerator runs on the CPU, but the Trainer's precision plugin autocasts on {plugin.device!r} "
+            f"(Lightning builds a CUDA plugin for precision={plugin.precision!r} with a custom accelerator). Pass "
+            "`plugins=[MixedPrecision('bf16-mixed', 'cpu')]` (from lightning.pytorch.plugins.precision) instead of "
+            "`precision=...` for CPU bf16 autocast (fp16 autocast is slow on CPUs), or keep the default "
+            "precision='32-true', which the fused kernel needs."
+        )
+    if isinstance(plugin, TransformerEnginePrecision):
+        raise ValueError(
+            "HEATAccelerator runs on the CPU; Transformer Engine precision needs a CUDA GPU. Use precision='32-true' "
+            "or `plugins=[MixedPrecision('bf16-mixed', 'cpu')]`."
+        )
+
+
 class HEATAccelerator(CPUAccelerator):
     """CPU accelerator that owns the thread pools used by HEAT's fused kernels (alias ``"heat"``).
 
@@ -72,10 +94,15 @@ class HEATAccelerator(CPUAccelerator):
     restores all three. Under DDP (``devices=N`` on one machine) the cores are split among the N local processes:
     each gets ``max(1, cores // N)`` threads unless ``num_threads`` is given (``setup`` learns N from the Trainer).
     numba's thread pool is started before torch's count is set, since its OpenMP start-up resets torch's count
-    to every core. ``get_device_stats`` reports the thread counts and the per-core use since the previous call.
-    With a custom accelerator string Lightning would build a CUDA mixed-precision plugin for ``"16-mixed"`` /
-    ``"bf16-mixed"``; this accelerator replaces it by CPU bf16 autocast (the default stays ``"32-true"``, which
-    the fused kernel needs).
+    to every core, and ``setup`` sets both counts again after the model's and datamodule's ``setup`` hooks (which
+    may import or start other thread pools), so training steps run with the run's count.
+    ``get_device_stats`` reports the thread counts and the per-core use since the previous call.
+
+    Precision: the default ``"32-true"`` is what the fused kernel needs. For ``precision="bf16-mixed"`` /
+    ``"16-mixed"`` with a custom accelerator Lightning builds a *CUDA* autocast plugin; ``setup`` refuses it (and
+    any other precision plugin that runs on a GPU) with the plugin to pass instead:
+    ``plugins=[MixedPrecision("bf16-mixed", "cpu")]`` for CPU bf16 autocast. The accelerator never replaces the
+    precision plugin the Trainer holds.
 
     Args:
         num_threads: threads for torch and the kernels in each process; ``None`` splits the cores this process may
@@ -101,6 +128,7 @@ class HEATAccelerator(CPUAccelerator):
         self.cpu_affinity = list(cpu_affinity) if cpu_affinity is not None else None
         self._saved: dict[str, Any] | None = None
         self._last_stat: dict[str, tuple[int, int]] = {}
+        self._warned_numba_limit = False
         # local processes sharing the cores; ``setup`` sets it from the Trainer (torchrun's variable until then)
         self._local_world_size = _env_local_world_size()
 
@@ -117,8 +145,9 @@ class HEATAccelerator(CPUAccelerator):
         if _NUMBA_AVAILABLE:
             import numba
 
-            limit = numba.config.NUMBA_NUM_THREADS
-            if n > limit:
+            limit = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
+            if n > limit and not self._warned_numba_limit:
+                self._warned_numba_limit = True
                 _log.warning(
                     "HEATAccelerator: numba allows at most %d threads (NUMBA_NUM_THREADS); using %d instead of %d.",
                     limit,
@@ -147,16 +176,12 @@ class HEATAccelerator(CPUAccelerator):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        local = max(1, int(trainer.num_devices))
-        if local != self._local_world_size:
-            self._local_world_size = local
-            if self._saved is not None:
-                self._apply_threads()
-        plugin = trainer.strategy.precision_plugin
-        if isinstance(plugin, MixedPrecision) and plugin.device != "cpu":
-            if plugin.precision == "16-mixed":
-                _log.warning("HEATAccelerator: fp16 AMP is not supported on the CPU; using bf16-mixed instead.")
-            trainer.strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+        _check_cpu_precision(trainer.strategy.precision_plugin)
+        self._local_world_size = max(1, int(trainer.num_devices))
+        if self._saved is not None:
+            # after the model's and datamodule's setup hooks, which may start other thread pools (numba's OpenMP
+            # start-up, a library's import) that reset torch's count: the run's count must hold in every step
+            self._apply_threads()
 
     @override
     def teardown(self) -> None:

@@ -22,21 +22,25 @@ class _Probe(LightningModule):
         self.layer = torch.nn.Linear(2, 1)
         self.seen: dict[str, object] = {}
 
-    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def training_step(self, batch, batch_idx):
         import numba
 
-        self.seen = {"torch": torch.get_num_threads(), "numba": numba.get_num_threads(), "affinity": os.sched_getaffinity(0)}
+        self.seen = {
+            "torch": torch.get_num_threads(),
+            "numba": numba.get_num_threads(),
+            "affinity": os.sched_getaffinity(0),
+        }
         self.seen["autocast"] = torch.is_autocast_enabled("cpu")
         return self.layer(batch[0]).sum()
 
-    def train_dataloader(self):  # noqa: ANN201
+    def train_dataloader(self):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 2)), batch_size=2)
 
-    def configure_optimizers(self):  # noqa: ANN201
+    def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit(accelerator, **kw) -> tuple[Trainer, _Probe]:  # noqa: ANN001
+def _fit(accelerator, **kw) -> tuple[Trainer, _Probe]:
     model = _Probe()
     trainer = Trainer(
         accelerator=accelerator, devices=1, max_steps=1, logger=False, enable_checkpointing=False,
@@ -84,10 +88,17 @@ def test_bad_arguments():
         HEATAccelerator(cpu_affinity=[10_000])
 
 
-def test_mixed_precision_becomes_cpu_bf16_autocast():
-    trainer, model = _fit("heat", precision="bf16-mixed")
-    plugin = trainer.strategy.precision_plugin
-    assert isinstance(plugin, MixedPrecision) and plugin.device == "cpu"
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_gpu_autocast_plugin_is_refused_with_the_plugin_to_pass(precision):
+    # Lightning builds MixedPrecision(..., "cuda") for a custom accelerator string; HEAT says what to pass instead
+    with pytest.raises(ValueError, match=r"plugins=\[MixedPrecision\('bf16-mixed', 'cpu'\)\]"):
+        _fit("heat", precision=precision)
+
+
+def test_cpu_bf16_autocast_plugin_is_used_as_given():
+    plugin = MixedPrecision("bf16-mixed", "cpu")
+    trainer, model = _fit("heat", plugins=[plugin])
+    assert trainer.strategy.precision_plugin is plugin  # never replaced behind the user's back
     assert model.seen["autocast"] is True
 
 
@@ -146,3 +157,71 @@ def test_numba_pool_start_up_keeps_torch_thread_count():
 
     (seen,) = run_distributed(_fresh_process_threads, 1, init_group=False, timeout=120)
     assert seen == {"torch": 1, "numba": 1}
+
+
+class _ResetsThreadsInSetup(_Probe):
+    """Stands for anything in the setup hooks that resets torch's count (a thread pool's start-up, an import)."""
+
+    def setup(self, stage: str) -> None:
+        torch.set_num_threads(3)
+
+
+def test_thread_count_holds_through_the_setup_hooks():
+    torch.set_num_threads(2)
+    model = _ResetsThreadsInSetup()
+    trainer = Trainer(
+        accelerator=HEATAccelerator(num_threads=1), devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model)
+    assert model.seen["torch"] == 1
+    assert torch.get_num_threads() == 2  # restored
+
+
+def _two_reference_runs(rank: int, world_size: int) -> dict[str, object]:
+    """Fresh process (numba's pool not started yet): two SimpleX reference runs on HEATAccelerator(num_threads=1)."""
+    from lightning.pytorch import Callback, seed_everything
+
+    from lightning_sdp.datamodules.interactions import InteractionsDataModule
+    from lightning_sdp.models import SimpleXModule
+
+    class _Threads(Callback):
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.seen.append(torch.get_num_threads())
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.seen.append(torch.get_num_threads())
+
+    torch.set_num_threads(max(2, available_cores()))  # what a fresh process has, and what numba's start-up sets
+    weights, seen = [], []
+    for _ in range(2):
+        seed_everything(0, verbose=False)
+        dm = InteractionsDataModule(num_users=60, num_items=40, batch_size=128, seed=0)
+        model = SimpleXModule(g=0.8, backend="reference", dim=8, num_negatives=4, lr=0.05, seed=0)
+        threads = _Threads()
+        trainer = Trainer(
+            accelerator=HEATAccelerator(num_threads=1), devices=1, max_epochs=2, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[threads],
+            num_sanity_val_steps=0, limit_val_batches=0,
+        )
+        trainer.fit(model, dm)
+        weights.append([p.detach().numpy().copy() for p in model.parameters()])
+        seen.append(threads.seen)
+    return {"weights": weights, "seen": seen}
+
+
+@pytest.mark.numba
+def test_reference_runs_keep_num_threads_and_are_bit_identical():
+    import numpy as np
+
+    from tests._distributed import run_distributed
+
+    (out,) = run_distributed(_two_reference_runs, 1, init_group=False, timeout=240)
+    first, second = out["weights"]
+    assert all(s and set(s) == {1} for s in out["seen"]), out["seen"]
+    assert len(first) == len(second) > 0
+    for a, b in zip(first, second, strict=True):
+        np.testing.assert_array_equal(a, b)

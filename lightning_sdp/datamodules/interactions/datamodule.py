@@ -1,0 +1,372 @@
+"""``InteractionsDataModule``: implicit-feedback interactions with train / validation / test splits (SimpleX, HEAT)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
+
+from lightning_sdp.datamodules.interactions.csr import CSR, gather_rows, to_csr
+from lightning_sdp.datamodules.interactions.eval_memory import auto_eval_batch_size, check_eval_batch_size
+from lightning_sdp.datamodules.interactions.readers import (
+    Pairs,
+    read_id_table,
+    read_lightgcn,
+    synthetic_interactions,
+)
+from lightning_sdp.datamodules.interactions.split import split_per_user, split_validation
+from lightning_sdp.datamodules.sampling import EpochSeededBatchSampler
+
+_log = logging.getLogger(__name__)
+
+# LightGCN ids index the embedding tables directly; a table this much larger than the ids it holds means the ids
+# were not re-mapped to 0..n-1 (an id of 10**12 would allocate terabytes), so it is refused unless sizes are given
+_SPARSE_ROWS_FACTOR = 2
+_SPARSE_ROWS_SLACK = 1024
+
+
+class _PairBatches(Dataset):
+    """``dataset[index_array]`` -> ``(users, items)`` LongTensors of the positives at those indices."""
+
+    def __init__(self, users: np.ndarray, items: np.ndarray) -> None:
+        self.users = torch.from_numpy(users)
+        self.items = torch.from_numpy(items)
+
+    def __len__(self) -> int:
+        return len(self.users)
+
+    def __getitem__(self, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.from_numpy(np.asarray(index, dtype=np.int64))
+        return self.users[idx], self.items[idx]
+
+
+class _EvalBatches(Dataset):
+    """``dataset[index_array]`` -> one evaluation batch of those users (see :class:`InteractionsDataModule`).
+
+    Args:
+        users: the users to rank for (those with at least one target item).
+        target: CSR of the items to find (``test_items`` / ``test_indptr`` in the batch).
+        known: CSR of the items never to rank (``known_items`` / ``known_indptr`` in the batch).
+    """
+
+    def __init__(self, users: np.ndarray, target: CSR, known: CSR) -> None:
+        self.users = users
+        self.target = target
+        self.known = known
+
+    def __len__(self) -> int:
+        return len(self.users)
+
+    def __getitem__(self, index: np.ndarray) -> dict[str, torch.Tensor]:
+        users = self.users[np.asarray(index, dtype=np.int64)]
+        test_indptr, test_items = gather_rows(self.target, users)
+        known_indptr, known_items = gather_rows(self.known, users)
+        return {
+            "users": torch.from_numpy(users),
+            "test_indptr": torch.from_numpy(test_indptr),
+            "test_items": torch.from_numpy(test_items),
+            "known_indptr": torch.from_numpy(known_indptr),
+            "known_items": torch.from_numpy(known_items),
+        }
+
+
+def _locate(pairs: list[Pairs], column: str, value: int) -> str:
+    """``file:line`` of the first pair whose ``column`` id is ``value``."""
+    for p in pairs:
+        hits = np.flatnonzero(getattr(p, column) == value)
+        if len(hits):
+            return p.where(int(hits[0]))
+    return "?"
+
+
+def _check_table(pairs: list[Pairs], column: str, size: int | None, name: str) -> int:
+    """Table size for the ids in ``column`` of ``pairs``: ``size``, else ``max id + 1`` when the ids are dense."""
+    ids = [getattr(p, column) for p in pairs]
+    max_id = max((int(a.max()) for a in ids if len(a)), default=-1)
+    if size is not None:
+        if max_id >= size:
+            raise ValueError(
+                f"InteractionsDataModule: {_locate(pairs, column, max_id)}: {column[:-1]} id {max_id} is out of range "
+                f"for {name}={size}; raise {name} or leave it None."
+            )
+        return size
+    distinct = len(np.unique(np.concatenate(ids))) if ids else 0
+    if max_id + 1 > _SPARSE_ROWS_FACTOR * distinct + _SPARSE_ROWS_SLACK:
+        raise ValueError(
+            f"InteractionsDataModule: {_locate(pairs, column, max_id)}: {column[:-1]} id {max_id} would make a table "
+            f"of {max_id + 1} rows for {distinct} distinct ids. LightGCN ids index the tables directly and must be "
+            "0-based and about contiguous: re-map them to 0..n-1 (or use a CSV/TSV file, whose ids are re-mapped), "
+            f"or pass {name}= explicitly if the sparse table is intended."
+        )
+    return max_id + 1
+
+
+class InteractionsDataModule(LightningDataModule):
+    """Implicit-feedback interactions for SimpleX / MF-CCL training (HEAT, Zhang et al., ICS 2023).
+
+    Sources (chosen by ``path``):
+
+    * a folder with LightGCN files ``train.txt`` and ``test.txt`` (``user item item ...`` per line); ids index the
+      tables directly, so they must be 0-based and about contiguous (a table more than twice the number of distinct
+      ids plus 1024 is refused unless ``num_users`` / ``num_items`` are given);
+    * a ``.csv`` file (commas) or ``.tsv`` / ``.txt`` file (tabs) of ``user,item`` rows (extra columns ignored, a
+      header row skipped); ids are re-mapped to ``0..n-1`` in increasing order (so an id of 10^12 costs nothing;
+      ``raw_user_ids`` / ``raw_item_ids`` give the original id of each row), then each user's items are split with
+      a seed, ``test_fraction`` of them to the test set;
+    * ``None``: a seeded synthetic power-law catalogue (``num_users`` x ``num_items``).
+
+    Ids follow one rule in every file: non-negative decimal integers of at most 18 digits (``007`` is ``7``);
+    anything else (negative, float, text) is refused with the file and line.
+
+    A validation set is carved out of the training interactions (:func:`split_validation`: per user, seeded by
+    ``seed``); the test set is never touched, so choices made on validation do not look at test. After
+    :meth:`setup`: ``train_csr`` (training minus validation, what the model trains on), ``val_csr``, ``test_csr``.
+    Training batches are ``(users, items)`` LongTensors of positive pairs. Evaluation batches (validation and test)
+    are dicts: ``users``, the items to find as batch-local CSR ``test_items`` / ``test_indptr``, and the items never
+    to rank ``known_items`` / ``known_indptr`` (for validation the training items; for test the training and
+    validation items).
+
+    Args:
+        path: LightGCN folder, CSV/TSV file, or ``None`` for synthetic data. Default ``None``.
+        num_users: table size; ``None`` infers ``max id + 1`` (synthetic default 2000). An explicit value smaller
+            than an id raises an error.
+        num_items: same for items (synthetic default 1000).
+        batch_size: positives per training batch. The fused backend does one kernel call per batch, so large batches
+            (4096-16384) amortise Lightning's per-step cost; the reference backend follows the paper's 256-1024.
+        eval_batch_size: users per evaluation batch (full ranking over all items), or ``"auto"`` (default): the
+            largest batch whose score and mask matrices (6 B x users x items) stay under ``eval_memory_mib``. An
+            explicit value is checked against the available memory at setup.
+        eval_memory_mib: memory cap in MiB of one evaluation batch's matrices for ``eval_batch_size="auto"``.
+            Default 256.
+        val_fraction: share of each user's training items held out for validation (users with >= 2 items give
+            at least 1 and keep at least 1), in ``[0, 1)``; ``0`` means no validation set (``val_dataloader`` is
+            empty and Lightning skips validation). Default 0.1.
+        test_fraction: share of each user's items held out for test when splitting a CSV or synthetic data.
+            Default 0.2.
+        interactions_per_user: mean items per synthetic user. Default 20.
+        alpha: Zipf exponent of synthetic item popularity. Default 0.8.
+        num_clusters: synthetic taste clusters. Default 20.
+        shuffle: shuffle training positives every epoch (seeded by ``seed`` and the epoch). Default ``True``.
+        seed: seed of the synthetic data, the CSV test split, the validation split (a stream of its own) and the
+            shuffling. Default 0.
+        num_workers: DataLoader workers (batches are cheap index slices; 0 is usually best). Default 0.
+    """
+
+    def __init__(
+        self,
+        path: str | None = None,
+        num_users: int | None = None,
+        num_items: int | None = None,
+        batch_size: int = 8192,
+        eval_batch_size: int | Literal["auto"] = "auto",
+        eval_memory_mib: float = 256.0,
+        val_fraction: float = 0.1,
+        test_fraction: float = 0.2,
+        interactions_per_user: int = 20,
+        alpha: float = 0.8,
+        num_clusters: int = 20,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if batch_size <= 0:
+            raise ValueError(f"InteractionsDataModule: batch_size must be positive, got {batch_size}.")
+        if eval_batch_size != "auto" and (not isinstance(eval_batch_size, (int, np.integer)) or eval_batch_size <= 0):
+            raise ValueError(
+                f"InteractionsDataModule: eval_batch_size must be a positive int or 'auto', got {eval_batch_size!r}."
+            )
+        if eval_memory_mib <= 0:
+            raise ValueError(f"InteractionsDataModule: eval_memory_mib must be positive, got {eval_memory_mib}.")
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"InteractionsDataModule: val_fraction must be in [0, 1), got {val_fraction}.")
+        if not 0.0 <= test_fraction < 1.0:
+            raise ValueError(f"InteractionsDataModule: test_fraction must be in [0, 1), got {test_fraction}.")
+        if seed < 0:
+            raise ValueError(f"InteractionsDataModule: seed must be >= 0, got {seed}.")
+        # num_users / num_items / seed are also SimpleXModule arguments; Lightning refuses to log two different values
+        # under one key, so the datamodule keeps them as attributes only.
+        self.save_hyperparameters(ignore=["num_users", "num_items", "seed"])
+        self.seed = seed
+        self.path = path
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size
+        self.eval_memory_mib = eval_memory_mib
+        self.val_fraction = val_fraction
+        self.test_fraction = test_fraction
+        self.interactions_per_user = interactions_per_user
+        self.alpha = alpha
+        self.num_clusters = num_clusters
+        self.shuffle = shuffle
+        self.num_workers = num_workers
+        self._num_users_arg = num_users
+        self._num_items_arg = num_items
+        self.num_users: int | None = None
+        self.num_items: int | None = None
+        self.resolved_eval_batch_size: int | None = None
+        self.raw_user_ids: np.ndarray | None = None
+        self.raw_item_ids: np.ndarray | None = None
+        self.train_indptr: np.ndarray | None = None
+        self.train_indices: np.ndarray | None = None
+        self.val_indptr: np.ndarray | None = None
+        self.val_indices: np.ndarray | None = None
+        self.test_indptr: np.ndarray | None = None
+        self.test_indices: np.ndarray | None = None
+        self._known_for_test: CSR | None = None
+        self._pairs: tuple[np.ndarray, np.ndarray] | None = None
+
+    # ---------------------------------------------------------------------------------------------- loading
+    def _load(self) -> tuple[Pairs, Pairs, int, int]:
+        """Train and test pairs with the table sizes."""
+        if self.path is None:
+            n_users = self._num_users_arg or 2000
+            n_items = self._num_items_arg or 1000
+            users, items = synthetic_interactions(
+                n_users, n_items, self.interactions_per_user, self.alpha, self.num_clusters, self.seed
+            )
+            (tr_u, tr_i), (te_u, te_i) = split_per_user(users, items, self.test_fraction, self.seed)
+            no_lines = np.zeros(0, np.int64)
+            return Pairs(tr_u, tr_i, no_lines), Pairs(te_u, te_i, no_lines), n_users, n_items
+        path = Path(self.path).expanduser()
+        if path.is_dir():
+            files = path / "train.txt", path / "test.txt"
+            for f in files:
+                if not f.is_file():
+                    raise FileNotFoundError(
+                        f"InteractionsDataModule: {f} not found; a LightGCN folder needs train.txt and test.txt."
+                    )
+            train, test = read_lightgcn(files[0]), read_lightgcn(files[1])
+            n_users = _check_table([train, test], "users", self._num_users_arg, "num_users")
+            n_items = _check_table([train, test], "items", self._num_items_arg, "num_items")
+            return train, test, n_users, n_items
+        if path.is_file():
+            return self._load_table(path)
+        raise FileNotFoundError(
+            f"InteractionsDataModule: {path} does not exist; pass a LightGCN folder, a CSV/TSV file or None."
+        )
+
+    def _load_table(self, path: Path) -> tuple[Pairs, Pairs, int, int]:
+        pairs = read_id_table(path)
+        self.raw_user_ids, users = np.unique(pairs.users, return_inverse=True)
+        self.raw_item_ids, items = np.unique(pairs.items, return_inverse=True)
+        sizes = []
+        for name, given, found in (
+            ("num_users", self._num_users_arg, len(self.raw_user_ids)),
+            ("num_items", self._num_items_arg, len(self.raw_item_ids)),
+        ):
+            if given is not None and given < found:
+                raise ValueError(
+                    f"InteractionsDataModule: {path} has {found} distinct {name[4:]} but {name}={given}; "
+                    f"leave {name} None or raise it."
+                )
+            sizes.append(found if given is None else given)
+        (tr_u, tr_i), (te_u, te_i) = split_per_user(
+            users.astype(np.int64), items.astype(np.int64), self.test_fraction, self.seed
+        )
+        no_lines = np.zeros(0, np.int64)
+        return Pairs(tr_u, tr_i, no_lines), Pairs(te_u, te_i, no_lines), sizes[0], sizes[1]
+
+    @override
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_indptr is not None:
+            return
+        train, test, n_users, n_items = self._load()
+        if len(train.users) == 0:
+            raise ValueError("InteractionsDataModule: the training set is empty.")
+        if len(test.users) == 0:
+            raise ValueError(
+                "InteractionsDataModule: the test set is empty; nothing to evaluate Recall/NDCG on "
+                "(check test.txt, or raise test_fraction)."
+            )
+        full_train = to_csr(train.users, train.items, n_users)
+        test_csr = to_csr(test.users, test.items, n_users)
+        test_users = np.flatnonzero(np.diff(test_csr.indptr) > 0)
+        no_train = test_users[np.diff(full_train.indptr)[test_users] == 0]
+        if len(no_train):
+            raise ValueError(
+                f"InteractionsDataModule: {len(no_train)} test user(s) have no training items (e.g. user "
+                f"{int(no_train[0])}); a collaborative-filtering model cannot rank for them. Remove them from the "
+                "test set."
+            )
+        train_csr, val_csr = split_validation(full_train.indptr, full_train.indices, self.val_fraction, self.seed)
+        if self.eval_batch_size == "auto":
+            self.resolved_eval_batch_size = auto_eval_batch_size(n_items, self.eval_memory_mib)
+        else:
+            check_eval_batch_size(self.eval_batch_size, n_items)
+            self.resolved_eval_batch_size = int(self.eval_batch_size)
+        self.num_users, self.num_items = n_users, n_items
+        self.train_indptr, self.train_indices = train_csr
+        self.val_indptr, self.val_indices = val_csr
+        self.test_indptr, self.test_indices = test_csr
+        self._known_for_test = full_train  # training + validation items
+        self._test_users = test_users.astype(np.int64)
+        self._val_users = np.flatnonzero(val_csr.counts() > 0).astype(np.int64)
+        counts = train_csr.counts()
+        self._pairs = (np.repeat(np.arange(n_users, dtype=np.int64), counts), train_csr.indices)
+
+    # ---------------------------------------------------------------------------------------------- accessors
+    @property
+    def num_train_interactions(self) -> int:
+        """Training positives (validation items excluded)."""
+        self._check_setup()
+        return len(self.train_indices)  # type: ignore[arg-type]
+
+    @property
+    def train_csr(self) -> CSR:
+        """``(indptr, indices)`` of every user's training items, validation items excluded (int64, sorted)."""
+        self._check_setup()
+        return CSR(self.train_indptr, self.train_indices)  # type: ignore[arg-type]
+
+    @property
+    def val_csr(self) -> CSR:
+        """``(indptr, indices)`` of every user's validation items (empty rows when ``val_fraction=0``)."""
+        self._check_setup()
+        return CSR(self.val_indptr, self.val_indices)  # type: ignore[arg-type]
+
+    @property
+    def test_csr(self) -> CSR:
+        """``(indptr, indices)`` of every user's test items (int64, sorted)."""
+        self._check_setup()
+        return CSR(self.test_indptr, self.test_indices)  # type: ignore[arg-type]
+
+    def _check_setup(self) -> None:
+        if self.train_indptr is None:
+            raise RuntimeError("InteractionsDataModule: call setup() first (the Trainer does this for you).")
+
+    # ---------------------------------------------------------------------------------------------- loaders
+    @override
+    def train_dataloader(self) -> DataLoader:
+        self._check_setup()
+        users, items = self._pairs  # type: ignore[misc]
+        sampler = EpochSeededBatchSampler(len(users), self.batch_size, self.seed, self.shuffle)
+        return DataLoader(_PairBatches(users, items), batch_size=None, sampler=sampler, num_workers=self.num_workers)
+
+    def _eval_loader(self, users: np.ndarray, target: CSR, known: CSR) -> DataLoader:
+        batch = self.resolved_eval_batch_size
+        assert batch is not None  # set by setup()
+        sampler = EpochSeededBatchSampler(len(users), batch, shuffle=False)
+        ds = _EvalBatches(users, target, known)
+        return DataLoader(ds, batch_size=None, sampler=sampler, num_workers=self.num_workers)
+
+    @override
+    def val_dataloader(self) -> DataLoader | list:
+        """Validation batches (known items: the training items); an empty list when there is no validation set."""
+        self._check_setup()
+        if self.val_fraction == 0 or len(self._val_users) == 0:
+            return []
+        return self._eval_loader(self._val_users, self.val_csr, self.train_csr)
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        """Test batches (known items: the training and validation items)."""
+        self._check_setup()
+        return self._eval_loader(self._test_users, self.test_csr, self._known_for_test)  # type: ignore[arg-type]
+
+
+__all__ = ["InteractionsDataModule"]

@@ -1,24 +1,29 @@
 """HEAT's fused CPU kernel for SimpleX / MF-CCL training, written with numba.
 
 Zhang et al., "HEAT: A Highly Efficient and Affordable Training System for Collaborative Filtering Based
-Recommendation on CPUs" (ICS 2023, arXiv 2304.07334). The plain-torch ground truth computing the same function is
-:mod:`lightning_sdp.kernels.cf_reference`; tests compare the two.
+Recommendation on CPUs" (ICS 2023, arXiv 2304.07334), on top of Mao et al., "SimpleX" (CIKM 2021). The plain-torch
+ground truth computing the same function is :mod:`lightning_sdp.kernels.cf_reference`; tests compare the two.
 
 What one call of :func:`fused_sgd_step` does, for every positive pair ``(u, i)`` of a batch:
 
-1. reads the rows of ``u``, ``i``, the user's history and ``n`` negatives in place (no gathered batch tensors),
-   builds the user vector ``p = g e_u + (1 - g) V mean(H_u \\ {i})``;
-2. computes the dot products and self-dots once (forward) and reuses them for the gradients (backward):
+1. reads the rows of ``u``, ``i``, the user's history ``H = H_u \\ {i}`` and ``n`` negatives in place (no gathered
+   batch tensors), aggregates the history (SimpleX's behaviour aggregator: the mean, or attention weights
+   ``softmax_k(c . tanh(W_k e_k + b_k))`` with ``c = e_u`` or a learned ``q``) into ``h`` and builds the user vector
+   ``p = g e_u + (1 - g) V h``;
+2. optionally drops coordinates of the normalised user vector (SimpleX's ``net_dropout``; the mask is drawn from
+   the thread's random state and scaled by ``1 / (1 - rate)``);
+3. computes the dot products and self-dots once (forward) and reuses them for the gradients (backward):
    ``dcos(a, b)/da = b / (|a||b|) - cos a / |a|^2``;
-3. updates the touched rows in place and without locks (Hogwild) across threads, with SGD or row-wise Adagrad
+4. updates the touched rows in place and without locks (Hogwild) across threads, with SGD or row-wise Adagrad
    (one accumulator per row, its squared gradient norm taken from the dot products already computed);
-4. samples its negatives inside the kernel, uniformly over all items or from a per-thread tile of ``tile_size``
+5. samples its negatives inside the kernel, uniformly over all items or from a per-thread tile of ``tile_size``
    items redrawn every ``tile_refresh`` samples (HEAT's tiled sampler);
-5. accumulates the aggregator gradient ``dV`` per thread and applies it every ``v_sync`` samples.
+6. accumulates the gradients of the shared aggregator parameters (``V``, and ``W_k``, ``b_k``, ``q`` of the
+   attention aggregators) per thread and applies them every ``v_sync`` samples.
 
 The batch is split into ``num_chunks`` contiguous chunks processed in parallel (one per thread); each chunk owns
-its random state, its tile and its ``dV`` buffer, so the result for a fixed chunk count and a single thread is
-deterministic. This module imports numba at import time: import it only when the fused backend is used.
+its random state, its tile and its aggregator-gradient buffers, so the result for a fixed chunk count and a single
+thread is deterministic. This module imports numba at import time: import it only when the fused backend is used.
 """
 
 from __future__ import annotations
@@ -35,6 +40,13 @@ _EPS = np.float32(1e-12)
 _LCG_A = 6364136223846793005
 _LCG_C = 1442695040888963407
 
+# Behaviour aggregators (the ``aggregator`` argument of :func:`fused_sgd_step`), as in SimpleX's official code.
+AGGREGATOR_MEAN = 0
+AGGREGATOR_USER_ATTENTION = 1
+AGGREGATOR_SELF_ATTENTION = 2
+AGGREGATORS = {"mean": AGGREGATOR_MEAN, "user_attention": AGGREGATOR_USER_ATTENTION,
+               "self_attention": AGGREGATOR_SELF_ATTENTION}
+
 
 @njit(inline="always")
 def _lcg(state: int) -> int:
@@ -45,6 +57,26 @@ def _lcg(state: int) -> int:
 def _draw(state: int, n: int) -> int:
     """A uniform integer in ``[0, n)`` from the top 31 bits of the LCG state (n < 2**31)."""
     return (((state >> 33) & 0x7FFFFFFF) * n) >> 31
+
+
+@njit(cache=True)
+def draw_dropout_mask(state: int, rate: float, out: np.ndarray) -> int:
+    """Fill ``out`` with an inverted-dropout mask drawn from the LCG ``state``; return the advanced state.
+
+    Each entry is ``1 / (1 - rate)`` with probability ``1 - rate`` and ``0`` otherwise (one LCG step per entry), the
+    mask the fused kernel draws for every sample when ``dropout > 0``.
+
+    Args:
+        state: the LCG state (int64).
+        rate: dropout rate in ``[0, 1)``.
+        out: ``(d,)`` float32 output.
+    """
+    threshold = np.int64(rate * 2147483648.0)
+    scale = np.float32(1.0 / (1.0 - rate))
+    for t in range(out.shape[0]):
+        state = _lcg(state)
+        out[t] = scale if ((state >> 33) & 0x7FFFFFFF) >= threshold else np.float32(0.0)
+    return state
 
 
 @njit(inline="always")
@@ -75,20 +107,43 @@ def _apply_dv(V: np.ndarray, dV: np.ndarray, lr: float, weight_decay: float, sam
             dV[t, r] = 0.0
 
 
+@njit(inline="always")
+def _apply_attention(
+    att_w: np.ndarray, att_b: np.ndarray, att_q: np.ndarray, dW: np.ndarray, db: np.ndarray, dq: np.ndarray, lr: float
+) -> None:
+    """Apply a thread's accumulated attention gradients (``W_k``, ``b_k``, ``q``) with SGD; clear them."""
+    d = att_w.shape[0]
+    for t in range(d):
+        for r in range(d):
+            att_w[t, r] -= lr * dW[t, r]
+            dW[t, r] = 0.0
+        att_b[t] -= lr * db[t]
+        db[t] = 0.0
+    for t in range(att_q.shape[0]):
+        att_q[t] -= lr * dq[t]
+        dq[t] = 0.0
+
+
 @njit(parallel=True, nogil=True, fastmath=True, cache=True)
 def fused_sgd_step(
     user_emb: np.ndarray,
     item_emb: np.ndarray,
     V: np.ndarray,
+    att_w: np.ndarray,
+    att_b: np.ndarray,
+    att_q: np.ndarray,
+    aggregator: int,
     users: np.ndarray,
     items: np.ndarray,
     hist_indptr: np.ndarray,
     hist_indices: np.ndarray,
     given_negatives: np.ndarray,
+    given_masks: np.ndarray,
     num_negatives: int,
     g: float,
     margin: float,
     negative_weight: float,
+    dropout: float,
     lr: float,
     v_lr: float,
     weight_decay: float,
@@ -104,23 +159,30 @@ def fused_sgd_step(
     num_chunks: int,
     losses: np.ndarray,
 ) -> None:
-    """One fused SGD pass over a batch of positives, updating ``user_emb``, ``item_emb`` and ``V`` in place.
+    """One fused SGD pass over a batch of positives, updating the tables and aggregator parameters in place.
 
     Args:
         user_emb: ``(num_users, d)`` float32, C-contiguous.
         item_emb: ``(num_items, d)`` float32, C-contiguous.
-        V: ``(d, d)`` float32 aggregator matrix (``q = V h``); unused when ``g >= 1``.
+        V: ``(d, d)`` float32 aggregator matrix (``p = g e_u + (1 - g) V h``); unused when ``g >= 1``.
+        att_w: ``(d, d)`` float32 attention key weights ``W_k`` (attention aggregators; else any ``(1, 1)``).
+        att_b: ``(d,)`` float32 attention key bias ``b_k`` (attention aggregators; else any ``(1,)``).
+        att_q: ``(d,)`` float32 attention query ``q`` (self-attention; else any ``(0,)``).
+        aggregator: :data:`AGGREGATOR_MEAN`, :data:`AGGREGATOR_USER_ATTENTION` or :data:`AGGREGATOR_SELF_ATTENTION`.
         users: ``(B,)`` int64 user of each positive.
         items: ``(B,)`` int64 item of each positive.
         hist_indptr: ``(num_users + 1,)`` int64 CSR offsets of the (capped) histories.
         hist_indices: int64 CSR items of the histories.
         given_negatives: ``(B, n)`` int64 negatives to use, or a ``(0, 0)`` array to sample inside the kernel.
+        given_masks: ``(B, d)`` float32 dropout masks to use (already scaled), or a ``(0, 0)`` array to draw them
+            inside the kernel when ``dropout > 0``.
         num_negatives: ``n`` when sampling inside the kernel.
         g: gate; ``1`` is MF-CCL.
         margin: negative margin ``m``.
         negative_weight: ``w``; each active negative contributes ``w / n``.
+        dropout: dropout rate on the normalised user vector (training), in ``[0, 1)``.
         lr: SGD learning rate (per sample) of the embedding rows.
-        v_lr: SGD learning rate of the aggregator ``V`` (its accumulated per-sample gradients).
+        v_lr: SGD learning rate of the aggregator parameters (their accumulated per-sample gradients).
         weight_decay: L2 coefficient on the touched user, positive and negative rows.
         v_weight_decay: L2 coefficient on ``V`` per sample (applied with the accumulated ``dV``); keeps ``V`` from
             growing in directions the current histories no longer span.
@@ -132,7 +194,7 @@ def fused_sgd_step(
         tiles: ``(>= num_chunks, tile_size)`` int64 per-chunk negative tiles, redrawn in place.
         tile_left: ``(>= num_chunks,)`` int64 samples left before each tile is redrawn.
         tile_refresh: redraw a tile every this many samples; ``0`` selects uniform sampling over all items.
-        v_sync: apply each chunk's accumulated ``dV`` every this many samples.
+        v_sync: apply each chunk's accumulated aggregator gradients every this many samples.
         num_chunks: number of chunks processed in parallel.
         losses: ``(B,)`` float32 output, the contrastive loss of each positive.
     """
@@ -144,6 +206,10 @@ def fused_sgd_step(
     tile_size = tiles.shape[1]
     use_tile = tile_refresh > 0 and tile_size > 0
     use_agg = g < 1.0
+    use_att = use_agg and aggregator != AGGREGATOR_MEAN
+    user_att = use_att and aggregator == AGGREGATOR_USER_ATTENTION
+    given_drop = given_masks.shape[0] > 0
+    use_drop = given_drop or dropout > 0.0
     g32 = np.float32(g)
     omg = np.float32(1.0 - g)
     m32 = np.float32(margin)
@@ -155,6 +221,10 @@ def fused_sgd_step(
     adaptive = user_acc.shape[0] > 0
     eps32 = np.float32(adagrad_eps)
     inv_d = np.float32(1.0 / d)
+    hmax = 1  # the longest history: scratch rows of the attention aggregators
+    if use_att:
+        for uu in range(hist_indptr.shape[0] - 1):
+            hmax = max(hmax, hist_indptr[uu + 1] - hist_indptr[uu])
     chunk = (batch + num_chunks - 1) // num_chunks
     for c in prange(num_chunks):
         start = c * chunk
@@ -167,6 +237,20 @@ def fused_sgd_step(
         neg_dot = np.empty(n, np.float32)
         neg_norm = np.empty(n, np.float32)
         dV = np.zeros((d, d) if use_agg else (1, 1), np.float32)
+        # dropout: q = mask * p is what the items see; p itself sets the norm
+        mask = np.ones(d if use_drop else 1, np.float32)
+        q = np.empty(d, np.float32) if use_drop else p
+        # attention scratch: history ids, keys tanh(W e_k + b), weights and their gradients
+        hid = np.empty(hmax if use_att else 1, np.int64)
+        z = np.empty((hmax, d) if use_att else (1, 1), np.float32)
+        alpha = np.empty(hmax if use_att else 1, np.float32)
+        da = np.empty(hmax if use_att else 1, np.float32)
+        dy = np.empty(d if use_att else 1, np.float32)
+        de = np.empty(d if use_att else 1, np.float32)
+        dcv = np.zeros(d if use_att else 1, np.float32)
+        dW = np.zeros((d, d) if use_att else (1, 1), np.float32)
+        db = np.zeros(d if use_att else 1, np.float32)
+        dq = np.zeros(att_q.shape[0] if use_att else 0, np.float32)
         state = rng_state[c]
         left = tile_left[c]
         pending = 0
@@ -175,7 +259,45 @@ def fused_sgd_step(
             i = items[b]
             # ---- forward: user vector ------------------------------------------------------------------------
             cnt = 0
-            if use_agg:
+            if use_att:
+                for k in range(hist_indptr[u], hist_indptr[u + 1]):
+                    it = hist_indices[k]
+                    if it != i:
+                        hid[cnt] = it
+                        cnt += 1
+                smax = np.float32(-np.inf)
+                for k in range(cnt):
+                    it = hid[k]
+                    s = np.float32(0.0)
+                    for t in range(d):
+                        y = att_b[t]
+                        for r in range(d):
+                            y += att_w[t, r] * item_emb[it, r]
+                        zt = np.float32(np.tanh(y))
+                        z[k, t] = zt
+                        s += (user_emb[u, t] if user_att else att_q[t]) * zt
+                    alpha[k] = s
+                    smax = max(smax, s)
+                total = np.float32(0.0)
+                for k in range(cnt):
+                    alpha[k] = np.float32(np.exp(alpha[k] - smax))
+                    total += alpha[k]
+                for t in range(d):
+                    h[t] = 0.0
+                if cnt > 0:
+                    inv = np.float32(1.0) / total
+                    for k in range(cnt):
+                        alpha[k] *= inv
+                        ak = alpha[k]
+                        it = hid[k]
+                        for t in range(d):
+                            h[t] += ak * item_emb[it, t]
+                for t in range(d):
+                    acc = np.float32(0.0)
+                    for r in range(d):
+                        acc += V[t, r] * h[r]
+                    p[t] = g32 * user_emb[u, t] + omg * acc
+            elif use_agg:
                 for t in range(d):
                     h[t] = 0.0
                 for k in range(hist_indptr[u], hist_indptr[u + 1]):
@@ -201,6 +323,17 @@ def fused_sgd_step(
             for t in range(d):
                 pp += p[t] * p[t]
             pn = max(np.float32(np.sqrt(pp)), _EPS)
+            qq = pp
+            if use_drop:
+                if given_drop:
+                    for t in range(d):
+                        mask[t] = given_masks[b, t]
+                else:
+                    state = draw_dropout_mask(state, dropout, mask)
+                qq = np.float32(0.0)
+                for t in range(d):
+                    q[t] = mask[t] * p[t]
+                    qq += q[t] * q[t]
             # ---- forward: negatives (dot products and self-dots kept for the backward) -------------------------
             if use_tile and left <= 0:
                 for t in range(tile_size):
@@ -222,7 +355,7 @@ def fused_sgd_step(
                 ss = np.float32(0.0)
                 for t in range(d):
                     e = item_emb[neg, t]
-                    x += p[t] * e
+                    x += q[t] * e
                     ss += e * e
                 neg_dot[j] = x
                 neg_norm[j] = max(np.float32(np.sqrt(ss)), _EPS)
@@ -230,12 +363,12 @@ def fused_sgd_step(
             # ---- positive: forward, its share of dp, in-place update ------------------------------------------
             for t in range(d):
                 dp[t] = 0.0
-            self_coef = np.float32(0.0)  # dp = sum_j G_j e_j / (|p||e_j|) - (sum_j G_j c_j / |p|^2) p
+            self_coef = np.float32(0.0)  # dp = mask * sum_j G_j e_j / (|p||e_j|) - (sum_j G_j c_j / |p|^2) p
             x = np.float32(0.0)
             ss = np.float32(0.0)
             for t in range(d):
                 e = item_emb[i, t]
-                x += p[t] * e
+                x += q[t] * e
                 ss += e * e
             en = max(np.float32(np.sqrt(ss)), _EPS)
             cos = x / (pn * en)
@@ -244,14 +377,14 @@ def fused_sgd_step(
                 G = np.float32(-1.0)
                 self_coef += G * cos / (pn * pn)
                 a = G / (pn * en)
-                bb = wd32 - G * cos / (en * en)  # the row's gradient is a p + bb e
-                lr_i = _row_lr(item_acc, i, (a * a * pp + 2 * a * bb * x + bb * bb * ss) * inv_d, lr32, eps32, adaptive)
+                bb = wd32 - G * cos / (en * en)  # the row's gradient is a q + bb e
+                lr_i = _row_lr(item_acc, i, (a * a * qq + 2 * a * bb * x + bb * bb * ss) * inv_d, lr32, eps32, adaptive)
                 keep = np.float32(1.0) - lr_i * bb
                 step = lr_i * a
                 for t in range(d):
                     e = item_emb[i, t]
                     dp[t] += a * e
-                    item_emb[i, t] = keep * e - step * p[t]
+                    item_emb[i, t] = keep * e - step * q[t]
             elif wd32 > 0.0:
                 keep = np.float32(1.0) - _row_lr(item_acc, i, wd32 * wd32 * ss * inv_d, lr32, eps32, adaptive) * wd32
                 for t in range(d):
@@ -266,20 +399,23 @@ def fused_sgd_step(
                     self_coef += wn * cos / (pn * pn)
                     a = wn / (pn * en)
                     bb = wd32 - wn * cos / (en * en)
-                    gsq = (a * a * pp + 2 * a * bb * neg_dot[j] + bb * bb * en * en) * inv_d
+                    gsq = (a * a * qq + 2 * a * bb * neg_dot[j] + bb * bb * en * en) * inv_d
                     lr_j = _row_lr(item_acc, neg, gsq, lr32, eps32, adaptive)
                     keep = np.float32(1.0) - lr_j * bb
                     step = lr_j * a
                     for t in range(d):
                         e = item_emb[neg, t]
                         dp[t] += a * e
-                        item_emb[neg, t] = keep * e - step * p[t]
+                        item_emb[neg, t] = keep * e - step * q[t]
                 elif wd32 > 0.0:
                     gsq = wd32 * wd32 * neg_norm[j] * neg_norm[j] * inv_d
                     keep = np.float32(1.0) - _row_lr(item_acc, neg, gsq, lr32, eps32, adaptive) * wd32
                     for t in range(d):
                         item_emb[neg, t] *= keep
             losses[b] = loss
+            if use_drop:
+                for t in range(d):
+                    dp[t] *= mask[t]
             for t in range(d):
                 dp[t] -= self_coef * p[t]
             # ---- backward through the aggregator and the user row ---------------------------------------------
@@ -291,7 +427,44 @@ def fused_sgd_step(
                     for r in range(d):
                         dh[r] += V[t, r] * gt
                         dV[t, r] += gt * h[r]
-                if cnt > 0:
+                if use_att:
+                    # h = sum_k a_k e_k, a = softmax(s), s_k = c . tanh(W e_k + b): through the weights and keys
+                    sbar = np.float32(0.0)
+                    for k in range(cnt):
+                        it = hid[k]
+                        x = np.float32(0.0)
+                        for t in range(d):
+                            x += dh[t] * item_emb[it, t]
+                        da[k] = x
+                        sbar += alpha[k] * x
+                    for k in range(cnt):
+                        it = hid[k]
+                        ds = alpha[k] * (da[k] - sbar)
+                        for t in range(d):
+                            zt = z[k, t]
+                            cv = user_emb[u, t] if user_att else att_q[t]
+                            dy[t] = ds * cv * (np.float32(1.0) - zt * zt)
+                            dcv[t] += ds * zt
+                            db[t] += dy[t]
+                            de[t] = alpha[k] * dh[t]
+                        for t in range(d):
+                            yt = dy[t]
+                            for r in range(d):
+                                dW[t, r] += yt * item_emb[it, r]
+                                de[r] += att_w[t, r] * yt
+                        hsq = np.float32(0.0)
+                        if adaptive:
+                            for t in range(d):
+                                hsq += de[t] * de[t]
+                            hsq *= inv_d
+                        step = _row_lr(item_acc, it, hsq, lr32, eps32, adaptive)
+                        for t in range(d):
+                            item_emb[it, t] -= step * de[t]
+                    if not user_att:
+                        for t in range(d):
+                            dq[t] += dcv[t]
+                            dcv[t] = 0.0
+                elif cnt > 0:
                     inv_cnt = np.float32(1.0 / cnt)  # each history row's gradient is dh / cnt
                     hsq = np.float32(0.0)
                     if adaptive:
@@ -308,7 +481,21 @@ def fused_sgd_step(
                 pending += 1
                 if pending >= v_sync:
                     _apply_dv(V, dV, vlr32, vwd32, pending)
+                    if use_att:
+                        _apply_attention(att_w, att_b, att_q, dW, db, dq, vlr32)
                     pending = 0
+            if user_att:  # the user row is also the attention query: its gradient adds dc
+                usq = np.float32(0.0)
+                if adaptive:
+                    for t in range(d):
+                        gu = g32 * dp[t] + dcv[t] + wd32 * user_emb[u, t]
+                        usq += gu * gu
+                lr_u = _row_lr(user_acc, u, usq * inv_d, lr32, eps32, adaptive)
+                keep = np.float32(1.0) - lr_u * wd32
+                for t in range(d):
+                    user_emb[u, t] = keep * user_emb[u, t] - lr_u * (g32 * dp[t] + dcv[t])
+                    dcv[t] = 0.0
+                continue
             usq = np.float32(0.0)
             if adaptive:
                 for t in range(d):
@@ -321,6 +508,8 @@ def fused_sgd_step(
                 user_emb[u, t] = keep * user_emb[u, t] - gstep * dp[t]
         if use_agg and pending > 0:
             _apply_dv(V, dV, vlr32, vwd32, pending)
+            if use_att:
+                _apply_attention(att_w, att_b, att_q, dW, db, dq, vlr32)
         rng_state[c] = state
         tile_left[c] = left
 

@@ -1,7 +1,8 @@
 """Plain-PyTorch SimpleX: the ground truth for HEAT's fused kernel and the baseline it is measured against.
 
 Mao et al., "SimpleX: A Simple and Strong Baseline for Collaborative Filtering" (CIKM 2021). Everything here is
-batched tensors + autograd: gather the rows, normalise, ``bmm`` against the negatives, cosine contrastive loss.
+batched tensors + autograd: gather the rows, aggregate the history (mean or attention, as the official RecZoo
+``BehaviorAggregator``), normalise, ``bmm`` against the negatives, cosine contrastive loss.
 The fused numba kernel (:mod:`lightning_sdp.kernels.cf_numba`) computes the same function sample by sample.
 """
 
@@ -54,6 +55,53 @@ def padded_history(indptr: np.ndarray, indices: np.ndarray) -> Tensor:
     return torch.from_numpy(out)
 
 
+def aggregate_history(
+    item_emb: Tensor,
+    hist: Tensor,
+    mask: Tensor,
+    aggregator: str = "mean",
+    user_rows: Tensor | None = None,
+    att_w: Tensor | None = None,
+    att_b: Tensor | None = None,
+    att_q: Tensor | None = None,
+) -> Tensor:
+    """SimpleX's behaviour aggregator ``h`` over padded histories (the official ``BehaviorAggregator``, before ``V``).
+
+    ``"mean"``: ``h = mean_k e_k``. ``"user_attention"``: ``a_k = softmax_k(e_u . tanh(W_k e_k + b_k))``,
+    ``h = sum_k a_k e_k``. ``"self_attention"``: the same with a learned query ``q`` instead of ``e_u``. Padding and
+    excluded entries get no weight; a user with no history gets ``h = 0``.
+
+    Args:
+        item_emb: ``(num_items, d)`` item table.
+        hist: ``(B, H)`` history item ids (any valid id where ``mask`` is ``False``).
+        mask: ``(B, H)`` bool, the entries that belong to the history.
+        aggregator: ``"mean"``, ``"user_attention"`` or ``"self_attention"``.
+        user_rows: ``(B, d)`` user rows (the query of ``"user_attention"``).
+        att_w: ``(d, d)`` key weights ``W_k`` (attention aggregators).
+        att_b: ``(d,)`` key bias ``b_k`` (attention aggregators).
+        att_q: ``(d,)`` query ``q`` (``"self_attention"``).
+
+    Returns:
+        ``(B, d)`` aggregated histories.
+    """
+    rows = item_emb[hist] * mask.unsqueeze(-1).to(item_emb.dtype)
+    if aggregator == "mean":
+        count = mask.sum(1, keepdim=True).clamp_min(1).to(item_emb.dtype)
+        return rows.sum(1) / count
+    if aggregator not in ("user_attention", "self_attention"):
+        raise ValueError(
+            f"aggregate_history: unknown aggregator {aggregator!r}; use 'mean', 'user_attention' or 'self_attention'."
+        )
+    query = user_rows if aggregator == "user_attention" else att_q
+    if att_w is None or att_b is None or query is None:
+        raise ValueError(f"aggregate_history: the {aggregator!r} aggregator needs att_w, att_b and its query.")
+    keys = torch.tanh(rows @ att_w.t() + att_b)
+    scores = (keys * (query.unsqueeze(1) if query.dim() == 2 else query)).sum(-1)
+    # a large negative instead of -inf keeps users without history finite (their weights are zeroed below)
+    weights = torch.softmax(scores.masked_fill(~mask, -1e30), dim=1) * mask.to(scores.dtype)
+    return (weights.unsqueeze(-1) * rows).sum(1)
+
+
 def user_vectors(
     user_emb: Tensor,
     item_emb: Tensor,
@@ -62,8 +110,12 @@ def user_vectors(
     g: float,
     history: Tensor | None = None,
     exclude: Tensor | None = None,
+    aggregator: str = "mean",
+    att_w: Tensor | None = None,
+    att_b: Tensor | None = None,
+    att_q: Tensor | None = None,
 ) -> Tensor:
-    """SimpleX user vectors ``p_u = g e_u + (1 - g) V mean_{k in H_u} e_k`` (mean aggregator).
+    """SimpleX user vectors ``p_u = g e_u + (1 - g) V h_u`` with ``h_u`` from :func:`aggregate_history`.
 
     Args:
         user_emb: ``(num_users, d)`` user table.
@@ -73,6 +125,10 @@ def user_vectors(
         g: gate; ``g >= 1`` returns the user rows (MF-CCL).
         history: ``(num_users, H)`` padded histories (``-1`` = padding); needed when ``g < 1``.
         exclude: ``(B,)`` item to leave out of each user's history (the positive being trained), or ``None``.
+        aggregator: ``"mean"``, ``"user_attention"`` or ``"self_attention"``.
+        att_w: ``(d, d)`` attention key weights (attention aggregators).
+        att_b: ``(d,)`` attention key bias (attention aggregators).
+        att_q: ``(d,)`` attention query (``"self_attention"``).
 
     Returns:
         ``(B, d)`` user vectors.
@@ -86,9 +142,7 @@ def user_vectors(
     mask = hist >= 0
     if exclude is not None:
         mask = mask & (hist != exclude[:, None])
-    rows = item_emb[hist.clamp_min(0)] * mask.unsqueeze(-1).to(item_emb.dtype)
-    count = mask.sum(1, keepdim=True).clamp_min(1).to(item_emb.dtype)
-    h = rows.sum(1) / count
+    h = aggregate_history(item_emb, hist.clamp_min(0), mask, aggregator, e_u, att_w, att_b, att_q)
     return g * e_u + (1.0 - g) * (h @ V.t())
 
 
@@ -99,8 +153,12 @@ def ccl_loss(
     margin: float,
     negative_weight: float,
     reduction: str = "mean",
+    dropout_mask: Tensor | None = None,
 ) -> Tensor:
     """Cosine contrastive loss ``relu(1 - cos(p, e_i)) + (w / n) sum_j relu(cos(p, e_j) - m)``.
+
+    With ``dropout_mask``, the normalised user vector is multiplied by it before the dot products, as SimpleX's
+    official code applies ``net_dropout`` to the (cosine-normalised) user vector.
 
     Args:
         p: ``(B, d)`` user vectors.
@@ -109,11 +167,14 @@ def ccl_loss(
         margin: ``m``.
         negative_weight: ``w``.
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` over the batch.
+        dropout_mask: ``(B, d)`` inverted-dropout mask (entries ``0`` or ``1 / (1 - rate)``), or ``None``.
 
     Returns:
         The loss, reduced as asked.
     """
     p_hat = F.normalize(p, dim=-1, eps=_EPS)
+    if dropout_mask is not None:
+        p_hat = p_hat * dropout_mask
     pos = (p_hat * F.normalize(e_pos, dim=-1, eps=_EPS)).sum(-1)
     neg = torch.bmm(F.normalize(e_neg, dim=-1, eps=_EPS), p_hat.unsqueeze(-1)).squeeze(-1)
     loss = torch.relu(1.0 - pos) + negative_weight * torch.relu(neg - margin).mean(-1)
@@ -140,6 +201,11 @@ def simplex_loss(
     weight_decay: float = 0.0,
     reduction: str = "mean",
     aggregator_weight_decay: float = 0.0,
+    aggregator: str = "mean",
+    att_w: Tensor | None = None,
+    att_b: Tensor | None = None,
+    att_q: Tensor | None = None,
+    dropout_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Batched SimpleX forward: the optimised objective and the per-sample contrastive loss.
 
@@ -161,15 +227,20 @@ def simplex_loss(
         weight_decay: L2 coefficient on touched rows.
         reduction: ``"mean"`` or ``"sum"`` over the batch.
         aggregator_weight_decay: L2 coefficient on ``V`` per sample (ignored for ``g = 1``).
+        aggregator: behaviour aggregator, see :func:`aggregate_history`.
+        att_w: attention key weights (attention aggregators).
+        att_b: attention key bias (attention aggregators).
+        att_q: attention query (``"self_attention"``).
+        dropout_mask: ``(B, d)`` dropout mask on the normalised user vector, see :func:`ccl_loss`.
 
     Returns:
         ``(objective, per_sample_ccl_loss)``.
     """
-    p = user_vectors(user_emb, item_emb, V, users, g, history, exclude=items)
+    p = user_vectors(user_emb, item_emb, V, users, g, history, items, aggregator, att_w, att_b, att_q)
     e_u = user_emb[users]
     e_pos = item_emb[items]
     e_neg = item_emb[negatives]
-    per_sample = ccl_loss(p, e_pos, e_neg, margin, negative_weight, reduction="none")
+    per_sample = ccl_loss(p, e_pos, e_neg, margin, negative_weight, reduction="none", dropout_mask=dropout_mask)
     objective = per_sample
     if weight_decay > 0:
         sq = e_u.pow(2).sum(-1) + e_pos.pow(2).sum(-1) + e_neg.pow(2).sum((-1, -2))

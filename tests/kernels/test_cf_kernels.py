@@ -30,47 +30,201 @@ def _no_sums():
     return np.zeros(0, np.float32), np.zeros(0, np.float32), 1e-8
 
 
-def _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, *, g, margin, w, lr, wd, chunks=1, sums=None, vwd=0.0):
+def _attention(aggregator: str, d: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Random attention parameters ``(W_k, b_k, q)`` of ``aggregator`` (unused placeholders for the mean)."""
+    rng = np.random.default_rng(seed)
+    if aggregator == "mean":
+        return np.zeros((1, 1), np.float32), np.zeros(1, np.float32), np.zeros(0, np.float32)
+    w = (rng.normal(size=(d, d)) / np.sqrt(d)).astype(np.float32)
+    b = (0.1 * rng.normal(size=d)).astype(np.float32)
+    q = rng.normal(size=d).astype(np.float32) if aggregator == "self_attention" else np.zeros(0, np.float32)
+    return w, b, q
+
+
+def _fused(
+    user_emb, item_emb, V, users, items, negatives, indptr, indices, *, g, margin, w, lr, wd, chunks=1, sums=None,
+    vwd=0.0, aggregator="mean", att=None, masks=None, dropout=0.0, rng_state=None,
+):
     from lightning_sdp.kernels import cf_numba
 
     ue, ie, v = user_emb.copy(), item_emb.copy(), V.copy()
+    aw, ab, aq = (a.copy() for a in (att or _attention("mean", 1, 0)))
     losses = np.zeros(len(users), np.float32)
     acc = _no_sums() if sums is None else (sums[0], sums[1], 1e-8)
+    given_masks = np.zeros((0, 0), np.float32) if masks is None else masks
+    state = np.arange(4, dtype=np.int64) if rng_state is None else rng_state
     cf_numba.fused_sgd_step(
-        ue, ie, v, users, items, indptr, indices, negatives, negatives.shape[1], g, margin, w, lr, lr, wd, vwd, *acc,
-        np.arange(4, dtype=np.int64), np.zeros((4, 0), np.int64), np.zeros(4, np.int64), 0, 10_000, chunks, losses,
+        ue, ie, v, aw, ab, aq, cf_numba.AGGREGATORS[aggregator], users, items, indptr, indices, negatives, given_masks,
+        negatives.shape[1], g, margin, w, dropout, lr, lr, wd, vwd, *acc, state, np.zeros((4, 0), np.int64),
+        np.zeros(4, np.int64), 0, 10_000, chunks, losses,
     )
-    return ue, ie, v, losses
+    return ue, ie, v, losses, (aw, ab, aq)
 
 
-@pytest.mark.parametrize("g", [1.0, 0.7])
-@pytest.mark.parametrize("wd", [0.0, 0.01])
-def test_fused_step_equals_reference_sgd_step(g, wd):
-    user_emb, item_emb, V, users, items, negatives, indptr, indices = _problem(int(g * 10) + int(wd * 100))
-    margin, w, lr, vwd = 0.1, 3.0, 0.05, 5 * wd  # with wd > 0, V decays too (SimpleX only)
-    tu, ti, tv = (torch.tensor(a, requires_grad=True) for a in (user_emb, item_emb, V))
+def _reference_step(problem, *, g, margin, w, wd, vwd=0.0, aggregator="mean", att=None, masks=None):
+    """Autograd gradients of the reference objective (sum over the batch): per-sample losses and ``{name: grad}``."""
+    user_emb, item_emb, V, users, items, negatives, indptr, indices = problem
+    params = {"user": user_emb, "item": item_emb, "V": V}
+    if aggregator != "mean":
+        params.update(zip(("W", "b", "q"), att, strict=True))
+    tensors = {k: torch.tensor(a, requires_grad=True) for k, a in params.items()}
     objective, per_sample = ref.simplex_loss(
-        tu, ti, tv, torch.tensor(users), torch.tensor(items), torch.tensor(negatives), g, margin, w,
-        ref.padded_history(indptr, indices), weight_decay=wd, reduction="sum", aggregator_weight_decay=vwd,
+        tensors["user"], tensors["item"], tensors["V"], torch.tensor(users), torch.tensor(items),
+        torch.tensor(negatives), g, margin, w, ref.padded_history(indptr, indices), weight_decay=wd, reduction="sum",
+        aggregator_weight_decay=vwd, aggregator=aggregator, att_w=tensors.get("W"), att_b=tensors.get("b"),
+        att_q=tensors.get("q") if aggregator == "self_attention" else None,
+        dropout_mask=None if masks is None else torch.from_numpy(masks),
     )
     objective.backward()
-    ue, ie, v, losses = _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, g=g, margin=margin, w=w, lr=lr, wd=wd, vwd=vwd)
-    np.testing.assert_allclose(losses, per_sample.detach().numpy(), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(ue, user_emb - lr * tu.grad.numpy(), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(ie, item_emb - lr * ti.grad.numpy(), rtol=1e-5, atol=1e-6)
-    v_grad = tv.grad.numpy() if tv.grad is not None else 0.0
-    np.testing.assert_allclose(v, V - lr * v_grad, rtol=1e-5, atol=1e-6)
+    grads = {k: (t.grad.numpy() if t.grad is not None else np.zeros_like(params[k])) for k, t in tensors.items()}
+    return per_sample.detach().numpy(), grads
+
+
+@pytest.mark.parametrize("aggregator", ["mean", "user_attention", "self_attention"])
+@pytest.mark.parametrize("g", [1.0, 0.7, 0.5])
+@pytest.mark.parametrize("wd", [0.0, 0.01])
+def test_fused_step_equals_reference_sgd_step(aggregator, g, wd):
+    seed = int(g * 10) + int(wd * 100) + 100 * ("mean", "user_attention", "self_attention").index(aggregator)
+    problem = _problem(seed)
+    user_emb, item_emb, V, users, items, negatives, indptr, indices = problem
+    att = _attention(aggregator, user_emb.shape[1], seed)
+    margin, w, lr, vwd = 0.1, 3.0, 0.05, 5 * wd  # with wd > 0, V decays too (SimpleX only)
+    per_sample, grads = _reference_step(
+        problem, g=g, margin=margin, w=w, wd=wd, vwd=vwd, aggregator=aggregator, att=att
+    )
+    ue, ie, v, losses, (aw, ab, aq) = _fused(
+        *problem, g=g, margin=margin, w=w, lr=lr, wd=wd, vwd=vwd, aggregator=aggregator, att=att
+    )
+    np.testing.assert_allclose(losses, per_sample, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ue, user_emb - lr * grads["user"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ie, item_emb - lr * grads["item"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(v, V - lr * grads["V"], rtol=1e-5, atol=1e-6)
+    if aggregator != "mean":
+        np.testing.assert_allclose(aw, att[0] - lr * grads["W"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ab, att[1] - lr * grads["b"], rtol=1e-5, atol=1e-6)
+        if aggregator == "self_attention":
+            np.testing.assert_allclose(aq, att[2] - lr * grads["q"], rtol=1e-5, atol=1e-6)
     # the step did something: some rows moved, and (for SimpleX) the aggregator and history rows too
     assert np.abs(ie - item_emb).max() > 1e-4
     if g < 1:
         assert np.abs(v - V).max() > 1e-5
         assert np.abs(ie[40] - item_emb[40]).max() > 1e-6  # history row of user 0
+        if aggregator != "mean":
+            assert np.abs(aw - att[0]).max() > 1e-6 and np.abs(ab - att[1]).max() > 1e-6
+        if aggregator == "self_attention":
+            assert np.abs(aq - att[2]).max() > 1e-6
     if g < 1:
         return  # with two threads the shared V is updated while the other thread reads it (Hogwild)
     # two chunks (threads) on disjoint rows give the same result
-    ue2, ie2, v2, _ = _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, g=g, margin=margin, w=w, lr=lr, wd=wd, chunks=2)
+    ue2, ie2, _, _, _ = _fused(*problem, g=g, margin=margin, w=w, lr=lr, wd=wd, chunks=2)
     np.testing.assert_allclose(ue2, ue, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(ie2, ie, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("aggregator", ["mean", "user_attention", "self_attention"])
+@pytest.mark.parametrize("g", [1.0, 0.5])
+def test_fused_dropout_with_a_given_mask_equals_reference(aggregator, g):
+    problem = _problem(21 + int(g * 10))
+    user_emb, item_emb, V, users, items, negatives, indptr, indices = problem
+    att = _attention(aggregator, user_emb.shape[1], 3)
+    rate = 0.3
+    masks = (np.random.default_rng(5).random((len(users), user_emb.shape[1])) >= rate) / np.float32(1 - rate)
+    masks = masks.astype(np.float32)
+    margin, w, lr = 0.1, 3.0, 0.05
+    per_sample, grads = _reference_step(
+        problem, g=g, margin=margin, w=w, wd=0.0, aggregator=aggregator, att=att, masks=masks
+    )
+    ue, ie, v, losses, (aw, ab, _) = _fused(
+        *problem, g=g, margin=margin, w=w, lr=lr, wd=0.0, aggregator=aggregator, att=att, masks=masks
+    )
+    np.testing.assert_allclose(losses, per_sample, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ue, user_emb - lr * grads["user"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ie, item_emb - lr * grads["item"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(v, V - lr * grads["V"], rtol=1e-5, atol=1e-6)
+    if aggregator != "mean":
+        np.testing.assert_allclose(aw, att[0] - lr * grads["W"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ab, att[1] - lr * grads["b"], rtol=1e-5, atol=1e-6)
+    # the mask mattered: without it the losses differ
+    _, _, _, plain, _ = _fused(*problem, g=g, margin=margin, w=w, lr=lr, wd=0.0, aggregator=aggregator, att=att)
+    assert np.abs(plain - losses).max() > 1e-3
+
+
+def test_in_kernel_dropout_draws_the_masks_of_draw_dropout_mask():
+    from lightning_sdp.kernels import cf_numba
+
+    problem = _problem(31)
+    user_emb, item_emb, V, users, items, negatives, indptr, indices = problem
+    d, rate = user_emb.shape[1], 0.25
+    # with given negatives the per-chunk random state is used for the dropout masks only, one sample after another
+    state = np.int64(77)
+    masks = np.zeros((len(users), d), np.float32)
+    for b in range(len(users)):
+        state = cf_numba.draw_dropout_mask(state, rate, masks[b])
+    kw = {"g": 0.5, "margin": 0.1, "w": 3.0, "lr": 0.05, "wd": 0.0}
+    drawn_state = np.array([77, 0, 0, 0], np.int64)
+    drawn = _fused(*problem, **kw, dropout=rate, rng_state=drawn_state)
+    given = _fused(*problem, **kw, masks=masks)
+    for a, b in zip(drawn[:4], given[:4], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert drawn_state[0] == state  # d draws per sample
+    # the masks are inverted dropout: 0 or 1 / (1 - rate), kept with probability 1 - rate
+    big = np.zeros(200_000, np.float32)
+    cf_numba.draw_dropout_mask(np.int64(3), rate, big)
+    assert set(np.unique(big).tolist()) == {0.0, np.float32(1 / (1 - rate))}
+    assert abs((big > 0).mean() - (1 - rate)) < 0.005
+    assert abs(big.mean() - 1.0) < 0.01
+
+
+def test_mean_aggregator_is_bit_identical_to_the_kernel_before_attention(tmp_path):
+    """The kernel of commit 83b1768 (mean only, no dropout) and today's give the same bits for the mean."""
+    import importlib.util
+    import subprocess
+    from pathlib import Path
+
+    from lightning_sdp.kernels import cf_numba
+
+    root = Path(__file__).resolve().parents[2]
+    shown = subprocess.run(
+        ["git", "show", f"{_KERNEL_BEFORE_ATTENTION}:lightning_sdp/kernels/cf_numba.py"], cwd=root,
+        capture_output=True, text=True, check=False,
+    )
+    if shown.returncode != 0:
+        pytest.fail(f"this test compares with the kernel of commit {_KERNEL_BEFORE_ATTENTION}, which git cannot show "
+                    f"here ({shown.stderr.strip()}); run it in a clone with the project's history.")
+    path = tmp_path / "cf_numba_before_attention.py"
+    path.write_text(shown.stdout)
+    spec = importlib.util.spec_from_file_location("cf_numba_before_attention", path)
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    rng = np.random.default_rng(0)
+    nu, ni, d, batch = 60, 90, 16, 300
+    counts = rng.integers(0, 10, nu)
+    indptr = np.zeros(nu + 1, np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    indices = rng.integers(0, ni, indptr[-1]).astype(np.int64)
+    users, items = rng.integers(0, nu, batch).astype(np.int64), rng.integers(0, ni, batch).astype(np.int64)
+    for g, tile, adaptive in [(1.0, 0, False), (0.7, 0, False), (0.7, 20, True)]:
+        ue, ie = rng.normal(size=(nu, d)).astype(np.float32), rng.normal(size=(ni, d)).astype(np.float32)
+        V = (np.eye(d) + 0.1 * rng.normal(size=(d, d))).astype(np.float32)
+        runs = []
+        for new in (True, False):
+            out = [ue.copy(), ie.copy(), V.copy(), np.arange(1, 5, dtype=np.int64) * 99,
+                   np.zeros((4, 16 if tile else 0), np.int64), np.zeros(4, np.int64), np.zeros(batch, np.float32)]
+            sums = [np.full(n, 0.1, np.float32) if adaptive else np.zeros(0, np.float32) for n in (nu, ni)]
+            rows, sampler, losses = out[:3], out[3:6], out[6]
+            head = (users, items, indptr, indices, np.zeros((0, 0), np.int64))
+            rates = (0.05, 0.01, 1e-3, 1e-3, *sums, 1e-8, *sampler, tile, 7, 1, losses)
+            if new:
+                cf_numba.fused_sgd_step(*rows, *_attention("mean", d, 0), 0, *head, np.zeros((0, 0), np.float32), 8, g,
+                                        0.3, 20.0, 0.0, *rates)
+            else:
+                old.fused_sgd_step(*rows, *head, 8, g, 0.3, 20.0, *rates)
+            runs.append(out + sums)
+        for a, b in zip(*runs, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+_KERNEL_BEFORE_ATTENTION = "83b1768"
 
 
 @pytest.mark.parametrize("g", [1.0, 0.7])
@@ -93,7 +247,7 @@ def test_fused_rowwise_adagrad_step_equals_reference_optimizer(g, wd):
     objective.backward()
     opt.step()
     sums = (user_sums.copy(), item_sums.copy())
-    ue, ie, v, _ = _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, g=g, margin=margin, w=w, lr=lr, wd=wd, sums=sums)
+    ue, ie, v, _, _ = _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, g=g, margin=margin, w=w, lr=lr, wd=wd, sums=sums)
     np.testing.assert_allclose(sums[0], opt.row_sums(tu).numpy(), rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose(sums[1], opt.row_sums(ti).numpy(), rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose(ue, tu.detach().numpy(), rtol=1e-4, atol=1e-6)
@@ -104,7 +258,7 @@ def test_fused_rowwise_adagrad_step_equals_reference_optimizer(g, wd):
     grew = np.flatnonzero(sums[1] > item_sums)
     assert set(grew) <= set(touched) and len(grew) >= len(items)
     assert (sums[0][users] > user_sums[users]).all() and (sums[0][3:] == user_sums[3:]).all()
-    ue_sgd, _, _, _ = _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, g=g, margin=margin, w=w, lr=lr, wd=wd)
+    ue_sgd, _, _, _, _ = _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, g=g, margin=margin, w=w, lr=lr, wd=wd)
     assert np.abs(ue_sgd - ue).max() > 1e-4
 
 
@@ -125,7 +279,7 @@ def test_rowwise_adagrad_reference_skips_untouched_rows():
 
 def test_inactive_margin_gives_no_negative_gradient():
     user_emb, item_emb, V, users, items, negatives, indptr, indices = _problem(5)
-    _, ie, _, losses = _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, g=1.0, margin=1.0, w=3.0, lr=0.1, wd=0.0)
+    _, ie, _, losses, _ = _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, g=1.0, margin=1.0, w=3.0, lr=0.1, wd=0.0)
     np.testing.assert_array_equal(ie[negatives.ravel()], item_emb[negatives.ravel()])
     assert not np.array_equal(ie[items], item_emb[items])
     assert (losses > 0).all()
@@ -147,8 +301,9 @@ def _sampling_run(tile_refresh: int, chunks: int, seed: int = 0) -> dict[str, np
     losses = np.zeros(B, np.float32)
     # margin -1: every negative is active, so every sampled negative row moves
     cf_numba.fused_sgd_step(
-        ue, ie, np.eye(d, dtype=np.float32), users, out["items"], indptr, np.zeros(0, np.int64),
-        np.zeros((0, 0), np.int64), 8, 1.0, -1.0, 1.0, 0.01, 0.01, 0.0, 0.0, *_no_sums(), state, tiles, left, tile_refresh, 32, chunks, losses,
+        ue, ie, np.eye(d, dtype=np.float32), *_attention("mean", d, 0), cf_numba.AGGREGATOR_MEAN, users, out["items"],
+        indptr, np.zeros(0, np.int64), np.zeros((0, 0), np.int64), np.zeros((0, 0), np.float32), 8, 1.0, -1.0, 1.0,
+        0.0, 0.01, 0.01, 0.0, 0.0, *_no_sums(), state, tiles, left, tile_refresh, 32, chunks, losses,
     )
     out.update(ue=ue, ie=ie, state=state, tiles=tiles, left=left, losses=losses)
     return out

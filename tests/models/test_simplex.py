@@ -43,9 +43,9 @@ def _trainer(tmp_path, **kw) -> Trainer:
 def test_fused_step_equals_reference_sgd_step_through_the_module(g):
     dm = _dm()
     model = SimpleXModule(dm.num_users, dm.num_items, g=g, weight_decay=1e-3, aggregator_weight_decay=0.05, **_SMALL)
-    model.set_interactions(*dm.train_csr())
+    model.set_interactions(*dm.train_csr)
     # disjoint rows: distinct users whose histories, positives and negatives do not overlap
-    indptr, indices = model._hist_indptr, model._hist_indices
+    indptr, indices = model.histories().indptr, model.histories().indices
     users, items, used = [], [], set()
     for u in range(dm.num_users):
         h = set(indices[indptr[u] : indptr[u + 1]].tolist())
@@ -71,7 +71,7 @@ def test_fused_step_equals_reference_sgd_step_through_the_module(g):
 def test_fused_and_reference_losses_agree_on_a_batch():
     dm = _dm()
     model = SimpleXModule(dm.num_users, dm.num_items, g=0.8, **_SMALL)
-    model.set_interactions(*dm.train_csr())
+    model.set_interactions(*dm.train_csr)
     users, items = next(iter(dm.train_dataloader()))
     negatives = torch.randint(0, dm.num_items, (len(users), 8))
     _, per_sample = model.reference_loss(users, items, negatives, reduction="mean")
@@ -87,6 +87,7 @@ def test_trains_with_heat_accelerator_and_improves_recall(tmp_path, backend):
     model = SimpleXModule(g=0.8, backend=backend, **kw, **_SMALL)
     trainer = _trainer(tmp_path, max_epochs=4)
     before = trainer.validate(model, dm, verbose=False)[0]["val/recall@20"]
+    test_before = trainer.test(model, dm, verbose=False)[0]["test/recall@20"]
     trainer.fit(model, dm)
     after = trainer.callback_metrics["val/recall@20"].item()
     assert model.num_users == 300 and model.hparams.num_users == 300  # taken from the datamodule
@@ -95,7 +96,8 @@ def test_trains_with_heat_accelerator_and_improves_recall(tmp_path, backend):
     assert after > before + 0.05, (before, after)
     assert trainer.global_step == 4 * len(dm.train_dataloader())
     test = trainer.test(model, dm, verbose=False)[0]
-    assert test["test/recall@20"] == pytest.approx(after, rel=1e-5)
+    # scored once on the held-out test split (the smaller validation split drove nothing here): better, too
+    assert test["test/recall@20"] > test_before + 0.02, (test_before, test["test/recall@20"])
 
 
 class _StopAfterFirstEpoch(Callback):
@@ -185,7 +187,7 @@ def test_bad_input():
         SimpleXModule(g=0.8, aggregator_weight_decay=-1e-3)
     dm = _dm()
     model = SimpleXModule(dm.num_users, dm.num_items, **_SMALL)
-    model.set_interactions(*dm.train_csr())
+    model.set_interactions(*dm.train_csr)
     with pytest.raises(ValueError, match="user ids"):
         model.fused_step(torch.tensor([dm.num_users]), torch.tensor([0]), 0.1)
     with pytest.raises(ValueError, match="item ids"):

@@ -1,0 +1,24 @@
+"""SimpleX / MF-CCL collaborative filtering (Mao et al., CIKM 2021) trained by HEAT's fused CPU kernel.
+
+One concept per module: :mod:`.config` (the validated settings), :mod:`.history` (training interactions and capped
+histories), :mod:`.backends` (the reference and fused training paths), :mod:`.kernel` (marshalling for the numba
+kernel), :mod:`.evaluation` (streamed full-ranking Recall/NDCG) and :mod:`.module` (the LightningModule).
+"""
+
+from lightning_sdp.models.simplex.backends import FusedBackend, ReferenceBackend, SimpleXBackend, make_backend
+from lightning_sdp.models.simplex.config import SimpleXConfig
+from lightning_sdp.models.simplex.evaluation import batch_csr, rank_and_score
+from lightning_sdp.models.simplex.history import UserHistories
+from lightning_sdp.models.simplex.module import SimpleXModule
+
+__all__ = [
+    "FusedBackend",
+    "ReferenceBackend",
+    "SimpleXBackend",
+    "SimpleXConfig",
+    "SimpleXModule",
+    "UserHistories",
+    "batch_csr",
+    "make_backend",
+    "rank_and_score",
+]

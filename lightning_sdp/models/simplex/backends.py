@@ -1,0 +1,123 @@
+"""The two ways a :class:`SimpleXModule` trains: plain PyTorch (the reference) and HEAT's fused kernel.
+
+Each backend is one object that owns what differs between them: whether Lightning optimises automatically, what a
+training step does, how rows are projected and what the set-up must check. The module holds one and never
+switches on the backend's name.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_sdp.kernels import cf_reference as ref
+from lightning_sdp.models.simplex import kernel
+
+if TYPE_CHECKING:
+    from lightning_sdp.models.simplex.module import SimpleXModule
+
+
+class SimpleXBackend(ABC):
+    """What differs between the training paths of :class:`SimpleXModule`."""
+
+    name: ClassVar[str]
+    automatic_optimization: ClassVar[bool]
+
+    def setup(self, model: SimpleXModule, world_size: int) -> None:  # noqa: B027 (optional hook)
+        """Check that this backend can run in this set-up (called from the module's ``setup``)."""
+
+    @abstractmethod
+    def training_step(self, model: SimpleXModule, users: Tensor, items: Tensor) -> Tensor | None:
+        """Train on a batch of positives; return the loss for Lightning's optimiser or ``None`` if already applied."""
+
+    @abstractmethod
+    def project_rows(self, table: Tensor, norm: float) -> None:
+        """Rescale every row of ``table`` to L2 norm ``norm`` in place."""
+
+
+class ReferenceBackend(SimpleXBackend):
+    """Plain PyTorch: gather, aggregate, normalise, ``bmm``, autograd; Lightning's optimiser applies the update."""
+
+    name = "reference"
+    automatic_optimization = True
+
+    @override
+    def training_step(self, model: SimpleXModule, users: Tensor, items: Tensor) -> Tensor:
+        config = model.config
+        model.check_ids(users, items)
+        negatives = torch.randint(0, model.num_items, (len(users), config.num_negatives), generator=model.generator)
+        masks = None
+        if config.dropout > 0:  # drawn after the negatives, so runs without dropout keep their random stream
+            keep = torch.rand(len(users), config.dim, generator=model.generator) >= config.dropout
+            masks = keep.to(torch.float32) / (1.0 - config.dropout)
+        objective, per_sample = model.reference_loss(users, items, negatives, dropout_mask=masks)
+        model.log("train/loss", per_sample.mean().detach(), prog_bar=True)
+        return objective
+
+    @override
+    def project_rows(self, table: Tensor, norm: float) -> None:
+        ref.project_rows(table, norm)
+
+
+class FusedBackend(SimpleXBackend):
+    """HEAT's numba kernel: per-sample forward and backward, in-place lock-free updates (manual optimisation)."""
+
+    name = "fused"
+    automatic_optimization = False
+
+    @override
+    def setup(self, model: SimpleXModule, world_size: int) -> None:
+        if world_size > 1:
+            # the fused kernel updates rows in place, outside autograd, so no DDP hook would ever sync them
+            raise ValueError(
+                f"SimpleXModule(backend='fused') does not synchronise its tables across processes, but this run "
+                f"has {world_size} of them: use devices=1 (HEAT's threads already use every core of a node) or "
+                "backend='reference' for DDP."
+            )
+        from lightning_sdp._imports import require
+
+        require("numba", feature="SimpleXModule(backend='fused')")
+
+    @override
+    def training_step(self, model: SimpleXModule, users: Tensor, items: Tensor) -> None:
+        opt = model.optimizers()
+        lr = opt.param_groups[0]["lr"]
+        row_sums = None
+        if model.config.optimizer_name == "rowwise_adagrad":
+            inner = opt.optimizer
+            user_emb, item_emb = model.tables()
+            row_sums = (inner.row_sums(user_emb.weight), inner.row_sums(item_emb.weight))
+        losses = model.fused_step(users, items, lr, aggregator_lr=opt.param_groups[1]["lr"], row_sums=row_sums)
+        loss = float(losses.mean())
+        if not np.isfinite(loss):
+            raise FloatingPointError(
+                f"SimpleXModule: the fused kernel produced a non-finite loss at step {model.global_step}; "
+                f"lower lr (now {lr}) or raise init_std."
+            )
+        opt.step()  # no gradients: only advances Lightning's step counter (the kernel already updated the rows)
+        # manual optimisation: Lightning leaves stepping step-wise schedulers to the module
+        schedules = model.lr_schedulers() or []
+        for schedule in schedules if isinstance(schedules, list) else [schedules]:
+            schedule.step()
+        model.log("train/lr", lr)
+        model.log("train/loss", loss, prog_bar=True)
+        return None
+
+    @override
+    def project_rows(self, table: Tensor, norm: float) -> None:
+        kernel.project_rows(table, norm)  # one threaded pass per table instead of torch's two passes per batch
+
+
+BACKENDS: dict[str, type[SimpleXBackend]] = {"reference": ReferenceBackend, "fused": FusedBackend}
+
+
+def make_backend(name: str) -> SimpleXBackend:
+    """The backend object called ``name`` (``"reference"`` or ``"fused"``)."""
+    if name not in BACKENDS:
+        raise ValueError(f"SimpleXModule: backend must be 'fused' or 'reference', got {name!r}.")
+    return BACKENDS[name]()

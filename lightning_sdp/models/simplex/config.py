@@ -1,0 +1,120 @@
+"""The settings of :class:`~lightning_sdp.models.simplex.SimpleXModule`, validated once and with defaults resolved."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+Aggregator = Literal["mean", "user_attention", "self_attention"]
+Backend = Literal["fused", "reference"]
+Optimizer = Literal["auto", "adam", "sgd", "rowwise_adagrad"]
+
+_DEFAULT_LR = {"adam": 1e-4, "sgd": 0.05, "rowwise_adagrad": 0.1}
+
+
+@dataclass(frozen=True)
+class SimpleXConfig:
+    """Every argument of :class:`~lightning_sdp.models.simplex.SimpleXModule` (see its docstring for each one).
+
+    Construction validates the values and raises a ``ValueError`` that names the argument; :attr:`optimizer_name`,
+    :attr:`learning_rate` and :attr:`initial_std` resolve the ``"auto"`` / ``None`` defaults, which depend on the
+    backend.
+    """
+
+    num_users: int | None = None
+    num_items: int | None = None
+    dim: int = 64
+    g: float = 1.0
+    aggregator: Aggregator = "mean"
+    margin: float = 0.9
+    negative_weight: float = 150.0
+    num_negatives: int = 64
+    max_history: int = 100
+    backend: Backend = "fused"
+    optimizer: Optimizer = "auto"
+    lr: float | None = None
+    adagrad_eps: float = 1e-8
+    lr_schedule: Literal["constant", "linear"] = "constant"
+    row_norm: float | None = None
+    weight_decay: float = 0.0
+    init_std: float | None = None
+    sampler: Literal["uniform", "tile"] = "uniform"
+    tile_size: int = 512
+    tile_refresh: int = 2048
+    v_sync: int = 32
+    aggregator_lr_scale: float = 1.0
+    aggregator_weight_decay: float = 0.0
+    dropout: float = 0.0
+    k: int = 20
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def fail(message: str) -> None:
+            raise ValueError(f"SimpleXModule: {message}")
+
+        if self.backend not in ("fused", "reference"):
+            fail(f"backend must be 'fused' or 'reference', got {self.backend!r}.")
+        if self.aggregator not in ("mean", "user_attention", "self_attention"):
+            fail(f"aggregator must be 'mean', 'user_attention' or 'self_attention', got {self.aggregator!r}.")
+        if not 0.0 <= self.g <= 1.0:
+            fail(f"the gate g must be in [0, 1], got {self.g}.")
+        if self.dim <= 0 or self.num_negatives <= 0 or self.max_history < 0 or self.k <= 0:
+            fail(
+                f"dim, num_negatives and k must be positive and max_history >= 0; got dim={self.dim}, "
+                f"num_negatives={self.num_negatives}, max_history={self.max_history}, k={self.k}."
+            )
+        if self.optimizer not in ("auto", "adam", "sgd", "rowwise_adagrad"):
+            fail(f"optimizer must be 'auto', 'adam', 'sgd' or 'rowwise_adagrad', got {self.optimizer!r}.")
+        if self.backend == "fused" and self.optimizer_name == "adam":
+            fail(
+                "the fused backend updates rows in place per sample; use optimizer='sgd' or 'rowwise_adagrad' "
+                "(Adam's per-coordinate state is not kept by the kernel)."
+            )
+        if self.lr_schedule not in ("constant", "linear"):
+            fail(f"lr_schedule must be 'constant' or 'linear', got {self.lr_schedule!r}.")
+        if self.row_norm is not None and not self.row_norm > 0:
+            fail(f"row_norm must be positive or None, got {self.row_norm}.")
+        if self.adagrad_eps <= 0:
+            fail(f"adagrad_eps must be positive, got {self.adagrad_eps}.")
+        if self.sampler not in ("uniform", "tile"):
+            fail(f"sampler must be 'uniform' or 'tile', got {self.sampler!r}.")
+        if self.sampler == "tile" and self.backend != "fused":
+            fail("the tile sampler is part of the fused kernel; use backend='fused'.")
+        if self.sampler == "tile" and (self.tile_size <= 0 or self.tile_refresh <= 0):
+            fail(f"tile_size and tile_refresh must be positive, got {self.tile_size}, {self.tile_refresh}.")
+        if self.aggregator_lr_scale < 0:
+            fail(f"aggregator_lr_scale must be >= 0, got {self.aggregator_lr_scale}.")
+        if self.aggregator_weight_decay < 0:
+            fail(f"aggregator_weight_decay must be >= 0, got {self.aggregator_weight_decay}.")
+        if self.v_sync <= 0:
+            fail(f"v_sync must be positive, got {self.v_sync}.")
+        if not 0.0 <= self.dropout < 1.0:
+            fail(f"dropout must be in [0, 1), got {self.dropout}.")
+
+    @property
+    def optimizer_name(self) -> str:
+        """The optimiser actually used: ``"auto"`` is Adam for the reference backend and SGD for the fused one."""
+        if self.optimizer != "auto":
+            return self.optimizer
+        return "adam" if self.backend == "reference" else "sgd"
+
+    @property
+    def learning_rate(self) -> float:
+        """``lr``, or the optimiser's default (Adam 1e-4 as in SimpleX, SGD 0.05, row-wise Adagrad 0.1)."""
+        return self.lr if self.lr is not None else _DEFAULT_LR[self.optimizer_name]
+
+    @property
+    def initial_std(self) -> float:
+        """``init_std``, or 1e-4 for Adam (the SimpleX setting) and 0.1 for the per-sample optimisers."""
+        if self.init_std is not None:
+            return self.init_std
+        return 1e-4 if self.optimizer_name == "adam" else 0.1
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether the user vector aggregates the history (``g < 1``, SimpleX) or is the user row (MF-CCL)."""
+        return self.g < 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The arguments as a plain dict (for ``save_hyperparameters`` and logs)."""
+        return asdict(self)

@@ -1,0 +1,483 @@
+"""SimpleX / MF-CCL collaborative filtering as a LightningModule, with HEAT's fused CPU kernel as fast path.
+
+Papers: Mao et al., "SimpleX: A Simple and Strong Baseline for Collaborative Filtering" (CIKM 2021) and Zhang et
+al., "HEAT: A Highly Efficient and Affordable Training System for Collaborative Filtering Based Recommendation on
+CPUs" (ICS 2023). ``backend="reference"`` is plain PyTorch (gather, normalise, ``bmm``, autograd, Adam): the
+baseline and the ground truth. ``backend="fused"`` runs HEAT's numba kernel (:mod:`lightning_sdp.kernels.cf_numba`):
+per-sample fused forward and backward, lock-free in-place SGD on the touched rows, negatives sampled inside the
+kernel. Both share the data module, the metrics and the checkpoint format (the same parameter names).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_sdp.kernels import cf_reference as ref
+from lightning_sdp.metrics import NDCGAtK, RecallAtK
+from lightning_sdp.models.simplex import kernel
+from lightning_sdp.models.simplex.backends import make_backend
+from lightning_sdp.models.simplex.config import Aggregator, Backend, Optimizer, SimpleXConfig
+from lightning_sdp.models.simplex.evaluation import batch_csr, rank_and_score
+from lightning_sdp.models.simplex.history import UserHistories
+from lightning_sdp.schedules import LinearDecay
+
+
+class SimpleXModule(LightningModule):
+    """SimpleX (behaviour aggregator with gate ``g``) and MF-CCL (``g = 1``) trained with the cosine contrastive loss.
+
+    Loss per positive ``(u, i)`` with ``n`` uniform negatives: ``relu(1 - cos(p_u, e_i)) + (w / n) sum_j
+    relu(cos(p_u, e_j) - m)``, with ``p_u = g e_u + (1 - g) V h_u`` and ``h_u`` the aggregated history ``H_u \\ {i}``
+    (the user's training items capped at ``max_history``, a fixed seeded subset).
+
+    Args:
+        num_users: rows of the user table; ``None`` takes it from the datamodule at ``setup``. Default ``None``.
+        num_items: rows of the item table; ``None`` takes it from the datamodule. Default ``None``.
+        dim: embedding dimension ``d``. Default 64.
+        g: gate between the user row and the aggregated history; ``1.0`` is MF-CCL. SimpleX uses 0.8. Default 1.0.
+        aggregator: SimpleX's behaviour aggregator (the official ``BehaviorAggregator``): ``"mean"`` (``h = mean_k
+            e_k``), ``"user_attention"`` (``h = sum_k a_k e_k``, ``a = softmax_k(e_u . tanh(W_k e_k + b_k))``) or
+            ``"self_attention"`` (the same with a learned query ``q`` instead of ``e_u``). ``W_k`` is initialised
+            xavier-normal, ``b_k`` zero and ``q`` xavier-normal, as the official code does; they train with ``V``'s
+            learning rate. Default ``"mean"``.
+        margin: negative margin ``m``. Default 0.9.
+        negative_weight: ``w``, the weight of the negative term. Default 150.
+        num_negatives: ``n`` uniform negatives per positive, drawn with replacement. Default 64.
+        max_history: cap on the history length ``|H_u|``. Default 100.
+        backend: ``"fused"`` (HEAT numba kernel, needs the ``cpu`` extra) or ``"reference"`` (plain PyTorch).
+            Default ``"fused"``.
+        optimizer: ``"auto"`` (Adam for the reference backend, SGD for fused), ``"adam"`` (reference only),
+            ``"sgd"`` or ``"rowwise_adagrad"`` (one Adagrad accumulator per table row, so rows stay independent).
+            The fused kernel applies the update per sample (Hogwild); the reference applies it per batch to the mean
+            loss. The aggregator parameters always get plain SGD except under Adam. Default ``"auto"``.
+        lr: learning rate; ``None`` gives 1e-4 for Adam (the SimpleX setting), 0.05 for SGD and 0.1 for row-wise
+            Adagrad. Default ``None``.
+        adagrad_eps: row-wise Adagrad's ``eps``. Default 1e-8.
+        lr_schedule: ``"constant"`` or ``"linear"`` (decay per step from ``lr`` to 0 over the whole fit,
+            ``trainer.estimated_stepping_batches``; set ``max_epochs``). Per-sample SGD on the scale-invariant cosine
+            loss keeps a noise floor at a constant rate; decaying it reaches a better optimum. Default ``"constant"``.
+        row_norm: after every training step, rescale every user and item row to this L2 norm (SGD projected onto a
+            sphere), or ``None`` to leave the norms free. The cosine loss does not depend on row norms, so this changes
+            only the optimiser's dynamics: a row's effective step stays ``lr / row_norm**2`` instead of shrinking as
+            the row grows (popular items grow fastest and would stop adapting). Default ``None``.
+        weight_decay: L2 on the touched user, positive and negative rows (each occurrence). Default 0.
+        init_std: standard deviation of the normal initialisation of the tables; ``None`` gives 1e-4 for Adam (the
+            SimpleX setting) and 0.1 for SGD (a cosine loss gives gradients ``~1/|e|``, so SGD needs rows that are
+            not tiny). Default ``None``.
+        sampler: ``"uniform"`` over all items or ``"tile"`` (HEAT: each thread draws from a tile of ``tile_size``
+            items redrawn every ``tile_refresh`` samples); the tile sampler exists only in the fused backend.
+        tile_size: items per tile. Default 512.
+        tile_refresh: samples between tile redraws. Default 2048.
+        v_sync: the fused kernel applies each thread's aggregator gradients every this many samples. Default 32.
+        aggregator_lr_scale: learning rate of the aggregator parameters (``V``, and ``W_k``, ``b_k``, ``q``)
+            relative to ``lr`` (both backends). They are shared by every sample, so per-sample SGD moves them far
+            more often than any embedding row; a smaller scale slows them down. Default 1.0.
+        aggregator_weight_decay: L2 on ``V`` per sample (both backends). With many negatives, per-sample SGD grows
+            ``V`` along history directions the items have since left, until it drowns the history term (Gowalla,
+            200 negatives: recall peaks then collapses); a small decay removes those stale directions. Default 0.
+        dropout: dropout rate on the user vector during training (SimpleX's ``net_dropout``). As in the official
+            code it applies to the cosine-normalised user vector, with inverted scaling ``1 / (1 - rate)``, before
+            the dot products with the items; never during evaluation. Default 0.
+        k: cut-off of the logged Recall@K / NDCG@K. Default 20.
+        seed: seed of the initialisation, the history subsets and the negative samplers. Default 0.
+    """
+
+    def __init__(
+        self,
+        num_users: int | None = None,
+        num_items: int | None = None,
+        dim: int = 64,
+        g: float = 1.0,
+        aggregator: Aggregator = "mean",
+        margin: float = 0.9,
+        negative_weight: float = 150.0,
+        num_negatives: int = 64,
+        max_history: int = 100,
+        backend: Backend = "fused",
+        optimizer: Optimizer = "auto",
+        lr: float | None = None,
+        adagrad_eps: float = 1e-8,
+        lr_schedule: Literal["constant", "linear"] = "constant",
+        row_norm: float | None = None,
+        weight_decay: float = 0.0,
+        init_std: float | None = None,
+        sampler: Literal["uniform", "tile"] = "uniform",
+        tile_size: int = 512,
+        tile_refresh: int = 2048,
+        v_sync: int = 32,
+        aggregator_lr_scale: float = 1.0,
+        aggregator_weight_decay: float = 0.0,
+        k: int = 20,
+        seed: int = 0,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.config = SimpleXConfig(
+            num_users=num_users, num_items=num_items, dim=dim, g=g, aggregator=aggregator, margin=margin,
+            negative_weight=negative_weight, num_negatives=num_negatives, max_history=max_history, backend=backend,
+            optimizer=optimizer, lr=lr, adagrad_eps=adagrad_eps, lr_schedule=lr_schedule, row_norm=row_norm,
+            weight_decay=weight_decay, init_std=init_std, sampler=sampler,
+            tile_size=tile_size, tile_refresh=tile_refresh, v_sync=v_sync, aggregator_lr_scale=aggregator_lr_scale,
+            aggregator_weight_decay=aggregator_weight_decay, dropout=dropout, k=k, seed=seed,
+        )
+        self.save_hyperparameters()
+        self.backend = make_backend(backend)
+        self.automatic_optimization = self.backend.automatic_optimization
+
+        self.user_embedding: nn.Embedding | None = None
+        self.item_embedding: nn.Embedding | None = None
+        self.aggregator = nn.Parameter(torch.eye(dim))
+        self._build_attention(dim, aggregator, seed)
+        # Fused-sampler state (buffers, so it is checkpointed); the reference backend keeps a torch.Generator.
+        seeds = np.random.SeedSequence(seed).generate_state(kernel.MAX_CHUNKS, dtype=np.uint64).view(np.int64)
+        self.register_buffer("sampler_rng", torch.from_numpy(seeds.copy()))
+        tile_width = tile_size if sampler == "tile" else 0
+        self.register_buffer("sampler_tiles", torch.zeros(kernel.MAX_CHUNKS, tile_width, dtype=torch.long))
+        self.register_buffer("sampler_tile_left", torch.zeros(kernel.MAX_CHUNKS, dtype=torch.long))
+        self.generator = torch.Generator().manual_seed(seed)
+        if num_users is not None and num_items is not None:
+            self._build_tables(num_users, num_items)
+
+        self._histories: UserHistories | None = None
+        self._item_normalized: Tensor | None = None
+        self._batch_start = 0.0
+        self.val_recall, self.val_ndcg = RecallAtK(k), NDCGAtK(k)
+        self.test_recall, self.test_ndcg = RecallAtK(k), NDCGAtK(k)
+
+    # ------------------------------------------------------------------------------------------------ set-up
+    def _build_attention(self, dim: int, aggregator: str, seed: int) -> None:
+        self.attention_weight: nn.Parameter | None = None
+        self.attention_bias: nn.Parameter | None = None
+        self.attention_query: nn.Parameter | None = None
+        if aggregator == "mean":
+            return
+        # Official SimpleX init: nn.Linear weights xavier-normal and biases 0; W_q (d x 1) xavier-normal. Their own
+        # generator keeps the tables' initialisation the same for every aggregator.
+        gen = torch.Generator().manual_seed(seed + 1)
+        self.attention_weight = nn.Parameter(torch.randn(dim, dim, generator=gen) * math.sqrt(2.0 / (dim + dim)))
+        self.attention_bias = nn.Parameter(torch.zeros(dim))
+        if aggregator == "self_attention":
+            self.attention_query = nn.Parameter(torch.randn(dim, generator=gen) * math.sqrt(2.0 / (dim + 1)))
+
+    def _build_tables(self, num_users: int, num_items: int) -> None:
+        if num_users <= 0 or num_items <= 0:
+            raise ValueError(f"SimpleXModule: num_users and num_items must be positive, got {num_users}, {num_items}.")
+        d = self.config.dim
+        gen = torch.Generator().manual_seed(self.config.seed)
+        self.user_embedding = nn.Embedding(num_users, d)
+        self.item_embedding = nn.Embedding(num_items, d)
+        with torch.no_grad():
+            self.user_embedding.weight.normal_(0.0, self.config.initial_std, generator=gen)
+            self.item_embedding.weight.normal_(0.0, self.config.initial_std, generator=gen)
+        self.hparams["num_users"], self.hparams["num_items"] = num_users, num_items
+
+    @property
+    def num_users(self) -> int:
+        return self.tables()[0].num_embeddings
+
+    @property
+    def num_items(self) -> int:
+        return self.tables()[1].num_embeddings
+
+    def tables(self) -> tuple[nn.Embedding, nn.Embedding]:
+        """The user and item embedding tables; raises if they do not exist yet."""
+        if self.user_embedding is None or self.item_embedding is None:
+            raise RuntimeError(
+                "SimpleXModule: the embedding tables do not exist yet; pass num_users/num_items or train with a "
+                "datamodule that has them (InteractionsDataModule)."
+            )
+        return self.user_embedding, self.item_embedding
+
+    def attention_parameters(self) -> list[nn.Parameter]:
+        """The learned parameters of an attention aggregator (``W_k``, ``b_k`` and ``q``); empty for the mean."""
+        return [p for p in (self.attention_weight, self.attention_bias, self.attention_query) if p is not None]
+
+    def histories(self) -> UserHistories:
+        """The training interactions and capped histories given by :meth:`set_interactions`."""
+        if self._histories is None:
+            raise RuntimeError("SimpleXModule: no training interactions; call set_interactions() or use a datamodule.")
+        return self._histories
+
+    def set_interactions(self, indptr: np.ndarray, indices: np.ndarray) -> None:
+        """Give the model the training interactions (CSR): histories and the items to mask when ranking.
+
+        Called from :meth:`setup` with the datamodule's ``train_csr()``; call it yourself when training without an
+        :class:`~lightning_sdp.datamodules.InteractionsDataModule`.
+
+        Args:
+            indptr: ``(num_users + 1,)`` offsets.
+            indices: item ids of each user's training items.
+        """
+        c = self.config
+        self._histories = UserHistories.from_csr(
+            indptr, indices, self.num_users, self.num_items, c.max_history, c.seed, padded=c.uses_history
+        )
+
+    @override
+    def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if dm is not None and hasattr(dm, "train_csr"):
+            if self.user_embedding is None:
+                self._build_tables(dm.num_users, dm.num_items)
+            elif (dm.num_users, dm.num_items) != (self.num_users, self.num_items):
+                raise ValueError(
+                    f"SimpleXModule: the model has {self.num_users} users x {self.num_items} items but the data has "
+                    f"{dm.num_users} x {dm.num_items}; set num_users/num_items to match (or leave them None)."
+                )
+            if self._histories is None:
+                csr = dm.train_csr
+                # a property on InteractionsDataModule; a method on datamodules written against the older form
+                self.set_interactions(*(csr if isinstance(csr, tuple) else csr()))
+        self.tables()
+        self.backend.setup(self, self.trainer.world_size if self._trainer is not None else 1)
+
+    @override
+    def configure_optimizers(self) -> Any:
+        optimizer = self._optimizer()
+        if self.config.lr_schedule == "constant":
+            return optimizer
+        total = self.trainer.estimated_stepping_batches
+        if not np.isfinite(total) or total <= 0:
+            raise ValueError(
+                "SimpleXModule(lr_schedule='linear') decays over the whole fit, so it needs a finite length: set "
+                f"Trainer(max_epochs=...) or max_steps (estimated_stepping_batches is {total})."
+            )
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, LinearDecay(int(total)))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        user_emb, item_emb = self.tables()
+        lr = self.config.learning_rate
+        groups: list[dict[str, Any]] = [
+            {"params": [user_emb.weight, item_emb.weight], "lr": lr},
+            {"params": [self.aggregator, *self.attention_parameters()], "lr": lr * self.config.aggregator_lr_scale},
+        ]
+        name = self.config.optimizer_name
+        if name == "adam":
+            return torch.optim.Adam(groups, lr=lr)
+        if name == "rowwise_adagrad":
+            groups[1]["rowwise"] = False  # the aggregator is shared by every sample: plain SGD, as in the kernel
+            return ref.RowWiseAdagrad(groups, lr=lr, eps=self.config.adagrad_eps)
+        # For the fused backend the optimiser only carries the learning rates (schedulers may change them); the
+        # kernel applies the updates itself.
+        return torch.optim.SGD(groups, lr=lr)
+
+    # ------------------------------------------------------------------------------------------------ training
+    def check_ids(self, users: Tensor, items: Tensor) -> None:
+        """Raise a ``ValueError`` if a user or item id is outside the tables."""
+        if users.numel() == 0:
+            return
+        if int(users.min()) < 0 or int(users.max()) >= self.num_users:
+            raise ValueError(
+                f"SimpleXModule: user ids must be in [0, {self.num_users}), got "
+                f"[{int(users.min())}, {int(users.max())}]."
+            )
+        if int(items.min()) < 0 or int(items.max()) >= self.num_items:
+            raise ValueError(
+                f"SimpleXModule: item ids must be in [0, {self.num_items}), got "
+                f"[{int(items.min())}, {int(items.max())}]."
+            )
+
+    def _padded_history(self) -> Tensor | None:
+        return self.histories().padded if self.config.uses_history else None
+
+    def reference_loss(
+        self, users: Tensor, items: Tensor, negatives: Tensor, reduction: str = "mean",
+        dropout_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Plain-PyTorch objective and per-sample contrastive loss of a batch with given negatives.
+
+        Args:
+            users: ``(B,)`` user ids.
+            items: ``(B,)`` positive item ids.
+            negatives: ``(B, n)`` negative item ids.
+            reduction: ``"mean"`` or ``"sum"`` of the objective over the batch.
+            dropout_mask: ``(B, dim)`` inverted-dropout mask on the normalised user vector, or ``None``.
+        """
+        user_emb, item_emb = self.tables()
+        c = self.config
+        return ref.simplex_loss(
+            user_emb.weight, item_emb.weight, self.aggregator, users, items, negatives, c.g, c.margin,
+            c.negative_weight, self._padded_history(), c.weight_decay, reduction, c.aggregator_weight_decay,
+            c.aggregator, self.attention_weight, self.attention_bias, self.attention_query, dropout_mask,
+        )
+
+    @torch.no_grad()
+    def fused_step(
+        self,
+        users: Tensor,
+        items: Tensor,
+        lr: float,
+        negatives: Tensor | None = None,
+        num_threads: int | None = None,
+        aggregator_lr: float | None = None,
+        row_sums: tuple[Tensor, Tensor] | None = None,
+        dropout_masks: Tensor | None = None,
+    ) -> Tensor:
+        """Run HEAT's fused kernel on a batch of positives, updating the parameters in place; returns per-sample losses.
+
+        Args:
+            users: ``(B,)`` user ids.
+            items: ``(B,)`` positive item ids.
+            lr: SGD learning rate.
+            negatives: ``(B, n)`` negatives to use instead of sampling inside the kernel (tests), or ``None``.
+            num_threads: parallel chunks; ``None`` uses numba's current thread count.
+            aggregator_lr: learning rate of the aggregator parameters; ``None`` gives ``lr * aggregator_lr_scale``.
+            row_sums: row-wise Adagrad accumulators ``(user_sums, item_sums)`` (float32, updated in place), or
+                ``None`` for plain SGD.
+            dropout_masks: ``(B, dim)`` dropout masks to use instead of drawing them inside the kernel (tests), or
+                ``None``.
+        """
+        return kernel.fused_step(self, users, items, lr, negatives, num_threads, aggregator_lr, row_sums, dropout_masks)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._batch_start = time.perf_counter()
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
+        users, items = batch
+        return self.backend.training_step(self, users, items)
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.config.row_norm is not None:  # after the update of both backends (automatic: after optimizer.step)
+            self.project_rows(self.config.row_norm)
+        elapsed = time.perf_counter() - self._batch_start
+        if elapsed > 0:
+            self.log("train/positives_per_sec", float(len(batch[0]) / elapsed))
+
+    @torch.no_grad()
+    def project_rows(self, norm: float) -> None:
+        """Rescale every user and item row to L2 norm ``norm`` in place (all-zero rows stay zero)."""
+        for table in self.tables():
+            self.backend.project_rows(table.weight, norm)
+
+    # ------------------------------------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def user_vectors(self, users: Tensor) -> Tensor:
+        """Evaluation user vectors (full capped history, nothing excluded, no dropout)."""
+        user_emb, item_emb = self.tables()
+        c = self.config
+        return ref.user_vectors(
+            user_emb.weight, item_emb.weight, self.aggregator, users, c.g, self._padded_history(), None,
+            c.aggregator, self.attention_weight, self.attention_bias, self.attention_query,
+        )
+
+    def _normalized_items(self) -> Tensor:
+        if self._item_normalized is not None:
+            return self._item_normalized
+        return F.normalize(self.tables()[1].weight.detach(), dim=-1, eps=1e-12)
+
+    @torch.no_grad()
+    def score(self, users: Tensor) -> Tensor:
+        """Cosine scores ``(B, num_items)`` of ``users`` against every item."""
+        return ref.normalized_scores(self.user_vectors(users), self._normalized_items())
+
+    @torch.no_grad()
+    def evaluate_batch(self, batch: dict[str, Tensor], recall: RecallAtK, ndcg: NDCGAtK) -> None:
+        """Rank every item for a batch of evaluation users and update ``recall`` and ``ndcg`` with it.
+
+        The items never to rank are the batch's ``known_indptr``/``known_items`` when it has them (the datamodule's
+        training items for validation, training + validation items for test), else the training interactions given
+        by :meth:`set_interactions`. Scores are streamed in item chunks (:func:`rank_and_score`), so memory is
+        bounded by the batch.
+
+        Args:
+            batch: ``{"users", "test_indptr", "test_items"}`` and optionally ``{"known_indptr", "known_items"}``.
+            recall: the Recall@K metric to update.
+            ndcg: the NDCG@K metric to update.
+        """
+        users = batch["users"]
+        if "known_indptr" in batch:
+            known = batch["known_indptr"], batch["known_items"]
+        else:
+            history = self.histories()
+            known = batch_csr(history.train_indptr, history.train_indices, users)
+        hits, num_relevant = rank_and_score(
+            self.user_vectors(users), self._normalized_items(), batch["test_indptr"], batch["test_items"], *known,
+            k=self.config.k,
+        )
+        recall.update(topk_hits=hits, num_relevant=num_relevant)
+        ndcg.update(topk_hits=hits, num_relevant=num_relevant)
+
+    def _log_eval(self, batch: dict[str, Tensor], recall: RecallAtK, ndcg: NDCGAtK, prefix: str) -> None:
+        self.evaluate_batch(batch, recall, ndcg)
+        k, size = self.config.k, len(batch["users"])
+        self.log(f"{prefix}/recall@{k}", recall, prog_bar=True, batch_size=size)
+        self.log(f"{prefix}/ndcg@{k}", ndcg, batch_size=size)
+
+    @override
+    def on_validation_epoch_start(self) -> None:
+        self._item_normalized = F.normalize(self.tables()[1].weight.detach(), dim=-1, eps=1e-12)
+
+    @override
+    def on_test_epoch_start(self) -> None:
+        self.on_validation_epoch_start()
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        self._item_normalized = None
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        self._item_normalized = None
+
+    @override
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._log_eval(batch, self.val_recall, self.val_ndcg, "val")
+
+    @override
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._log_eval(batch, self.test_recall, self.test_ndcg, "test")
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["simplex"] = {"generator_state": self.generator.get_state(), "backend": self.backend.name}
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("state_dict", {})
+        expected = {
+            "user_embedding.weight": None if self.user_embedding is None else tuple(self.user_embedding.weight.shape),
+            "item_embedding.weight": None if self.item_embedding is None else tuple(self.item_embedding.weight.shape),
+            "aggregator": tuple(self.aggregator.shape),
+            "sampler_tiles": tuple(self.sampler_tiles.shape),
+        }
+        expected.update({name: tuple(p.shape) for name, p in self.named_parameters() if name.startswith("attention_")})
+        for name, shape in expected.items():
+            if name not in state:
+                raise ValueError(
+                    f"SimpleXModule: the checkpoint has no {name!r}; it is not a checkpoint of this configuration "
+                    f"(aggregator={self.config.aggregator!r}). Build the model with the checkpoint's settings."
+                )
+            got = tuple(state[name].shape)
+            if shape is None and name in ("user_embedding.weight", "item_embedding.weight"):
+                continue
+            if got != shape:
+                raise ValueError(
+                    f"SimpleXModule: checkpoint {name!r} has shape {got} but this model has {shape}; the checkpoint "
+                    "comes from a different configuration (num_users, num_items, dim or tile_size). Build the model "
+                    "with the checkpoint's settings."
+                )
+        extra_attention = sorted(n for n in state if n.startswith("attention_") and n not in expected)
+        if extra_attention:
+            raise ValueError(
+                f"SimpleXModule: the checkpoint has attention parameters {extra_attention} but this model uses "
+                f"aggregator={self.config.aggregator!r}; build it with the checkpoint's aggregator."
+            )
+        if self.user_embedding is None:
+            u, i = state["user_embedding.weight"].shape[0], state["item_embedding.weight"].shape[0]
+            self._build_tables(u, i)
+        extra = checkpoint.get("simplex")
+        if extra is not None:
+            self.generator.set_state(extra["generator_state"])

@@ -373,8 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         procs = [cluster.popen(r, cluster.substitute(command, r)) for r in range(args.nodes)]
         codes = cluster.wait(procs, timeout=args.timeout)
         wall = time.perf_counter() - t0
-        sent = [b - a for a, b in zip(before, cluster.tx_bytes())]
-    for r, (code, nbytes) in enumerate(zip(codes, sent)):
+        sent = [b - a for a, b in zip(before, cluster.tx_bytes(), strict=True)]
+    for r, (code, nbytes) in enumerate(zip(codes, sent, strict=True)):
         print(f"[emulated_cluster] node {r}: exit {code}, sent {nbytes} bytes "
               f"({8 * nbytes / max(wall, 1e-9) / 1e6:.1f} Mbit/s over {wall:.1f} s)")  # fmt: skip
     return next((c for c in codes if c != 0), 0)

@@ -4,12 +4,13 @@ Every configuration (weight x gradient compression) trains the same model from t
 same data order for the same number of steps; the script reports the final validation loss and its gap to the
 uncompressed baseline (``none/none``), the bits per element measured on the wire for each collective, the bytes
 per step, the qWD reference drift over the run, and the relative quantisation error of qWD versus direct 4-bit
-weight quantisation (qW) on the real weights of the run. Writes ``benchmarks/results/sdp4bit_convergence.{json,md,png}``.
+weight quantisation (qW) on the real weights of the run. Writes
+``benchmarks/results/sdp4bit_convergence.{json,md,png}``.
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/sdp4bit_convergence.py            # 7 configurations x 300 steps
-    .venv/bin/python benchmarks/sdp4bit_convergence.py --quick    # smoke run (a few steps)
+    .venv/bin/python -m benchmarks.sdp4bit_convergence            # 7 configurations x 300 steps
+    .venv/bin/python -m benchmarks.sdp4bit_convergence --quick    # smoke run (a few steps)
 
 All configurations run inside one launch of 4 processes (process start-up is slow on a loaded 2-core machine).
 """
@@ -19,16 +20,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
-import sys
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks._common import SHARED_DATA, markdown_table, write_results  # noqa: E402
+from benchmarks._common import SHARED_DATA, free_port, markdown_table, write_results
 
 CONFIGS = [
     ("none", "none"),
@@ -41,12 +39,6 @@ CONFIGS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _recorder(strategy: Any, every: int) -> Any:
     """A callback recording the global train loss, the qWD drift and the qW-vs-qWD error on the real weights."""
     import torch
@@ -54,6 +46,7 @@ def _recorder(strategy: Any, every: int) -> Any:
     from lightning.pytorch import Callback
 
     from lightning_sdp.kernels import quantization as q
+    from lightning_sdp.kernels.quantization import QuantFormat
 
     class Recorder(Callback):
         def __init__(self) -> None:
@@ -79,9 +72,9 @@ def _recorder(strategy: Any, every: int) -> Any:
             for buckets in strategy._buckets.values():
                 for b in buckets:
                     w = b.full_master()
-                    g = strategy.weight_group_size
-                    wp = torch.nn.functional.pad(w, (0, (-w.numel()) % g))  # zero padding: same groups as qW
-                    qw = q.decode(*q.encode(wp, 4, g, "nearest"), 4, g)[: w.numel()]
+                    fmt = QuantFormat(4, strategy.weight_group_size)
+                    wp = torch.nn.functional.pad(w, (0, (-w.numel()) % fmt.group_size))  # same groups as qW
+                    qw = q.decode(*q.encode(wp, fmt, "nearest"), fmt)[: w.numel()]
                     sq[0] += (qw - w).double().pow(2).sum()
                     sq[1] += (b.model_flat.float() - w).double().pow(2).sum()
                     sq[2] += w.double().pow(2).sum()
@@ -155,7 +148,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, configs:
                 print(f"[sdp4bit] {weights}/{grads} seed {seed}: val {recorder.val[-1][1]:.4f} in {wall:.0f}s",
                       flush=True)  # fmt: skip
         queue.put(("done", rank))
-    except BaseException:  # noqa: BLE001
+    except BaseException:  # report every failure to the parent
         queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
 
 
@@ -167,7 +160,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         configs += [(args.seed + extra, w, g) for w, g in (("none", "none"), ("qwd", "tlq_hs"))]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, args.world, port, args, configs, queue))
         for r in range(args.world)
@@ -260,7 +253,7 @@ def summarise(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[
     return payload, "\n".join(md), fig
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=str(SHARED_DATA / "tinyshakespeare" / "input.txt"))
     parser.add_argument("--steps", type=int, default=300)
@@ -282,7 +275,7 @@ def main() -> None:
         "--name", default="sdp4bit_convergence", help="stem of the files in benchmarks/results/"
     )
     parser.add_argument("--quick", action="store_true", help="tiny smoke run; writes <name>_quick.*")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.val_every, args.val_batches, args.n_embd, args.n_layer = 12, 6, 2, 32, 1
         args.warmup = 2

@@ -6,8 +6,8 @@ default) and reports the achieved bandwidth, counted as bytes read + written, ne
 bandwidth (``torch.Tensor.copy_`` of an fp32 buffer). The issue's target: at least half of the copy bandwidth.
 Writes ``benchmarks/results/sdp4bit_kernels.{json,md}``.
 
-    .venv/bin/python benchmarks/sdp4bit_kernels.py                 # on a GPU
-    TRITON_INTERPRET=1 .venv/bin/python benchmarks/sdp4bit_kernels.py --quick   # CPU smoke run of the script only
+    .venv/bin/python -m benchmarks.sdp4bit_kernels                 # on a GPU
+    TRITON_INTERPRET=1 .venv/bin/python -m benchmarks.sdp4bit_kernels --quick   # CPU smoke run of the script only
 
 ``--quick`` uses a few thousand elements (the CPU interpreter is slow) and writes ``sdp4bit_kernels_quick.*``;
 its timings say nothing about a GPU.
@@ -16,16 +16,12 @@ its timings say nothing about a GPU.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks._common import machine_info, markdown_table, write_results  # noqa: E402
+from benchmarks._common import machine_info, markdown_table, write_results
 
 
 def _time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -40,15 +36,16 @@ def _time(fn: Callable[[], object], device: torch.device, repeats: int) -> float
     return (time.perf_counter() - t0) / repeats
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=int, default=64 * 2**20)
     parser.add_argument("--peers", type=int, default=2, help="K contributions summed by the receive kernels")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from lightning_sdp.kernels import quantization as ref
     from lightning_sdp.kernels import triton_quant as tq
+    from lightning_sdp.kernels.quantization import QuantFormat, RoundingSource
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.quick:
@@ -56,8 +53,9 @@ def main() -> None:
             "No CUDA device: run with --quick (under TRITON_INTERPRET=1) to smoke-test the script only."
         )
     if args.quick:
-        args.numel, args.repeats = 8 * 2048, 2
-    n, k, gw, gg = args.numel, args.peers, 2048, 128
+        args.numel, args.repeats = 2 * 2048, 1
+    n, k = args.numel, args.peers
+    w4, g4, g8 = QuantFormat(4, 2048), QuantFormat(4, 128), QuantFormat(8, 128)
     g = torch.Generator(device=device).manual_seed(0)
     master = torch.randn(n, device=device, generator=g)
     model = master + 0.01 * torch.randn(n, device=device, generator=g)
@@ -67,46 +65,51 @@ def main() -> None:
     # correctness on a slice (reference is slow on big inputs)
     m = min(n, 2**20)
     checks = {}
-    a = tq.encode(master[:m], 4, gw, noise=noise[:m], reference=model[:m])
-    b = ref.quantize_difference(master[:m], model[:m], 4, gw, noise=noise[:m])
+    u = RoundingSource(noise=noise[:m])
+    a = tq.encode(master[:m], w4, u, reference=model[:m])
+    b = ref.quantize_difference(master[:m], model[:m], w4, u)
     checks["subtract+quantise (qWD, 4-bit)"] = bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
     tgt = model[:m].clone()
     checks["dequantise+add"] = bool(
-        torch.equal(tq.dequantize_add_(tgt.clone(), *b, 4, gw), ref.dequantize_add_(tgt.clone(), *b, 4, gw))
+        torch.equal(tq.dequantize_add_(tgt.clone(), *b, w4), ref.dequantize_add_(tgt.clone(), *b, w4))
     )
-    ha = tq.encode(grad[:m], 8, gg, noise=noise[:m], hadamard_size=32)
-    hb = ref.hadamard_quantize(grad[:m], 8, gg, 32, noise=noise[:m])
+    ha = tq.encode(grad[:m], g8, u, hadamard_size=32)
+    hb = ref.hadamard_quantize(grad[:m], g8, 32, u)
     diff = (ha[0].view(torch.int8).int() - hb[0].view(torch.int8).int()).abs()
     checks["Hadamard+quantise (8-bit)"] = bool(diff.max() <= 1 and (diff > 0).float().mean() < 1e-3)
-    rows8 = torch.stack([ref.encode(grad[:m].roll(i), 8, gg, "nearest")[0] for i in range(k)])
-    sc8 = torch.stack([ref.encode(grad[:m].roll(i), 8, gg, "nearest")[1] for i in range(k)])
-    r1 = tq.dequantize_sum_requantize(rows8, sc8, 8, gg, 4, gg, noise=noise[:m])
-    r2 = ref.dequantize_sum_requantize(rows8, sc8, 8, gg, 4, gg, noise=noise[:m])
+    rows8 = torch.stack([ref.encode(grad[:m].roll(i), g8, "nearest")[0] for i in range(k)])
+    sc8 = torch.stack([ref.encode(grad[:m].roll(i), g8, "nearest")[1] for i in range(k)])
+    r1 = tq.dequantize_sum_requantize(rows8, sc8, g8, g4, u)
+    r2 = ref.dequantize_sum_requantize(rows8, sc8, g8, g4, u)
     checks["dequantise+sum+requantise (8->4)"] = bool(torch.equal(r1[0], r2[0]) and torch.equal(r1[1], r2[1]))
     rows4 = torch.stack([r1[0]] * k)
     sc4 = torch.stack([r1[1]] * k)
     checks["dequantise+sum+inverse Hadamard"] = bool(
-        torch.allclose(tq.dequantize_sum_hadamard(rows4, sc4, 4, gg, 32), ref.dequantize_sum_hadamard(rows4, sc4, 4, gg, 32), rtol=1e-5, atol=1e-5)
+        torch.allclose(tq.dequantize_sum_hadamard(rows4, sc4, g4, 32), ref.dequantize_sum_hadamard(rows4, sc4, g4, 32),
+                       rtol=1e-5, atol=1e-5)
     )  # fmt: skip
 
-    # bandwidth at n elements: bytes read + written per call
-    p4, s4 = tq.encode(master, 4, gw, reference=model)
-    p8 = torch.stack([tq.encode(grad.roll(i), 8, gg, hadamard_size=32)[0] for i in range(k)])
-    s8 = torch.stack([tq.encode(grad.roll(i), 8, gg, hadamard_size=32)[1] for i in range(k)])
-    q4, t4 = tq.dequantize_sum_requantize(p8, s8, 8, gg, 4, gg)
+    # bandwidth at n elements: bytes read + written per call (in-kernel stochastic rounding, as in training)
+    p4, s4 = tq.encode(master, w4, reference=model)
+    p8 = torch.stack([tq.encode(grad.roll(i), g8, hadamard_size=32)[0] for i in range(k)])
+    s8 = torch.stack([tq.encode(grad.roll(i), g8, hadamard_size=32)[1] for i in range(k)])
+    q4, t4 = tq.dequantize_sum_requantize(p8, s8, g8, g4)
     q4k, t4k = torch.stack([q4] * k), torch.stack([t4] * k)
     target = model.clone()
     copy_dst = torch.empty_like(master)
+    gw, gg = w4.group_size, g8.group_size
     cases = {
         "copy fp32 (baseline)": (lambda: copy_dst.copy_(master), 8 * n),
-        "subtract+quantise (qWD, 4-bit)": (lambda: tq.encode(master, 4, gw, reference=model), 8 * n + n // 2 + 4 * n // gw),
-        "dequantise+add (4-bit)": (lambda: tq.dequantize_add_(target, p4, s4, 4, gw), n // 2 + 4 * n // gw + 8 * n),
-        "Hadamard+quantise (8-bit)": (lambda: tq.encode(grad, 8, gg, hadamard_size=32), 4 * n + n + 4 * n // gg),
+        "subtract+quantise (qWD, 4-bit)": (
+            lambda: tq.encode(master, w4, reference=model), 8 * n + n // 2 + 4 * n // gw
+        ),
+        "dequantise+add (4-bit)": (lambda: tq.dequantize_add_(target, p4, s4, w4), n // 2 + 4 * n // gw + 8 * n),
+        "Hadamard+quantise (8-bit)": (lambda: tq.encode(grad, g8, hadamard_size=32), 4 * n + n + 4 * n // gg),
         f"dequantise {k}+sum+requantise (8->4)": (
-            lambda: tq.dequantize_sum_requantize(p8, s8, 8, gg, 4, gg), k * (n + 4 * n // gg) + n // 2 + 4 * n // gg
+            lambda: tq.dequantize_sum_requantize(p8, s8, g8, g4), k * (n + 4 * n // gg) + n // 2 + 4 * n // gg
         ),
         f"dequantise {k}+sum+inverse Hadamard (4-bit)": (
-            lambda: tq.dequantize_sum_hadamard(q4k, t4k, 4, gg, 32), k * (n // 2 + 4 * n // gg) + 4 * n
+            lambda: tq.dequantize_sum_hadamard(q4k, t4k, g4, 32), k * (n // 2 + 4 * n // gg) + 4 * n
         ),
     }  # fmt: skip
     rows = []
@@ -115,8 +118,9 @@ def main() -> None:
         sec = _time(fn, device, args.repeats)
         bw = nbytes / sec / 1e9
         copy_bw = copy_bw or bw
+        verdict = "baseline" if name.startswith("copy") else ("yes" if bw / copy_bw >= 0.5 else "NO")
         rows.append({"kernel": name, "ms": 1e3 * sec, "GB/s": bw, "fraction of copy bandwidth": bw / copy_bw,
-                     "target >= 0.5": "baseline" if name.startswith("copy") else ("yes" if bw / copy_bw >= 0.5 else "NO")})  # fmt: skip
+                     "target >= 0.5": verdict})  # fmt: skip
     md = [
         f"# SDP4Bit fused kernels ({device.type}, {n} elements, K={k})",
         "",

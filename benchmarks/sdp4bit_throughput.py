@@ -36,21 +36,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks._common import SHARED_DATA, machine_info, markdown_table, write_results  # noqa: E402
+from benchmarks._common import SHARED_DATA, StepTimer, free_port, machine_info, markdown_table, write_results
 
 METHODS = [
     "ddp",
@@ -91,7 +88,7 @@ def _build(method: str, args: argparse.Namespace, vocab_size: int) -> tuple[Any,
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    from lightning_sdp.models.gpt import GPT, _CosineWithWarmup
+    from lightning_sdp.models.gpt import GPT
 
     timeout = timedelta(seconds=args.pg_timeout)
     hp = dict(
@@ -120,14 +117,13 @@ def _build(method: str, args: argparse.Namespace, vocab_size: int) -> tuple[Any,
 
         class ZeroGPT(GPT):
             def configure_optimizers(self) -> Any:
-                h = self.hparams
-                params = [p for p in self.parameters() if p.requires_grad]
+                # GPT's own AdamW param groups and LR schedule, with the AdamW state sharded by ZeRO
+                config = super().configure_optimizers()
+                plain, schedule = config["optimizer"], config["lr_scheduler"]["scheduler"].lr_lambdas[0]
                 optimizer = ZeroRedundancyOptimizer(
-                    [{"params": [p for p in params if p.dim() >= 2], "weight_decay": h.weight_decay},
-                     {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                    optimizer_class=torch.optim.AdamW, lr=h.learning_rate, betas=tuple(h.betas),
+                    [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in plain.param_groups],
+                    optimizer_class=torch.optim.AdamW, lr=plain.defaults["lr"], betas=plain.defaults["betas"],
                 )  # fmt: skip
-                schedule = _CosineWithWarmup(h.warmup_steps, max(h.max_steps, 1), h.min_lr_ratio)
                 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
                 return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -180,34 +176,33 @@ def _expected_node_egress(per_rank: list[dict[str, float]]) -> float:
     return sum(r.get("grad_inter", 0.0) for r in per_rank) + weight
 
 
-def _meter(args: argparse.Namespace, strategy: Any, local_rank: int) -> Any:
-    import time as _time
+class _Meter(StepTimer):
+    """Step times (``StepTimer``), the rank's training losses, and the byte counters at the timed window's ends.
 
-    from lightning.pytorch import Callback
+    Args:
+        warmup: the counters are read at the end of step ``warmup`` ("start") and of the last step ("end").
+        strategy: the run's strategy (SDP4Bit's accounting is read when it has one).
+        ifname: this node's shaped interface, read by its local rank 0 (``None`` outside the emulated cluster).
+    """
 
-    from benchmarks.emulated_cluster import read_tx_bytes
+    def __init__(self, warmup: int, strategy: Any, ifname: str | None) -> None:
+        super().__init__()
+        self.warmup, self.strategy, self.ifname = warmup, strategy, ifname
+        self.losses: list[float] = []
+        self.marks: dict[str, tuple[int | None, dict[str, float] | None]] = {}
 
-    ifname = os.environ.get("EMULATED_CLUSTER_IFNAME")
+    def _mark(self, name: str) -> None:
+        from benchmarks.emulated_cluster import read_tx_bytes
 
-    class Meter(Callback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self.losses: list[float] = []
-            self.marks: dict[str, tuple[int | None, float | None]] = {}
+        self.marks[name] = (read_tx_bytes(self.ifname) if self.ifname else None, _sdp4bit_bytes(self.strategy))
 
-        def _mark(self, name: str) -> None:
-            tx = read_tx_bytes(ifname) if ifname and local_rank == 0 else None
-            self.marks[name] = (tx, _sdp4bit_bytes(strategy))
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            self.times.append(_time.perf_counter())
-            self.losses.append(float(outputs["loss"]))
-            if trainer.global_step == args.warmup:
-                self._mark("start")
-            if trainer.global_step == trainer.max_steps:
-                self._mark("end")
-
-    return Meter()
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.losses.append(float(outputs["loss"]))
+        if trainer.global_step == self.warmup:
+            self._mark("start")
+        if trainer.global_step == trainer.max_steps:
+            self._mark("end")
 
 
 def _run_method(method: str, bandwidth: float, steps: int, validate: bool, args: argparse.Namespace) -> dict:
@@ -221,7 +216,8 @@ def _run_method(method: str, bandwidth: float, steps: int, validate: bool, args:
     dm.setup("fit")
     model, strategy = _build(method, args, dm.vocab_size)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    meter = _meter(args, strategy, local_rank)
+    ifname = os.environ.get("EMULATED_CLUSTER_IFNAME")
+    meter = _Meter(args.warmup, strategy, ifname if local_rank == 0 else None)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=args.nproc, num_nodes=args.nodes, max_steps=steps,
         limit_val_batches=args.val_batches if validate else 0, val_check_interval=steps,
@@ -232,7 +228,8 @@ def _run_method(method: str, bandwidth: float, steps: int, validate: bool, args:
     trainer.fit(model, dm)
     wall = time.perf_counter() - t0
     val = float(trainer.callback_metrics["val/loss"]) if validate and "val/loss" in trainer.callback_metrics else None
-    durations = [b - a for a, b in zip(meter.times[args.warmup - 1 :], meter.times[args.warmup :])]
+    # end-to-end intervals of the steps after the warm-up (each holds a whole step, its communication included)
+    durations = [b - a for a, b in zip(meter.ends[args.warmup - 1 :], meter.ends[args.warmup :], strict=False)]
     mine = {"marks": meter.marks, "rank": dist.get_rank(), "local_rank": local_rank,
             "node": int(os.environ.get("GROUP_RANK", os.environ.get("EMULATED_CLUSTER_NODE", "0")))}  # fmt: skip
     everyone: list[Any] = [None] * dist.get_world_size()
@@ -288,7 +285,7 @@ def worker(args: argparse.Namespace) -> None:
             steps = args.steps if quality else args.timing_steps
             try:
                 result = _run_method(method, bandwidth, steps, quality, args)
-            except Exception as err:  # noqa: BLE001 - recorded in the results, the sweep goes on
+            except Exception as err:  # recorded in the results, the sweep goes on
                 result = {"method": method, "bandwidth_mbit": bandwidth, "error": f"{type(err).__name__}: {err}",
                           "traceback": traceback.format_exc()}  # fmt: skip
                 print(f"[rank {rank}] {method} @ {bandwidth:g} Mbit/s failed:\n{result['traceback']}", flush=True)
@@ -305,12 +302,6 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ driver side
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Build the emulated cluster, run the sweep in one torchrun launch per node, return the result rows."""
     from benchmarks.emulated_cluster import EmulatedCluster, require_root
@@ -326,7 +317,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
            "PYTHONUNBUFFERED": "1"}  # fmt: skip
     with EmulatedCluster(nodes=args.nodes) as cluster:
-        procs = cluster.torchrun(target, nproc_per_node=args.nproc, master_port=_free_port(), env=env,
+        procs = cluster.torchrun(target, nproc_per_node=args.nproc, master_port=free_port(), env=env,
                                  cwd=str(Path(__file__).resolve().parents[1]))  # fmt: skip
         codes = cluster.wait(procs)
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
@@ -480,8 +471,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main() -> None:
-    args = _parser().parse_args()
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     if args.quick:
         args.bandwidths = args.bandwidths or QUICK_BANDWIDTHS
         args.methods = args.methods or QUICK_METHODS

@@ -14,22 +14,18 @@ and ``qwd/tlq_hs`` aligned (the default now). Writes ``benchmarks/results/sdp4bi
 Run from the repository root::
 
     .venv/bin/python -m benchmarks.sdp4bit_zero_blocks            # 60 steps
-    .venv/bin/python -m benchmarks.sdp4bit_zero_blocks --quick    # 5 steps, results not written
+    .venv/bin/python -m benchmarks.sdp4bit_zero_blocks --quick    # 5 steps, n_embd 32: sdp4bit_zero_blocks_quick.*
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import socket
-import sys
 import traceback
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks._common import markdown_table, write_results  # noqa: E402
+from benchmarks._common import free_port, markdown_table, write_results
 
 VOCAB, BLOCK, WORLD = 96, 16, 2
 CONFIGS = [("none/none", "none", "none", True), ("tlq_hs unaligned", "qwd", "tlq_hs", False),
@@ -96,7 +92,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
                 model = _model(n_embd, args.steps)
                 init = model.transformer.wte.weight.detach().clone()
                 strategy = SDP4BitStrategy(weights, grads, weight_group_size=256, seed=1)
-                strategy._align_hadamard_blocks = aligned
+                strategy.align_hadamard_blocks = aligned
                 sampler = DistributedSampler(data, num_replicas=WORLD, rank=rank, shuffle=False)
                 trainer = pl.Trainer(
                     strategy=strategy, devices=WORLD, accelerator="cpu", max_steps=args.steps, logger=False,
@@ -119,7 +115,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
                     "final_train_loss": float(trainer.callback_metrics.get("train/loss", float("nan"))),
                 })  # fmt: skip
         queue.put((rank, True, out))
-    except BaseException:  # noqa: BLE001
+    except BaseException:  # report every failure to the parent
         queue.put((rank, False, traceback.format_exc()))
 
 
@@ -128,9 +124,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, args, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
@@ -147,19 +141,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results[0]
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--n-embd", type=int, nargs="+", default=[32, 48])
-    parser.add_argument("--quick", action="store_true", help="5 steps, n_embd 32 only, nothing written")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="5 steps, n_embd 32 only; writes *_quick.*")
+    args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.n_embd = 5, [32]
     rows = run(args)
     table = markdown_table(rows)
     print(table)
-    if args.quick:
-        return
     import matplotlib
 
     matplotlib.use("Agg")
@@ -174,13 +166,13 @@ def main() -> None:
     ax.set_ylabel(f"mean |change| of wte rows after {args.steps} steps")
     ax.legend()
     markdown = (
-        f"GPT (1 layer, untied input embedding, an unused 1x3 parameter first in its param group), vocabulary {VOCAB} of which every "
-        f"third token ({len(absent_ids())} ids) never occurs (Zipf over the rest), 2 gloo processes, Adam lr 1e-2 without weight decay, {args.steps} steps, batch 4 x "
-        f"{BLOCK} tokens per rank. Absent rows have an exactly zero gradient: DDP (none/none) leaves them unchanged.\n\n"
-        + table
+        f"GPT (1 layer, untied input embedding, an unused 1x3 parameter first in its param group), vocabulary "
+        f"{VOCAB} of which every third token ({len(absent_ids())} ids) never occurs (Zipf over the rest), 2 gloo "
+        f"processes, Adam lr 1e-2 without weight decay, {args.steps} steps, batch 4 x {BLOCK} tokens per rank. Absent "
+        "rows have an exactly zero gradient: DDP (none/none) leaves them unchanged.\n\n" + table
     )
-    write_results("sdp4bit_zero_blocks", {"steps": args.steps, "vocab": VOCAB, "absent_ids": absent_ids(), "rows": rows},
-                  markdown, fig)  # fmt: skip
+    payload = {"steps": args.steps, "vocab": VOCAB, "absent_ids": absent_ids(), "rows": rows}
+    write_results("sdp4bit_zero_blocks" + ("_quick" if args.quick else ""), payload, markdown, fig)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Import this module only through ``triton_quant._kernels()``, which first checks 
 installed. The wrappers and the documentation of every kernel live in :mod:`lightning_sdp.kernels.triton_quant`.
 """
 
-# ruff: noqa: N803 - Triton's constexpr arguments are upper case by convention
+# Triton's constexpr arguments are upper case by convention.
 
 import triton
 import triton.language as tl

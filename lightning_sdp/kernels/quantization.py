@@ -14,10 +14,15 @@ scale per group of ``G`` contiguous values:
 Every function here is the reference for a Triton kernel in :mod:`lightning_sdp.kernels.triton_quant`; the fused
 steps of the paper (subtract + quantise, dequantise + add, Hadamard + quantise, dequantise + sum + re-quantise,
 dequantise + sum + inverse Hadamard) have a reference each so the kernels can be compared on random inputs.
+
+Every function takes the wire format as one :class:`QuantFormat` (bits and group size, validated once) and the
+rounding as one :class:`RoundingSource` (or just its mode, ``"stochastic"`` / ``"nearest"``): the offsets ``u``
+come from that one place for the reference and the Triton kernels alike.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -27,116 +32,164 @@ from lightning_sdp.kernels.hadamard import hadamard_transform
 
 Rounding = Literal["stochastic", "nearest"]
 SUPPORTED_BITS = (4, 8)
+ROUNDING_MODES: tuple[Rounding, ...] = ("stochastic", "nearest")
 
 
 def qmax(bits: int) -> int:
-    """Largest code magnitude for ``bits``-bit symmetric quantisation (7 for 4 bits, 127 for 8 bits)."""
-    _check_bits(bits)
+    """Largest code magnitude of ``bits``-bit symmetric codes (7 for 4 bits, 127 for 8 bits)."""
+    if isinstance(bits, bool) or bits not in SUPPORTED_BITS:
+        raise ValueError(f"Quantisation supports {SUPPORTED_BITS} bits, got bits={bits!r}.")
     return 2 ** (bits - 1) - 1
 
 
-def payload_bytes(numel: int, bits: int) -> int:
-    """Bytes taken by the codes of ``numel`` values at ``bits`` bits (4-bit codes are packed two per byte)."""
-    _check_bits(bits)
-    return numel // 2 if bits == 4 else numel
-
-
-def _check_bits(bits: int) -> None:
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"Quantisation supports {SUPPORTED_BITS} bits, got bits={bits}.")
-
-
-def _check_groups(numel: int, group_size: int, what: str = "input") -> None:
-    if group_size <= 0:
-        raise ValueError(f"group_size must be positive, got {group_size}.")
-    if numel % group_size != 0:
-        raise ValueError(
-            f"The {what} has {numel} elements, which is not a whole number of quantisation groups of {group_size}. "
-            "Pad the buffer with zeros to a multiple of the group size."
-        )
-
-
-def rounding_noise(
-    numel: int,
-    rounding: Rounding,
-    generator: torch.Generator | None = None,
-    device: torch.device | str | None = None,
-) -> Tensor:
-    """The ``u`` added before ``floor``: uniform ``[0, 1)`` for stochastic rounding, 0.5 for nearest.
+@dataclass(frozen=True)
+class QuantFormat:
+    """A group-wise symmetric integer format: ``bits``-bit codes, one fp32 scale per ``group_size`` values.
 
     Args:
-        numel: number of values.
-        rounding: ``"stochastic"`` or ``"nearest"``.
-        generator: seeded generator for stochastic rounding (reproducible runs); the global one when ``None``.
-        device: device of the result.
+        bits: 4 (two codes packed per byte) or 8.
+        group_size: contiguous values sharing one scale; even for 4 bits, so that a group is whole bytes.
+
+    Raises:
+        ValueError: when ``bits`` is not supported or ``group_size`` is not a positive (even, for 4 bits) integer.
     """
-    if rounding == "stochastic":
-        return torch.rand(numel, generator=generator, device=device, dtype=torch.float32)
-    if rounding == "nearest":
+
+    bits: int
+    group_size: int
+
+    def __post_init__(self) -> None:
+        qmax(self.bits)  # validates the bits
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
+            raise ValueError(f"group_size must be a positive integer, got {self.group_size!r}.")
+        if self.bits == 4 and self.group_size % 2:
+            raise ValueError(
+                f"4-bit codes are packed two per byte, so group_size must be even, got {self.group_size}. "
+                "Use an even group size (the paper uses 128 for gradients and 2048 for weights)."
+            )
+
+    @property
+    def qmax(self) -> int:
+        """Largest code magnitude (7 for 4 bits, 127 for 8 bits)."""
+        return qmax(self.bits)
+
+    @property
+    def bits_per_value(self) -> float:
+        """Bits on the wire per value, the codes and the group's share of its fp32 scale."""
+        return self.bits + 32.0 / self.group_size
+
+    def payload_bytes(self, numel: int) -> int:
+        """Bytes taken by the codes of ``numel`` values (4-bit codes are packed two per byte)."""
+        if self.bits == 8:
+            return numel
+        if numel % 2:
+            raise ValueError(f"{numel} 4-bit codes do not fill whole bytes; pass an even number of values.")
+        return numel // 2
+
+    def num_groups(self, numel: int, what: str = "input") -> int:
+        """Number of groups in ``numel`` values; raises when ``numel`` is not a whole number of groups."""
+        if numel % self.group_size:
+            raise ValueError(
+                f"The {what} has {numel} elements, which is not a whole number of quantisation groups of "
+                f"{self.group_size}. Pad the buffer with zeros to a multiple of the group size."
+            )
+        return numel // self.group_size
+
+    def check_scales(self, numel: int, scales: Tensor) -> None:
+        """Raise unless ``scales`` holds one scale per group of ``numel`` code values."""
+        groups = self.num_groups(numel, "code tensor")
+        if scales.numel() != groups:
+            raise ValueError(
+                f"{numel} codes need {groups} scales for group_size={self.group_size}, got {scales.numel()}."
+            )
+
+
+@dataclass(frozen=True, eq=False)
+class RoundingSource:
+    """Where the offsets ``u`` added before ``floor`` come from: the one home of stochastic and nearest rounding.
+
+    Args:
+        mode: ``"stochastic"`` (``u`` uniform in ``[0, 1)``, unbiased) or ``"nearest"`` (``u = 0.5``).
+        generator: torch generator of the stochastic offsets of the reference path (the global one when ``None``).
+        seed: seed of the in-kernel random stream of the Triton path (``tl.rand(seed, index)``).
+        noise: explicit offsets in ``[0, 1)``, one per value; they override ``mode`` (bit-exact comparisons of the
+            reference with the kernels).
+    """
+
+    mode: Rounding = "stochastic"
+    generator: torch.Generator | None = None
+    seed: int = 0
+    noise: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ROUNDING_MODES:
+            raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {self.mode!r}.")
+
+    @classmethod
+    def of(cls, rounding: RoundingSource | Rounding) -> RoundingSource:
+        """``rounding`` itself, or a source of the mode ``rounding`` names (global generator, seed 0)."""
+        return rounding if isinstance(rounding, RoundingSource) else cls(rounding)
+
+    def explicit_noise(self, numel: int) -> Tensor | None:
+        """The explicit offsets as a flat fp32 tensor of ``numel`` values, or ``None`` when there are none."""
+        if self.noise is None:
+            return None
+        if self.noise.numel() != numel:
+            raise ValueError(f"noise has {self.noise.numel()} values, expected {numel}.")
+        return self.noise.reshape(-1).float()
+
+    def offsets(self, numel: int, device: torch.device | str | None = None) -> Tensor:
+        """The ``numel`` offsets ``u`` as an fp32 tensor (explicit noise, uniform draws, or 0.5)."""
+        noise = self.explicit_noise(numel)
+        if noise is not None:
+            return noise.to(device) if device is not None else noise
+        if self.mode == "stochastic":
+            return torch.rand(numel, generator=self.generator, device=device, dtype=torch.float32)
         return torch.full((numel,), 0.5, device=device, dtype=torch.float32)
-    raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}.")
+
+    def add_(self, scaled: Tensor) -> Tensor:
+        """Add the offsets to ``scaled`` (fp32, any shape) in place and return it."""
+        if self.noise is None and self.mode == "nearest":
+            return scaled.add_(0.5)  # no offsets tensor for the deterministic mode
+        return scaled.add_(self.offsets(scaled.numel(), scaled.device).view(scaled.shape))
 
 
 def quantize(
-    x: Tensor,
-    bits: int,
-    group_size: int,
-    rounding: Rounding = "stochastic",
-    generator: torch.Generator | None = None,
-    noise: Tensor | None = None,
+    x: Tensor, fmt: QuantFormat, rounding: RoundingSource | Rounding = "stochastic"
 ) -> tuple[Tensor, Tensor]:
-    """Quantise a flat tensor group-wise to ``bits``-bit integer codes.
+    """Quantise a flat tensor group-wise to integer codes.
 
     Args:
-        x: 1-D floating tensor whose length is a multiple of ``group_size``.
-        bits: 4 or 8.
-        group_size: number of contiguous values sharing one fp32 scale.
-        rounding: ``"stochastic"`` (default, unbiased) or ``"nearest"``.
-        generator: generator for the stochastic rounding noise.
-        noise: explicit rounding offsets in ``[0, 1)`` (overrides ``rounding``/``generator``; used to compare
-            kernels bit for bit).
+        x: floating tensor (flattened), a whole number of groups.
+        fmt: bits and group size.
+        rounding: a :class:`RoundingSource`, or its mode (``"stochastic"``, the default, or ``"nearest"``).
 
     Returns:
         ``(codes, scales)``: ``int8`` codes of ``x``'s length and ``float32`` scales, one per group.
     """
-    _check_bits(bits)
     x = x.reshape(-1)
-    _check_groups(x.numel(), group_size)
-    level = float(qmax(bits))
-    groups = x.float().view(-1, group_size)
+    fmt.num_groups(x.numel())
+    level = float(fmt.qmax)
+    groups = x.float().view(-1, fmt.group_size)
     # absmax without an |x| temporary: one pass for the min and the max of each group
     low, high = torch.aminmax(groups, dim=1)
     absmax = torch.maximum(high, low.neg())
     scales = torch.where(absmax > 0, absmax / level, torch.ones_like(absmax))
     scaled = groups / scales[:, None]  # the only float temporary; what follows works in place
-    if noise is not None:
-        scaled.add_(noise.view(-1, group_size))
-    elif rounding == "stochastic":
-        scaled.add_(rounding_noise(x.numel(), rounding, generator, x.device).view(-1, group_size))
-    elif rounding == "nearest":
-        scaled.add_(0.5)
-    else:
-        raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}.")
-    codes = scaled.floor_().clamp_(-level, level)
+    codes = RoundingSource.of(rounding).add_(scaled).floor_().clamp_(-level, level)
     return codes.to(torch.int8).view(-1), scales
 
 
-def dequantize(codes: Tensor, scales: Tensor, group_size: int) -> Tensor:
+def dequantize(codes: Tensor, scales: Tensor, fmt: QuantFormat) -> Tensor:
     """Inverse of :func:`quantize`: ``codes * scale`` per group, as ``float32``.
 
     Args:
         codes: ``int8`` codes (one per value).
         scales: ``float32`` scales, one per group.
-        group_size: values per group.
+        fmt: the format the codes were made with.
     """
     codes = codes.reshape(-1)
-    _check_groups(codes.numel(), group_size, "code tensor")
-    if scales.numel() * group_size != codes.numel():
-        raise ValueError(
-            f"{codes.numel()} codes need {codes.numel() // group_size} scales for group_size={group_size}, "
-            f"got {scales.numel()}."
-        )
-    return (codes.view(-1, group_size).float() * scales.float().view(-1, 1)).view(-1)
+    fmt.check_scales(codes.numel(), scales)
+    return (codes.view(-1, fmt.group_size).float() * scales.float().view(-1, 1)).view(-1)
 
 
 def pack_int4(codes: Tensor) -> Tensor:
@@ -162,47 +215,32 @@ def unpack_int4(packed: Tensor) -> Tensor:
 
 
 def encode(
-    x: Tensor,
-    bits: int,
-    group_size: int,
-    rounding: Rounding = "stochastic",
-    generator: torch.Generator | None = None,
-    noise: Tensor | None = None,
+    x: Tensor, fmt: QuantFormat, rounding: RoundingSource | Rounding = "stochastic"
 ) -> tuple[Tensor, Tensor]:
     """Quantise and lay out for the wire: ``(payload uint8, scales fp32)``; 4-bit codes are packed.
 
     Args:
-        x: 1-D floating tensor, a whole number of groups.
-        bits: 4 or 8.
-        group_size: values per scale.
-        rounding: ``"stochastic"`` or ``"nearest"``.
-        generator: generator for stochastic rounding.
-        noise: explicit rounding offsets (see :func:`quantize`).
+        x: floating tensor (flattened), a whole number of groups.
+        fmt: bits and group size.
+        rounding: a :class:`RoundingSource` or its mode.
     """
-    codes, scales = quantize(x, bits, group_size, rounding, generator, noise)
-    payload = pack_int4(codes) if bits == 4 else codes.view(torch.uint8)
+    codes, scales = quantize(x, fmt, rounding)
+    payload = pack_int4(codes) if fmt.bits == 4 else codes.view(torch.uint8)
     return payload, scales
 
 
-def decode(payload: Tensor, scales: Tensor, bits: int, group_size: int) -> Tensor:
+def decode(payload: Tensor, scales: Tensor, fmt: QuantFormat) -> Tensor:
     """Inverse of :func:`encode`, as ``float32``.
 
     Args:
         payload: ``uint8`` bytes from :func:`encode`.
         scales: ``float32`` scales.
-        bits: 4 or 8.
-        group_size: values per scale.
+        fmt: the format of the payload.
     """
-    _check_bits(bits)
     payload = payload.reshape(-1)
-    codes = unpack_int4(payload) if bits == 4 else payload.view(torch.int8)
-    _check_groups(codes.numel(), group_size, "code tensor")
-    if scales.numel() * group_size != codes.numel():
-        raise ValueError(
-            f"{codes.numel()} codes need {codes.numel() // group_size} scales for group_size={group_size}, "
-            f"got {scales.numel()}."
-        )
-    out = codes.view(-1, group_size).to(torch.float32)
+    codes = unpack_int4(payload) if fmt.bits == 4 else payload.view(torch.int8)
+    fmt.check_scales(codes.numel(), scales)
+    out = codes.view(-1, fmt.group_size).to(torch.float32)
     return out.mul_(scales.float().view(-1, 1)).view(-1)
 
 
@@ -212,42 +250,32 @@ def decode(payload: Tensor, scales: Tensor, bits: int, group_size: int) -> Tenso
 
 
 def quantize_difference(
-    master: Tensor,
-    reference: Tensor,
-    bits: int,
-    group_size: int,
-    rounding: Rounding = "stochastic",
-    generator: torch.Generator | None = None,
-    noise: Tensor | None = None,
+    master: Tensor, reference: Tensor, fmt: QuantFormat, rounding: RoundingSource | Rounding = "stochastic"
 ) -> tuple[Tensor, Tensor]:
     """qWD encode: ``encode(master - reference)`` with the difference taken in fp32.
 
     Args:
         master: exact (fp32) weights of this rank's shard.
         reference: the reconstructed weights every rank already holds (any float dtype).
-        bits: 4 or 8.
-        group_size: values per scale.
-        rounding: ``"stochastic"`` or ``"nearest"``.
-        generator: generator for stochastic rounding.
-        noise: explicit rounding offsets.
+        fmt: bits and group size.
+        rounding: a :class:`RoundingSource` or its mode.
     """
     if master.numel() != reference.numel():
         raise ValueError(f"master ({master.numel()}) and reference ({reference.numel()}) differ in size.")
     diff = master.reshape(-1).float() - reference.reshape(-1).float()
-    return encode(diff, bits, group_size, rounding, generator, noise)
+    return encode(diff, fmt, rounding)
 
 
-def dequantize_add_(target: Tensor, payload: Tensor, scales: Tensor, bits: int, group_size: int) -> Tensor:
+def dequantize_add_(target: Tensor, payload: Tensor, scales: Tensor, fmt: QuantFormat) -> Tensor:
     """qWD decode: ``target += decode(payload)`` (sum in fp32, stored in ``target``'s dtype). Returns ``target``.
 
     Args:
         target: 1-D weights to update in place.
         payload: wire bytes.
         scales: fp32 scales.
-        bits: 4 or 8.
-        group_size: values per scale.
+        fmt: the format of the payload.
     """
-    delta = decode(payload, scales, bits, group_size)
+    delta = decode(payload, scales, fmt)
     if delta.numel() != target.numel():
         raise ValueError(f"payload decodes to {delta.numel()} values, target has {target.numel()}.")
     if target.dtype == torch.float32:
@@ -258,42 +286,33 @@ def dequantize_add_(target: Tensor, payload: Tensor, scales: Tensor, bits: int, 
 
 
 def hadamard_quantize(
-    x: Tensor,
-    bits: int,
-    group_size: int,
-    hadamard_size: int = 32,
-    rounding: Rounding = "stochastic",
-    generator: torch.Generator | None = None,
-    noise: Tensor | None = None,
+    x: Tensor, fmt: QuantFormat, hadamard_size: int = 32, rounding: RoundingSource | Rounding = "stochastic"
 ) -> tuple[Tensor, Tensor]:
     """TLq-HS first step: ``encode(H x)`` with the unnormalised ±1 Hadamard transform on blocks of ``hadamard_size``.
 
     Args:
-        x: 1-D gradient buffer, a whole number of groups; ``group_size`` must be a multiple of ``hadamard_size``.
-        bits: 4 or 8.
-        group_size: values per scale.
+        x: gradient buffer (flattened), a whole number of groups; the group size must be a multiple of
+            ``hadamard_size``.
+        fmt: bits and group size.
         hadamard_size: Hadamard block (power of two).
-        rounding: ``"stochastic"`` or ``"nearest"``.
-        generator: generator for stochastic rounding.
-        noise: explicit rounding offsets.
+        rounding: a :class:`RoundingSource` or its mode.
     """
-    if group_size % hadamard_size:
-        raise ValueError(f"group_size ({group_size}) must be a multiple of hadamard_size ({hadamard_size}).")
-    return encode(hadamard_transform(x.float(), hadamard_size), bits, group_size, rounding, generator, noise)
+    if fmt.group_size % hadamard_size:
+        raise ValueError(f"group_size ({fmt.group_size}) must be a multiple of hadamard_size ({hadamard_size}).")
+    return encode(hadamard_transform(x.float(), hadamard_size), fmt, rounding)
 
 
-def dequantize_sum(payloads: Tensor, scales: Tensor, bits: int, group_size: int) -> Tensor:
+def dequantize_sum(payloads: Tensor, scales: Tensor, fmt: QuantFormat) -> Tensor:
     """Sum of ``K`` decoded contributions, in fp32 and in order ``k = 0 .. K-1``.
 
     Args:
         payloads: ``(K, nbytes)`` ``uint8``.
         scales: ``(K, ngroups)`` fp32.
-        bits: 4 or 8.
-        group_size: values per scale.
+        fmt: the format of the payloads.
     """
     total: Tensor | None = None
     for k in range(payloads.shape[0]):
-        part = decode(payloads[k], scales[k], bits, group_size)
+        part = decode(payloads[k], scales[k], fmt)
         total = part if total is None else total.add_(part)
     if total is None:
         raise ValueError("dequantize_sum needs at least one contribution.")
@@ -303,33 +322,24 @@ def dequantize_sum(payloads: Tensor, scales: Tensor, bits: int, group_size: int)
 def dequantize_sum_requantize(
     payloads: Tensor,
     scales: Tensor,
-    bits_in: int,
-    group_in: int,
-    bits_out: int,
-    group_out: int,
-    rounding: Rounding = "stochastic",
-    generator: torch.Generator | None = None,
-    noise: Tensor | None = None,
+    fmt_in: QuantFormat,
+    fmt_out: QuantFormat,
+    rounding: RoundingSource | Rounding = "stochastic",
 ) -> tuple[Tensor, Tensor]:
     """TLq middle step: decode ``K`` contributions, sum them and encode the sum again (e.g. 8 bits in, 4 bits out).
 
     Args:
         payloads: ``(K, nbytes)`` ``uint8`` received from ``K`` peers.
         scales: ``(K, ngroups)`` fp32.
-        bits_in: bits of the received codes.
-        group_in: group size of the received codes.
-        bits_out: bits of the output codes.
-        group_out: group size of the output codes.
-        rounding: ``"stochastic"`` or ``"nearest"``.
-        generator: generator for stochastic rounding.
-        noise: explicit rounding offsets.
+        fmt_in: format of the received codes.
+        fmt_out: format of the output codes.
+        rounding: a :class:`RoundingSource` or its mode.
     """
-    total = dequantize_sum(payloads, scales, bits_in, group_in)
-    return encode(total, bits_out, group_out, rounding, generator, noise)
+    return encode(dequantize_sum(payloads, scales, fmt_in), fmt_out, rounding)
 
 
 def dequantize_sum_hadamard(
-    payloads: Tensor, scales: Tensor, bits: int, group_size: int, hadamard_size: int | None = 32
+    payloads: Tensor, scales: Tensor, fmt: QuantFormat, hadamard_size: int | None = 32
 ) -> Tensor:
     """TLq-HS last step: decode and sum ``K`` contributions, then apply ``H`` and divide by ``hadamard_size``.
 
@@ -339,11 +349,10 @@ def dequantize_sum_hadamard(
     Args:
         payloads: ``(K, nbytes)`` ``uint8``.
         scales: ``(K, ngroups)`` fp32.
-        bits: 4 or 8.
-        group_size: values per scale.
+        fmt: the format of the payloads.
         hadamard_size: Hadamard block, or ``None`` for plain dequantise + sum.
     """
-    total = dequantize_sum(payloads, scales, bits, group_size)
+    total = dequantize_sum(payloads, scales, fmt)
     if hadamard_size is None:
         return total
     return hadamard_transform(total, hadamard_size).div_(hadamard_size)

@@ -78,7 +78,7 @@ def test_shaped_link_limits_rate_and_counts_bytes() -> None:
                              stdout=subprocess.PIPE, text=True)  # fmt: skip
         out, _ = send.communicate(timeout=60)
         assert recv.wait(timeout=30) == 0 and send.returncode == 0
-        sent = [b - a for a, b in zip(before, cluster.tx_bytes())]
+        sent = [b - a for a, b in zip(before, cluster.tx_bytes(), strict=True)]
         names = _namespaces(cluster.name)
         assert len(names) == 2
     seconds, received = out.split()

@@ -1,11 +1,17 @@
-"""Pieces of ``benchmarks/sdp4bit_throughput.py`` that can be checked without the emulated cluster."""
+"""Pieces of ``benchmarks/sdp4bit_throughput.py`` that can be checked without the emulated cluster.
+
+The ``--quick`` sweep itself needs root and network namespaces (see ``tests/benchmarks/test_emulated_cluster.py``);
+here the worker side of it (one method's run, timing and byte accounting) runs in 2 plain gloo processes.
+"""
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
-from benchmarks.sdp4bit_throughput import _expected_node_egress, _hooked_ddp_strategy
+from benchmarks.sdp4bit_throughput import _expected_node_egress, _hooked_ddp_strategy, _parser, _run_method
 from tests._distributed import run_distributed
 
 _CALLS: list[str] = []
@@ -51,3 +57,36 @@ def test_expected_node_egress_counts_inter_all_to_all_and_one_ring_edge() -> Non
     # two ranks of one node; each sent 100 bytes of its weight shard to the 3 others (300) and 40 across nodes
     ranks = [{"weight": 300.0, "grad_inter": 40.0, "grad_intra": 50.0}] * 2
     assert _expected_node_egress(ranks) == 300.0 + 2 * 40.0
+
+
+def _run_methods(rank: int, world: int, data: str, methods: list[str]) -> list[dict[str, Any]]:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    args = _parser().parse_args(
+        ["--data", data, "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block", "16", "--batch", "2",
+         "--warmup", "1", "--warmup-lr", "1", "--val-batches", "1", "--nodes", "1", "--nproc", str(world)]
+    )  # fmt: skip
+    args.world = world
+    rows = []
+    for method in methods:
+        row = _run_method(method, 1000.0, steps=4, validate=True, args=args)
+        rows.append({k: row[k] for k in ("method", "median_step_s", "tokens_per_s", "val_loss", "train_losses_rank0",
+                                         "wire_bytes_per_step_per_node", "accounted_inter_bytes_per_step_per_node")})
+    return rows
+
+
+def test_worker_runs_zero_and_sdp4bit_and_accounts_sdp4bit_bytes(tmp_path: Path) -> None:
+    data = tmp_path / "input.txt"
+    data.write_text("".join(chr(97 + (i * 7) % 26) + (" " if i % 5 == 0 else "") for i in range(4000)))
+    results = run_distributed(
+        _run_methods, 2, str(data), ["zero_ddp", "sdp4bit_qwd_tlq_hs"], init_group=False, timeout=300
+    )
+    for row in results[0]:
+        assert row["median_step_s"] > 0 and row["tokens_per_s"] == 2 * 16 * 2 / row["median_step_s"]
+        assert len(row["train_losses_rank0"]) == 4 and math.isfinite(row["val_loss"])
+        assert row["wire_bytes_per_step_per_node"] is None  # no shaped interface outside the emulated cluster
+    zero, sdp4bit = results[0]
+    assert zero["accounted_inter_bytes_per_step_per_node"] is None  # only SDP4Bit keeps its own accounting
+    assert sdp4bit["accounted_inter_bytes_per_step_per_node"] > 0  # one node: the weight all-gather's ring edge
+

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_sdp  # noqa: F401  (registers the aliases)
+import lightning_sdp  # registers the aliases
 from lightning_sdp.plugins.sdp4bit import SDP4BitStrategy
 from lightning_sdp.plugins.sdp4bit.sharding import check_optimizer
 
@@ -168,3 +168,67 @@ def test_strategy_pickles_for_spawn_after_a_fit(single_process_group):
     assert clone.comm_stats.codec_seconds == 0.5
     clone.comm_stats.add_codec_time(0.25)  # a fresh lock in the new process
     assert clone.comm_stats.codec_seconds == 0.75
+
+
+def test_clipping_wrapper_wraps_the_users_precision_during_fit_only(single_process_group):
+    from lightning.pytorch import Callback
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_sdp.plugins.sdp4bit.precision import ShardedClippingPrecision
+
+    seen = {}
+
+    class Look(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.update(plugin=trainer.precision_plugin, precision=trainer.precision)
+
+    strategy = SDP4BitStrategy()
+    trainer = _trainer(strategy, precision="bf16-mixed", callbacks=[Look()], gradient_clip_val=0.5)
+    users = trainer.precision_plugin
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(_tiny())
+    assert isinstance(seen["plugin"], ShardedClippingPrecision) and seen["plugin"].plugin is users
+    assert seen["precision"] == "bf16-mixed"  # forwarded
+    assert isinstance(users, MixedPrecision) and trainer.precision_plugin is users  # unwrapped at teardown
+
+
+def test_clipping_wrapper_forwards_and_falls_back_for_optimizers_it_does_not_shard():
+    from lightning.pytorch.plugins.precision import Precision
+
+    from lightning_sdp.plugins.sdp4bit.precision import ShardedClippingPrecision
+
+    class Recording(Precision):
+        extra = "only on the wrapped plugin"
+
+        def __init__(self) -> None:
+            self.calls = []
+
+        def clip_grad_by_norm(self, optimizer, clip_val):
+            self.calls.append(("norm", clip_val))
+
+        def clip_grad_by_value(self, optimizer, clip_val):
+            self.calls.append(("value", clip_val))
+
+        def state_dict(self):
+            return {"kept": 1}
+
+    sharded = object()
+    requests = []
+
+    def clip_shards(optimizer, kind, value):
+        requests.append((kind, value))
+        return optimizer is sharded
+
+    user = Recording()
+    wrapper = ShardedClippingPrecision(user, clip_shards)
+    wrapper.clip_gradients(sharded, 2.0, "norm")  # type: ignore[arg-type]
+    wrapper.clip_gradients(sharded, 3, "value")  # type: ignore[arg-type]
+    assert requests == [("norm", 2.0), ("value", 3.0)] and user.calls == []
+    other = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    wrapper.clip_gradients(other, 1.5, "norm")
+    wrapper.clip_gradients(other, 0.0, "value")  # clip_val <= 0: nothing, as Lightning's Precision
+    assert user.calls == [("norm", 1.5)]
+    assert wrapper.precision == "32-true" and wrapper.extra == user.extra and wrapper.state_dict() == {"kept": 1}
+    with pytest.raises(TypeError, match="must not wrap itself"):
+        ShardedClippingPrecision(wrapper, clip_shards)

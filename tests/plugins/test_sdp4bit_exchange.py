@@ -6,12 +6,13 @@ import torch.distributed as dist
 
 from lightning_sdp.kernels import quantization as q
 from lightning_sdp.kernels.hadamard import hadamard_transform
+from lightning_sdp.kernels.quantization import QuantFormat
 from lightning_sdp.plugins.sdp4bit.exchange import (
     CommStats,
     RoundingRNG,
     TorchOps,
     all_gather_weights,
-    expected_bits,
+    derive_seed,
     gradient_format,
     padded_shard_size,
     reduce_scatter_gradients,
@@ -33,7 +34,7 @@ def _simulate(flats, fmt, n_inter, n_intra):
     """Single-process model of the two-level exchange with round-to-nearest (deterministic): the full reduced sum."""
 
     def roundtrip(v, bits):
-        return v if bits is None else q.decode(*q.encode(v, bits, G, "nearest"), bits, G)
+        return v if bits is None else q.decode(*q.encode(v, QuantFormat(bits, G), "nearest"), QuantFormat(bits, G))
 
     first = [hadamard_transform(f, fmt.hadamard) if fmt.hadamard else f for f in flats]
     if n_intra > 1:
@@ -170,8 +171,8 @@ def test_gradient_error_and_hadamard(grad_results):
 
 def test_gradient_bits_per_element(grad_results):
     for res in grad_results:
-        assert res["tlq_hs"]["bits_intra"] == pytest.approx(expected_bits(8, 128)) == pytest.approx(8.25)
-        assert res["tlq_hs"]["bits_inter"] == pytest.approx(expected_bits(4, 128)) == pytest.approx(4.25)
+        assert res["tlq_hs"]["bits_intra"] == pytest.approx(QuantFormat(8, 128).bits_per_value) == pytest.approx(8.25)
+        assert res["tlq_hs"]["bits_inter"] == pytest.approx(QuantFormat(4, 128).bits_per_value) == pytest.approx(4.25)
         assert res["ulq"]["bits_intra"] == pytest.approx(4.25)
         assert res["none"]["bits_intra"] == res["none"]["bits_inter"] == 32.0
 
@@ -223,3 +224,33 @@ def test_padding_and_bad_sizes():
     with pytest.raises(ValueError, match="gradient_compression"):
         gradient_format("fp8", 8, 4, 32)
     assert topo.world_size == 1
+
+
+def test_derive_seed_mixes_every_word():
+    seeds = {derive_seed(seed, step, rank) for seed in (0, 1) for step in range(50) for rank in range(8)}
+    assert len(seeds) == 2 * 50 * 8  # no collision between nearby (seed, step, rank)
+    assert all(0 <= s < 2**31 for s in seeds)
+    assert derive_seed(1, 2) != derive_seed(1, 2, 0)  # the number of words counts
+    assert derive_seed(-1, 0) == derive_seed(2**64 - 1, 0)  # negative words modulo 2**64, documented
+    assert derive_seed(3, 4, 5) == derive_seed(3, 4, 5)
+
+
+def test_rounding_streams_differ_across_buckets_ranks_steps_and_repeat():
+    def draws(seed, rank, step, bucket):
+        rng = RoundingRNG(seed, rank, torch.device("cpu"))
+        rng.reset(step)
+        child = rng.child(bucket)
+        return torch.rand(8, generator=child.generator), child.next_seed(), child.next_seed()
+
+    base = draws(0, 0, 5, 0)
+    again = draws(0, 0, 5, 0)
+    assert torch.equal(base[0], again[0]) and base[1:] == again[1:]  # reproducible
+    others = [draws(0, 1, 5, 0), draws(0, 0, 6, 0), draws(0, 0, 5, 1), draws(1, 0, 5, 0)]  # rank, step, bucket, seed
+    for other in others:
+        assert not torch.equal(base[0], other[0])
+        assert base[1] != other[1]
+    assert base[1] != base[2]  # every Triton kernel call gets its own seed
+    # the parent's own stream (used by single-buffer callers) is not any child's stream
+    rng = RoundingRNG(0, 0, torch.device("cpu"))
+    rng.reset(5)
+    assert not torch.equal(torch.rand(8, generator=rng.generator), base[0])

@@ -28,12 +28,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sdp.kernels import quantization as ref
-from lightning_sdp.kernels.quantization import Rounding
+from lightning_sdp.kernels.quantization import QuantFormat, Rounding, RoundingSource
 from lightning_sdp.plugins.sdp4bit.topology import Topology
 
 WeightCompression = Literal["qwd", "qw", "none"]
@@ -41,7 +42,9 @@ GradientCompression = Literal["tlq_hs", "tlq", "ulq", "none"]
 WEIGHT_MODES = ("qwd", "qw", "none")
 GRADIENT_MODES = ("tlq_hs", "tlq", "ulq", "none")
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# ``all_gather_into_tensor(output, input, group=None)``: every rank's ``input`` laid end to end in ``output``. Newer
+# torch releases name it ``all_gather_single`` (beside ``all_to_all_single``); older ones only have the long name.
+all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -63,7 +66,7 @@ class CollectiveStats:
         """Bits on the wire per value (codes + scales); 0 when nothing was sent."""
         return 8.0 * self.bytes / self.elements if self.elements else 0.0
 
-    def add(self, nbytes: int, elements: int) -> None:
+    def add(self, nbytes: float, elements: float) -> None:
         """Account one collective call."""
         self.bytes += int(nbytes)
         self.elements += int(elements)
@@ -95,7 +98,7 @@ class CommStats:
             self.codec_seconds += seconds
             self.codec_seconds_total += seconds
 
-    def record(self, name: str, nbytes: int, elements: int) -> None:
+    def record(self, name: str, nbytes: float, elements: float) -> None:
         """Account ``nbytes`` sent for ``elements`` values by collective ``name`` in the current step."""
         with self._lock:
             self.last.setdefault(name, CollectiveStats()).add(nbytes, elements)
@@ -142,11 +145,32 @@ class CommStats:
         }
 
 
+def derive_seed(*words: int) -> int:
+    """A 31-bit seed that depends on every one of ``words`` and on their number, via ``numpy.random.SeedSequence``.
+
+    The one seed mixer of SDP4Bit: ``SeedSequence`` hashes its entropy so that nearby inputs (step 7 and step 8,
+    rank 0 and rank 1) give unrelated streams, which a linear formula of the inputs does not guarantee. Each word
+    enters as one 64-bit value (negative ones modulo ``2**64``) and the number of words enters too, so ``(1, 2)``
+    and ``(1, 2, 0)`` differ. 31 bits: a seed both ``torch.Generator.manual_seed`` and Triton's ``tl.rand`` take.
+
+    Args:
+        words: integers the seed must depend on, e.g. ``(seed, step, rank)``.
+    """
+    entropy = np.array([len(words), *(int(w) % 2**64 for w in words)], dtype=np.uint64)
+    state = np.random.SeedSequence(entropy.view(np.uint32)).generate_state(1, np.uint32)
+    return int(state[0]) >> 1
+
+
+# Domain tags: what a derived seed is for, so that the streams of a buffer and of a kernel call never coincide.
+_CHILD, _KERNEL_CALL = 0, 1
+
+
 class RoundingRNG:
     """Reproducible randomness for stochastic rounding: reseeded from ``(seed, step, rank)`` every step.
 
     The torch path draws from a ``torch.Generator``; the Triton path takes one integer seed per kernel call. Both
-    depend only on the step counter, so a resumed run draws the same numbers as an uninterrupted one.
+    depend only on the step counter, so a resumed run draws the same numbers as an uninterrupted one. Every seed
+    comes from :func:`derive_seed`.
 
     Args:
         seed: user seed.
@@ -158,19 +182,22 @@ class RoundingRNG:
         self.seed = int(seed)
         self.rank = int(rank)
         self.generator = torch.Generator(device=device)
-        self._base = 0
+        self._words: tuple[int, ...] = (self.seed, 0, self.rank)
+        self._calls = 0
+
+    def _start(self, words: tuple[int, ...]) -> None:
+        self._words = words
+        self.generator.manual_seed(derive_seed(*words))
         self._calls = 0
 
     def reset(self, step: int) -> None:
         """Reseed for optimizer step ``step``."""
-        self._base = ((self.seed * 1_000_003 + step) * 10_007 + self.rank) % (2**31 - 1)
-        self.generator.manual_seed(self._base)
-        self._calls = 0
+        self._start((self.seed, int(step), self.rank))
 
     def next_seed(self) -> int:
         """A fresh 31-bit seed for one Triton kernel call."""
         self._calls += 1
-        return (self._base * 7_919 + self._calls * 104_729) % (2**31 - 1)
+        return derive_seed(*self._words, _KERNEL_CALL, self._calls)
 
     def child(self, key: int) -> RoundingRNG:
         """An independent stream for buffer ``key`` of the current step (its own generator and seed counter).
@@ -178,13 +205,15 @@ class RoundingRNG:
         Each bucket's exchange draws from its own child, so the numbers it draws do not depend on the order in
         which buckets are processed (overlapped, pipelined or one after the other: bit-identical results).
         """
-        out = RoundingRNG.__new__(RoundingRNG)
-        out.seed, out.rank = self.seed, self.rank
-        out.generator = torch.Generator(device=self.generator.device)
-        out._base = (self._base * 1_000_003 + (int(key) + 1) * 998_244_353) % (2**31 - 1)
-        out.generator.manual_seed(out._base)
-        out._calls = 0
+        out = RoundingRNG(self.seed, self.rank, self.generator.device)
+        out._start((*self._words, _CHILD, int(key)))
         return out
+
+    def source(self, rounding: Rounding, for_kernel: bool = False) -> RoundingSource:
+        """The :class:`RoundingSource` of one quantisation: this generator, or a fresh seed for a Triton kernel."""
+        if for_kernel:
+            return RoundingSource(rounding, seed=self.next_seed() if rounding == "stochastic" else 0)
+        return RoundingSource(rounding, generator=self.generator)
 
 
 class TorchOps:
@@ -197,11 +226,12 @@ class TorchOps:
         reference: Tensor | None = None, hadamard: int | None = None,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """(subtract) (Hadamard) quantise (pack)."""
+        fmt, source = QuantFormat(bits, group), rng.source(rounding)
         if reference is not None:
-            return ref.quantize_difference(x, reference, bits, group, rounding, rng.generator)
+            return ref.quantize_difference(x, reference, fmt, source)
         if hadamard is not None:
-            return ref.hadamard_quantize(x, bits, group, hadamard, rounding, rng.generator)
-        return ref.encode(x, bits, group, rounding, rng.generator)
+            return ref.hadamard_quantize(x, fmt, hadamard, source)
+        return ref.encode(x, fmt, source)
 
     def dequantize_sum_requantize(
         self, payloads: Tensor, scales: Tensor, bits_in: int, bits_out: int, group: int, rounding: Rounding,
@@ -209,18 +239,18 @@ class TorchOps:
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """Decode ``K`` rows, sum, encode again."""
         return ref.dequantize_sum_requantize(
-            payloads, scales, bits_in, group, bits_out, group, rounding, rng.generator
+            payloads, scales, QuantFormat(bits_in, group), QuantFormat(bits_out, group), rng.source(rounding)
         )
 
     def dequantize_sum_hadamard(
         self, payloads: Tensor, scales: Tensor, bits: int, group: int, hadamard: int | None
     ) -> Tensor:
         """Decode ``K`` rows, sum (, inverse Hadamard)."""
-        return ref.dequantize_sum_hadamard(payloads, scales, bits, group, hadamard)
+        return ref.dequantize_sum_hadamard(payloads, scales, QuantFormat(bits, group), hadamard)
 
     def dequantize_add_(self, target: Tensor, payload: Tensor, scales: Tensor, bits: int, group: int) -> None:
         """``target += decode(payload)``."""
-        ref.dequantize_add_(target, payload, scales, bits, group)
+        ref.dequantize_add_(target, payload, scales, QuantFormat(bits, group))
 
 
 class TimedOps(TorchOps):
@@ -270,25 +300,25 @@ class TritonOps(TorchOps):
         self, x: Tensor, bits: int, group: int, rounding: Rounding, rng: RoundingRNG,
         reference: Tensor | None = None, hadamard: int | None = None,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
-        return self._k.encode(
-            x, bits, group, rounding, seed=rng.next_seed(), reference=reference, hadamard_size=hadamard
-        )
+        source = rng.source(rounding, for_kernel=True)
+        return self._k.encode(x, QuantFormat(bits, group), source, reference=reference, hadamard_size=hadamard)
 
     def dequantize_sum_requantize(
         self, payloads: Tensor, scales: Tensor, bits_in: int, bits_out: int, group: int, rounding: Rounding,
         rng: RoundingRNG,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         return self._k.dequantize_sum_requantize(
-            payloads, scales, bits_in, group, bits_out, group, rounding, seed=rng.next_seed()
-        )
+            payloads, scales, QuantFormat(bits_in, group), QuantFormat(bits_out, group),
+            rng.source(rounding, for_kernel=True),
+        )  # fmt: skip
 
     def dequantize_sum_hadamard(
         self, payloads: Tensor, scales: Tensor, bits: int, group: int, hadamard: int | None
     ) -> Tensor:
-        return self._k.dequantize_sum_hadamard(payloads, scales, bits, group, hadamard)
+        return self._k.dequantize_sum_hadamard(payloads, scales, QuantFormat(bits, group), hadamard)
 
     def dequantize_add_(self, target: Tensor, payload: Tensor, scales: Tensor, bits: int, group: int) -> None:
-        self._k.dequantize_add_(target, payload, scales, bits, group)
+        self._k.dequantize_add_(target, payload, scales, QuantFormat(bits, group))
 
 
 @dataclass(frozen=True)
@@ -470,7 +500,8 @@ class GradientExchange:
             self._partial = (payload, scales, first_level_bits(topo, fmt))
             return
         bits = first_level_bits(topo, fmt)
-        nbytes, ngroups = ref.payload_bytes(s, bits), s // self.group_size
+        fmt_first = QuantFormat(bits, self.group_size)
+        nbytes, ngroups = fmt_first.payload_bytes(s), fmt_first.num_groups(s, "shard")
         # (N, L, S) -> (L, N, S): chunk j goes to local peer j and holds the shards {n * L + j}.
         send_p = payload.view(n_inter, n_intra, nbytes).transpose(0, 1).reshape(n_intra, -1)
         send_s = scales.view(n_inter, n_intra, ngroups).transpose(0, 1).reshape(n_intra, -1)
@@ -631,7 +662,7 @@ class WeightExchange:
         frac = _sent_fraction(w)
         if self.mode == "none":
             send = self.master.to(self.model_flat.dtype)
-            _all_gather_single(self.model_flat, send, group=self.group)
+            all_gather_into_tensor(self.model_flat, send, group=self.group)
             if self.stats is not None:
                 self.stats.record("weight", frac * w * send.numel() * send.element_size(), frac * w * s)
             return
@@ -642,7 +673,7 @@ class WeightExchange:
         )
         row = _pack(payload.view(1, -1), scales.view(1, -1))
         gathered = torch.empty(w, row.shape[1], dtype=row.dtype, device=row.device)
-        _all_gather_single(gathered.view(-1), row.view(-1), group=self.group)
+        all_gather_into_tensor(gathered.view(-1), row.view(-1), group=self.group)
         if self.stats is not None:
             self.stats.record("weight", frac * w * (payload.numel() + 4 * scales.numel()), frac * w * s)
         self._gathered, self._nbytes = gathered, payload.numel()
@@ -694,11 +725,6 @@ def all_gather_weights(
     )  # fmt: skip
     exchange.send()
     exchange.apply()
-
-
-def expected_bits(bits: int, group_size: int) -> float:
-    """Bits per value of a ``bits``-bit format with one fp32 scale per ``group_size`` values."""
-    return bits + 32.0 / group_size
 
 
 def padded_shard_size(numel: int, world_size: int, alignment: int) -> int:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_sdp.plugins.sdp4bit.exchange import _all_gather_single, padded_shard_size
+from lightning_sdp.plugins.sdp4bit.exchange import all_gather_into_tensor, padded_shard_size
 
 # Optimizers whose update is element-wise, so that stepping a shard equals stepping the whole tensor. Subclasses of
 # these (``class MyAdamW(AdamW)``) are accepted too: they inherit the element-wise update.
@@ -205,7 +205,7 @@ class FlatBucket:
         if self.world_size == 1:
             return self.master.clone()
         full = torch.empty(self.padded, dtype=torch.float32, device=self.device)
-        _all_gather_single(full, self.master.detach().contiguous())
+        all_gather_into_tensor(full, self.master.detach().contiguous())
         return full
 
     def gather_full(self, shard: Tensor) -> Tensor:
@@ -213,7 +213,7 @@ class FlatBucket:
         if self.world_size == 1:
             return shard.detach().clone()
         full = torch.empty(self.padded, dtype=shard.dtype, device=shard.device)
-        _all_gather_single(full, shard.detach().contiguous())
+        all_gather_into_tensor(full, shard.detach().contiguous())
         return full
 
     def shard_of(self, per_param: list[Tensor]) -> Tensor:
@@ -336,7 +336,7 @@ def shard_optimizer(
     return buckets
 
 
-class use_shards:  # noqa: N801 - used like a function: ``with use_shards(optimizer, buckets): ...``
+class use_shards:  # lower case: used like a function: ``with use_shards(optimizer, buckets): ...``
     """Context manager: the optimizer's param groups hold the fp32 master shards inside, the model parameters outside.
 
     Outside, ``optimizer.param_groups`` looks as in plain Lightning (callbacks such as ``BackboneFinetuning`` and
@@ -379,7 +379,7 @@ def consolidate_state(
     masters: dict[int, Tensor] = {}
     index = 0
     for group_index, group in enumerate(optimizer.param_groups):
-        ids = []
+        ids: list[int] = []
         for bucket in group_buckets(buckets, group_index):
             index = _consolidate_bucket(optimizer, bucket, state, masters, ids, index)
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -31,6 +30,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sdp._registry import register_class_aliases
+from lightning_sdp.kernels import quantization
 from lightning_sdp.plugins.sdp4bit.exchange import (
     GRADIENT_MODES,
     WEIGHT_MODES,
@@ -48,6 +48,7 @@ from lightning_sdp.plugins.sdp4bit.exchange import (
     max_safe_scale,
 )
 from lightning_sdp.plugins.sdp4bit.overlap import Pipeline
+from lightning_sdp.plugins.sdp4bit.precision import ClipKind, ShardedClippingPrecision
 from lightning_sdp.plugins.sdp4bit.sharding import (
     FlatBucket,
     all_reduce_sum,
@@ -59,6 +60,7 @@ from lightning_sdp.plugins.sdp4bit.sharding import (
     use_shards,
 )
 from lightning_sdp.plugins.sdp4bit.topology import Topology, build_topology
+from lightning_sdp.utilities import unwrap_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +127,8 @@ class SDP4BitStrategy(DDPStrategy):
             did not measure faster than waiting in the step, see ``docs/sdp4bit.md``). Everything
             else that reads the weights (validation, checkpoints, ``on_train_end``, the next optimizer step) waits
             for all of them first; so can your own code, with :meth:`wait_for_weights`. ``False``: the step waits
-            for the whole all-gather (pipelined per bucket). Ignored with ``overlap=False`` or manual optimization. Bit-identical results.
+            for the whole all-gather (pipelined per bucket). Ignored with ``overlap=False`` or manual optimization.
+            Bit-identical results.
         accelerator: see :class:`~lightning.pytorch.strategies.DDPStrategy`.
         parallel_devices: see ``DDPStrategy``.
         cluster_environment: see ``DDPStrategy``.
@@ -276,12 +279,13 @@ class SDP4BitStrategy(DDPStrategy):
         self._ops: TorchOps = TorchOps()
         self._rng: RoundingRNG | None = None
         self._skip_current = False
-        # Hadamard blocks never straddle two parameters (a zero gradient stays exactly zero); off only to measure.
-        self._align_hadamard_blocks = True
+        # Hadamard blocks never straddle two parameters (a zero gradient stays exactly zero). A measurement knob, not
+        # an argument: benchmarks/sdp4bit_zero_blocks.py turns it off (before `fit`) to show what alignment buys.
+        self.align_hadamard_blocks = True
         # Per optimizer step: whether the shard gradients exist yet, clipping requested before that (manual
         # optimization), the shard ranges of parameters without a gradient on any rank, and what to restore there.
         self._exchanged = False
-        self._pending_clip: dict[int, tuple[str, float]] = {}
+        self._pending_clip: dict[int, tuple[ClipKind, float]] = {}
         self._absent: dict[int, list[int]] = {}
         self._restore: list[tuple[int, FlatBucket, list[tuple[int, int]], Tensor, dict[str, Tensor | None]]] = []
         # Overlap: worker threads, post-accumulate-grad hooks, and the state of the exchange in flight.
@@ -339,7 +343,7 @@ class SDP4BitStrategy(DDPStrategy):
     @property
     def param_alignment(self) -> int:
         """Every parameter starts at a multiple of this in the flat buffer (the Hadamard block, when one is used)."""
-        if self.gradient_format.hadamard and self.world_size > 1 and self._align_hadamard_blocks:
+        if self.gradient_format.hadamard and self.world_size > 1 and self.align_hadamard_blocks:
             return self.gradient_format.hadamard
         return 1
 
@@ -389,7 +393,7 @@ class SDP4BitStrategy(DDPStrategy):
         names = self._param_names()
         self._buckets = {}
         for opt in self.optimizers:
-            raw = opt._optimizer if isinstance(opt, LightningOptimizer) else opt
+            raw = unwrap_optimizer(opt)
             self._buckets[id(raw)] = shard_optimizer(
                 raw, names, self.world_size, self.global_rank, self.alignment, self.param_alignment,
                 self.allow_any_optimizer, self._bucket_numel,
@@ -402,8 +406,8 @@ class SDP4BitStrategy(DDPStrategy):
         self._eager = {}
         self._index_params()
         # Global-norm and value clipping on the shards (Lightning clips through the precision plugin).
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
-        self.precision_plugin.clip_grad_by_value = self._clip_grad_by_value  # type: ignore[method-assign]
+        if not isinstance(self.precision_plugin, ShardedClippingPrecision):
+            self.precision_plugin = ShardedClippingPrecision(self.precision_plugin, self._clip_shards)
 
     @property
     def _bucket_numel(self) -> int | None:
@@ -436,7 +440,7 @@ class SDP4BitStrategy(DDPStrategy):
             )
         for i, group in enumerate(groups[:n_known]):
             params, known = group["params"], group_params(buckets, i)
-            if len(params) != len(known) or any(p is not q for p, q in zip(params, known)):
+            if len(params) != len(known) or any(p is not q for p, q in zip(params, known, strict=True)):
                 raise ValueError(
                     f"The parameters of optimizer param group {i} changed after SDP4BitStrategy sharded it: editing "
                     "a group's 'params' during training is not supported. Add new parameters with "
@@ -479,7 +483,7 @@ class SDP4BitStrategy(DDPStrategy):
     # ------------------------------------------------------------------------------------------------ step
 
     def _buckets_of(self, optimizer: Any) -> list[FlatBucket] | None:
-        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        raw = unwrap_optimizer(optimizer)
         return self._buckets.get(id(raw))
 
     @override
@@ -495,7 +499,7 @@ class SDP4BitStrategy(DDPStrategy):
         if buckets is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         assert self._rng is not None
-        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        raw = unwrap_optimizer(optimizer)
         self._sync_groups(raw, buckets)
         self._rng.reset(self._step)
         self.comm_stats.new_step()
@@ -606,7 +610,7 @@ class SDP4BitStrategy(DDPStrategy):
             if job is not None and job.future is not None:
                 try:
                     job.future.result()
-                except Exception:  # noqa: BLE001 - the closure's own error is what the user must see
+                except Exception:  # the closure's own error is what the user must see
                     pass
         self._jobs = []
 
@@ -678,7 +682,7 @@ class SDP4BitStrategy(DDPStrategy):
         bad = ~(torch.isfinite(scales) & (scales <= limit))
         if not bool(bad.any()):
             return []
-        qmax = 2 ** (first_level_bits(self.topology, self.gradient_format) - 1) - 1  # type: ignore[arg-type]
+        qmax = quantization.qmax(first_level_bits(self.topology, self.gradient_format))  # type: ignore[arg-type]
         what = "after the Hadamard transform" if self.gradient_format.hadamard else "as quantised"
         out: list[str] = []
         g = self.gradient_group_size
@@ -817,7 +821,7 @@ class SDP4BitStrategy(DDPStrategy):
         for future in [*jobs.values(), *([drift] if drift is not None else [])]:
             try:
                 future.result()
-            except BaseException as err:  # noqa: BLE001 - wait for all, then raise the first
+            except BaseException as err:  # wait for all, then raise the first
                 error = error or err
         stats, self._weight_stats = self._weight_stats, []
         for one in stats:
@@ -831,7 +835,7 @@ class SDP4BitStrategy(DDPStrategy):
         """:meth:`_wait_all_weights` on a path that is already failing or ending: log an error, do not raise."""
         try:
             self._wait_all_weights()
-        except Exception:  # noqa: BLE001 - the original error (or none, at teardown) is what the user must see
+        except Exception:  # the original error (or none, at teardown) is what the user must see
             log.exception("SDP4BitStrategy: a weight all-gather in flight failed")
 
     def _index_params(self) -> None:
@@ -903,50 +907,39 @@ class SDP4BitStrategy(DDPStrategy):
                 "gathered before each training_step. If this step read them stale, pass "
                 "`overlap_param_gather=False`."
             )
-    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        """``clip_grad_norm_`` over the whole model: the norm of all shards, all-reduced across ranks.
+    def _clip_shards(self, optimizer: Any, kind: ClipKind, clip_val: float) -> bool:
+        """Clip ``optimizer``'s reduced shard gradients; ``False`` when this strategy does not shard it.
 
-        Called before the gradient exchange (``self.clip_gradients`` in manual optimization), it is applied to the
-        reduced gradients as soon as they exist, inside ``optimizer.step()``.
+        :class:`ShardedClippingPrecision` calls it for ``gradient_clip_val`` and ``LightningModule.clip_gradients``.
+        ``"norm"`` is ``clip_grad_norm_`` over the whole model (the norm of all shards, all-reduced across ranks),
+        ``"value"`` is ``clip_grad_value_``. Requested before the gradient exchange (``self.clip_gradients`` in
+        manual optimization), it is applied to the reduced gradients as soon as they exist, inside
+        ``optimizer.step()``.
         """
         buckets = self._buckets_of(optimizer)
         if buckets is None:
-            Precision.clip_grad_by_norm(self.precision_plugin, optimizer, clip_val)
-            return
+            return False
         if not self._exchanged:
-            self._pending_clip[id(_unwrap(optimizer))] = ("norm", float(clip_val))
-            return
+            self._pending_clip[id(unwrap_optimizer(optimizer))] = (kind, clip_val)
+            return True
         grads = [b.master.grad for b in buckets if b.master.grad is not None]
+        if kind == "value":
+            for g in grads:
+                g.clamp_(-clip_val, clip_val)
+            return True
         sq = torch.zeros(1, dtype=torch.float32, device=self.root_device)
         for g in grads:
             sq += g.pow(2).sum()
         total = all_reduce_sum(sq).sqrt()
-        coef = torch.clamp(float(clip_val) / (total + 1e-6), max=1.0)
+        coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef)
-
-    def _clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        """``clip_grad_value_`` on the reduced shard gradients (deferred like :meth:`_clip_grad_by_global_norm`)."""
-        buckets = self._buckets_of(optimizer)
-        if buckets is None:
-            Precision.clip_grad_by_value(self.precision_plugin, optimizer, clip_val)
-            return
-        if not self._exchanged:
-            self._pending_clip[id(_unwrap(optimizer))] = ("value", float(clip_val))
-            return
-        for b in buckets:
-            if b.master.grad is not None:
-                b.master.grad.clamp_(-float(clip_val), float(clip_val))
+        return True
 
     def _apply_pending_clip(self, raw: Optimizer) -> None:
         pending = self._pending_clip.pop(id(raw), None)
-        if pending is None:
-            return
-        kind, value = pending
-        if kind == "norm":
-            self._clip_grad_by_global_norm(raw, value)
-        else:
-            self._clip_grad_by_value(raw, value)
+        if pending is not None:
+            self._clip_shards(raw, *pending)
 
     def grad_norm(
         self, module: Module, norm_type: float | int | str, group_separator: str = "/"
@@ -1022,7 +1015,7 @@ class SDP4BitStrategy(DDPStrategy):
         buckets = self._buckets_of(optimizer)
         if buckets is None:
             return super().optimizer_state(optimizer)
-        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        raw = unwrap_optimizer(optimizer)
         self._sync_groups(raw, buckets)
         extra = {"step": self._step, "skipped_steps": self.skipped_steps, "world_size": self.world_size}
         return consolidate_state(raw, buckets, extra)
@@ -1041,7 +1034,7 @@ class SDP4BitStrategy(DDPStrategy):
             if buckets is None:
                 opt.load_state_dict(state)
                 continue
-            raw = opt._optimizer if isinstance(opt, LightningOptimizer) else opt
+            raw = unwrap_optimizer(opt)
             self._sync_groups(raw, buckets)
             load_consolidated_state(raw, buckets, state)
             extra = state.get("sdp4bit", {})
@@ -1128,6 +1121,8 @@ class SDP4BitStrategy(DDPStrategy):
         if self.topology is not None:
             self.topology.destroy()
         super().teardown()
+        if isinstance(self.precision_plugin, ShardedClippingPrecision):
+            self.precision_plugin = self.precision_plugin.plugin  # leave the user's plugin as it was given
 
     def master_shards(self, optimizer: Optimizer) -> list[Tensor]:
         """The fp32 master shards of ``optimizer``'s param groups on this rank (what the optimizer steps)."""
@@ -1194,10 +1189,6 @@ def _no_grad(fn: Callable[[], Any]) -> Callable[[], Any]:
             return fn()
 
     return run
-
-
-def _unwrap(optimizer: Any) -> Optimizer:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def _is_shard_state(value: Any, bucket: FlatBucket) -> bool:

@@ -100,9 +100,7 @@ def _resnet_case(image_size: int, args: argparse.Namespace) -> ModelCase:
         return torchvision.models.resnet18()
 
     def make_input() -> Tensor:
-        return torch.randn(
-            args.batch_size, 3, image_size, image_size, generator=torch.Generator().manual_seed(0)
-        )
+        return torch.randn(args.batch_size, 3, image_size, image_size, generator=torch.Generator().manual_seed(0))
 
     return ModelCase(
         f"resnet18 {image_size}px", "resnet18", build, make_input, True, details={"image_size": image_size}
@@ -181,9 +179,7 @@ def _fvcore(case: ModelCase) -> dict[str, Any]:
         "matrix_macs": matrix,
         "other_macs": total - matrix,
         "by_operator": by_op,
-        "skipped_ops": {
-            k: v for k, v in skipped.items() if "attention" in k or "softmax" in k or "gelu" in k
-        },
+        "skipped_ops": {k: v for k, v in skipped.items() if "attention" in k or "softmax" in k or "gelu" in k},
     }
 
 
@@ -214,9 +210,7 @@ def _deepspeed(case: ModelCase) -> dict[str, Any]:
 
     model = case.build().eval()
     x = case.make_input()
-    flops, macs, _ = get_model_profile(
-        model, args=[x], print_profile=False, detailed=False, warm_up=0, as_string=False
-    )
+    flops, macs, _ = get_model_profile(model, args=[x], print_profile=False, detailed=False, warm_up=0, as_string=False)
     return {"flops": int(flops), "macs": int(macs)}
 
 
@@ -227,7 +221,7 @@ def _safe(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
         out = fn(*args)
     except ImportError as err:
         return {"error": f"not installed: {err}"}
-    except Exception as err:  # noqa: BLE001 - record why a peer failed on this model
+    except Exception as err:  # record why a peer failed on this model
         return {
             "error": f"{type(err).__name__}: {str(err)[:300]}",
             "traceback": traceback.format_exc()[-1500:],
@@ -514,10 +508,7 @@ def main(argv: list[str] | None = None) -> None:
 
     counts_md, ratios_md, resid_md = tables(rows)
     failures = [
-        f"- {r['model']}: {k}: {v['error']}"
-        for r in rows
-        for k, v in r.items()
-        if isinstance(v, dict) and "error" in v
+        f"- {r['model']}: {k}: {v['error']}" for r in rows for k, v in r.items() if isinstance(v, dict) and "error" in v
     ]
     targets = [r for r in rows if r["target"]]
     met = [r for r in targets if abs((r["ratios"].get("ep_over_2x_fvcore_total") or 0) - 1) <= 0.01]

@@ -61,18 +61,15 @@ class _ProfiledStepTimer(StepTimer):
         super().__init__()
         self.profiling: list[bool] = []
 
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         self.profiling.append(bool(torch.autograd._profiler_enabled()))
 
     def steps(self) -> list[tuple[int, float, bool, float]]:
         """``(batch, wall seconds to the next batch's start, profiling on at both ends, process CPU seconds)``."""
-        cpu = [b - a for a, b in zip(self.cpu_starts[:-1], self.cpu_starts[1:])]
+        cpu = [b - a for a, b in zip(self.cpu_starts[:-1], self.cpu_starts[1:], strict=True)]
         return [
-            (i, wall, self.profiling[i] and self.profiling[i + 1], cpu[i])
-            for i, wall in enumerate(self.intervals())
+            (i, wall, self.profiling[i] and self.profiling[i + 1], cpu[i]) for i, wall in enumerate(self.intervals())
         ]
 
 
@@ -147,9 +144,7 @@ def settings(args: argparse.Namespace) -> list[Setting]:
     def throughput(tmp: Path, a: argparse.Namespace) -> tuple[list[Callback], Any]:
         from lightning.pytorch.callbacks import ThroughputMonitor
 
-        return [
-            ThroughputMonitor(batch_size_fn=lambda b: b[0].size(0), length_fn=lambda b: b[0].numel())
-        ], None
+        return [ThroughputMonitor(batch_size_fn=lambda b: b[0].size(0), length_fn=lambda b: b[0].numel())], None
 
     return [
         Setting("none", "no profiler", none, "none"),
@@ -272,9 +267,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return {"settings": {s.key: {"label": s.label, "window": s.window} for s in all_settings}, "runs": runs}
 
 
-def _ratios(
-    rs: list[dict[str, Any]], base_runs: list[dict[str, Any]], key: str, steps_key: str
-) -> dict[str, Any]:
+def _ratios(rs: list[dict[str, Any]], base_runs: list[dict[str, Any]], key: str, steps_key: str) -> dict[str, Any]:
     """Median of ``key`` over the repeats, its ratio to no profiler's, the paired per-repeat ratios, and the ratio
     of the fastest steps (other jobs only ever add time, so the minimum is the least disturbed estimate)."""
     meds = [r[key] for r in rs if r.get(key) is not None]
@@ -342,7 +335,8 @@ def _targets(rows: list[dict[str, Any]]) -> list[str]:
             w, c, hook = r["wall"]["paired_median"], r["cpu"]["paired_median"], r.get("ep_hook_share")
             lines.append(
                 f"- {r['setting']}: wall {_pct(w)}, CPU {_pct(c)} (target ≤ +1%: wall "
-                f"{'met' if w is not None and w <= 1.01 else 'not met'}, CPU {'met' if c is not None and c <= 1.01 else 'not met'}); "
+                f"{'met' if w is not None and w <= 1.01 else 'not met'}, "
+                f"CPU {'met' if c is not None and c <= 1.01 else 'not met'}); "
                 f"its hooks take {r.get('ep_hook_us', float('nan')):.1f} µs per step = {(hook or 0) * 100:.3f}% of "
                 f"the step (the noise-free bound: {'met' if hook is not None and hook <= 0.01 else 'not met'})."
             )
@@ -353,9 +347,7 @@ def _targets(rows: list[dict[str, Any]]) -> list[str]:
             q = p[kind]["paired_median"] if p else None
             ef, qf = r[kind]["fastest_ratio"], p[kind]["fastest_ratio"] if p else None
             spread = max(
-                ((d[kind]["paired_max"] or 0) - (d[kind]["paired_min"] or 0)) / 2
-                for d in (r, p)
-                if d is not None
+                ((d[kind]["paired_max"] or 0) - (d[kind]["paired_min"] or 0)) / 2 for d in (r, p) if d is not None
             )
             repeats = min(len(d[kind]["paired"]) for d in (r, p) if d is not None)
             noise = (
@@ -363,14 +355,16 @@ def _targets(rows: list[dict[str, Any]]) -> list[str]:
                 if e is None or q is None
                 else f" (difference {abs(q - e) * 100:.1f} points; one repeat, no spread to compare it with)"
                 if repeats < 2
-                else f" (difference {abs(q - e) * 100:.1f} points; half-range of the paired ratios ±{spread * 100:.1f} "
+                else f" (difference {abs(q - e) * 100:.1f} points; "
+                f"half-range of the paired ratios ±{spread * 100:.1f} "
                 + ("points: within the noise)" if abs(q - e) <= spread else "points: beyond the noise)")
             )
             lines.append(
-                f"- {r['setting']} ({kind}): {_pct(e)} (target ≤ +10%: {'met' if e is not None and e <= 1.10 else 'not met'}); "
+                f"- {r['setting']} ({kind}): {_pct(e)} "
+                f"(target ≤ +10%: {'met' if e is not None and e <= 1.10 else 'not met'}); "
                 f"PyTorchProfiler inside its window {_pct(q)} (EngineProfiler below it: "
-                f"{'yes' if e is not None and q is not None and e < q else 'no'}{noise}). Fastest steps: EngineProfiler "
-                f"{_pct(ef)}, PyTorchProfiler {_pct(qf)}."
+                f"{'yes' if e is not None and q is not None and e < q else 'no'}{noise}). "
+                f"Fastest steps: EngineProfiler {_pct(ef)}, PyTorchProfiler {_pct(qf)}."
             )
     return lines
 
@@ -418,9 +412,7 @@ def plot(rows: list[dict[str, Any]], result: dict[str, Any]) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--quick", action="store_true", help="small model, few steps, one repeat (well under a minute)"
-    )
+    p.add_argument("--quick", action="store_true", help="small model, few steps, one repeat (well under a minute)")
     p.add_argument("--steps", type=int, default=40, help="training batches per run")
     p.add_argument("--first", type=int, default=6, help="first measured batch (earlier ones warm up)")
     p.add_argument("--repeats", type=int, default=5, help="interleaved repeats of every setting")
@@ -438,9 +430,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         saved = argparse.Namespace(**payload["config"])
         result = {"runs": payload["runs"], "settings": payload["settings"]}
         payload["rows"] = summarise(result)
-        md = render(
-            saved, payload["rows"], payload["wall_s"], payload["load_avg_before"], payload["load_avg_after"]
-        )
+        md = render(saved, payload["rows"], payload["wall_s"], payload["load_avg_before"], payload["load_avg_after"])
         write_results(Path(args.from_json).stem, payload, md, plot(payload["rows"], result))
         print(md)
         return
@@ -498,9 +488,7 @@ def render(
             else f"{r['cpu']['fastest_ratio']:.3f}",
             "steps/run": r["steps_per_run"],
             "EP hooks µs/step": "—" if r.get("ep_hook_us") is None else f"{r['ep_hook_us']:.1f}",
-            "one-off: counting batch s": "—"
-            if r.get("count_batch_s") is None
-            else f"{r['count_batch_s']:.2f}",
+            "one-off: counting batch s": "—" if r.get("count_batch_s") is None else f"{r['count_batch_s']:.2f}",
             "one-off: analysis s": "—" if r.get("analysis_s") is None else f"{r['analysis_s']:.2f}",
             "run extra s": f"{r['run_extra_s']:+.2f}",
         }

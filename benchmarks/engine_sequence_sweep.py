@@ -44,9 +44,7 @@ def _run(args: argparse.Namespace, callbacks: list[Callback], steps: int, seq_le
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, VOCAB, (steps * args.batch_size, seq_len + 1), generator=g)
     loader = DataLoader(TensorDataset(x[:, :-1], x[:, 1:]), batch_size=args.batch_size)
-    model = gpt_factory(vocab_size=VOCAB, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)(
-        "sdpa", seq_len
-    )
+    model = gpt_factory(vocab_size=VOCAB, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)("sdpa", seq_len)
     Trainer(
         accelerator="cpu",
         devices=1,
@@ -180,7 +178,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         + f"Sequence length {overhead['seq_len']}, fused attention, batches 2..{overhead['steps'] - 1} of "
         f"{overhead['steps']}, median of {overhead['repeats']} interleaved repeats. One pair of hook calls outside "
         f"the window costs {overhead['hook_pair_us_outside_window']:.2f} µs (timed directly). After the window, "
-        f"stopping the profiler, exporting the trace and building the report takes {overhead['median_analysis_s']:.2f} s "
+        f"stopping the profiler, exporting the trace and building the report takes "
+        f"{overhead['median_analysis_s']:.2f} s "
         f"once (for {overhead['steps'] - 2} profiled steps).\n\n"
         + markdown_table(ov_rows)
         + f"\n\nSweep {t_sweep:.0f} s, whole benchmark {wall:.0f} s. 1-minute load average before: {load_before} "

@@ -199,8 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "## Targets",
         "",
-        f"- GEMM-only workload at {100 * gemm_vs_ceiling:.1f}% of the measured fp32 matrix ceiling (target >= 70%: "
-        f"{'met' if gemm_vs_ceiling >= 0.7 else 'not met'})." if gemm_vs_ceiling else "- GEMM-only: no ceiling.",
+        (
+            f"- GEMM-only workload at {100 * gemm_vs_ceiling:.1f}% of the measured fp32 matrix ceiling (target >= 70%: "
+            f"{'met' if gemm_vs_ceiling >= 0.7 else 'not met'})."
+            if gemm_vs_ceiling
+            else "- GEMM-only: no ceiling."
+        ),
     ]
     for name, ok in spread_ok.items():
         r = next(x for x in rows if x["workload"] == name)

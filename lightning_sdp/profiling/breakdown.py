@@ -172,9 +172,7 @@ def _enclosing_scope(event: Any) -> tuple[str | None, Any, Any]:
         name = node.name
         if module is None and backward is None and name.startswith(MODULE_SCOPE_PREFIX):
             module = name[len(MODULE_SCOPE_PREFIX) :]
-        if optimizer is None and (
-            name.startswith("Optimizer.step") or name.startswith("Optimizer.zero_grad")
-        ):
+        if optimizer is None and (name.startswith("Optimizer.step") or name.startswith("Optimizer.zero_grad")):
             optimizer = node
         if backward is None and module is None and name.startswith(_BACKWARD_NODE):
             backward = node
@@ -221,9 +219,7 @@ def _resolve_category(event: Any, cache: dict[int, str]) -> str:
     return cat
 
 
-def _event_costs(
-    e: Any, category: str, self_cpu_us: float, device: str, totals: _Totals
-) -> list[tuple[str, float]]:
+def _event_costs(e: Any, category: str, self_cpu_us: float, device: str, totals: _Totals) -> list[tuple[str, float]]:
     """``(category, microseconds)`` an event costs: its self CPU time, or on CUDA its kernels' device times.
 
     On CUDA the matrix-kernel and tensor-core times go to ``totals`` too.

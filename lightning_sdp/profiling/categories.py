@@ -290,5 +290,3 @@ def classify_kernel(name: str) -> str | None:
 def is_tensor_core_kernel(name: str) -> bool:
     """True when a CUDA kernel name says it runs on tensor cores (MMA shapes, ``xmma``/``wgmma``, flash kernels)."""
     return bool(_TENSOR_CORE_RE.search(name))
-
-

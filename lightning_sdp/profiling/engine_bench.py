@@ -25,6 +25,7 @@ what the tensors of a small model do too). Each is the best of a few timed repet
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -187,11 +188,7 @@ class DeviceProfile:
         lines = [
             f"Device profile: {self.device_type} ({self.device_name}{threads}), torch {self.torch_version}, "
             f"{'quick' if self.quick else 'full'} mode, {self.elapsed_s:.1f} s"
-            + (
-                f", load average {self.load_avg:.1f} on {self.cpu_count} cores"
-                if self.load_avg is not None
-                else ""
-            ),
+            + (f", load average {self.load_avg:.1f} on {self.cpu_count} cores" if self.load_avg is not None else ""),
             "",
             "| matrix dtype | best TFLOPS | at shape (m, n, k) |",
             "|---|---|---|",
@@ -204,9 +201,7 @@ class DeviceProfile:
         lines += ["", "| vector kernel (fp32) | elements | Gelem/s | GB/s |", "|---|---|---|---|"]
         for kernel, rows in self.vector.items():
             for row in rows:
-                lines.append(
-                    f"| {kernel} | {row['numel']:,} | {row['gelem_per_s']:.4g} | {row['gbps']:.4g} |"
-                )
+                lines.append(f"| {kernel} | {row['numel']:,} | {row['gelem_per_s']:.4g} | {row['gbps']:.4g} |")
         vec, bw = self.vector_gelem_per_s, self.mem_gbps
         lines += [
             "",
@@ -287,7 +282,7 @@ def _measure_gemms(
             a = torch.randn(m, k, device=device).to(dtype)
             b = torch.randn(k, n, device=device).to(dtype)
             out = torch.empty(m, n, device=device, dtype=dtype)
-            s = _best_seconds(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), sync, min_time_s, repeats)
+            s = _best_seconds(functools.partial(torch.mm, a, b, out=out), sync, min_time_s, repeats)
             rows.append({"m": m, "n": n, "k": k, "seconds": s, "tflops": 2.0 * m * n * k / s / 1e12})
             del a, b, out
     finally:
@@ -330,7 +325,7 @@ def _dtype_error(device: torch.device, dtype_key: str) -> str | None:
     try:
         x = torch.ones(8, 8, device=device, dtype=MATRIX_DTYPES[dtype_key])
         torch.mm(x, x)
-    except Exception as err:  # noqa: BLE001 - the reason is recorded in the profile
+    except Exception as err:  # the reason is recorded in the profile
         return f"{type(err).__name__}: {err}"
     return None
 
@@ -545,13 +540,7 @@ def plot_roofline(
     for dtype, entry in profile.matrix.items():
         esize = 4 if MATRIX_DTYPES[dtype] == torch.float32 else 2
         for r in entry["shapes"]:
-            ai = (
-                2.0
-                * r["m"]
-                * r["n"]
-                * r["k"]
-                / ((r["m"] * r["k"] + r["k"] * r["n"] + r["m"] * r["n"]) * esize)
-            )
+            ai = 2.0 * r["m"] * r["n"] * r["k"] / ((r["m"] * r["k"] + r["k"] * r["n"] + r["m"] * r["n"]) * esize)
             pts.append((f"GEMM {dtype}", ai, r["tflops"] * 1e3, "o"))
     for kernel, rows in profile.vector.items():
         for row in rows:
@@ -585,14 +574,10 @@ def plot_roofline(
     if bw:
         ax.plot(grid, [x * bw for x in grid], ":", color="grey", lw=1, label=f"bandwidth {bw:.4g} GB/s")
     if datasheet:
-        if datasheet.get("matrix_tflops"):
-            ax.axhline(
-                datasheet["matrix_tflops"] * 1e3, color="tab:red", ls=":", lw=1, label="datasheet matrix"
-            )
-        if datasheet.get("vector_tflops"):
-            ax.axhline(
-                datasheet["vector_tflops"] * 1e3, color="tab:purple", ls=":", lw=1, label="datasheet vector"
-            )
+        if matrix_tflops := datasheet.get("matrix_tflops"):
+            ax.axhline(matrix_tflops * 1e3, color="tab:red", ls=":", lw=1, label="datasheet matrix")
+        if vector_tflops := datasheet.get("vector_tflops"):
+            ax.axhline(vector_tflops * 1e3, color="tab:purple", ls=":", lw=1, label="datasheet vector")
     for i, (_, x, y, marker) in enumerate(pts):
         label = "benchmark kernels (o GEMM, ^ vector)" if i == 0 else None
         ax.scatter([x], [y], s=14, marker=marker, alpha=0.6, color="grey", label=label)
@@ -619,19 +604,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "throughput of this device; write a device profile (JSON) and a roofline (PNG), and store the profile in "
         "the cache EngineProfiler reads.",
     )
-    p.add_argument(
-        "--device", default=None, help="cpu, cuda, cuda:1, hpu (default: the accelerator if any, else cpu)"
-    )
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, hpu (default: the accelerator if any, else cpu)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's current count)")
     p.add_argument("--dtypes", nargs="+", default=None, help=f"matrix dtypes among {sorted(MATRIX_DTYPES)}")
     p.add_argument("--quick", action="store_true", help="small sizes, a few seconds")
     p.add_argument("--out", default="engine_bench", help="output folder (default: engine_bench)")
-    p.add_argument(
-        "--report", default=None, help="an EngineProfiler JSON report whose categories the roofline shows"
-    )
-    p.add_argument(
-        "--cache-dir", default=None, help="cache folder (default: $LIGHTNING_SDP_CACHE_DIR or ~/.cache/...)"
-    )
+    p.add_argument("--report", default=None, help="an EngineProfiler JSON report whose categories the roofline shows")
+    p.add_argument("--cache-dir", default=None, help="cache folder (default: $LIGHTNING_SDP_CACHE_DIR or ~/.cache/...)")
     p.add_argument("--no-cache", action="store_true", help="measure, and do not write the cache")
     args = p.parse_args(list(argv) if argv is not None else None)
 

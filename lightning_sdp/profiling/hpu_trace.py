@@ -23,7 +23,7 @@ import gzip
 import json
 import re
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,7 +117,7 @@ def load_trace(path: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"HPU trace {p} does not exist")
     opener = gzip.open if p.suffix == ".gz" else open
     try:
-        with opener(p, "rt") as f:  # type: ignore[operator]
+        with opener(p, "rt") as f:
             data = json.load(f)
     except (json.JSONDecodeError, OSError, EOFError) as err:
         raise ValueError(f"{p} is not a readable Chrome trace JSON file: {err}") from err
@@ -189,7 +189,7 @@ def engine_intervals(
 
 
 def overlap_sweep(
-    intervals_by_engine: dict[str, Iterable[tuple[float, float]]], window: tuple[float, float] | None = None
+    intervals_by_engine: Mapping[str, Iterable[tuple[float, float]]], window: tuple[float, float] | None = None
 ) -> tuple[dict[str, float], dict[str, float], float]:
     """Sweep over interval end points: time per overlap state and union busy time per engine.
 
@@ -257,9 +257,7 @@ def _accumulate(states: dict[str, float], busy: dict[str, float], active: dict[s
             busy[e] += dt
 
 
-def analyze_trace(
-    trace: dict[str, Any] | str | Path, window: tuple[float, float] | None = None
-) -> EngineOverlap:
+def analyze_trace(trace: dict[str, Any] | str | Path, window: tuple[float, float] | None = None) -> EngineOverlap:
     """Engine overlap of a Gaudi Chrome trace (a loaded dict or a path to ``.json``/``.json.gz``).
 
     Raises:

@@ -107,7 +107,7 @@ def device_name_of(device_type: str, index: int = 0) -> str | None:
             if hpu is not None and hasattr(hpu, "get_device_name"):
                 return str(hpu.get_device_name())
             return "gaudi"
-    except Exception:  # noqa: BLE001 - a name is a nicety; the caller handles None
+    except Exception:  # a name is a nicety; the caller handles None
         return None
     return None
 
@@ -200,12 +200,14 @@ def lightning_matrix_tflops(device: torch.device, dtype: str) -> float | None:
     """
     from lightning.fabric.utilities.throughput import get_available_flops
 
-    torch_dtype: torch.dtype | str | None = {
+    # Lightning's table keys TF32 by the string "tfloat32" (torch has no such dtype), the others by torch dtypes.
+    lightning_dtypes: dict[str, torch.dtype | str] = {
         "bf16": torch.bfloat16,
         "fp16": torch.float16,
         "tf32": "tfloat32",
         "fp32": torch.float32,
-    }.get(dtype)
+    }
+    torch_dtype = lightning_dtypes.get(dtype)
     if torch_dtype is None:
         return None
     if dtype == "fp32" and torch.get_float32_matmul_precision() != "highest":

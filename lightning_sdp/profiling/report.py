@@ -109,8 +109,7 @@ def build_report(
     }
     top = sorted(breakdown.op_times_us.items(), key=lambda kv: -kv[1][1])[:TOP_OPS]
     top_ops = [
-        TopOp(name=n, category=c, time_ms=t / steps / 1e3, frac=t / (breakdown.span_us or 1.0))
-        for n, (c, t) in top
+        TopOp(name=n, category=c, time_ms=t / steps / 1e3, frac=t / (breakdown.span_us or 1.0)) for n, (c, t) in top
     ]
 
     throughput: dict[str, float | None] = {
@@ -199,9 +198,7 @@ def build_report(
     return report
 
 
-def _utilisation(
-    throughput: dict[str, float | None], peaks: dict[str, float | None]
-) -> dict[str, float | None]:
+def _utilisation(throughput: dict[str, float | None], peaks: dict[str, float | None]) -> dict[str, float | None]:
     """Achieved throughput over the peaks (``None`` where either is unknown)."""
     return {
         "matrix": _ratio(throughput["matrix_tflops"], peaks.get("matrix_tflops")),
@@ -359,9 +356,7 @@ def findings(report: EngineReport, uncertain: list[Finding] | None = None) -> li
         k: v
         for source in ("utilisation", "utilisation_measured")
         for k, v in (getattr(report, source) or {}).items()
-        if v is not None
-        and v > CEILING_EXCEEDED
-        and (source == "utilisation_measured" or _measured(report, k))
+        if v is not None and v > CEILING_EXCEEDED and (source == "utilisation_measured" or _measured(report, k))
     }
     if over:
         out.append(
@@ -442,8 +437,8 @@ def combine_windows(reports: list[EngineReport]) -> EngineReport:
     out.step_time_s = _median([r.step_time_s for r in reports])
     out.spread = _spread(reports, fr)
     out.modules = _median_modules(reports, last=out.modules)
-    out.throughput = _median_map([r.throughput for r in reports], out.throughput)  # type: ignore[assignment]
-    out.utilisation = _median_map([r.utilisation for r in reports], out.utilisation)  # type: ignore[assignment]
+    out.throughput = _median_map([r.throughput for r in reports], out.throughput)
+    out.utilisation = _median_map([r.utilisation for r in reports], out.utilisation)
     if out.utilisation_measured is not None:
         out.utilisation_measured = _median_map([r.utilisation_measured for r in reports], out.utilisation_measured)
     if out.cuda is not None:
@@ -493,9 +488,7 @@ def _median_modules(reports: list[EngineReport], last: dict[str, ModuleShare]) -
     return out
 
 
-def _median_map(
-    maps: list[dict[str, float | None] | None], keys: dict[str, float | None]
-) -> dict[str, float | None]:
+def _median_map(maps: list[dict[str, float | None] | None], keys: dict[str, float | None]) -> dict[str, float | None]:
     """Median over the windows of each key of ``keys`` (``None`` where no window knows it)."""
     return {k: _median_or_none([(m or {}).get(k) for m in maps]) for k in keys}
 
@@ -538,8 +531,7 @@ def summary_table(report: EngineReport) -> str:
     lines = [
         f"EngineProfiler: rank {report.rank}/{report.world_size}, {where}, "
         f"{dev.type} ({dev.name or 'unknown'}, {dev.matrix_dtype}), {report.steps} steps"
-        f"{' per window' if n > 1 else ''}, {report.step_time_s * 1e3:.2f} ms/step"
-        + (f", seq {seq}" if seq else ""),
+        f"{' per window' if n > 1 else ''}, {report.step_time_s * 1e3:.2f} ms/step" + (f", seq {seq}" if seq else ""),
         f"{'category':<16}{'ms/step':>10}{'share':>9}" + (f"{'min-max':>16}" if ranges else ""),
     ]
     for c in CATEGORIES:
@@ -693,8 +685,7 @@ def plot_reports(
     import matplotlib.pyplot as plt
 
     labels = labels or [
-        f"rank {r.rank} " + (f"median of {r.windows}" if (r.windows or 1) > 1 else f"w{r.cycle}")
-        for r in reports
+        f"rank {r.rank} " + (f"median of {r.windows}" if (r.windows or 1) > 1 else f"w{r.cycle}") for r in reports
     ]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     bottom = [0.0] * len(reports)

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("fvcore", reason="the bench extra (fvcore) is not installed")
 
-from benchmarks import engine_flops_peers as efp  # noqa: E402
+from benchmarks import engine_flops_peers as efp
 
 
 def _args() -> argparse.Namespace:

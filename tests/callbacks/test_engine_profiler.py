@@ -36,9 +36,7 @@ def _device_profile_cache(tmp_path_factory):
 
 
 def _model(attention: str = "explicit") -> GPT:
-    return GPT(
-        vocab_size=V, n_layer=N_LAYER, n_head=H, n_embd=D, block_size=T, attention=attention, warmup_steps=2
-    )
+    return GPT(vocab_size=V, n_layer=N_LAYER, n_head=H, n_embd=D, block_size=T, attention=attention, warmup_steps=2)
 
 
 def _loader(n: int = 64) -> DataLoader:
@@ -181,9 +179,7 @@ def test_pytorch_profiler_present_warns_and_stays_off(tmp_path):
     from lightning.pytorch.profilers import PyTorchProfiler
 
     cb = EngineProfiler(wait=0, warmup=0, active=1, count_flops=False, dirpath=str(tmp_path))
-    trainer = _trainer(
-        tmp_path, cb, max_steps=2, profiler=PyTorchProfiler(dirpath=str(tmp_path), filename="pt")
-    )
+    trainer = _trainer(tmp_path, cb, max_steps=2, profiler=PyTorchProfiler(dirpath=str(tmp_path), filename="pt"))
     with pytest.warns(UserWarning, match="already runs a PyTorchProfiler"):
         trainer.fit(_model(), _loader())
     assert cb.reports == []
@@ -351,9 +347,7 @@ def test_unwritable_dirpath_fails_at_setup(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
     cb = EngineProfiler(wait=0, warmup=1, active=1, dirpath=str(blocker / "ep"))
-    model = _CountingGPT(
-        vocab_size=V, n_layer=N_LAYER, n_head=H, n_embd=D, block_size=T, attention="explicit"
-    )
+    model = _CountingGPT(vocab_size=V, n_layer=N_LAYER, n_head=H, n_embd=D, block_size=T, attention="explicit")
     _CountingGPT.steps = 0
     with pytest.raises(OSError, match="EngineProfiler: cannot write to dirpath .*a_file/ep.*Pass `dirpath=`"):
         _trainer(tmp_path, cb, max_steps=4).fit(model, _loader())
@@ -363,9 +357,7 @@ def test_unwritable_dirpath_fails_at_setup(tmp_path):
 def test_several_windows_by_default_with_median_and_spread(tmp_path, capsys):
     import statistics
 
-    cb = EngineProfiler(
-        wait=0, warmup=1, active=1, dirpath=str(tmp_path), save_plot=False, measure_peaks=False
-    )
+    cb = EngineProfiler(wait=0, warmup=1, active=1, dirpath=str(tmp_path), save_plot=False, measure_peaks=False)
     _trainer(tmp_path, cb, max_steps=8).fit(_model(), _loader())
     # Four 2-batch cycles fit in 8 batches: four windows without being asked for them.
     assert [r.start_batch for r in cb.reports] == [1, 3, 5, 7]
@@ -379,9 +371,7 @@ def test_several_windows_by_default_with_median_and_spread(tmp_path, capsys):
 
 
 def test_short_run_profiles_the_windows_it_holds(tmp_path, recwarn):
-    cb = EngineProfiler(
-        wait=0, warmup=1, active=1, dirpath=str(tmp_path), save_plot=False, measure_peaks=False
-    )
+    cb = EngineProfiler(wait=0, warmup=1, active=1, dirpath=str(tmp_path), save_plot=False, measure_peaks=False)
     _trainer(tmp_path, cb, max_steps=3).fit(_model(), _loader())
     assert len(cb.reports) == 1
     assert not [w for w in recwarn if "ended inside" in str(w.message)]  # no partial second window
@@ -407,14 +397,10 @@ def test_sequence_length_only_for_sequence_inputs(tmp_path, capsys):
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 5, (16,), generator=g))
     images = DataLoader(data, batch_size=4)
-    cb = EngineProfiler(
-        wait=0, warmup=1, active=1, dirpath=str(tmp_path), save_plot=False, measure_peaks=False
-    )
+    cb = EngineProfiler(wait=0, warmup=1, active=1, dirpath=str(tmp_path), save_plot=False, measure_peaks=False)
     _trainer(tmp_path, cb, max_steps=2).fit(_TinyCNN(), images)
     assert cb.reports[0].model.seq_len is None
-    header = next(
-        line for line in capsys.readouterr().out.splitlines() if line.startswith("EngineProfiler: rank")
-    )
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("EngineProfiler: rank"))
     assert "seq" not in header  # was "seq 3" (the channel count)
     assert _sequence_length((torch.zeros(2, 7, dtype=torch.long), torch.zeros(2, 7, dtype=torch.long))) == 7
     assert _sequence_length({"x": torch.randn(2, 9, 16)}) == 9  # (B, T, C) embeddings

@@ -43,9 +43,7 @@ def _fit_two_ranks(rank: int, world_size: int, out: str) -> dict:
 
 
 def test_per_rank_files_and_merged_summary(tmp_path, monkeypatch):
-    monkeypatch.setenv(
-        "LIGHTNING_SDP_CACHE_DIR", str(tmp_path / "cache")
-    )  # measured ceilings: a private cache
+    monkeypatch.setenv("LIGHTNING_SDP_CACHE_DIR", str(tmp_path / "cache"))  # measured ceilings: a private cache
     out = tmp_path / "ep"
     results = run_distributed(_fit_two_ranks, 2, str(out), init_group=False, timeout=240)
     assert [r["global_rank"] for r in results] == [0, 1]

@@ -59,10 +59,7 @@ def test_kernel_names():
     assert classify_kernel("flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>") == "attention_fused"
     assert classify_kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "communication"
     assert classify_kernel("Memcpy HtoD (Pageable -> Device)") == "memory"
-    assert (
-        classify_kernel("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>")
-        is None
-    )
+    assert classify_kernel("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>") is None
     assert is_tensor_core_kernel("sm80_xmma_gemm_f16f16_f16f32_f32_nn_n_tilesize96x128x32_stage4")
     assert is_tensor_core_kernel("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_32x5_tn")
     assert not is_tensor_core_kernel("ampere_sgemm_128x64_tn")

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import lightning_sdp.profiling.engine_bench as eb
+from lightning_sdp.profiling.breakdown import CategoryBreakdown
+from lightning_sdp.profiling.categories import CATEGORIES
 from lightning_sdp.profiling.engine_bench import (
     VECTOR_KERNELS,
     DeviceProfile,
@@ -19,12 +21,9 @@ from lightning_sdp.profiling.engine_bench import (
     measure_engine_peaks,
     plot_roofline,
 )
-from lightning_sdp.profiling.breakdown import CategoryBreakdown
-from lightning_sdp.profiling.categories import CATEGORIES
 from lightning_sdp.profiling.flops import WorkCount
 from lightning_sdp.profiling.report import build_report, roofline_points
 from lightning_sdp.profiling.results import DeviceInfo, EngineReport, ModelDims
-
 
 
 def _report() -> EngineReport:

@@ -24,7 +24,5 @@ def test_profiling_imports_point_down_only():
     root = Path(lightning_sdp.profiling.__file__).parent
     files = sorted(root.rglob("*.py"))
     assert len(files) > 5
-    upward = {
-        f"{p.relative_to(root)}: {name}" for p in files for name in _imports(p) if name.startswith(UPWARD)
-    }
+    upward = {f"{p.relative_to(root)}: {name}" for p in files for name in _imports(p) if name.startswith(UPWARD)}
     assert upward == set()

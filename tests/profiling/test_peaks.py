@@ -52,9 +52,7 @@ def test_crossover_matches_the_spec_numbers():
     g3 = PEAKS["gaudi3"]
     a100 = PEAKS["a100"]
     assert crossover_seq_len(768, 12, g3["matrix_bf16"], g3["vector"], 6) == pytest.approx(3075, rel=0.01)
-    assert crossover_seq_len(768, 12, a100["matrix_bf16"], a100["vector"], 6) == pytest.approx(
-        12288, rel=0.01
-    )
+    assert crossover_seq_len(768, 12, a100["matrix_bf16"], a100["vector"], 6) == pytest.approx(12288, rel=0.01)
     with pytest.raises(ValueError):
         crossover_seq_len(0, 12, 1.0, 1.0)
 

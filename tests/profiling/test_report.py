@@ -93,16 +93,12 @@ def test_findings_trigger_and_stay_quiet():
     assert "changing_shapes" in _checks(_report(shapes=[[[4, 64]], [[4, 80]]], matrix=900, vector=100))
     low = _report(device_type="cuda", dtype="fp32", matrix=900, vector=100)
     assert "low_precision_off" in _checks(low)
-    assert "low_precision_off" not in _checks(
-        _report(device_type="cuda", dtype="bf16", matrix=900, vector=100)
-    )
+    assert "low_precision_off" not in _checks(_report(device_type="cuda", dtype="bf16", matrix=900, vector=100))
     # Attention module takes 80 % of the matrix time -> attention dominates at 72 % of the step.
     att = _report(matrix=900, vector=100)
     f = next(x for x in att.findings if x.check == "attention_dominating")
     assert "no device peaks" in f.message
-    att2 = _report(
-        matrix=900, vector=100, peaks={"matrix_tflops": 2.0, "vector_tflops": 0.1, "mem_gbps": None}
-    )
+    att2 = _report(matrix=900, vector=100, peaks={"matrix_tflops": 2.0, "vector_tflops": 0.1, "mem_gbps": None})
     f2 = next(x for x in att2.findings if x.check == "attention_dominating")
     assert "crossover" in f2.message
     for finding in att2.findings:

@@ -68,17 +68,13 @@ def test_median_and_spread_over_windows():
 
 def test_findings_only_beyond_the_spread():
     # host_other 35 %, 55 %, 20 %: median 35 % clears the 30 % threshold by 5 points, spread 35 points.
-    noisy = [
-        _window(i, matrix=1000 - h - 100, vector=100, host_other=h) for i, h in enumerate((350, 550, 200))
-    ]
+    noisy = [_window(i, matrix=1000 - h - 100, vector=100, host_other=h) for i, h in enumerate((350, 550, 200))]
     c = combine_windows(noisy)
     assert "host_bound" not in {f.check for f in c.findings}
     assert [f.check for f in c.findings_within_spread] == ["host_bound"]
     assert "not a finding: host_bound" in summary_table(c)
     # host_other 60-62 %: the effect (30 points) is far beyond the spread (2 points).
-    stable = [
-        _window(i, matrix=1000 - h - 100, vector=100, host_other=h) for i, h in enumerate((600, 620, 610))
-    ]
+    stable = [_window(i, matrix=1000 - h - 100, vector=100, host_other=h) for i, h in enumerate((600, 620, 610))]
     s = combine_windows(stable)
     host = [f for f in s.findings if f.check == "host_bound"]
     assert host and "median of 3 windows" in host[0].message
@@ -93,16 +89,12 @@ def test_measured_ceilings_fill_the_cpu_and_sit_next_to_the_datasheet():
     measured = {"matrix_tflops": 0.1, "vector_tflops": 0.002, "mem_gbps": 20.0}
     cpu_peaks, cpu_src = effective_peaks(None, "fp32", None, measured)
     assert cpu_peaks == measured and set(cpu_src.values()) == {"measured"}
-    r = _window(
-        0, peaks=cpu_peaks, measured=measured, sources=cpu_src, matrix=600, vector=300, host_other=100
-    )
+    r = _window(0, peaks=cpu_peaks, measured=measured, sources=cpu_src, matrix=600, vector=300, host_other=100)
     # 1 GFLOP per step in 0.3 ms of matrix time: 3.33 TFLOPS -> against 0.1 measured.
     assert r.utilisation["matrix"] == pytest.approx(1e9 / 300e-6 / 1e12 / 0.1)
     assert "util n/a" not in summary_table(r)
     # A GPU with a datasheet entry: the datasheet wins, measured is shown beside it.
-    gpu_peaks, gpu_src = effective_peaks(
-        "NVIDIA H100 80GB HBM3", "bf16", None, {**measured, "matrix_tflops": 700.0}
-    )
+    gpu_peaks, gpu_src = effective_peaks("NVIDIA H100 80GB HBM3", "bf16", None, {**measured, "matrix_tflops": 700.0})
     assert gpu_peaks["matrix_tflops"] == 989.0 and gpu_src["matrix_tflops"] == "datasheet"
     g = _window(
         0,
@@ -129,7 +121,5 @@ def test_beating_a_measured_ceiling_is_a_finding():
     f = [f for f in r.findings if f.check == "ceiling_exceeded"]
     assert f and "matrix" in f[0].message and "engine-bench" in f[0].advice
     # Against a datasheet peak the same numbers are no finding of this kind (only measured ceilings can be stale).
-    ds = _window(
-        0, peaks={**low, "matrix_tflops": 0.1}, sources={k: "datasheet" for k in low}, matrix=600, vector=300
-    )
+    ds = _window(0, peaks={**low, "matrix_tflops": 0.1}, sources={k: "datasheet" for k in low}, matrix=600, vector=300)
     assert "ceiling_exceeded" not in {f.check for f in ds.findings}

@@ -145,9 +145,7 @@ class EngineProfiler(Callback):
         self.print_summary = print_summary
         self.log_metrics = log_metrics
         if count_flops and warmup == 0:
-            rank_zero_warn(
-                "EngineProfiler: FLOPs are counted in the last warm-up batch; with warmup=0 no TFLOPS."
-            )
+            rank_zero_warn("EngineProfiler: FLOPs are counted in the last warm-up batch; with warmup=0 no TFLOPS.")
 
         self.reports: list[EngineReport] = []
         self.merged: MergedReport | None = None
@@ -199,7 +197,8 @@ class EngineProfiler(Callback):
             return
         from lightning.pytorch.profilers import PyTorchProfiler
 
-        if isinstance(trainer.profiler, PyTorchProfiler):
+        # Lightning sets `Trainer.profiler` in `_init_profiler` without declaring it on the class.
+        if isinstance(trainer.profiler, PyTorchProfiler):  # type: ignore[attr-defined]
             rank_zero_warn(
                 "EngineProfiler: the Trainer already runs a PyTorchProfiler and only one torch profiler session can "
                 "run at a time; EngineProfiler stays off. Remove `profiler=` to use it."
@@ -225,9 +224,7 @@ class EngineProfiler(Callback):
         total = self._total_batches(trainer)
         if self.repeat is None:
             # As many windows as the run holds (planned from the whole run, so a resumed run plans the same).
-            self._repeat = (
-                AUTO_WINDOWS if total is None else max(1, min(AUTO_WINDOWS, total // self.cycle_length))
-            )
+            self._repeat = AUTO_WINDOWS if total is None else max(1, min(AUTO_WINDOWS, total // self.cycle_length))
         remaining = None if total is None else total - self._batches_seen
         if remaining is not None and self._phase(self._batches_seen)[0] is not None:
             need = self.cycle_length - self._phase(self._batches_seen)[1]
@@ -256,7 +253,7 @@ class EngineProfiler(Callback):
                 quick=True,
                 cache_dir=self.peaks_cache_dir,
             )
-        except Exception as err:  # noqa: BLE001 - utilisation then falls back to the datasheet only
+        except Exception as err:  # utilisation then falls back to the datasheet only
             rank_zero_warn(
                 f"EngineProfiler: measuring the device's ceilings failed ({type(err).__name__}: {err}); utilisation "
                 "is reported only where a datasheet peak (or `peaks=`) exists."
@@ -277,16 +274,14 @@ class EngineProfiler(Callback):
     def _total_batches(trainer: Trainer) -> int | None:
         try:
             steps = trainer.estimated_stepping_batches
-        except Exception:  # noqa: BLE001 - an estimate only; unknown is fine
+        except Exception:  # an estimate only; unknown is fine
             return None
         if steps is None or steps == float("inf"):
             return None
         return int(steps) * max(1, int(trainer.accumulate_grad_batches))
 
     @override
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._disabled:
             return
         phase, pos, cycle = self._phase(self._batches_seen)
@@ -378,10 +373,8 @@ class EngineProfiler(Callback):
                     path = self._trace_path(cycle)
                     path.parent.mkdir(parents=True, exist_ok=True)
                     _export_trace(prof, path)
-                    rank_zero_warn(
-                        f"EngineProfiler: training raised {type(exception).__name__}; trace kept at {path}"
-                    )
-            except Exception as err:  # noqa: BLE001 - never mask the original exception
+                    rank_zero_warn(f"EngineProfiler: training raised {type(exception).__name__}; trace kept at {path}")
+            except Exception as err:  # never mask the original exception
                 rank_zero_warn(f"EngineProfiler: could not save the trace after an exception: {err}")
         self._reset_window()
 
@@ -393,9 +386,7 @@ class EngineProfiler(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         missing = {"batches_seen", "cycles_done"} - set(state_dict)
         if missing:
-            raise KeyError(
-                f"EngineProfiler checkpoint state lacks {sorted(missing)}; was it written by this callback?"
-            )
+            raise KeyError(f"EngineProfiler checkpoint state lacks {sorted(missing)}; was it written by this callback?")
         self._batches_seen = int(state_dict["batches_seen"])
         self._cycles_done = int(state_dict["cycles_done"])
 
@@ -405,9 +396,7 @@ class EngineProfiler(Callback):
         from torch.profiler import ProfilerActivity, profile
 
         if torch._C._autograd._profiler_enabled():
-            rank_zero_warn(
-                "EngineProfiler: another torch profiler session is running; this window is skipped."
-            )
+            rank_zero_warn("EngineProfiler: another torch profiler session is running; this window is skipped.")
             return
         activities = [ProfilerActivity.CPU]
         if self._device_type == "cuda":
@@ -417,9 +406,7 @@ class EngineProfiler(Callback):
         if self.module_view:
             self._add_module_hooks(pl_module)
         self._module_types = {n: type(m).__name__ for n, m in pl_module.named_modules()}
-        self._prof = profile(
-            activities=activities, record_shapes=False, with_stack=False, profile_memory=False
-        )
+        self._prof = profile(activities=activities, record_shapes=False, with_stack=False, profile_memory=False)
         self._prof.start()
         self._sync()
         self._t_start = time.perf_counter()
@@ -535,9 +522,7 @@ class EngineProfiler(Callback):
         self._reset_window()
         return report
 
-    def _device_and_peaks(
-        self, trainer: Trainer
-    ) -> tuple[DeviceInfo, dict[str, float | None], dict[str, str | None]]:
+    def _device_and_peaks(self, trainer: Trainer) -> tuple[DeviceInfo, dict[str, float | None], dict[str, str | None]]:
         from lightning_sdp.profiling.peaks import device_key, device_name_of, effective_peaks
 
         index = trainer.strategy.root_device.index or 0
@@ -620,9 +605,7 @@ class EngineProfiler(Callback):
         self.merged = merge_reports(reports)
         assert self._dir is not None
         self._dir.mkdir(parents=True, exist_ok=True)
-        (self._dir / f"{self.filename}-summary.json").write_text(
-            json.dumps(self.merged.to_dict(), indent=1) + "\n"
-        )
+        (self._dir / f"{self.filename}-summary.json").write_text(json.dumps(self.merged.to_dict(), indent=1) + "\n")
         if self.save_plot:
             if len(reports) == 1 and len(self.reports) > 1:
                 # One rank: a bar per window shows the spread; the roofline uses the medians.

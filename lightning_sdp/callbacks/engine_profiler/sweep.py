@@ -286,9 +286,7 @@ def plot_sweep(rows: list[dict[str, Any]], path: str | Path | None = None) -> An
     ax = axes[0][-1]
     for kind in kinds:
         rs = sorted((r for r in rows if r["attention"] == kind), key=lambda r: r["seq_len"])
-        ax.plot(
-            [r["seq_len"] for r in rs], [(r["total_tflops"] or 0) * 1e3 for r in rs], "-o", ms=3, label=kind
-        )
+        ax.plot([r["seq_len"] for r in rs], [(r["total_tflops"] or 0) * 1e3 for r in rs], "-o", ms=3, label=kind)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequence length")
     ax.set_ylabel("achieved GFLOP/s (all matrix FLOPs / step time)")

@@ -5,7 +5,7 @@ without a Trainer so a run costs only its epochs), evaluates Recall/NDCG@20 on t
 ``eval_every`` epochs and adds the run to ``benchmarks/results/heat_gowalla_tuning.{json,md,png}``; a run with the
 same name replaces the earlier one. The settings are ``key=value`` pairs (defaults in ``DEFAULTS``):
 
-    .venv/bin/python benchmarks/heat_gowalla_tuning.py lin_n64 negatives=64 schedule=linear lr=1.0 epochs=40
+    .venv/bin/python -m benchmarks.heat_gowalla_tuning lin_n64 negatives=64 schedule=linear lr=1.0 epochs=40
 
 ``optimizer`` is ``sgd`` or ``rowwise_adagrad``; ``schedule`` ``constant`` or ``linear`` (per batch, to 0 at the
 end); ``row_norm > 0`` projects every row to that norm after each batch. ``--report`` only rewrites the report.
@@ -16,18 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks._common import RESULTS_DIR, SHARED_DATA, markdown_table, write_results  # noqa: E402
-from benchmarks.heat_throughput import recall_ndcg_at_20, set_threads  # noqa: E402
-from lightning_sdp.datamodules.interactions import InteractionsDataModule  # noqa: E402
-from lightning_sdp.models.simplex import SimpleXModule  # noqa: E402
+from benchmarks._common import RESULTS_DIR, SHARED_DATA, markdown_table, write_results
+from benchmarks.heat_throughput import recall_ndcg_at_20, set_threads
+from lightning_sdp.datamodules.interactions import InteractionsDataModule
+from lightning_sdp.models.simplex import SimpleXModule
 
 NAME = "heat_gowalla_tuning"
 DEFAULTS: dict[str, object] = {

@@ -104,7 +104,7 @@ def recall_ndcg_at_20(m: SimpleXModule, dm: InteractionsDataModule) -> tuple[flo
     m.log = lambda *a, **k: None  # evaluation outside a Trainer
     m.on_validation_epoch_start()
     for batch in dm.val_dataloader():
-        m._eval_step(batch, recall, ndcg, "val")
+        m.evaluate_batch(batch, recall, ndcg)
     m.on_validation_epoch_end()
     return float(recall.compute()), float(ndcg.compute())
 

@@ -1,0 +1,516 @@
+"""HEAT against the recommenders users already use: Recall/NDCG@20 against training wall-clock, tuned on validation.
+
+Methods (``--methods``): implicit ALS and BPR, LightFM WARP, cornac BPR (and cornac EASE on catalogues of at most
+``EASE_MAX_ITEMS`` items: its dense item x item inverse does not fit otherwise), HEAT's fused MF-CCL, HEAT's fused
+SimpleX with an attention aggregator (when ``SimpleXModule`` has one), HEAT's budgeted recipe
+(:func:`lightning_sdp.models.simplex_budget.fit_simplex_within_budget`) and the plain-PyTorch reference backend.
+
+Protocol, the same for every method:
+
+1. the validation split is carved out of the training interactions with the datamodule's ``split_validation``
+   (``--val-fraction``, seed 0); every model trains on train minus validation;
+2. tuning: ``--configs`` configurations from the method's stated grid (``GRIDS``; the first is the library's default,
+   the rest a seeded sample), each trained for ``--trial-seconds`` of training time and scored on validation;
+   the best one is kept. HEAT's recipe does its own search inside each budget instead (stricter: its search time
+   counts against the budget);
+3. test: iterative methods (ALS, BPR, WARP, cornac BPR, reference) train once up to the largest budget and are
+   scored on the test split (training and validation items masked) at about ``--curve-points`` moments and where
+   each budget runs out; scheduled methods (HEAT, whose learning rate decays to 0 at the end of a run) train once
+   per budget. Times are training time only; evaluation time is measured and reported separately.
+
+Every method uses ``--threads`` threads (torch, numba, BLAS through threadpoolctl, implicit's, LightFM's and cornac's
+``num_threads``). Run ``python -m benchmarks.heat_vs_peers`` (Gowalla from ``../shared/data/gowalla``); the expected
+run time is printed first. ``--quick`` runs tiny synthetic data in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks._common import RESULTS_DIR, SHARED_DATA, machine_info, markdown_table, write_results
+from lightning_sdp.datamodules.interactions import InteractionsDataModule, split_validation
+from lightning_sdp.models.simplex import SimpleXModule
+from lightning_sdp.models.simplex_budget import (
+    DEFAULT_GRID,
+    SimpleXRunner,
+    evaluate_ranking,
+    fit_simplex_within_budget,
+    sample_configs,
+)
+
+NAME = "heat_vs_peers"
+RESULTS = RESULTS_DIR  # where write_results puts the files
+EASE_MAX_ITEMS = 15_000
+ITERATIVE = ("als", "bpr", "lightfm", "cornac_bpr", "reference")
+SCHEDULED = ("heat", "heat_attention", "heat_budget")
+ONE_SHOT = ("cornac_ease",)
+ALL_METHODS = ITERATIVE[:4] + ONE_SHOT + SCHEDULED + ITERATIVE[4:]
+DEFAULT_METHODS = ("als", "bpr", "lightfm", "cornac_bpr", "cornac_ease", "heat", "heat_budget")
+PEER_PACKAGES = {
+    "als": "implicit", "bpr": "implicit", "lightfm": "lightfm", "cornac_bpr": "cornac", "cornac_ease": "cornac"
+}
+# the stated grids (first entry = the library's defaults, as a new user would start)
+GRIDS: dict[str, dict[str, list[Any]]] = {
+    "als": {"factors": [100, 64, 128, 256], "regularization": [0.01, 0.05, 0.1], "alpha": [1.0, 10.0, 20.0, 40.0]},
+    "bpr": {"factors": [100, 64, 128], "learning_rate": [0.01, 0.05, 0.1], "regularization": [0.01, 0.001]},
+    "lightfm": {"no_components": [10, 64, 128], "learning_rate": [0.05, 0.02, 0.1], "item_alpha": [0.0, 1e-6]},
+    "cornac_bpr": {"k": [10, 64, 128], "learning_rate": [0.001, 0.01, 0.05], "lambda_reg": [0.01, 0.001]},
+    "cornac_ease": {"lamb": [500.0, 100.0, 50.0, 1000.0]},
+    "heat": DEFAULT_GRID,
+    "heat_attention": {**DEFAULT_GRID, "dim": [64, 128]},
+    "reference": {"dim": [64, 128], "lr": [1e-3, 1e-4, 3e-3], "num_negatives": [64, 200]},
+}
+
+
+# ---------------------------------------------------------------------------------------------------- data
+class Split:
+    """Train minus validation, validation, the full training set (masked at test) and test, as CSR arrays."""
+
+    def __init__(self, name: str, full_train: tuple, test: tuple, num_items: int, val_fraction: float) -> None:
+        self.name, self.num_items = name, num_items
+        self.full_train = (np.asarray(full_train[0]), np.asarray(full_train[1]))
+        self.test = (np.asarray(test[0]), np.asarray(test[1]))
+        tr, va = split_validation(self.full_train[0], self.full_train[1], val_fraction, 0)
+        self.train, self.val = (tr[0], tr[1]), (va[0], va[1])
+        self.num_users = len(self.train[0]) - 1
+        counts = np.diff(self.train[0])
+        self.train_users = np.repeat(np.arange(self.num_users), counts)
+
+    def matrix(self) -> Any:
+        """``scipy.sparse.csr_matrix`` of train minus validation (users x items, ones)."""
+        import scipy.sparse as sp
+
+        data = np.ones(len(self.train[1]), dtype=np.float32)
+        return sp.csr_matrix((data, self.train[1], self.train[0]), shape=(self.num_users, self.num_items))
+
+    def describe(self) -> dict[str, Any]:
+        n_train, n_val, n_test = len(self.train[1]), len(self.val[1]), len(self.test[1])
+        density = (n_train + n_val) / (self.num_users * self.num_items)
+        return {"dataset": self.name, "users": self.num_users, "items": self.num_items, "train": n_train,
+                "val": n_val, "test": n_test, "density": density}
+
+
+def load_split(dataset: str, data: str, val_fraction: float, quick: bool) -> Split | None:
+    """The Gowalla LightGCN split (``None`` when absent) or a seeded synthetic catalogue."""
+    if dataset == "gowalla":
+        if not Path(data).is_dir():
+            print(f"SKIP gowalla: {data} not found (see ../shared/data/README.md); pass --data or --dataset synthetic.")
+            return None
+        dm = InteractionsDataModule(data, val_fraction=0.0)
+        dm.setup("fit")
+        return Split("gowalla", tuple(dm.train_csr), tuple(dm.test_csr), dm.num_items, val_fraction)
+    # dense synthetic catalogue: ~60 items per user over 1,500 (Gowalla: ~27 per user over 41k items)
+    users, items, per_user = (300, 200, 20) if quick else (3000, 1500, 60)
+    dm = InteractionsDataModule(num_users=users, num_items=items, interactions_per_user=per_user, val_fraction=0.0)
+    dm.setup("fit")
+    return Split("synthetic_quick" if quick else "synthetic", tuple(dm.train_csr), tuple(dm.test_csr), items,
+                 val_fraction)
+
+
+# ---------------------------------------------------------------------------------------------------- threads
+def set_threads(n: int) -> Any:
+    """``n`` threads for numba, torch and BLAS; returns the threadpoolctl limiter (keep it alive)."""
+    if importlib.util.find_spec("numba"):
+        import numba
+
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    torch.set_num_threads(n)
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=n)
+
+
+# ---------------------------------------------------------------------------------------------------- methods
+class Iterative:
+    """A model trained one pass at a time: ``step()`` trains one pass, ``score(users)`` gives dense scores."""
+
+    def __init__(self, step: Callable[[], None], score: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.step, self.score = step, score
+
+
+def _factor_scores(users_f: np.ndarray, items_f: np.ndarray, bias: np.ndarray | None = None) -> Callable:
+    def score(users: torch.Tensor) -> torch.Tensor:
+        s = torch.from_numpy(np.ascontiguousarray(users_f[users.numpy()])) @ torch.from_numpy(items_f).T
+        return s + torch.from_numpy(bias) if bias is not None else s
+
+    return score
+
+
+def cornac_dataset(split: Split, seed: int) -> tuple[Any, np.ndarray, np.ndarray]:
+    """cornac's ``Dataset`` of train minus validation, the raw item of each inner item and the inner id of each user."""
+    import cornac
+
+    triples = list(zip(split.train_users.tolist(), split.train[1].tolist(), [1.0] * len(split.train[1]), strict=True))
+    ds = cornac.data.Dataset.build(triples, seed=seed)
+    raw_items = np.array([raw for raw, _ in sorted(ds.iid_map.items(), key=lambda kv: kv[1])], dtype=np.int64)
+    inner_user = np.full(split.num_users, -1, dtype=np.int64)
+    for raw, inner in ds.uid_map.items():
+        inner_user[int(raw)] = inner
+    return ds, raw_items, inner_user
+
+
+def build_iterative(method: str, config: dict[str, Any], split: Split, threads: int, seed: int) -> Iterative:
+    """One iterative method, ready to train one pass at a time."""
+    if method in ("als", "bpr"):
+        from implicit.als import AlternatingLeastSquares
+        from implicit.bpr import BayesianPersonalizedRanking
+
+        cls = AlternatingLeastSquares if method == "als" else BayesianPersonalizedRanking
+        model = cls(iterations=1, num_threads=threads, random_state=seed, **config)
+        matrix = split.matrix()
+
+        def step() -> None:
+            model.fit(matrix, show_progress=False)  # continues from the current factors (implicit >= 0.5)
+
+        return Iterative(step, lambda u: _factor_scores(model.user_factors, model.item_factors)(u))
+    if method == "lightfm":
+        from lightfm import LightFM
+
+        model = LightFM(loss="warp", random_state=seed, **config)
+        coo = split.matrix().tocoo()
+
+        def step() -> None:
+            model.fit_partial(coo, epochs=1, num_threads=threads)
+
+        def score(users: torch.Tensor) -> torch.Tensor:
+            bias, items = model.get_item_representations()
+            _, user_f = model.get_user_representations()
+            return _factor_scores(user_f, items, bias)(users)
+
+        return Iterative(step, score)
+    if method == "cornac_bpr":
+        from cornac.models import BPR
+
+        ds, raw_items, inner_user = cornac_dataset(split, seed)
+        state: dict[str, Any] = {}
+
+        def step() -> None:
+            model = BPR(max_iter=1, num_threads=threads, seed=seed, init_params=dict(state) or None, **config)
+            model.fit(ds)
+            state.update(U=model.u_factors, V=model.i_factors, Bi=model.i_biases)
+
+        def score(users: torch.Tensor) -> torch.Tensor:
+            out = torch.full((len(users), split.num_items), float("-inf"))
+            inner = inner_user[users.numpy()]
+            factors = _factor_scores(state["U"], state["V"], state["Bi"])
+            out[:, torch.from_numpy(raw_items)] = factors(torch.from_numpy(inner))
+            return out
+
+        return Iterative(step, score)
+    if method == "reference":
+        model = SimpleXModule(
+            split.num_users, split.num_items, backend="reference", optimizer="adam", seed=seed, **config
+        )
+        model.set_interactions(*split.train)
+        optimizer = model.configure_optimizers()
+        items = torch.from_numpy(split.train[1])
+        users = torch.from_numpy(split.train_users)
+        gen = np.random.default_rng(seed)
+        batch, per_step = 1024, 16  # one "pass" = 16 batches of 1024 (an epoch of Gowalla is ~800 batches)
+
+        def step() -> None:
+            for _ in range(per_step):
+                idx = torch.from_numpy(gen.integers(0, len(items), batch))
+                negatives = torch.randint(0, split.num_items, (batch, model.hparams.num_negatives))
+                objective, _ = model.reference_loss(users[idx], items[idx], negatives)
+                optimizer.zero_grad()
+                objective.backward()
+                optimizer.step()
+
+        return Iterative(step, model.score)
+    raise ValueError(f"unknown iterative method {method!r}")
+
+
+def run_iterative(
+    method: str, config: dict[str, Any], split: Split, seconds: float, eval_at: list[float], target: str,
+    threads: int, seed: int,
+) -> list[dict[str, float]]:
+    """Train up to ``seconds`` of training time; score on ``target`` once training time passes each ``eval_at``."""
+    model = build_iterative(method, config, split, threads, seed)
+    known, goal = (split.train, split.val) if target == "val" else (split.full_train, split.test)
+    users = None
+    if target == "val":  # validation on a seeded subset of at most 5000 users, as the recipe does
+        users = np.flatnonzero(np.diff(split.val[0]) > 0)
+        if len(users) > 5000:
+            users = np.sort(np.random.default_rng(seed).choice(users, 5000, replace=False))
+    pending, curve, train_s, passes = sorted(eval_at), [], 0.0, 0
+    while train_s < seconds:
+        start = time.perf_counter()
+        model.step()
+        train_s += time.perf_counter() - start
+        passes += 1
+        if pending and (train_s >= pending[0] or train_s >= seconds):
+            while pending and train_s >= pending[0]:
+                pending.pop(0)
+            start = time.perf_counter()
+            recall, ndcg = evaluate_ranking(model.score, known, goal, split.num_items, 20, users)
+            curve.append({"train_s": train_s, "passes": passes, "recall@20": recall, "ndcg@20": ndcg,
+                          "eval_s": time.perf_counter() - start})
+    if not curve or curve[-1]["passes"] != passes:
+        start = time.perf_counter()
+        recall, ndcg = evaluate_ranking(model.score, known, goal, split.num_items, 20, users)
+        curve.append({"train_s": train_s, "passes": passes, "recall@20": recall, "ndcg@20": ndcg,
+                      "eval_s": time.perf_counter() - start})
+    return curve
+
+
+def run_ease(config: dict[str, Any], split: Split, target: str, seed: int) -> list[dict[str, float]]:
+    """cornac's EASE (closed form, one point): fit, then score ``X[u] @ B`` for every item."""
+    from cornac.models import EASE
+
+    ds, raw_items, inner_user = cornac_dataset(split, seed)
+    start = time.perf_counter()
+    model = EASE(verbose=False, seed=seed, **config)
+    model.fit(ds)
+    train_s = time.perf_counter() - start
+    weights = torch.from_numpy(np.asarray(model.B, dtype=np.float32))
+
+    def score(users: torch.Tensor) -> torch.Tensor:
+        rows = torch.from_numpy(ds.matrix[inner_user[users.numpy()]].toarray().astype(np.float32))
+        out = torch.full((len(users), split.num_items), float("-inf"))
+        out[:, torch.from_numpy(raw_items)] = rows @ weights
+        return out
+
+    known, goal = (split.train, split.val) if target == "val" else (split.full_train, split.test)
+    start = time.perf_counter()
+    recall, ndcg = evaluate_ranking(score, known, goal, split.num_items)
+    eval_s = time.perf_counter() - start
+    return [{"train_s": train_s, "passes": 1, "recall@20": recall, "ndcg@20": ndcg, "eval_s": eval_s}]
+
+
+def heat_kwargs(method: str) -> dict[str, Any]:
+    if method == "heat_attention":
+        return {"g": 0.8, "aggregator": "user_attention", "aggregator_weight_decay": 1e-4, "aggregator_lr_scale": 0.1}
+    return {}
+
+
+def run_scheduled(
+    method: str, config: dict[str, Any], split: Split, seconds: float, target: str, threads: int, seed: int
+) -> dict[str, Any]:
+    """One HEAT run whose linear schedule ends within ``seconds`` of training, scored on ``target``."""
+    runner = SimpleXRunner(split.train, split.num_items, _heat_batch(split), threads, seed, heat_kwargs(method))
+    model, steps, train_s, final_lr = runner.fit_for_seconds(config, seconds)
+    known, goal = (split.train, split.val) if target == "val" else (split.full_train, split.test)
+    start = time.perf_counter()
+    recall, ndcg = evaluate_ranking(model.score, known, goal, split.num_items)
+    return {"train_s": train_s, "steps": steps, "final_lr": final_lr, "recall@20": recall, "ndcg@20": ndcg,
+            "eval_s": time.perf_counter() - start}
+
+
+def _heat_batch(split: Split) -> int:
+    return int(np.clip(len(split.train[1]) // 64, 1024, 16384))
+
+
+# ---------------------------------------------------------------------------------------------------- protocol
+def available(method: str) -> str | None:
+    """``None`` when the method can run here, else why not."""
+    package = PEER_PACKAGES.get(method)
+    if package and importlib.util.find_spec(package) is None:
+        hint = ""
+        if package == "lightfm":
+            hint = " (LightFM 1.17's sdist fails to build under setuptools' build backend: see docs/heat.md)"
+        return f"{package} is not installed: pip install 'lightning-sdp[bench]'{hint}"
+    if method == "heat_attention":
+        agg = inspect.signature(SimpleXModule).parameters["aggregator"].annotation
+        if "user_attention" not in str(agg):
+            return "SimpleXModule has no attention aggregator in this version"
+    return None
+
+
+def tune(method: str, split: Split, args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Same budget for everyone: ``args.configs`` configurations, ``args.trial_seconds`` of training each."""
+    configs = sample_configs(GRIDS[method], args.configs, args.seed)
+    trials = []
+    for config in configs:
+        start = time.perf_counter()
+        if method in ITERATIVE:
+            curve = run_iterative(
+                method, config, split, args.trial_seconds, [args.trial_seconds], "val", args.threads, args.seed
+            )
+            final = curve[-1]
+        elif method in ONE_SHOT:
+            final = run_ease(config, split, "val", args.seed)[-1]
+        else:
+            final = run_scheduled(method, config, split, args.trial_seconds, "val", args.threads, args.seed)
+        trials.append({"config": config, "val_recall@20": final["recall@20"], "val_ndcg@20": final["ndcg@20"],
+                       "train_s": final["train_s"], "wall_s": time.perf_counter() - start})
+        print(f"  {method} trial {config}: val Recall@20 {final['recall@20']:.4f} ({final['train_s']:.1f}s)",
+              flush=True)
+    best = max(trials, key=lambda t: t["val_recall@20"])
+    return best["config"], trials
+
+
+def run_method(method: str, split: Split, args: argparse.Namespace) -> dict[str, Any]:
+    budgets = args.budgets
+    if method == "cornac_ease" and split.num_items > EASE_MAX_ITEMS:
+        why = f"EASE needs a dense {split.num_items}^2 item matrix (> {EASE_MAX_ITEMS} items)"
+        return {"method": method, "missing": why}
+    if method == "heat_budget":
+        points = []
+        for budget in budgets:
+            fit = fit_simplex_within_budget(
+                split.train, budget_seconds=budget, val=split.val, num_items=split.num_items, threads=args.threads,
+                seed=args.seed,
+            )
+            model = fit.model
+            start = time.perf_counter()
+            recall, ndcg = evaluate_ranking(model.score, split.full_train, split.test, split.num_items)
+            points.append({"budget_s": budget, "train_s": fit.search_seconds + fit.fit_seconds, "recall@20": recall,
+                           "ndcg@20": ndcg, "eval_s": time.perf_counter() - start, "val_recall@20": fit.val_recall,
+                           "config": fit.config, "max_steps": fit.max_steps, "final_lr": fit.final_lr,
+                           "search_s": fit.search_seconds, "trials": len(fit.trials), "notes": fit.notes})
+            print(f"  heat_budget {budget}s: test Recall@20 {recall:.4f}, chose {fit.config}", flush=True)
+        return {"method": method, "config": "chosen inside each budget", "trials": [], "curve": points}
+    config, trials = tune(method, split, args)
+    if method in ITERATIVE:
+        top = max(budgets)
+        eval_at = sorted(set(budgets) | {top * f for f in np.geomspace(0.02, 1.0, args.curve_points)})
+        curve = run_iterative(method, config, split, top, eval_at, "test", args.threads, args.seed)
+    elif method in ONE_SHOT:
+        curve = run_ease(config, split, "test", args.seed)
+    else:
+        curve = []
+        for budget in budgets:
+            point = run_scheduled(method, config, split, budget, "test", args.threads, args.seed)
+            curve.append({"budget_s": budget, **point})
+    for point in curve:
+        print(f"  {method} test: {point['train_s']:.1f}s Recall@20 {point['recall@20']:.4f} "
+              f"NDCG@20 {point['ndcg@20']:.4f}")
+    return {"method": method, "config": config, "trials": trials, "curve": curve}
+
+
+def at_budget(curve: list[dict[str, Any]], budget: float) -> dict[str, Any] | None:
+    """The last test point whose training time fits in ``budget`` (scheduled: the run made for that budget)."""
+    if curve and "budget_s" in curve[0]:
+        return next((p for p in curve if p["budget_s"] == budget), None)
+    inside = [p for p in curve if p["train_s"] <= budget * 1.05]
+    return inside[-1] if inside else None
+
+
+def estimate_seconds(methods: list[str], splits: list[str], args: argparse.Namespace) -> float:
+    """Rough wall time: tuning + training + evaluations (about 7 s per Gowalla test evaluation on 2 cores)."""
+    total, top, total_budget = 0.0, max(args.budgets), sum(args.budgets)
+    for _ in splits:
+        for m in methods:
+            if m == "heat_budget":
+                total += total_budget + 10 * len(args.budgets)
+            elif m in SCHEDULED:
+                total += args.configs * (args.trial_seconds + 3) + total_budget + 10 * len(args.budgets)
+            elif m in ITERATIVE:
+                total += args.configs * (args.trial_seconds + 2) + top + 7 * (args.curve_points + len(args.budgets))
+            else:
+                total += args.configs * 5
+    return total
+
+
+def report(results: dict[str, Any], args: argparse.Namespace, name: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = list(results["datasets"])
+    fig, axes = plt.subplots(1, max(1, len(datasets)), figsize=(6.5 * max(1, len(datasets)), 4.5), squeeze=False)
+    md = [
+        f"Protocol: validation carved from train ({args.val_fraction:.0%} per user, `split_validation`, seed 0); every "
+        f"method tuned with the same budget ({args.configs} configurations of its grid, {args.trial_seconds:g} s of "
+        "training each, scored on validation); the chosen one trained on train minus validation and scored on the "
+        "test split (training and validation items masked). Times are training time only (evaluation excluded, "
+        f"column `eval_s`). {args.threads} threads for every method. HEAT's recipe (`heat_budget`) tunes inside "
+        "each budget (its search time is part of `train_s`). Grids: "
+        + "; ".join(f"`{m}` {GRIDS[m]}" for m in results["methods"] if m in GRIDS),
+    ]
+    for ax, ds in zip(axes[0], datasets, strict=False):
+        entry = results["datasets"][ds]
+        md.append(f"\n## {ds}\n\n" + markdown_table([entry["split"]]))
+        rows = []
+        for r in entry["methods"]:
+            if "missing" in r:
+                rows.append({"method": r["method"], "setting": "missing: " + r["missing"]})
+                continue
+            curve = r["curve"]
+            marker = "-o" if r["method"] not in SCHEDULED else "-s"
+            ax.plot([p["train_s"] for p in curve], [p["recall@20"] for p in curve], marker, ms=3, label=r["method"])
+            row: dict[str, Any] = {"method": r["method"], "setting": json.dumps(r["config"])}
+            for b in args.budgets:
+                p = at_budget(curve, b)
+                row[f"R@20 {b:g}s"] = "" if p is None else f"{p['recall@20']:.4f} / {p['ndcg@20']:.4f}"
+            row["eval_s (total)"] = round(sum(p["eval_s"] for p in curve), 1)
+            rows.append(row)
+        md.append("Recall@20 / NDCG@20 on test at each training-time budget:\n\n" + markdown_table(rows))
+        ax.set_xscale("log")
+        ax.set_xlabel("training time (s)")
+        ax.set_ylabel("Recall@20 (test)")
+        ax.set_title(f"{ds}: quality vs training time, {args.threads} threads", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    write_results(name, results, "\n\n".join(md), fig)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", default=str(SHARED_DATA / "gowalla"), help="LightGCN folder of the Gowalla split")
+    parser.add_argument("--dataset", default="gowalla", help="comma list of gowalla, synthetic (dense, 3000 x 1500)")
+    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                        help=f"comma list of {', '.join(ALL_METHODS)} or 'all'")
+    parser.add_argument("--budgets", default="30,60,180", help="training-time budgets in seconds")
+    parser.add_argument("--configs", type=int, default=3, help="configurations tried per method (same for all)")
+    parser.add_argument("--trial-seconds", type=float, default=8.0, help="training time of each tuning trial")
+    parser.add_argument("--curve-points", type=int, default=5, help="extra test evaluations along iterative runs")
+    parser.add_argument("--val-fraction", type=float, default=0.1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="tiny synthetic data, seconds (smoke test)")
+    args = parser.parse_args(argv)
+    args.budgets = [float(b) for b in args.budgets.split(",")]
+    if any(b <= 0 for b in args.budgets):
+        raise SystemExit(f"--budgets must be positive seconds, got {args.budgets}")
+    methods = list(ALL_METHODS) if args.methods == "all" else args.methods.split(",")
+    unknown = sorted(set(methods) - set(ALL_METHODS))
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
+    datasets = args.dataset.split(",")
+    if args.quick:
+        datasets, args.budgets, args.configs = ["synthetic"], [1.5, 3.0], 2
+        args.trial_seconds, args.curve_points = 0.3, 2
+    print(f"heat_vs_peers: methods {methods}, datasets {datasets}, budgets {args.budgets} s, {args.configs} configs "
+          f"x {args.trial_seconds:g} s tuning each; expected run time about "
+          f"{estimate_seconds(methods, datasets, args) / 60:.1f} min (more on a loaded machine)", flush=True)
+    limiter = set_threads(args.threads)
+    results: dict[str, Any] = {"args": vars(args), "methods": methods, "datasets": {}, "machine": machine_info()}
+    for ds in datasets:
+        split = load_split(ds, args.data, args.val_fraction, args.quick)
+        if split is None:
+            continue
+        print(f"{ds}: {split.describe()}", flush=True)
+        rows = []
+        for method in methods:
+            why = available(method)
+            if why:
+                print(f"  {method}: missing ({why})", flush=True)
+                rows.append({"method": method, "missing": why})
+                continue
+            start = time.perf_counter()
+            rows.append({**run_method(method, split, args), "wall_s": time.perf_counter() - start})
+        results["datasets"][split.name] = {"split": split.describe(), "methods": rows}
+    results["machine"]["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
+    del limiter
+    if results["datasets"]:
+        report(results, args, NAME + ("_quick" if args.quick else ""))
+    return results
+
+
+if __name__ == "__main__":
+    main()
+

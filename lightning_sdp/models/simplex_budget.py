@@ -1,0 +1,528 @@
+"""A time-budgeted SimpleX / MF-CCL recipe: size the schedule to the budget and pick hyper-parameters on validation.
+
+HEAT's fused kernel (Zhang et al., ICS 2023) trains with per-sample SGD whose rate must decay to reach a good optimum,
+and with the tile sampler the model is poor until the last ~15 % of the decay. So a run has to know its length up
+front. :func:`fit_simplex_within_budget` turns a wall-clock (or epoch) budget into a step count:
+
+1. **probe**: a few fused steps per candidate shape (``dim`` x ``num_negatives``) measure the time per step;
+2. **search** (``search_fraction`` of the budget, default 30 %, probes and validation included): successive halving
+   over a seeded sample of a small grid (``dim``, ``num_negatives``, ``margin``, ``negative_weight``, ``lr``). Every
+   trial is a complete short run whose linear schedule decays to 0 inside its own share of the time, scored on the
+   validation split only; the better half goes on with twice the time;
+3. **fit**: the winner trains for the rest of the budget, ``max_steps`` chosen from its measured step time so that
+   ``lr_schedule="linear"`` ends at 0 before the budget runs out.
+
+The recipe never receives the test split: it carves validation out of the training interactions (or uses the
+datamodule's ``val_csr``), so the test split can be scored once, afterwards.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch import Callback, Trainer
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_sdp.datamodules.interactions import split_validation
+from lightning_sdp.datamodules.sampling import EpochSeededBatchSampler
+from lightning_sdp.metrics import NDCGAtK, RecallAtK, csr_rows_mask, topk_hits
+from lightning_sdp.models.simplex import SimpleXModule
+
+_log = logging.getLogger(__name__)
+
+#: The grid the search samples from (keys are :class:`SimpleXModule` arguments); the first value of each list is the
+#: anchor configuration, always tried first (the Gowalla recipe of ``docs/heat.md`` at a smaller dimension).
+DEFAULT_GRID: dict[str, list[Any]] = {
+    "dim": [128, 64, 256],
+    "num_negatives": [200, 64],
+    "margin": [0.9, 0.8],
+    "negative_weight": [150.0, 50.0],
+    "lr": [0.1, 0.3],
+}
+#: Settings shared by every configuration (unit-norm rows make a row's step ``lr`` whatever its norm).
+BASE_SETTINGS: dict[str, Any] = {"g": 1.0, "optimizer": "sgd", "row_norm": 1.0, "init_std": 0.1, "max_history": 100}
+
+
+def _csr_of(source: Any, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """``source.<name>`` as ``(indptr, indices)`` whether it is a property (CSR tuple) or an older method."""
+    value = getattr(source, name, None)
+    if value is None:
+        return None
+    if not isinstance(value, tuple):
+        value = value()
+    return np.asarray(value[0], dtype=np.int64), np.asarray(value[1], dtype=np.int64)
+
+
+# ---------------------------------------------------------------------------------------------------- evaluation
+def evaluate_ranking(
+    score: Callable[[torch.Tensor], torch.Tensor],
+    known: tuple[np.ndarray, np.ndarray],
+    target: tuple[np.ndarray, np.ndarray],
+    num_items: int,
+    k: int = 20,
+    users: np.ndarray | None = None,
+    batch_size: int = 1024,
+) -> tuple[float, float]:
+    """Recall@K and NDCG@K of any scorer by full ranking, the known (training) items masked.
+
+    The same protocol as :class:`SimpleXModule`'s evaluation (``RecallAtK`` / ``NDCGAtK``), for any model that can
+    score users against every item (the benchmarks score the peers with it).
+
+    Args:
+        score: maps a ``(B,)`` LongTensor of users to ``(B, num_items)`` scores.
+        known: CSR ``(indptr, indices)`` of the items never ranked (the items the model trained on).
+        target: CSR of the held-out items to find (validation or test).
+        num_items: number of items.
+        k: cut-off. Default 20.
+        users: users to score (a subset, e.g. for cheap validation); ``None`` takes every user with a target item.
+        batch_size: users per scoring batch. Default 1024.
+
+    Returns:
+        ``(recall, ndcg)`` averaged over the scored users that have target items.
+    """
+    target_counts = np.diff(target[0])
+    if users is None:
+        users = np.flatnonzero(target_counts > 0)
+    users = np.asarray(users, dtype=np.int64)
+    users = users[target_counts[users] > 0]
+    if len(users) == 0:
+        raise ValueError("evaluate_ranking: no user has a target item; the validation/test split is empty.")
+    recall, ndcg = RecallAtK(k), NDCGAtK(k)
+    for start in range(0, len(users), batch_size):
+        rows = users[start : start + batch_size]
+        preds = score(torch.from_numpy(rows)).float()
+        if preds.shape != (len(rows), num_items):
+            raise ValueError(
+                f"evaluate_ranking: score() returned {tuple(preds.shape)}, expected {(len(rows), num_items)}."
+            )
+        hits, relevant = topk_hits(
+            preds, csr_rows_mask(*target, rows, num_items), k, csr_rows_mask(*known, rows, num_items)
+        )
+        recall.update(topk_hits=hits, num_relevant=relevant)
+        ndcg.update(topk_hits=hits, num_relevant=relevant)
+    return float(recall.compute()), float(ndcg.compute())
+
+
+# ---------------------------------------------------------------------------------------------------- training
+class _PositivePairs(Dataset):
+    """``dataset[index_array]`` -> ``(users, items)`` LongTensors of the training positives at those indices."""
+
+    def __init__(self, indptr: np.ndarray, indices: np.ndarray) -> None:
+        self.users = torch.from_numpy(np.repeat(np.arange(len(indptr) - 1, dtype=np.int64), np.diff(indptr)))
+        self.items = torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.users)
+
+    def __getitem__(self, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.from_numpy(np.asarray(index, dtype=np.int64))
+        return self.users[idx], self.items[idx]
+
+
+class _FitClock(Callback):
+    """Wall time of the training batches (first batch start to last batch end) and the learning rate at the end."""
+
+    def __init__(self) -> None:
+        self.first_start: float | None = None
+        self.last_end = 0.0
+        self.ends: list[float] = []
+        self.final_lr = float("nan")
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.first_start is None:
+            self.first_start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.last_end = time.perf_counter()
+        self.ends.append(self.last_end)
+        self.final_lr = float(trainer.optimizers[0].param_groups[0]["lr"])
+
+    @property
+    def train_seconds(self) -> float:
+        return 0.0 if self.first_start is None else self.last_end - self.first_start
+
+
+@dataclass
+class Trial:
+    """One configuration trained for ``steps`` steps (a complete linear schedule) and scored on validation."""
+
+    config: dict[str, Any]
+    round: int
+    steps: int
+    seconds_allowed: float
+    train_seconds: float = 0.0
+    fit_seconds: float = 0.0
+    val_recall: float = float("nan")
+    val_ndcg: float = float("nan")
+
+
+@dataclass
+class BudgetedFit:
+    """What :func:`fit_simplex_within_budget` did: the trained model, the chosen settings and the time spent."""
+
+    model: SimpleXModule
+    config: dict[str, Any]
+    max_steps: int
+    batch_size: int
+    budget_seconds: float | None
+    budget_epochs: float | None
+    search_seconds: float
+    fit_seconds: float
+    train_seconds: float
+    final_lr: float
+    val_recall: float
+    val_ndcg: float
+    trials: list[Trial] = field(default_factory=list)
+    seconds_per_step: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-friendly summary (no model)."""
+        out = {k: v for k, v in self.__dict__.items() if k not in ("model", "trials")}
+        out["trials"] = [t.__dict__ for t in self.trials]
+        return out
+
+
+def _shape_key(config: dict[str, Any]) -> str:
+    return f"d{config['dim']}_n{config['num_negatives']}"
+
+
+def sample_configs(grid: dict[str, Sequence[Any]], num_configs: int, seed: int = 0) -> list[dict[str, Any]]:
+    """The anchor (first value of every list) followed by a seeded sample of the rest of the grid's product.
+
+    Args:
+        grid: :class:`SimpleXModule` argument -> candidate values.
+        num_configs: how many configurations to return (at most the product's size).
+        seed: seed of the sample.
+    """
+    if not grid or any(len(v) == 0 for v in grid.values()):
+        raise ValueError(f"sample_configs: every grid entry needs at least one value, got {grid}.")
+    keys = list(grid)
+    product = [dict(zip(keys, values, strict=True)) for values in itertools.product(*(grid[k] for k in keys))]
+    rest = product[1:]
+    order = np.random.default_rng(seed).permutation(len(rest))
+    return [product[0]] + [rest[i] for i in order[: max(0, num_configs - 1)]]
+
+
+class SimpleXRunner:
+    """Builds and trains fused SimpleX models on one training CSR with a fixed batch size and thread count.
+
+    Args:
+        train: training CSR ``(indptr, indices)``.
+        num_items: number of items.
+        batch_size: positives per step.
+        threads: threads for torch and the kernel; ``None``: every core.
+        seed: seed of the models and the shuffles.
+        model_kwargs: fixed :class:`SimpleXModule` arguments under every configuration.
+    """
+
+    def __init__(
+        self,
+        train: tuple[np.ndarray, np.ndarray],
+        num_items: int,
+        batch_size: int,
+        threads: int | None,
+        seed: int,
+        model_kwargs: dict[str, Any],
+    ) -> None:
+        self.train, self.num_items, self.batch_size = train, num_items, batch_size
+        self.threads, self.seed, self.model_kwargs = threads, seed, model_kwargs
+        self.num_users = len(train[0]) - 1
+        self.pairs = _PositivePairs(*train)
+        self.steps_per_epoch = math.ceil(len(self.pairs) / batch_size)
+
+    def model(self, config: dict[str, Any]) -> SimpleXModule:
+        settings = {**BASE_SETTINGS, **self.model_kwargs, **config}
+        if settings.get("sampler") is None:  # HEAT's tile sampler pays off only when the tile is a small share
+            settings["sampler"] = "tile" if self.num_items >= 8 * 512 else "uniform"
+        model = SimpleXModule(
+            self.num_users, self.num_items, backend="fused", lr_schedule="linear", seed=self.seed, **settings
+        )
+        model.set_interactions(*self.train)
+        return model
+
+    def fit(
+        self, config: dict[str, Any], steps: int, max_seconds: float | None = None
+    ) -> tuple[SimpleXModule, _FitClock, float]:
+        """Train ``config`` for ``steps`` steps (the linear decay reaches 0 at the last one).
+
+        ``max_seconds`` is a guard (Lightning's ``max_time``) against a step-time estimate gone wrong; a fit it cuts
+        ends before its schedule does, which the returned clock's ``final_lr`` shows.
+        """
+        from lightning_sdp.plugins.heat import HEATAccelerator
+
+        model = self.model(config)
+        clock = _FitClock()
+        loader = DataLoader(
+            self.pairs, batch_size=None, sampler=EpochSeededBatchSampler(len(self.pairs), self.batch_size, self.seed)
+        )
+        trainer = Trainer(
+            accelerator=HEATAccelerator(num_threads=self.threads), devices=1, max_steps=steps, max_epochs=-1,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock],
+            max_time=None if max_seconds is None else {"seconds": max(1.0, max_seconds)},
+        )
+        start = time.perf_counter()
+        trainer.fit(model, train_dataloaders=loader)
+        return model, clock, time.perf_counter() - start
+
+    def fit_for_seconds(self, config: dict[str, Any], seconds: float) -> tuple[SimpleXModule, int, float, float]:
+        """Train ``config`` with a linear schedule sized (from a probe) to end within ``seconds`` of training.
+
+        Returns:
+            ``(model, steps, train_seconds, final_lr)``.
+        """
+        steps = int(seconds * 0.95 / self.probe(config))
+        if steps < 1:
+            raise ValueError(f"SimpleXRunner: {seconds}s is shorter than one training step; raise the budget.")
+        model, clock, _ = self.fit(config, steps)
+        return model, steps, clock.train_seconds, clock.final_lr
+
+    def probe(self, config: dict[str, Any], steps: int = 6) -> float:
+        """Seconds per training step of ``config`` through the Trainer (kernel and Lightning's per-step cost).
+
+        Measured between the ends of the first and the last of ``steps`` batches (the first one warms up).
+        """
+        _, clock, _ = self.fit(config, max(2, steps))
+        return max(1e-6, (clock.ends[-1] - clock.ends[0]) / (len(clock.ends) - 1))
+
+
+def _set_threads(n: int | None) -> int:
+    """Use ``n`` threads in numba (first: its pool start-up resets torch's count) and torch; returns the old count."""
+    saved = torch.get_num_threads()
+    if n is not None:
+        import numba
+
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        torch.set_num_threads(n)
+    return saved
+
+
+def _check_budget(budget_seconds: float | None, budget_epochs: float | None, search_fraction: float) -> None:
+    if (budget_seconds is None) == (budget_epochs is None):
+        raise ValueError(
+            "fit_simplex_within_budget: give exactly one of budget_seconds (wall clock) or budget_epochs, got "
+            f"budget_seconds={budget_seconds}, budget_epochs={budget_epochs}."
+        )
+    if budget_seconds is not None and not (math.isfinite(budget_seconds) and budget_seconds > 0):
+        raise ValueError(f"fit_simplex_within_budget: budget_seconds must be a positive number, got {budget_seconds}.")
+    if budget_epochs is not None and not (math.isfinite(budget_epochs) and budget_epochs > 0):
+        raise ValueError(f"fit_simplex_within_budget: budget_epochs must be positive, got {budget_epochs}.")
+    if not 0.0 <= search_fraction < 1.0:
+        raise ValueError(
+            f"fit_simplex_within_budget: search_fraction must be in [0, 1) (0 skips the search), got {search_fraction}."
+        )
+
+
+def _split_data(
+    data: Any, val: tuple | None, val_fraction: float, seed: int, notes: list[str]
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray], int]:
+    """``(train, val, num_items)`` from a datamodule or a train CSR; the test split is never read."""
+    if isinstance(data, tuple):
+        train, num_items = (np.asarray(data[0], np.int64), np.asarray(data[1], np.int64)), None
+        if val is not None:
+            val = (np.asarray(val[0], np.int64), np.asarray(val[1], np.int64))
+    else:
+        if getattr(data, "num_items", None) is None and hasattr(data, "setup"):
+            data.setup("fit")
+        train, val, num_items = _csr_of(data, "train_csr"), _csr_of(data, "val_csr"), data.num_items
+        if train is None:
+            raise TypeError(
+                "fit_simplex_within_budget: data must be an InteractionsDataModule or a (indptr, indices) train CSR, "
+                f"got {type(data).__name__}."
+            )
+    if val is None or len(val[1]) == 0:
+        train_part, val_part = split_validation(train[0], train[1], val_fraction, seed)
+        train, val = (train_part[0], train_part[1]), (val_part[0], val_part[1])
+        notes.append(
+            f"validation carved from the training interactions (split_validation, fraction {val_fraction}, seed "
+            f"{seed}); every model, the final one included, trains on train minus validation"
+        )
+    if num_items is None:
+        num_items = int(max(train[1].max(initial=-1), val[1].max(initial=-1))) + 1
+    if len(val[1]) == 0:
+        raise ValueError(
+            "fit_simplex_within_budget: the validation split is empty (every user has fewer than 2 training items?); "
+            "raise val_fraction or use data with more interactions per user."
+        )
+    return train, val, int(num_items)
+
+
+def fit_simplex_within_budget(
+    data: Any,
+    budget_seconds: float | None = None,
+    budget_epochs: float | None = None,
+    search_fraction: float = 0.3,
+    grid: dict[str, Sequence[Any]] | None = None,
+    num_configs: int = 8,
+    min_trial_seconds: float = 0.5,
+    val: tuple[np.ndarray, np.ndarray] | None = None,
+    num_items: int | None = None,
+    val_fraction: float = 0.1,
+    max_eval_users: int = 5000,
+    batch_size: int | None = None,
+    threads: int | None = None,
+    model_kwargs: dict[str, Any] | None = None,
+    k: int = 20,
+    seed: int = 0,
+) -> BudgetedFit:
+    """Choose SimpleX hyper-parameters on validation and train the winner so that its schedule ends in the budget.
+
+    Args:
+        data: an :class:`~lightning_sdp.datamodules.InteractionsDataModule` (its ``train_csr``, and ``val_csr`` when
+            it has a validation split; its test split is never read) or a training CSR ``(indptr, indices)``.
+        budget_seconds: wall-clock budget of the probe, the search and the final fit (the clock starts after the
+            data is split and the kernel compiled, a one-time cost cached on disk); or
+        budget_epochs: budget in epochs over the training positives (deterministic; no probe).
+        search_fraction: share of the budget spent on the search; ``0`` trains the anchor configuration directly.
+            Default 0.3.
+        grid: :class:`SimpleXModule` argument -> candidates; default :data:`DEFAULT_GRID`.
+        num_configs: configurations sampled from the grid (the anchor first); fewer are tried when the search
+            budget cannot give each at least ``min_trial_seconds``. Default 8.
+        min_trial_seconds: shortest first-round trial worth scoring (seconds budgets). Default 0.5.
+        val: validation CSR to use with a training CSR ``data`` (e.g. a benchmark's shared split); ``None`` carves one.
+        num_items: number of items with a training CSR ``data`` (``None``: the largest id seen + 1).
+        val_fraction: share of each user's items carved out for validation when there is no validation split.
+            Default 0.1.
+        max_eval_users: validation users scored per trial (a seeded subset; the final model is scored on all).
+            Default 5000.
+        batch_size: positives per step; ``None`` picks ``clip(num_positives // 64, 1024, 16384)``.
+        threads: threads for torch and the kernel (``HEATAccelerator(num_threads=...)``); ``None``: every core.
+        model_kwargs: further fixed :class:`SimpleXModule` arguments (e.g. ``g=0.8``, ``sampler="uniform"``).
+        k: cut-off of Recall/NDCG@K. Default 20.
+        seed: seed of the models, the shuffles, the config sample and the validation split. Default 0.
+
+    Returns:
+        A :class:`BudgetedFit` with the trained model, its settings, ``max_steps`` and every trial.
+
+    Raises:
+        ValueError: a missing, non-positive or doubled budget, a ``search_fraction`` outside ``[0, 1)``, or a budget
+            too short for even one training step after the probe.
+    """
+    _check_budget(budget_seconds, budget_epochs, search_fraction)
+    notes: list[str] = []
+    train, val, found_items = _split_data(data, val, val_fraction, seed, notes)
+    num_items = num_items if num_items is not None else found_items
+    num_positives = len(train[1])
+    if batch_size is None:
+        batch_size = int(np.clip(num_positives // 64, 1024, 16384))
+    runner = SimpleXRunner(train, num_items, batch_size, threads, seed, dict(model_kwargs or {}))
+    runner.fit(sample_configs(grid or DEFAULT_GRID, 1)[0], 1)  # compiles the kernel (once, cached on disk)
+    call_start = time.perf_counter()  # the budget starts after loading and the kernel's one-time compilation
+    configs = sample_configs(grid or DEFAULT_GRID, num_configs, seed)
+    eval_users = np.flatnonzero(np.diff(val[0]) > 0)
+    if len(eval_users) > max_eval_users:
+        eval_users = np.sort(np.random.default_rng(seed).choice(eval_users, max_eval_users, replace=False))
+
+    def score_on_val(model: SimpleXModule, users: np.ndarray | None) -> tuple[float, float]:
+        return evaluate_ranking(model.score, train, val, num_items, k, users)
+
+    step_seconds: dict[str, float] = {}
+    overhead = 0.5  # Trainer set-up and tear-down per fit; replaced by the measured value after the first fit
+
+    def steps_for(config: dict[str, Any], seconds: float) -> int:
+        return int((seconds - overhead) / step_seconds[_shape_key(config)])
+
+    trials: list[Trial] = []
+    if budget_seconds is not None:
+        search_budget = budget_seconds * search_fraction
+    else:
+        total_steps = max(1, round(budget_epochs * runner.steps_per_epoch))
+        search_steps = int(total_steps * search_fraction)
+
+    # ------------------------------------------------------------------ successive halving on validation
+    survivors = configs if search_fraction > 0 else []
+    if survivors:
+        rounds = max(1, math.ceil(math.log2(len(survivors))))
+        if budget_seconds is not None:
+            left = search_budget - (time.perf_counter() - call_start)
+            # as many configurations as can get min_trial_seconds in the first round (each round costs the same)
+            affordable = int(left / (rounds * max(min_trial_seconds, overhead + 1e-3)))
+            if affordable < len(survivors):
+                survivors = survivors[: max(0, affordable)]
+                rounds = max(1, math.ceil(math.log2(max(2, len(survivors)))))
+                notes.append(
+                    f"search budget {search_budget:.1f}s allows {len(survivors)} of {len(configs)} configurations"
+                )
+        if budget_seconds is not None:
+            for config in survivors:  # only the shapes that will run are probed
+                if _shape_key(config) not in step_seconds:
+                    step_seconds[_shape_key(config)] = runner.probe(config)
+        if len(survivors) < 2:
+            notes.append(
+                "search skipped: the search budget is too short for two trials; the anchor configuration is used"
+            )
+            _log.warning("fit_simplex_within_budget: %s.", notes[-1])
+            survivors = []
+        for r in range(rounds if survivors else 0):
+            results: list[Trial] = []
+            for i, config in enumerate(survivors):
+                if budget_seconds is not None:
+                    left = search_budget - (time.perf_counter() - call_start)
+                    # every remaining trial of this round and of later rounds gets an equal share of the time left
+                    share = left / ((len(survivors) - i) + (rounds - r - 1) * len(survivors)) if left > 0 else 0.0
+                    steps = steps_for(config, share)
+                else:
+                    share = float("nan")
+                    steps = int(search_steps / (rounds * len(survivors)))
+                if steps < 1:
+                    notes.append(f"round {r}: no time left for {_shape_key(config)}; the round stops early")
+                    break
+                trial = Trial(dict(config), r, steps, share)
+                model, clock, fit_wall = runner.fit(config, steps)
+                overhead = max(0.0, fit_wall - clock.train_seconds)
+                step_seconds[_shape_key(config)] = clock.train_seconds / steps
+                trial.train_seconds, trial.fit_seconds = clock.train_seconds, fit_wall
+                trial.val_recall, trial.val_ndcg = score_on_val(model, eval_users)
+                results.append(trial)
+            trials += results
+            if not results:
+                break
+            results.sort(key=lambda t: -t.val_recall)
+            survivors = [t.config for t in results[: max(1, len(results) // 2)]]
+            if len(results) == 1:
+                break
+    best = survivors[0] if survivors else configs[0]
+    search_seconds = time.perf_counter() - call_start
+
+    # ------------------------------------------------------------------ final fit, sized to what is left
+    if budget_seconds is not None:
+        left = budget_seconds - search_seconds
+        if _shape_key(best) not in step_seconds:
+            step_seconds[_shape_key(best)] = runner.probe(best)
+            left = budget_seconds - (time.perf_counter() - call_start)
+        # 5 % margin for the measured step time drifting under load
+        max_steps = int((left - overhead) * 0.95 / step_seconds[_shape_key(best)])
+        if max_steps < 1:
+            raise ValueError(
+                f"fit_simplex_within_budget: the budget of {budget_seconds:g}s leaves {left:.2f}s after the probe "
+                f"and search, less than one step ({step_seconds[_shape_key(best)]:.3f}s) plus the Trainer's set-up "
+                f"({overhead:.2f}s); raise budget_seconds, lower search_fraction or lower batch_size."
+            )
+    else:
+        max_steps = total_steps - search_steps
+    guard = None if budget_seconds is None else 2.0 * max(1.0, budget_seconds - (time.perf_counter() - call_start))
+    model, clock, fit_wall = runner.fit(best, max_steps, guard)
+    if clock.final_lr > 0:
+        notes.append(f"the final fit was cut at {guard:.0f}s before its schedule ended (the step time rose under load)")
+        _log.warning("fit_simplex_within_budget: %s.", notes[-1])
+    val_recall, val_ndcg = score_on_val(model, None)
+    return BudgetedFit(
+        model=model, config=dict(best), max_steps=max_steps, batch_size=batch_size, budget_seconds=budget_seconds,
+        budget_epochs=budget_epochs, search_seconds=search_seconds, fit_seconds=fit_wall,
+        train_seconds=clock.train_seconds, final_lr=clock.final_lr, val_recall=val_recall, val_ndcg=val_ndcg,
+        trials=trials, seconds_per_step=step_seconds, notes=notes,
+    )
+
+
+__all__ = ["BASE_SETTINGS", "DEFAULT_GRID", "BudgetedFit", "SimpleXRunner", "Trial", "evaluate_ranking",
+           "fit_simplex_within_budget",
+           "sample_configs"]

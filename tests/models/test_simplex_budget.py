@@ -1,0 +1,115 @@
+"""The time-budgeted SimpleX recipe: schedule length from the budget, choices on validation only, clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("numba", reason="the fused backend needs the cpu extra (numba)")
+
+from lightning_sdp.datamodules.interactions import InteractionsDataModule  # noqa: E402
+from lightning_sdp.models.simplex_budget import (  # noqa: E402
+    evaluate_ranking,
+    fit_simplex_within_budget,
+    sample_configs,
+)
+
+TINY_GRID = {"dim": [16], "num_negatives": [8], "lr": [0.1, 0.3, 1.0], "margin": [0.9]}
+
+
+class _NoTestData(InteractionsDataModule):
+    """Fails loudly if anything reads the test split."""
+
+    @property
+    def test_csr(self):  # type: ignore[override]
+        raise AssertionError("the recipe read the test split")
+
+    def test_dataloader(self):  # type: ignore[override]
+        raise AssertionError("the recipe read the test split")
+
+
+def _data() -> InteractionsDataModule:
+    dm = _NoTestData(num_users=200, num_items=120, interactions_per_user=15, val_fraction=0.2)
+    dm.setup("fit")
+    return dm
+
+
+def test_epoch_budget_decays_to_zero_and_splits_the_steps() -> None:
+    dm = _data()
+    fit = fit_simplex_within_budget(dm, budget_epochs=8, search_fraction=0.5, grid=TINY_GRID, num_configs=3, threads=1,
+                                    batch_size=128)
+    steps_per_epoch = -(-len(dm.train_csr.indices) // fit.batch_size)
+    total = 8 * steps_per_epoch
+    assert fit.final_lr == 0.0  # the linear schedule reached its end at the last step
+    assert fit.max_steps == total - int(total * 0.5)
+    assert sum(t.steps for t in fit.trials) <= int(total * 0.5)
+    assert {t.round for t in fit.trials} == {0, 1}  # successive halving: 3 configs, then the better one
+    assert fit.config in [t.config for t in fit.trials if t.round == 1]
+    assert 0.0 < fit.val_recall <= 1.0
+
+
+def test_seconds_budget_ends_decayed_inside_the_budget() -> None:
+    dm = _data()
+    budget = 6.0
+    fit = fit_simplex_within_budget(dm, budget_seconds=budget, grid=TINY_GRID, num_configs=3, threads=1, batch_size=128,
+                                    min_trial_seconds=0.2)
+    assert fit.final_lr == 0.0
+    assert fit.search_seconds + fit.fit_seconds <= budget * 1.25  # 5 % margin in the plan; slack for a loaded host
+    assert fit.max_steps >= 1
+
+
+def test_search_picks_by_validation_only() -> None:
+    dm = _data()  # its test split raises when read
+    fit = fit_simplex_within_budget(dm, budget_epochs=6, search_fraction=0.5, grid=TINY_GRID, num_configs=3, threads=1,
+                                    batch_size=128)
+    last_round = max(t.round for t in fit.trials)
+    best = max((t for t in fit.trials if t.round == last_round), key=lambda t: t.val_recall)
+    assert fit.config == best.config
+    assert all(np.isfinite(t.val_recall) for t in fit.trials)
+
+
+def test_carves_validation_from_a_training_csr() -> None:
+    dm = _data()
+    indptr, indices = dm.train_csr
+    fit = fit_simplex_within_budget((indptr, indices), budget_epochs=2, search_fraction=0.0, grid=TINY_GRID,
+                                    num_items=dm.num_items, threads=1)
+    assert any("carved" in note for note in fit.notes)
+    assert fit.trials == [] and fit.final_lr == 0.0
+    assert fit.model.num_items == dm.num_items
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, "exactly one of budget_seconds"),
+        ({"budget_seconds": 5.0, "budget_epochs": 2.0}, "exactly one of budget_seconds"),
+        ({"budget_seconds": -1.0}, "budget_seconds must be a positive"),
+        ({"budget_seconds": float("nan")}, "budget_seconds must be a positive"),
+        ({"budget_epochs": 0.0}, "budget_epochs must be positive"),
+        ({"budget_epochs": 2.0, "search_fraction": 1.0}, "search_fraction must be in"),
+    ],
+)
+def test_bad_budgets_raise(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        fit_simplex_within_budget(_data(), **kwargs)
+
+
+def test_budget_too_short_for_one_step_says_what_to_do() -> None:
+    with pytest.raises(ValueError, match="raise budget_seconds"):
+        fit_simplex_within_budget(_data(), budget_seconds=1e-3, grid=TINY_GRID, threads=1)
+
+
+def test_evaluate_ranking_of_a_perfect_scorer_is_one() -> None:
+    known = (np.array([0, 1, 2]), np.array([0, 1]))
+    target = (np.array([0, 1, 2]), np.array([2, 3]))
+    perfect = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    recall, ndcg = evaluate_ranking(lambda users: perfect[users], known, target, 4, k=1)
+    assert recall == pytest.approx(1.0) and ndcg == pytest.approx(1.0)
+    recall, _ = evaluate_ranking(lambda users: -perfect[users], known, target, 4, k=1)
+    assert recall == 0.0
+
+
+def test_sample_configs_starts_with_the_anchor() -> None:
+    configs = sample_configs({"dim": [64, 128], "lr": [0.1, 0.3]}, 3, seed=0)
+    assert configs[0] == {"dim": 64, "lr": 0.1} and len(configs) == 3 and len({str(c) for c in configs}) == 3

@@ -144,9 +144,7 @@ def _train_job(job: tuple[str, int, int, argparse.Namespace]) -> dict[str, Any]:
     return run_quietly(train_one, job)
 
 
-def run_jobs(
-    train_job: Callable[[Any], dict[str, Any]], jobs: Iterable[Any], workers: int
-) -> Iterator[dict[str, Any]]:
+def run_jobs(train_job: Callable[[Any], dict[str, Any]], jobs: Iterable[Any], workers: int) -> Iterator[dict[str, Any]]:
     """Results of ``train_job(job)`` for every job, as they finish: in ``workers`` spawned processes, or in this
     process when ``workers == 1`` (no process start-up: what ``--quick`` uses)."""
     if workers <= 1:
@@ -309,9 +307,16 @@ def main() -> None:
     summary = summarise(runs, losses, batches)
     comm = [] if args.no_comm else measure_comm([int(b) for b in args.comm_batches.split(",")], args.comm_steps)
 
-    payload = {"args": vars(args), "runs": runs, "summary": summary, "v3_vs_openclip": [], "comm": comm,
-               "bench_model": NANO_CONFIG, "total_wall_s": time.perf_counter() - t_start,
-               "data_sizes": _data_sizes(args)}
+    payload = {
+        "args": vars(args),
+        "runs": runs,
+        "summary": summary,
+        "v3_vs_openclip": [],
+        "comm": comm,
+        "bench_model": NANO_CONFIG,
+        "total_wall_s": time.perf_counter() - t_start,
+        "data_sizes": _data_sizes(args),
+    }
     md, payload["v3_vs_openclip"] = render_markdown(payload)
     write_results(args.name, payload, md, _figure(summary, losses, batches))
 
@@ -331,8 +336,18 @@ def render_markdown(payload: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]
         "shapes": "Built-in captioned shapes (40 zero-shot `colour shape` classes)",
         "digits": "scikit-learn digits with prompt captions (10 zero-shot classes)",
     }[a["dataset"]]
-    cols = ["batch", "loss", "seeds", "zeroshot_top1_mean", "zeroshot_top1_std", "zeroshot_top5_mean",
-            "retrieval_r1_mean", "retrieval_r1_std", "final_tau", "wall_s"]
+    cols = [
+        "batch",
+        "loss",
+        "seeds",
+        "zeroshot_top1_mean",
+        "zeroshot_top1_std",
+        "zeroshot_top5_mean",
+        "retrieval_r1_mean",
+        "retrieval_r1_std",
+        "final_tau",
+        "wall_s",
+    ]
     md = [
         f"{what}, {sizes['train']} train / {sizes['val']} val pairs, "
         f"{a['epochs']} epochs for every run, {a['seeds']} seeds, model `NANO_CONFIG` "
@@ -351,8 +366,15 @@ def render_markdown(payload: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]
             for key in ("zeroshot_top1", "retrieval_r1"):
                 spread = max(v3[f"{key}_std"], o[f"{key}_std"])
                 delta = v3[f"{key}_mean"] - o[f"{key}_mean"]
-                diff_rows.append({"batch": b, "metric": key, "v3_minus_openclip": delta, "max_seed_std": spread,
-                                  "beats_by_more_than_spread": bool(delta > spread)})
+                diff_rows.append(
+                    {
+                        "batch": b,
+                        "metric": key,
+                        "v3_minus_openclip": delta,
+                        "max_seed_std": spread,
+                        "beats_by_more_than_spread": bool(delta > spread),
+                    }
+                )
     if diff_rows:
         md += ["", "FastCLIP-v3 minus OpenCLIP (points):", "", markdown_table(diff_rows, floatfmt="{:.3g}")]
     if comm:
@@ -380,8 +402,14 @@ def _figure(summary: list[dict[str, Any]], losses: list[str], batches: list[int]
             rows = [r for r in summary if r["loss"] == loss]
             if not rows:
                 continue
-            ax.errorbar([r["batch"] for r in rows], [r[f"{key}_mean"] for r in rows],
-                        yerr=[r[f"{key}_std"] for r in rows], marker="o", capsize=3, label=loss)
+            ax.errorbar(
+                [r["batch"] for r in rows],
+                [r[f"{key}_mean"] for r in rows],
+                yerr=[r[f"{key}_std"] for r in rows],
+                marker="o",
+                capsize=3,
+                label=loss,
+            )
         ax.set_xscale("log", base=2)
         ax.set_xticks(batches, [str(b) for b in batches])
         ax.set_xlabel("global batch")

@@ -41,6 +41,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 GCL_LOSSES = ("fastclip_v0", "fastclip_v1", "fastclip_v2", "fastclip_v3", "sogclr", "isogclr")
 
+
 def _make_probe(args: argparse.Namespace, batch: int) -> Any:
     """The u-error diagnostic as a Callback (built inside the worker so Lightning is imported there)."""
     import torch
@@ -181,8 +182,17 @@ def comparisons(summary: list[dict[str, Any]], batches: list[int]) -> list[dict[
             for key in ("zeroshot_top1", "retrieval_r1"):
                 spread = max(v3[f"{key}_range"], o[f"{key}_range"])
                 delta = v3[f"{key}_mean"] - o[f"{key}_mean"]
-                out.append({"batch": b, "peer": peer, "metric": key, "v3_minus_peer": delta, "seed_spread": spread,
-                            "seeds": min(v3["seeds"], o["seeds"]), "beats_by_more_than_spread": bool(delta > spread)})
+                out.append(
+                    {
+                        "batch": b,
+                        "peer": peer,
+                        "metric": key,
+                        "v3_minus_peer": delta,
+                        "seed_spread": spread,
+                        "seeds": min(v3["seeds"], o["seeds"]),
+                        "beats_by_more_than_spread": bool(delta > spread),
+                    }
+                )
     return out
 
 
@@ -195,15 +205,19 @@ def probe_table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for loss, b in keys:
         sel = [r["u_probe"] for r in runs if r["loss"] == loss and r["batch"] == b and r.get("u_probe")]
         for e in range(min(len(p) for p in sel)):
-            rows.append({
-                "batch": b, "loss": loss, "epoch": e,
-                "gamma": float(np.mean([p[e]["gamma"] for p in sel])),
-                "tau": float(np.mean([p[e]["tau"] for p in sel])),
-                "u_rel_err_median": float(np.mean([p[e]["u_rel_err_median"] for p in sel])),
-                "minibatch_rel_err_median": float(np.mean([p[e]["minibatch_rel_err_median"] for p in sel])),
-                "u_rel_err_p90": float(np.mean([p[e]["u_rel_err_p90"] for p in sel])),
-                "minibatch_rel_err_p90": float(np.mean([p[e]["minibatch_rel_err_p90"] for p in sel])),
-            })
+            rows.append(
+                {
+                    "batch": b,
+                    "loss": loss,
+                    "epoch": e,
+                    "gamma": float(np.mean([p[e]["gamma"] for p in sel])),
+                    "tau": float(np.mean([p[e]["tau"] for p in sel])),
+                    "u_rel_err_median": float(np.mean([p[e]["u_rel_err_median"] for p in sel])),
+                    "minibatch_rel_err_median": float(np.mean([p[e]["minibatch_rel_err_median"] for p in sel])),
+                    "u_rel_err_p90": float(np.mean([p[e]["u_rel_err_p90"] for p in sel])),
+                    "minibatch_rel_err_p90": float(np.mean([p[e]["minibatch_rel_err_p90"] for p in sel])),
+                }
+            )
     return rows
 
 
@@ -211,12 +225,26 @@ def render_markdown(payload: dict[str, Any]) -> str:
     """The result tables (from a payload, so ``--from-json`` can re-render a run)."""
     a = payload["args"]
     sizes = payload["data_sizes"]
-    cols = ["batch", "loss", "seeds", "zeroshot_top1_mean", "zeroshot_top1_range", "zeroshot_top5_mean",
-            "retrieval_r1_mean", "retrieval_r1_range", "final_tau", "u_err_median", "minibatch_err_median", "wall_s"]
+    cols = [
+        "batch",
+        "loss",
+        "seeds",
+        "zeroshot_top1_mean",
+        "zeroshot_top1_range",
+        "zeroshot_top5_mean",
+        "retrieval_r1_mean",
+        "retrieval_r1_range",
+        "final_tau",
+        "u_err_median",
+        "minibatch_err_median",
+        "wall_s",
+    ]
     done = f"{len(payload['runs'])} of {payload['planned_runs']} runs"
     status = "complete" if payload.get("complete") else f"PARTIAL ({done})"
-    what = {"shapes": "Built-in captioned shapes (400 distinct captions", "scenes": "Built-in captioned scenes (12,960 "
-            "distinct captions"}[a["dataset"]]
+    what = {
+        "shapes": "Built-in captioned shapes (400 distinct captions",
+        "scenes": "Built-in captioned scenes (12,960 distinct captions",
+    }[a["dataset"]]
     md = [
         f"{what}; 40 zero-shot `colour shape` classes), {sizes['train']} train / {sizes['val']} "
         f"held-out pairs, {a['epochs']} epochs for every run, seeds 0..{a['seeds'] - 1}, model `NANO_CONFIG` "
@@ -270,8 +298,13 @@ def _figure(summary: list[dict[str, Any]], probe: list[dict[str, Any]], losses: 
         rows = [r for r in probe if r["loss"] == loss and r["batch"] == b]
         epochs = [r["epoch"] for r in rows]
         line = ax.plot(epochs, [r["u_rel_err_median"] for r in rows], marker="o", label=f"u {loss} B={b}")
-        ax.plot([r["epoch"] for r in rows], [r["minibatch_rel_err_median"] for r in rows], ls="--",
-                color=line[0].get_color(), label=f"mini-batch B={b}")
+        ax.plot(
+            [r["epoch"] for r in rows],
+            [r["minibatch_rel_err_median"] for r in rows],
+            ls="--",
+            color=line[0].get_color(),
+            label=f"mini-batch B={b}",
+        )
     ax.set_xlabel("epoch")
     ax.set_yscale("log")
     ax.set_title("median |estimate - g| / g")
@@ -286,10 +319,18 @@ def _payload(args: argparse.Namespace, runs: list[dict[str, Any]], planned: int,
     batches = [int(b) for b in args.batches.split(",")]
     runs = sorted(runs, key=lambda r: (r["batch"], r["loss"], r["seed"]))
     summary = summarise(runs, losses, batches)
-    return {"args": vars(args), "runs": runs, "summary": summary, "comparisons": comparisons(summary, batches),
-            "probe": probe_table(runs), "bench_model": NANO_CONFIG, "planned_runs": planned,
-            "complete": len(runs) == planned, "total_wall_s": time.perf_counter() - t_start,
-            "data_sizes": {"train": args.num_train, "val": args.num_val}}
+    return {
+        "args": vars(args),
+        "runs": runs,
+        "summary": summary,
+        "comparisons": comparisons(summary, batches),
+        "probe": probe_table(runs),
+        "bench_model": NANO_CONFIG,
+        "planned_runs": planned,
+        "complete": len(runs) == planned,
+        "total_wall_s": time.perf_counter() - t_start,
+        "data_sizes": {"train": args.num_train, "val": args.num_val},
+    }
 
 
 def main() -> None:

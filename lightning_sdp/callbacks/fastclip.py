@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -160,7 +160,7 @@ class GammaScheduler(Callback):
     def _schedule_for(self, pl_module: LightningModule) -> Literal["cosine", "constant"]:
         if self.schedule != "auto":
             return self.schedule
-        return pl_module.variant.gamma_schedule or "constant"
+        return cast(GammaModule, pl_module).variant.gamma_schedule or "constant"
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -168,8 +168,7 @@ class GammaScheduler(Callback):
             return
         needed = ["gcl_loss"] + (["variant.gamma_schedule"] if self.schedule == "auto" else [])
         why = "the loss whose gamma is set each epoch" + (
-            "; variant.gamma_schedule picks the schedule with schedule='auto' (or pass schedule='cosine' or "
-            "'constant')"
+            "; variant.gamma_schedule picks the schedule with schedule='auto' (or pass schedule='cosine' or 'constant')"
             if self.schedule == "auto"
             else ""
         )
@@ -177,7 +176,7 @@ class GammaScheduler(Callback):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        loss = pl_module.gcl_loss
+        loss = cast(GammaModule, pl_module).gcl_loss  # setup checked the protocol
         if loss is None:
             rank_zero_info(
                 f"GammaScheduler: {type(pl_module).__name__}.gcl_loss is None (no estimators); gamma is not used."
@@ -191,7 +190,7 @@ class GammaScheduler(Callback):
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        loss = pl_module.gcl_loss
+        loss = cast(GammaModule, pl_module).gcl_loss
         if loss is None:
             return  # openclip: no estimators
         self.epoch = trainer.current_epoch
@@ -201,7 +200,12 @@ class GammaScheduler(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"gamma": self.gamma, "epoch": self.epoch, "gamma_min": self.gamma_min, "decay_epochs": self.decay_epochs}
+        return {
+            "gamma": self.gamma,
+            "epoch": self.epoch,
+            "gamma_min": self.gamma_min,
+            "decay_epochs": self.decay_epochs,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -229,7 +233,9 @@ class TemperatureScheduler(Callback):
         thresh_factor: the reduction factor. Default 1/3.
     """
 
-    def __init__(self, tau_min: float = 0.01, step_thresh: float | None = 0.03, thresh_factor: float = 1.0 / 3.0) -> None:
+    def __init__(
+        self, tau_min: float = 0.01, step_thresh: float | None = 0.03, thresh_factor: float = 1.0 / 3.0
+    ) -> None:
         if not 0.0 < tau_min < 1.0:
             raise ValueError(f"tau_min must be in (0, 1), got {tau_min}.")
         if not 0.0 < thresh_factor <= 1.0:
@@ -245,7 +251,7 @@ class TemperatureScheduler(Callback):
             return
         missing = _missing(pl_module, ["variant.temperature", "variant.objective"])
         if not missing:
-            variant = pl_module.variant
+            variant = cast(TemperatureModule, pl_module).variant
             if variant.temperature == "individual":
                 missing = _missing(pl_module, ["gcl_loss"])
             else:
@@ -261,17 +267,19 @@ class TemperatureScheduler(Callback):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if pl_module.variant.temperature == "individual":
-            missing = [f"gcl_loss.{n}" for n in ("tau1", "tau2", "tau_steps") if not hasattr(pl_module.gcl_loss, n)]
+        module = cast(TemperatureModule, pl_module)  # setup checked the protocol
+        if module.variant.temperature == "individual":
+            missing = [f"gcl_loss.{n}" for n in ("tau1", "tau2", "tau_steps") if not hasattr(module.gcl_loss, n)]
             _refuse("TemperatureScheduler", "TemperatureModule", pl_module, missing, "the individual temperatures")
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        variant = pl_module.variant
+        module = cast(TemperatureModule, pl_module)  # setup checked the protocol
+        variant = module.variant
         if variant.temperature != "individual":
-            scale = pl_module.logit_scale_parameter()
+            scale = module.logit_scale_parameter()
             with torch.no_grad():
                 scale.clamp_(0.0, math.log(1.0 / self.tau_min))
             tau = float(torch.exp(-scale.detach()))
@@ -279,7 +287,7 @@ class TemperatureScheduler(Callback):
                 # re-checked every step, as the official code does: lr_tau while tau > step_thresh, lr_tau *
                 # thresh_factor while tau <= step_thresh (tau may rise above the threshold again)
                 below = tau <= self.step_thresh
-                pl_module.tau_lr_factor.fill_(self.thresh_factor if below else 1.0)
+                module.tau_lr_factor.fill_(self.thresh_factor if below else 1.0)
                 if below != self.switched:
                     rank_zero_info(
                         f"TemperatureScheduler: tau={tau:.4f} {'<=' if below else '>'} {self.step_thresh}; lr_tau x "
@@ -291,13 +299,17 @@ class TemperatureScheduler(Callback):
             if factor is not None:
                 pl_module.log("train/tau_lr_factor", float(factor), on_step=True, on_epoch=False, batch_size=1)
             return
-        if (trainer.global_step % max(1, trainer.log_every_n_steps)) != 0:
+        # Trainer.log_every_n_steps is assigned by Lightning's logger connector; the Trainer class does not declare it
+        every = trainer.log_every_n_steps  # type: ignore[attr-defined]
+        if (trainer.global_step % max(1, every)) != 0:
             return
-        loss = pl_module.gcl_loss
+        loss = module.gcl_loss
         seen = loss.tau_steps > 0
         taus = torch.cat([loss.tau1[seen], loss.tau2[seen]]) if bool(seen.any()) else torch.cat([loss.tau1, loss.tau2])
         pl_module.log("train/tau", float(taus.mean()), on_step=True, on_epoch=False, batch_size=1)
-        pl_module.log("train/tau_std", float(taus.std()) if taus.numel() > 1 else 0.0, on_step=True, on_epoch=False, batch_size=1)
+        pl_module.log(
+            "train/tau_std", float(taus.std()) if taus.numel() > 1 else 0.0, on_step=True, on_epoch=False, batch_size=1
+        )
         pl_module.log("train/tau_min", float(taus.min()), on_step=True, on_epoch=False, batch_size=1)
         pl_module.log("train/tau_max", float(taus.max()), on_step=True, on_epoch=False, batch_size=1)
 
@@ -352,11 +364,21 @@ class ZeroShotEvaluation(Callback):
 
     @override
     def on_validation_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
     ) -> None:
         if not isinstance(outputs, dict) or "image_features" not in outputs:
-            raise ValueError("ZeroShotEvaluation needs validation_step to return image_features, text_features, indices.")
-        self._buf.append((outputs["image_features"].detach(), outputs["text_features"].detach(), outputs["indices"].detach()))
+            raise ValueError(
+                "ZeroShotEvaluation needs validation_step to return image_features, text_features, indices."
+            )
+        self._buf.append(
+            (outputs["image_features"].detach(), outputs["text_features"].detach(), outputs["indices"].detach())
+        )
 
     @override
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -367,7 +389,8 @@ class ZeroShotEvaluation(Callback):
         idx = torch.cat([b[2] for b in self._buf])
         self._buf = []
         if trainer.world_size > 1:
-            img, txt, idx = (pl_module.all_gather(t).flatten(0, 1) for t in (img, txt, idx))
+            # all_gather of a tensor is a tensor (its annotation also covers collections)
+            img, txt, idx = (cast(Tensor, pl_module.all_gather(t)).flatten(0, 1) for t in (img, txt, idx))
         idx, first = _unique_first(idx)
         img, txt = img[first].float(), txt[first].float()
         dm = getattr(trainer, "datamodule", None)

@@ -63,7 +63,9 @@ def _open_clip() -> Any:
 def registered_name(alias: str) -> str:
     """The open_clip model name of a bundled config's alias (``"tiny"`` -> ``"fastclip-tiny"``)."""
     if alias not in CLIP_CONFIGS:
-        raise ValueError(f"No bundled CLIP config {alias!r}; the bundled ones are {', '.join(map(repr, CLIP_CONFIGS))}.")
+        raise ValueError(
+            f"No bundled CLIP config {alias!r}; the bundled ones are {', '.join(map(repr, CLIP_CONFIGS))}."
+        )
     return f"fastclip-{alias}"
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
+from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from typing_extensions import override
@@ -34,6 +35,8 @@ class CausalSelfAttention(nn.Module):
         bias: biases in the projections.
         attention: ``"sdpa"`` (fused), ``"explicit"`` (matmul + masked softmax + matmul) or ``"linear"``.
     """
+
+    causal_mask: Tensor  # registered buffer of the explicit path (declared so type checkers know it is a tensor)
 
     def __init__(
         self, n_embd: int, n_head: int, block_size: int, dropout: float, bias: bool, attention: AttentionKind
@@ -121,6 +124,20 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class _Transformer(nn.ModuleDict):
+    """nanoGPT's ``transformer`` container (``wte``, ``wpe``, ``drop``, ``h``, ``ln_f``), with its entries typed.
+
+    A plain ``nn.ModuleDict`` at runtime (same parameter names); the annotations only tell type checkers what each
+    entry is, where ``nn.Module.__getattr__`` would say ``Tensor | Module``.
+    """
+
+    wte: nn.Embedding
+    wpe: nn.Embedding
+    drop: nn.Dropout
+    h: nn.ModuleList
+    ln_f: nn.LayerNorm
+
+
 class GPT(LightningModule):
     """Decoder-only Transformer language model (nanoGPT layout, weight-tied output head).
 
@@ -170,16 +187,21 @@ class GPT(LightningModule):
         if vocab_size is not None and vocab_size < 1:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}.")
         self.save_hyperparameters()
-        self.transformer: nn.ModuleDict | None = None
+        self.transformer: _Transformer | None = None
         self.lm_head: nn.Linear | None = None
         if vocab_size is not None:
             self._build(vocab_size)
         self._step_start: float | None = None
 
     # ----------------------------------------------------------------------------------------------- model
+    @property
+    def _hp(self) -> AttributeDict:
+        """``self.hparams`` typed for attribute access (Lightning annotates it as a plain ``MutableMapping``)."""
+        return cast(AttributeDict, self.hparams)
+
     def _build(self, vocab_size: int) -> None:
-        hp = self.hparams
-        self.transformer = nn.ModuleDict(
+        hp = self._hp
+        self.transformer = _Transformer(
             dict(
                 wte=nn.Embedding(vocab_size, hp.n_embd),
                 wpe=nn.Embedding(hp.block_size, hp.n_embd),
@@ -197,7 +219,7 @@ class GPT(LightningModule):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * hp.n_layer))
-        self.hparams.vocab_size = vocab_size
+        hp.vocab_size = vocab_size
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -229,8 +251,8 @@ class GPT(LightningModule):
         if self.transformer is None or self.lm_head is None:
             raise RuntimeError("GPT has no vocabulary size yet: pass vocab_size=... or fit it with a datamodule.")
         B, T = idx.shape
-        if T > self.hparams.block_size:
-            raise ValueError(f"Sequence length {T} exceeds block_size {self.hparams.block_size}.")
+        if T > self._hp.block_size:
+            raise ValueError(f"Sequence length {T} exceeds block_size {self._hp.block_size}.")
         pos = torch.arange(T, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
@@ -246,7 +268,7 @@ class GPT(LightningModule):
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None) -> Tensor:
         """Sample ``max_new_tokens`` tokens after the prompt ``idx`` (``(B, T)`` token ids)."""
         for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.hparams.block_size :])[:, -1, :] / max(temperature, 1e-8)
+            logits = self(idx[:, -self._hp.block_size :])[:, -1, :] / max(temperature, 1e-8)
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                 logits[logits < v[:, [-1]]] = -float("inf")
@@ -286,7 +308,7 @@ class GPT(LightningModule):
 
     @override
     def configure_optimizers(self) -> Any:
-        hp = self.hparams
+        hp = self._hp
         params = {n: p for n, p in self.named_parameters() if p.requires_grad}
         decay = [p for p in params.values() if p.dim() >= 2]
         no_decay = [p for p in params.values() if p.dim() < 2]
@@ -304,9 +326,3 @@ class GPT(LightningModule):
         schedule = WarmupCosine(hp.warmup_steps, max(total, 1), hp.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-_CosineWithWarmup = WarmupCosine
-"""Deprecated private alias of :class:`lightning_sdp.schedules.WarmupCosine`, kept while
-``benchmarks/sdp4bit_throughput.py`` still imports it. (Checkpoints never pickled it: ``LambdaLR`` saves a callable
-object's ``__dict__``, whose keys ``warmup``, ``total``, ``min_ratio`` ``WarmupCosine`` keeps.)"""

@@ -106,7 +106,9 @@ def test_temperature_scheduler_logs_individual_temperature_spread():
     loss = module.gcl_loss
     loss.tau_steps[:4] = 1
     loss.tau1[:4] = torch.tensor([0.01, 0.02, 0.03, 0.04])
-    TemperatureScheduler().on_train_batch_end(SimpleNamespace(global_step=0, log_every_n_steps=1), module, None, None, 0)
+    TemperatureScheduler().on_train_batch_end(
+        SimpleNamespace(global_step=0, log_every_n_steps=1), module, None, None, 0
+    )
     assert module.logged["train/tau_min"] == pytest.approx(0.01)
     assert module.logged["train/tau_max"] == pytest.approx(0.04)
     assert module.logged["train/tau"] == pytest.approx((0.1 + 4 * 0.03) / 8)

@@ -26,6 +26,8 @@ pytestmark = pytest.mark.open_clip
 def _one_thread():
     """One torch thread: on two shared cores OpenMP spin-waiting makes two threads several times slower."""
     torch.set_num_threads(1)
+
+
 MICRO = {
     "embed_dim": 16,
     "vision_cfg": {"image_size": 16, "layers": 1, "width": 16, "head_width": 8, "patch_size": 8},
@@ -159,8 +161,14 @@ def test_csv_convention_with_custom_columns_and_separator(tmp_path):
     csv_path = tmp_path / "pairs.csv"
     csv_path.write_text("path,caption\n" + "".join(f"images/{n},picture number {i}\n" for i, n in enumerate(names)))
     dm = ImageTextDataModule(
-        dataset="csv", train_data=str(csv_path), model=MICRO, csv_img_key="path", csv_caption_key="caption",
-        csv_separator=",", val_fraction=0.34, batch_size=2,
+        dataset="csv",
+        train_data=str(csv_path),
+        model=MICRO,
+        csv_img_key="path",
+        csv_caption_key="caption",
+        csv_separator=",",
+        val_fraction=0.34,
+        batch_size=2,
     )
     dm.setup()
     assert dm.data_size == 4 and len(dm.val_set) == 2
@@ -265,8 +273,9 @@ def test_webdataset_shards_are_picked_from_the_path_and_keep_sample_indices(tmp_
     _write_shards(tmp_path / "val", 1, 3)
     pattern = str(tmp_path / "train" / "shard-{000..002}.tar")
     assert [p.name for p in expand_shards(pattern)] == ["shard-000.tar", "shard-001.tar", "shard-002.tar"]
-    dm = ImageTextDataModule(train_data=pattern, val_data=str(tmp_path / "val" / "shard-000.tar"), model=MICRO,
-                             batch_size=4, augment=False)
+    dm = ImageTextDataModule(
+        train_data=pattern, val_data=str(tmp_path / "val" / "shard-000.tar"), model=MICRO, batch_size=4, augment=False
+    )
     assert dm.kind == "webdataset"
     dm.setup()
     assert isinstance(dm.train_set, WebDatasetImageText) and dm.data_size == 12 and len(dm.val_set) == 3

@@ -57,7 +57,9 @@ def _run(variant: str, rank: int, world_size: int) -> dict[str, object]:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad)
                 p.grad /= world_size
-        grads.append({k: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for k, p in model.named_parameters()})
+        grads.append(
+            {k: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for k, p in model.named_parameters()}
+        )
         with torch.no_grad():  # a plain SGD step so later steps see new features
             for p in model.parameters():
                 if p.grad is not None:
@@ -114,9 +116,17 @@ def test_two_process_gradient_equals_one_process(variant, two_process_results):
     for r in ranks:
         for step in range(STEPS):
             for name, grad in single["grads"][step].items():
-                torch.testing.assert_close(torch.from_numpy(r["grads"][step][name]), grad, rtol=1e-9, atol=1e-12, msg=f"{variant} {name} {step}")
+                torch.testing.assert_close(
+                    torch.from_numpy(r["grads"][step][name]),
+                    grad,
+                    rtol=1e-9,
+                    atol=1e-12,
+                    msg=f"{variant} {name} {step}",
+                )
         for k, v in single["state"].items():
-            torch.testing.assert_close(torch.from_numpy(r["state"][k]), v, rtol=1e-9, atol=1e-12, msg=f"{variant} state {k}")
+            torch.testing.assert_close(
+                torch.from_numpy(r["state"][k]), v, rtol=1e-9, atol=1e-12, msg=f"{variant} state {k}"
+            )
     if variant not in ("openclip", "siglip"):
         # the gradient of the logit scale is non-zero exactly where it is learned
         learned = VARIANTS[variant].temperature == "learnable"
@@ -142,8 +152,16 @@ def _lightning_ddp(rank: int, world_size: int, root: str) -> dict[str, object]:
     dm = ImageTextDataModule(model=MICRO, num_train=26, num_val=8, batch_size=4, augment=False)
     module = FastCLIPModule(model=MICRO, loss="fastclip_v2", warmup_steps=1)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, default_root_dir=root,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=root,
         callbacks=[GammaScheduler(), TemperatureScheduler()],
     )
     trainer.fit(module, dm)

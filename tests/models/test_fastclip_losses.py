@@ -97,7 +97,10 @@ def test_first_visit_sets_u_to_g_then_moving_average():
 
 
 def test_v3_tau_gradient_is_rgcl_g_gradient_when_u_equals_g():
-    """With gamma = 1 (u = g) the logit_scale gradient equals autograd of tau*mean[log(eps+g1)+log(eps+g2)]/2 + rho tau."""
+    """With gamma = 1 (u = g) the logit_scale gradient equals autograd of the rgcl_g objective.
+
+    The objective is tau*mean[log(eps+g1)+log(eps+g2)]/2 + rho tau.
+    """
     e1, e2 = _features(6)
     loss = _double(
         GlobalContrastiveLoss(
@@ -143,7 +146,9 @@ def test_individual_bound_shift_keeps_gradient_of_unshifted_loss():
     """The running bound only rescales g and u together: gradients equal those computed without a bound."""
     e1, e2 = _features(5)
     loss = _double(
-        GlobalContrastiveLoss(5, objective="rgcl", temperature="individual", gamma=1.0, eps=0.0, temperature_gradient="exact")
+        GlobalContrastiveLoss(
+            5, objective="rgcl", temperature="individual", gamma=1.0, eps=0.0, temperature_gradient="exact"
+        )
     )
     loss.tau1.fill_(0.05)
     loss.tau2.fill_(0.1)

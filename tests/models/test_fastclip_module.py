@@ -22,6 +22,8 @@ pytestmark = pytest.mark.open_clip
 def _one_thread():
     """One torch thread: on two shared cores OpenMP spin-waiting makes two threads several times slower."""
     torch.set_num_threads(1)
+
+
 ROOT = Path(__file__).resolve().parents[2]
 # a micro open_clip config keeps these Lightning runs fast on two shared cores
 MICRO = {
@@ -183,6 +185,14 @@ def test_custom_module_and_param_groups(tmp_path):
     assert not fixed.model.logit_scale.requires_grad and fixed.temperature == pytest.approx(0.07)
     names = [n for g in fixed.configure_optimizers()["optimizer"].param_groups for n in g["params"]]
     assert not any(p is fixed.model.logit_scale for p in names)
+
+
+def test_training_step_before_setup_explains_the_missing_loss():
+    module = FastCLIPModule(model=_Towers(), loss="fastclip_v3")  # no data_size: the loss is built in setup
+    assert module.loss_fn is None
+    batch = (torch.randn(2, 3, 16, 16), torch.randint(0, 49408, (2, 5)), torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match=r"built in setup\(\).*data_size=len\(train_set\)"):
+        module.training_step(batch, 0)
 
 
 def test_lamb_step_matches_formula():

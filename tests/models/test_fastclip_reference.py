@@ -86,8 +86,18 @@ def _pairwise(f1, f2, scale_im, scale_tt, offset, sim=None, bounds=None, update_
         mask = (1 - F.one_hot(torch.arange(b2) + offset, b1).double()).T
         weights = b2 * (b1 - 1) / b1
     ex_im, ex_tt = torch.exp(diff_image) * mask, torch.exp(diff_text) * mask
-    return (ex_im.sum(-1, keepdim=True) / weights, ex_tt.sum(-1, keepdim=True) / weights, sim_image, sim_text,
-            ex_im, ex_tt, diff_image, diff_text, b_im, b_tt)
+    return (
+        ex_im.sum(-1, keepdim=True) / weights,
+        ex_tt.sum(-1, keepdim=True) / weights,
+        sim_image,
+        sim_text,
+        ex_im,
+        ex_tt,
+        diff_image,
+        diff_text,
+        b_im,
+        b_tt,
+    )
 
 
 def _u_update(u_old, g, gamma):
@@ -118,7 +128,8 @@ def _reference_step(variant, model, x, t, idx, state, world, tau_after=None):
             bounds = (state["b1"][ids].clone()[:, None], state["b2"][ids].clone()[:, None])
             tau_im, tau_tt = state["tau1"][ids][:, None], state["tau2"][ids][:, None]
             l1_im, l1_tt, sim_im, sim_tt, _, _, _, _, nb_im, nb_tt = _pairwise(
-                feats, remote, 1 / tau_im, 1 / tau_tt, r * b, bounds=bounds)
+                feats, remote, 1 / tau_im, 1 / tau_tt, r * b, bounds=bounds
+            )
             u_im = _u_update(state["u1"][ids][:, None] * torch.exp(bounds[0] - nb_im), l1_im.detach(), state["gamma"])
             u_tt = _u_update(state["u2"][ids][:, None] * torch.exp(bounds[1] - nb_tt), l1_tt.detach(), state["gamma"])
             extra = (nb_im, nb_tt)
@@ -131,21 +142,24 @@ def _reference_step(variant, model, x, t, idx, state, world, tau_after=None):
     # all_gather of u (and, for individual temperatures, of the updated temperatures and the new bounds)
     remote_u = (torch.cat([lo[4] for lo in locals_]), torch.cat([lo[5] for lo in locals_]))
     total = 0.0
-    for r, (feats, ids, l1_im, l1_tt, u_im, u_tt, sim_im, sim_tt, extra) in enumerate(locals_):
+    for r, (feats, _ids, l1_im, l1_tt, u_im, u_tt, sim_im, sim_tt, _extra) in enumerate(locals_):
         sim = (sim_tt.T, sim_im.T)
         if v.temperature == "individual":
             r_tau_im, r_tau_tt = tau_after[0][idx][:, None], tau_after[1][idx][:, None]
             r_bounds = (torch.cat([lo[8][0] for lo in locals_]), torch.cat([lo[8][1] for lo in locals_]))
-            l2_im, l2_tt, *_ = _pairwise(remote, feats, 1 / r_tau_im, 1 / r_tau_tt, r * b, sim=sim, bounds=r_bounds,
-                                         update_bounds=False)
+            l2_im, l2_tt, *_ = _pairwise(
+                remote, feats, 1 / r_tau_im, 1 / r_tau_tt, r * b, sim=sim, bounds=r_bounds, update_bounds=False
+            )
         else:
             l2_im, l2_tt, *_ = _pairwise(remote, feats, scale, scale, r * b, sim=sim)
-        loss = (torch.mean(l1_im / (u_im + eps) + l1_tt / (u_tt + eps))
-                + torch.mean(l2_im / (remote_u[0] + eps) + l2_tt / (remote_u[1] + eps))) / 2
+        loss = (
+            torch.mean(l1_im / (u_im + eps) + l1_tt / (u_tt + eps))
+            + torch.mean(l2_im / (remote_u[0] + eps) + l2_tt / (remote_u[1] + eps))
+        ) / 2
         if v.objective == "rgcl_g":  # multiply_tau
             loss = loss / scale.detach() + RHO / scale + torch.mean(torch.log(u_im) + torch.log(u_tt)) / 2 / scale
         total = total + loss / world
-    for r, lo in enumerate(locals_):
+    for lo in locals_:
         ids = lo[1]
         state["u1"][ids], state["u2"][ids] = lo[4].detach().squeeze(1), lo[5].detach().squeeze(1)
         if lo[8] is not None:
@@ -179,10 +193,13 @@ def _reference_grads(variant, world, taus=None):
         else:
             if taus is not None:
                 state["tau1"], state["tau2"] = taus[step][0]
-            loss = _reference_step(variant, model, x, t, idx, state, world,
-                                   tau_after=taus[step][1] if taus is not None else None)
+            loss = _reference_step(
+                variant, model, x, t, idx, state, world, tau_after=taus[step][1] if taus is not None else None
+            )
         loss.backward()
-        out.append({k: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for k, p in model.named_parameters()})
+        out.append(
+            {k: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for k, p in model.named_parameters()}
+        )
         _sgd(model)
     return out, state
 
@@ -197,8 +214,9 @@ def _sgd(model: nn.Module) -> None:
 # ---------------------------------------------------------------- the package
 def _package_run(variant, rank, world, temperature_gradient="reference"):
     model = _model()
-    loss_fn = build_loss(variant, DATA, gamma=GAMMA, rho=RHO, lr_tau=LR_TAU,
-                         temperature_gradient=temperature_gradient).double()
+    loss_fn = build_loss(
+        variant, DATA, gamma=GAMMA, rho=RHO, lr_tau=LR_TAU, temperature_gradient=temperature_gradient
+    ).double()
     v = VARIANTS[variant]
     b = N // world
     grads, taus = [], []
@@ -223,7 +241,9 @@ def _package_run(variant, rank, world, temperature_gradient="reference"):
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad)
                 p.grad /= world
-        grads.append({k: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for k, p in model.named_parameters()})
+        grads.append(
+            {k: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for k, p in model.named_parameters()}
+        )
         _sgd(model)
     u = (loss_fn.u1.clone(), loss_fn.u2.clone()) if hasattr(loss_fn, "u1") else None
     return grads, taus, u
@@ -235,7 +255,9 @@ def _assert_grads_close(ours, ref, msg):
             ra, rr = a[name], r[name]
             scale = float(rr.abs().max())
             err = float((ra - rr).abs().max())
-            assert err <= 1e-5 * max(scale, 1e-12), f"{msg} step {step} {name}: max abs err {err:.3g}, scale {scale:.3g}"
+            assert err <= 1e-5 * max(scale, 1e-12), (
+                f"{msg} step {step} {name}: max abs err {err:.3g}, scale {scale:.3g}"
+            )
 
 
 def _variants() -> list[str]:

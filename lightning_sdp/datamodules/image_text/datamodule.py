@@ -4,9 +4,10 @@ or WebDataset shards; samples are ``(image, tokens, index)``."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
+from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
@@ -28,6 +29,9 @@ from lightning_sdp.datamodules.image_text.webdataset import (
 )
 from lightning_sdp.datamodules.sampling import EpochSeededSampler
 from lightning_sdp.integrations.open_clip import image_size_of, preprocess_for, tokenizer_for
+
+_ImageTextSet = ImageTextDataset | WebDatasetImageText | WebDatasetSubset
+"""A training or validation set: samples ``(image, tokens, index)``, with ``classnames`` and ``templates``."""
 
 
 class ImageTextDataModule(LightningDataModule):
@@ -100,13 +104,24 @@ class ImageTextDataModule(LightningDataModule):
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}.")
         self.save_hyperparameters()
-        self.train_set: ImageTextDataset | None = None
-        self.val_set: ImageTextDataset | None = None
+        self.train_set: _ImageTextSet | None = None
+        self.val_set: _ImageTextSet | None = None
+
+    @property
+    def _hp(self) -> AttributeDict:
+        """``self.hparams`` typed for attribute access (Lightning annotates it as a plain ``MutableMapping``)."""
+        return cast(AttributeDict, self.hparams)
+
+    def _sets(self) -> tuple[_ImageTextSet, _ImageTextSet]:
+        """The training and validation sets, built on first use."""
+        self.setup("fit")
+        assert self.train_set is not None and self.val_set is not None  # setup builds both or raises
+        return self.train_set, self.val_set
 
     @property
     def kind(self) -> str:
         """The data source in use: ``dataset``, or what ``auto`` (or a shard pattern) resolves to."""
-        hp = self.hparams
+        hp = self._hp
         if is_webdataset_path(hp.train_data) and hp.dataset in ("auto", "csv", "folder", "webdataset"):
             return "webdataset"
         if hp.dataset != "auto":
@@ -118,9 +133,7 @@ class ImageTextDataModule(LightningDataModule):
     @property
     def data_size(self) -> int:
         """Number of training samples (``FastCLIPModule``'s ``data_size``); builds the sets if needed."""
-        if self.train_set is None:
-            self.setup("fit")
-        return len(self.train_set)
+        return len(self._sets()[0])
 
     @property
     def classnames(self) -> list[str] | None:
@@ -136,29 +149,31 @@ class ImageTextDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        hp = self.hparams
+        hp = self._hp
         tok = tokenizer_for(hp.model)
         train_tf = preprocess_for(hp.model, is_train=hp.augment)
         val_tf = preprocess_for(hp.model, is_train=False)
         size = image_size_of(hp.model)
         kind = self.kind
+        train_set: _ImageTextSet
+        val_set: _ImageTextSet
         if kind == "webdataset":
-            self._setup_webdataset(train_tf, val_tf, tok)
+            train_set, val_set = self._webdataset_sets(train_tf, val_tf, tok)
         elif kind in ("shapes", "scenes"):
             make = make_captioned_shapes if kind == "shapes" else make_captioned_scenes
             imgs, caps, labels = make(hp.num_train, seed=hp.seed, image_size=size)
             vimgs, vcaps, vlabels = make(hp.num_val, seed=hp.seed + 1_000_003, image_size=size)
             meta = {"classnames": shape_classnames(), "templates": SHAPE_TEMPLATES}
-            self.train_set = ArrayImageText(imgs, caps, transform=train_tf, tokenizer=tok, labels=labels, **meta)
-            self.val_set = ArrayImageText(vimgs, vcaps, transform=val_tf, tokenizer=tok, labels=vlabels, **meta)
+            train_set = ArrayImageText(imgs, caps, transform=train_tf, tokenizer=tok, labels=labels, **meta)
+            val_set = ArrayImageText(vimgs, vcaps, transform=val_tf, tokenizer=tok, labels=vlabels, **meta)
         elif kind == "digits":
             imgs, caps, labels = make_digits(size, seed=hp.seed)
             tr, va = _holdout_split(len(caps), hp.val_fraction, hp.seed)
             meta = {"classnames": list(DIGIT_NAMES), "templates": DIGIT_TEMPLATES}
-            self.train_set = ArrayImageText(
+            train_set = ArrayImageText(
                 imgs[tr], [caps[i] for i in tr], transform=train_tf, tokenizer=tok, labels=labels[tr], **meta
             )
-            self.val_set = ArrayImageText(
+            val_set = ArrayImageText(
                 imgs[va], [caps[i] for i in va], transform=val_tf, tokenizer=tok, labels=labels[va], **meta
             )
         else:
@@ -174,20 +189,19 @@ class ImageTextDataModule(LightningDataModule):
                 tr, va = _holdout_split(len(caps), hp.val_fraction, hp.seed)
                 vpaths, vcaps = [paths[i] for i in va], [caps[i] for i in va]
                 paths, caps = [paths[i] for i in tr], [caps[i] for i in tr]
-            self.train_set = FileImageText(paths, caps, on_error=hp.on_error, transform=train_tf, tokenizer=tok)
-            self.val_set = FileImageText(vpaths, vcaps, on_error=hp.on_error, transform=val_tf, tokenizer=tok)
-        if len(self.train_set) < 2:
-            raise ValueError(f"The training set has {len(self.train_set)} pairs; CLIP training needs at least 2.")
+            train_set = FileImageText(paths, caps, on_error=hp.on_error, transform=train_tf, tokenizer=tok)
+            val_set = FileImageText(vpaths, vcaps, on_error=hp.on_error, transform=val_tf, tokenizer=tok)
+        self.train_set, self.val_set = train_set, val_set
+        if len(train_set) < 2:
+            raise ValueError(f"The training set has {len(train_set)} pairs; CLIP training needs at least 2.")
 
-    def _setup_webdataset(self, train_tf: Any, val_tf: Any, tok: Any) -> None:
-        hp = self.hparams
+    def _webdataset_sets(self, train_tf: Any, val_tf: Any, tok: Any) -> tuple[_ImageTextSet, _ImageTextSet]:
+        hp = self._hp
         train = WebDatasetImageText(expand_shards(hp.train_data), train_tf, tok, on_error=hp.on_error)
         if hp.val_data is not None:
-            self.train_set = train
-            self.val_set = WebDatasetImageText(expand_shards(hp.val_data), val_tf, tok, on_error=hp.on_error)
-        else:
-            tr, va = _holdout_split(len(train), hp.val_fraction, hp.seed)
-            self.train_set, self.val_set = WebDatasetSubset(train, tr, train_tf), WebDatasetSubset(train, va, val_tf)
+            return train, WebDatasetImageText(expand_shards(hp.val_data), val_tf, tok, on_error=hp.on_error)
+        tr, va = _holdout_split(len(train), hp.val_fraction, hp.seed)
+        return WebDatasetSubset(train, tr, train_tf), WebDatasetSubset(train, va, val_tf)
 
     def _world(self) -> tuple[int, int]:
         trainer = self._trainer if hasattr(self, "_trainer") else None
@@ -197,22 +211,22 @@ class ImageTextDataModule(LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        self.setup("fit")
+        train_set, _ = self._sets()
         rank, world = self._world()
-        hp = self.hparams
+        hp = self._hp
         if world > 1:
             # drop_last: no padding duplicates (the estimators need distinct samples) and equal shards
-            sampler: Any = DistributedSampler(self.train_set, world, rank, shuffle=True, seed=hp.seed, drop_last=True)
+            sampler: Any = DistributedSampler(train_set, world, rank, shuffle=True, seed=hp.seed, drop_last=True)
         else:
-            sampler = EpochSeededSampler(len(self.train_set), seed=hp.seed)
+            sampler = EpochSeededSampler(len(train_set), seed=hp.seed)
         drop_last = bool(hp.drop_last)
-        if drop_last and len(self.train_set) // world < hp.batch_size:
+        if drop_last and len(train_set) // world < hp.batch_size:
             raise ValueError(
-                f"batch_size={hp.batch_size} is larger than the {len(self.train_set) // world} training pairs per "
+                f"batch_size={hp.batch_size} is larger than the {len(train_set) // world} training pairs per "
                 "device; with drop_last=True no batch would remain. Lower batch_size or pass drop_last=False."
             )
         return DataLoader(
-            self.train_set,
+            train_set,
             batch_size=hp.batch_size,
             sampler=sampler,
             drop_last=drop_last,
@@ -222,10 +236,10 @@ class ImageTextDataModule(LightningDataModule):
 
     @override
     def val_dataloader(self) -> DataLoader:
-        self.setup("fit")
-        hp = self.hparams
+        _, val_set = self._sets()
+        hp = self._hp
         return DataLoader(
-            self.val_set,
+            val_set,
             batch_size=hp.val_batch_size or hp.batch_size,
             shuffle=False,
             num_workers=hp.num_workers,

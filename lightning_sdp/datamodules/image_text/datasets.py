@@ -104,24 +104,24 @@ class FileImageText(ImageTextDataset):
     ) -> None:
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}.")
-        paths = [Path(p) for p in paths]
+        files = [Path(p) for p in paths]
         captions = list(captions)
         self.skipped: list[str] = []
         if on_error == "raise":
-            missing = [str(p) for p in paths if not p.is_file()]
+            missing = [str(p) for p in files if not p.is_file()]
             if missing:
                 raise FileNotFoundError(
                     f"{len(missing)} image file(s) not found, first: {missing[0]}. Fix the paths, or pass "
                     "on_error='skip' to drop and count them."
                 )
-            empty = [str(p) for p, c in zip(paths, captions, strict=True) if not has_text(c)]
+            empty = [str(p) for p, c in zip(files, captions, strict=True) if not has_text(c)]
             if empty:
                 raise ValueError(
                     f"{len(empty)} pair(s) have an empty caption, first: the caption of {empty[0]}. Fill the captions "
                     "in, or pass on_error='skip' to drop and count these pairs."
                 )
             # a cheap header check of every file (no decoding), so a corrupt image stops setup, not training
-            unreadable = [str(p) for p in paths if not _readable_header(p)]
+            unreadable = [str(p) for p in files if not _readable_header(p)]
             if unreadable:
                 raise OSError(
                     f"{len(unreadable)} image file(s) cannot be read as images, first: {unreadable[0]}. Replace or "
@@ -129,7 +129,7 @@ class FileImageText(ImageTextDataset):
                 )
         else:
             keep = []
-            for i, p in enumerate(paths):
+            for i, p in enumerate(files):
                 if not has_text(captions[i]):
                     self.skipped.append(f"{p} (empty caption)")
                 elif _readable_image(p):
@@ -143,10 +143,10 @@ class FileImageText(ImageTextDataset):
                 )
                 warnings.warn(msg, stacklevel=2)
                 _log.warning(msg)
-            paths = [paths[i] for i in keep]
+            files = [files[i] for i in keep]
             captions = [captions[i] for i in keep]
         super().__init__(captions, **kwargs)
-        self.paths = paths
+        self.paths = files
 
     def load_image(self, index: int) -> Any:
         from PIL import Image
@@ -157,7 +157,6 @@ class FileImageText(ImageTextDataset):
                 return img.convert("RGB")
         except (OSError, ValueError) as err:
             raise OSError(f"Cannot read image {path}: {err}") from err
-
 
 
 def has_text(caption: Any) -> bool:

@@ -24,7 +24,10 @@ def make_digits(image_size: int = 32, seed: int = 0) -> tuple[np.ndarray, list[s
     rng = np.random.default_rng(seed)
     raw = (digits.images * (255.0 / 16.0)).astype(np.uint8)
     images = np.stack(
-        [np.asarray(Image.fromarray(im).resize((image_size, image_size), Image.BILINEAR).convert("RGB")) for im in raw]
+        [
+            np.asarray(Image.fromarray(im).resize((image_size, image_size), Image.Resampling.BILINEAR).convert("RGB"))
+            for im in raw
+        ]
     )
     labels = digits.target.astype(np.int64)
     templates = rng.integers(0, len(DIGIT_TEMPLATES), len(labels))

@@ -7,7 +7,7 @@ Two generators share one drawing routine: :func:`make_captioned_shapes` (400 dis
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sized
 
 import numpy as np
 
@@ -131,7 +131,7 @@ _OUTLINE_INNER = 0.55
 """An outlined shape is the shape minus the same shape scaled by this factor."""
 
 
-def _draw_ids(rng: np.random.Generator, n: int, *choices: Sequence[object]) -> tuple[np.ndarray, ...]:
+def _draw_ids(rng: np.random.Generator, n: int, *choices: Sized) -> tuple[np.ndarray, ...]:
     """One uniform index array per attribute, drawn in argument order (the order fixes the data of a seed)."""
     return tuple(rng.integers(0, len(options), n) for options in choices)
 

@@ -147,6 +147,7 @@ class WebDatasetImageText(Dataset):
                         )
                     self.skipped.append(where)
                     continue
+                assert img is not None and cap is not None  # else `problem` was set above
                 rows.append((si, img.offset_data, img.size, cap.offset_data, cap.size))
                 self.keys.append(key)
         if self.skipped:
@@ -208,7 +209,6 @@ class WebDatasetSubset(Dataset):
         j = int(self.keep[index])
         tokens = self.base.tokenizer([self.base.caption(j)])[0]
         return self.transform(self.base.load_image(j)), tokens, index
-
 
 
 __all__ = [

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -173,7 +173,11 @@ class OpenCLIPLoss(nn.Module):
         self._world: tuple[int, int] | None = None
 
     def forward(
-        self, image_features: Tensor, text_features: Tensor, indices: Tensor | None = None, logit_scale: Tensor | None = None
+        self,
+        image_features: Tensor,
+        text_features: Tensor,
+        indices: Tensor | None = None,
+        logit_scale: Tensor | None = None,
     ) -> LossOutput:
         """Compute the loss.
 
@@ -186,6 +190,7 @@ class OpenCLIPLoss(nn.Module):
         _check_inputs(image_features, text_features, None, None)
         if logit_scale is None:
             raise ValueError("OpenCLIPLoss needs logit_scale = log(1 / temperature).")
+
         def build(rank: int, size: int) -> nn.Module:
             import open_clip
 
@@ -234,6 +239,7 @@ class SigLIPLoss(nn.Module):
             raise ValueError(
                 "SigLIPLoss needs logit_scale = log(1 / temperature) and logit_bias (FastCLIPModule has both)."
             )
+
         def build(rank: int, size: int) -> nn.Module:
             from open_clip.loss import SigLipLoss
 
@@ -278,6 +284,20 @@ class GlobalContrastiveLoss(nn.Module):
         grad_clamp_tau: the temperature gradient is clamped to ``[-grad_clamp_tau, grad_clamp_tau]``. Default 5.
         group: process group (default: the world).
     """
+
+    # Registered buffers (declared here so type checkers know they are tensors, not ``Module.__getattr__``'s union).
+    gamma_buf: Tensor
+    u1: Tensor
+    u2: Tensor
+    tau1: Tensor
+    tau2: Tensor
+    bound1: Tensor
+    bound2: Tensor
+    m1: Tensor
+    m2: Tensor
+    v1: Tensor
+    v2: Tensor
+    tau_steps: Tensor
 
     def __init__(
         self,
@@ -399,6 +419,7 @@ class GlobalContrastiveLoss(nn.Module):
             tau1, tau2 = self.tau1[indices].clone(), self.tau2[indices].clone()
             s1, s2 = (1.0 / tau1)[:, None], (1.0 / tau2)[:, None]
         else:
+            assert logit_scale is not None  # checked above; narrows the type
             s = logit_scale.exp() if isinstance(logit_scale, Tensor) else torch.tensor(math.exp(logit_scale))
             s = s.to(e1.dtype).to(e1.device).reshape(())
             s1 = s2 = s
@@ -454,6 +475,8 @@ class GlobalContrastiveLoss(nn.Module):
         # samples as negatives.
         a_stats = all_stats.to(e1.dtype)
         a_diag = (all_e1 * all_e2).sum(dim=1)
+        ab1: Tensor | float  # the anchors' log-sum-exp bounds (0: no shift with a global temperature)
+        ab2: Tensor | float
         if individual:
             if reference:  # the official code sends the anchors' temperatures after this step's update
                 at1, at2 = self.tau1[all_idx].to(e1.dtype), self.tau2[all_idx].to(e1.dtype)
@@ -568,7 +591,7 @@ def build_loss(
         raise ValueError(f"The {name} loss keeps one estimator per training sample: pass data_size=len(train_set).")
     return GlobalContrastiveLoss(
         data_size,
-        objective=variant.objective,  # type: ignore[arg-type]
+        objective=variant.objective,
         temperature=variant.temperature,
         gamma=gamma,
         eps=eps,
@@ -612,11 +635,13 @@ def reference_global_contrastive_loss(
     tau = 1.0 / (logit_scale.exp() if isinstance(logit_scale, Tensor) else math.exp(logit_scale))
     terms = []
     new_u1, new_u2 = u1.clone(), u2.clone()
-    log_u = 0.0
+    log_u: Tensor | float = 0.0
     for i in range(n):
         pos = image_features[i] @ text_features[i]
-        g1 = sum(torch.exp((image_features[i] @ text_features[j] - pos) / tau) for j in range(n) if j != i) / (n - 1)
-        g2 = sum(torch.exp((image_features[j] @ text_features[i] - pos) / tau) for j in range(n) if j != i) / (n - 1)
+        others = [j for j in range(n) if j != i]
+        # ``sum`` of tensors is a tensor (typeshed's ``sum`` adds its ``int`` start to the type)
+        g1 = cast(Tensor, sum(torch.exp((image_features[i] @ text_features[j] - pos) / tau) for j in others)) / (n - 1)
+        g2 = cast(Tensor, sum(torch.exp((image_features[j] @ text_features[i] - pos) / tau) for j in others)) / (n - 1)
         for g, u, new_u in ((g1, u1, new_u1), (g2, u2, new_u2)):
             new_u[i] = g.detach() if u[i] == 0 else (1 - gamma) * u[i] + gamma * g.detach()
         terms.append(g1 / (new_u1[i] + eps) + g2 / (new_u2[i] + eps))

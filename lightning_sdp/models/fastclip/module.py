@@ -9,10 +9,11 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, cast
 
 import torch
 import torch.nn.functional as F
+from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from typing_extensions import override
@@ -28,6 +29,14 @@ from lightning_sdp.models.fastclip.losses import (
     get_variant,
 )
 from lightning_sdp.schedules import WarmupCosine
+
+
+class _Encoders(Protocol):
+    """What the module calls on its model (``build_clip`` checks that a custom model defines both)."""
+
+    def encode_image(self, images: Tensor) -> Tensor: ...
+
+    def encode_text(self, tokens: Tensor) -> Tensor: ...
 
 
 class FastCLIPModule(LightningModule):
@@ -70,6 +79,8 @@ class FastCLIPModule(LightningModule):
             :class:`~lightning_sdp.models.fastclip.losses.GlobalContrastiveLoss`.
         logit_bias_init: SigLIP only: initial value of the learnable logit bias. Default -10 (the paper's).
     """
+
+    tau_lr_factor: Tensor  # registered buffer (declared so type checkers know it is a tensor)
 
     def __init__(
         self,
@@ -126,10 +137,21 @@ class FastCLIPModule(LightningModule):
         self._tokenizer: Callable[..., Tensor] | None = None
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def _hp(self) -> AttributeDict:
+        """``self.hparams`` typed for attribute access (Lightning annotates it as a plain ``MutableMapping``)."""
+        return cast(AttributeDict, self.hparams)
+
+    @property
+    def _encoders(self) -> _Encoders:
+        """The model, typed by the encoders it has (``nn.Module.__getattr__`` is typed ``Tensor | Module``)."""
+        return cast(_Encoders, self.model)
+
     def logit_scale_parameter(self) -> nn.Parameter:
         """The ``log(1 / tau)`` parameter (the model's ``logit_scale``, or the module's own when the model has none)."""
         own = self.__dict__.get("_parameters", {}).get("logit_scale")
-        return own if own is not None else self.model.logit_scale
+        # __init__ created our own unless the model's logit_scale is an nn.Parameter
+        return cast(nn.Parameter, own if own is not None else self.model.logit_scale)
 
     def logit_scale_arg(self) -> Tensor | None:
         """What the loss receives: the parameter (learnable), a detached copy (constant) or ``None`` (individual)."""
@@ -144,29 +166,31 @@ class FastCLIPModule(LightningModule):
         if self.variant.objective != "sigmoid":
             return None
         own = self.__dict__.get("_parameters", {}).get("logit_bias")
-        return own if own is not None else self.model.logit_bias
+        # __init__ created our own unless the model's logit_bias is an nn.Parameter
+        return cast(nn.Parameter, own if own is not None else self.model.logit_bias)
 
     def _build_loss(self, data_size: int | None) -> None:
         individual = self.variant.temperature == "individual"
-        self.loss_fn = build_loss(
-            self.hparams.loss,
+        loss_fn = build_loss(
+            self._hp.loss,
             data_size,
-            eps=self.hparams.eps,
+            eps=self._hp.eps,
             rho=self.rho,
             tau_init=self.temperature_init if individual else None,
-            lr_tau=self.hparams.lr_tau if individual else None,
-            temperature_gradient=self.hparams.get("temperature_gradient", "reference"),
+            lr_tau=self._hp.lr_tau if individual else None,
+            temperature_gradient=self._hp.get("temperature_gradient", "reference"),
         )
+        self.loss_fn = loss_fn
         if data_size is not None:
-            self.hparams.data_size = int(data_size)
+            self._hp.data_size = int(data_size)
         # The estimators are kept identical on every rank by the loss's own gather; DDP must not broadcast these
         # data_size-long buffers from rank 0 on every forward (its default broadcast_buffers=True).
-        self._ddp_params_and_buffers_to_ignore = [f"loss_fn.{name}" for name, _ in self.loss_fn.named_buffers()]
+        self._ddp_params_and_buffers_to_ignore = [f"loss_fn.{name}" for name, _ in loss_fn.named_buffers()]
 
     @property
     def data_size(self) -> int | None:
         """Number of training samples the estimators cover (``None`` before it is known)."""
-        return self.loss_fn.data_size if isinstance(self.loss_fn, GlobalContrastiveLoss) else self.hparams.data_size
+        return self.loss_fn.data_size if isinstance(self.loss_fn, GlobalContrastiveLoss) else self._hp.data_size
 
     @property
     def gcl_loss(self) -> GlobalContrastiveLoss | None:
@@ -193,15 +217,15 @@ class FastCLIPModule(LightningModule):
     def encode(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """L2-normalised image and text embeddings."""
         return (
-            F.normalize(self.model.encode_image(images), dim=-1),
-            F.normalize(self.model.encode_text(tokens), dim=-1),
+            F.normalize(self._encoders.encode_image(images), dim=-1),
+            F.normalize(self._encoders.encode_text(tokens), dim=-1),
         )
 
     @torch.no_grad()
     def encode_texts(self, texts: Sequence[str]) -> Tensor:
         """Tokenise and encode a list of strings (normalised embeddings on the module's device)."""
         tokens = self.tokenizer(list(texts)).to(self.device)
-        return F.normalize(self.model.encode_text(tokens), dim=-1)
+        return F.normalize(self._encoders.encode_text(tokens), dim=-1)
 
     def forward(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """Same as :meth:`encode`."""
@@ -216,7 +240,7 @@ class FastCLIPModule(LightningModule):
             size = getattr(dm, "data_size", None)
             if size is None:
                 raise ValueError(
-                    f"The {self.hparams.loss} loss keeps one estimator per training sample: pass "
+                    f"The {self._hp.loss} loss keeps one estimator per training sample: pass "
                     "FastCLIPModule(data_size=len(train_set)) or use a datamodule with a `data_size` attribute."
                 )
             self._build_loss(int(size))
@@ -248,15 +272,19 @@ class FastCLIPModule(LightningModule):
         if self.variant.objective not in ("mbcl", "sigmoid"):
             if self.trainer.accumulate_grad_batches != 1:
                 raise ValueError(
-                    f"Gradient accumulation is not supported with the {self.hparams.loss} loss: the estimator update "
+                    f"Gradient accumulation is not supported with the {self._hp.loss} loss: the estimator update "
                     "assumes one optimizer step per batch. Use accumulate_grad_batches=1 (a larger batch, or more "
                     "devices)."
                 )
+            # Trainer.callbacks is assigned by Lightning's callback connector; the Trainer class does not declare it
+            callbacks = self.trainer.callbacks  # type: ignore[attr-defined]
             if self.variant.gamma_schedule is not None and not any(
-                type(cb).__name__ == "GammaScheduler" for cb in self.trainer.callbacks
+                type(cb).__name__ == "GammaScheduler" for cb in callbacks
             ):
+                gcl = self.gcl_loss
+                assert gcl is not None  # setup built the compositional loss of this objective
                 warnings.warn(
-                    f"No GammaScheduler callback: the {self.hparams.loss} loss keeps gamma={self.gcl_loss.gamma} "
+                    f"No GammaScheduler callback: the {self._hp.loss} loss keeps gamma={gcl.gamma} "
                     "for the whole run. Add lightning_sdp.callbacks.GammaScheduler().",
                     stacklevel=2,
                 )
@@ -265,10 +293,16 @@ class FastCLIPModule(LightningModule):
     def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
         images, tokens, indices = self._unpack(batch)
         e1, e2 = self.encode(images, tokens)
+        loss_fn = self.loss_fn
+        if loss_fn is None:
+            raise RuntimeError(
+                f"The {self._hp.loss} loss is built in setup(): train through a Trainer, or pass "
+                "FastCLIPModule(data_size=len(train_set))."
+            )
         if self.variant.objective == "sigmoid":
-            out: LossOutput = self.loss_fn(e1, e2, indices, self.logit_scale_arg(), self.logit_bias_parameter())
+            out: LossOutput = loss_fn(e1, e2, indices, self.logit_scale_arg(), self.logit_bias_parameter())
         else:
-            out = self.loss_fn(e1, e2, indices, self.logit_scale_arg())
+            out = loss_fn(e1, e2, indices, self.logit_scale_arg())
         b = images.shape[0]
         self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=b)
         self.log("train/objective", out.value, batch_size=b)
@@ -296,7 +330,7 @@ class FastCLIPModule(LightningModule):
 
     @override
     def configure_optimizers(self) -> Any:
-        hp = self.hparams
+        hp = self._hp
         decay, no_decay, tau = [], [], []
         for name, p in self.named_parameters():
             if not p.requires_grad:
@@ -331,15 +365,15 @@ class FastCLIPModule(LightningModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["fastclip"] = {"loss": self.hparams.loss, "data_size": self.data_size}
+        checkpoint["fastclip"] = {"loss": self._hp.loss, "data_size": self.data_size}
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         meta = checkpoint.get("fastclip", {})
-        if meta and meta.get("loss") != self.hparams.loss:
+        if meta and meta.get("loss") != self._hp.loss:
             raise ValueError(
                 f"The checkpoint was trained with loss={meta.get('loss')!r} but this module uses "
-                f"loss={self.hparams.loss!r}; resume with the same loss."
+                f"loss={self._hp.loss!r}; resume with the same loss."
             )
         size = meta.get("data_size")
         state = checkpoint.get("state_dict", {})

@@ -65,9 +65,7 @@ def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess
     return proc
 
 
-def shape_interface(
-    ifname: str, rate_mbit: float | None, delay_ms: float = 0.0, netns: str | None = None
-) -> None:
+def shape_interface(ifname: str, rate_mbit: float | None, delay_ms: float = 0.0, netns: str | None = None) -> None:
     """Shape the egress of ``ifname``: ``tbf`` at ``rate_mbit`` Mbit/s behind an optional ``netem`` delay.
 
     Args:

@@ -55,9 +55,7 @@ def _recorder(strategy: Any, every: int) -> Any:
             self.drift: list[tuple[int, float]] = []
             self.quant_error: list[dict[str, float]] = []
 
-        def on_train_batch_end(
-            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
-        ) -> None:
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             loss = outputs["loss"].detach().float().reshape(1).clone()
             dist.all_reduce(loss)
             step = trainer.global_step
@@ -161,10 +159,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, args.world, port, args, configs, queue))
-        for r in range(args.world)
-    ]
+    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, configs, queue)) for r in range(args.world)]
     for p in procs:
         p.start()
     results, done = [], 0
@@ -215,10 +210,7 @@ def summarise(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[
         steps = [s for s, _ in r["train"]]
         vals = [v for _, v in r["train"]]
         k = 10
-        smooth = [
-            sum(vals[max(0, i - k + 1) : i + 1]) / len(vals[max(0, i - k + 1) : i + 1])
-            for i in range(len(vals))
-        ]
+        smooth = [sum(vals[max(0, i - k + 1) : i + 1]) / len(vals[max(0, i - k + 1) : i + 1]) for i in range(len(vals))]
         axes[0].plot(steps, smooth, label=label, lw=1)
         axes[1].plot([s for s, _ in r["val"]], [v for _, v in r["val"]], marker="o", label=label, lw=1)
         if r["weights"] != "none":
@@ -271,18 +263,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--noise-seeds", type=int, default=1, help="extra seeds for none/none and qwd/tlq_hs")
     parser.add_argument("--modes", nargs="*", default=[f"{w}/{g}" for w, g in CONFIGS])
-    parser.add_argument(
-        "--name", default="sdp4bit_convergence", help="stem of the files in benchmarks/results/"
-    )
+    parser.add_argument("--name", default="sdp4bit_convergence", help="stem of the files in benchmarks/results/")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run; writes <name>_quick.*")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.val_every, args.val_batches, args.n_embd, args.n_layer = 12, 6, 2, 32, 1
         args.warmup = 2
     if not Path(args.data).exists():
-        raise SystemExit(
-            f"{args.data} not found: pass --data PATH (tiny Shakespeare, see ../shared/data/README.md)"
-        )
+        raise SystemExit(f"{args.data} not found: pass --data PATH (tiny Shakespeare, see ../shared/data/README.md)")
     t0 = time.perf_counter()
     results = run(args)
     payload, md, fig = summarise(results, args)

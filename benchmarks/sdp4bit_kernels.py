@@ -49,9 +49,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.quick:
-        raise SystemExit(
-            "No CUDA device: run with --quick (under TRITON_INTERPRET=1) to smoke-test the script only."
-        )
+        raise SystemExit("No CUDA device: run with --quick (under TRITON_INTERPRET=1) to smoke-test the script only.")
     if args.quick:
         args.numel, args.repeats = 2 * 2048, 1
     n, k = args.numel, args.peers

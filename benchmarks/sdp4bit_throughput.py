@@ -245,14 +245,21 @@ def _run_method(method: str, bandwidth: float, steps: int, validate: bool, args:
     tokens_per_step = args.batch * args.block * args.world
     median = statistics.median(durations)
     return {
-        "method": method, "bandwidth_mbit": bandwidth, "steps": steps, "timed_steps": timed,
-        "median_step_s": median, "tokens_per_s": tokens_per_step / median, "step_s": durations,
+        "method": method,
+        "bandwidth_mbit": bandwidth,
+        "steps": steps,
+        "timed_steps": timed,
+        "median_step_s": median,
+        "tokens_per_s": tokens_per_step / median,
+        "step_s": durations,
         "wire_bytes_per_step_per_node": sum(wire) / len(wire) / timed if wire else None,
         "wire_bytes_per_node": wire,
         "accounted_inter_bytes_per_step_per_node": (
             sum(acct_nodes.values()) / len(acct_nodes) / timed if acct_nodes else None
         ),
-        "train_losses_rank0": meter.losses, "val_loss": val, "wall_s": wall,
+        "train_losses_rank0": meter.losses,
+        "val_loss": val,
+        "wall_s": wall,
         "params": sum(p.numel() for p in model.parameters()) if method != "fsdp2" else None,
         "load_avg_1m": os.getloadavg()[0],
     }
@@ -389,8 +396,12 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
         style = "-" if row["method"].startswith("sdp4bit") else "--"
         ax.plot(bws, ys, style, marker="o", label=row["method"], lw=2 if row["method"].startswith("sdp4bit") else 1)
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set(xscale="log", xlabel="inter-node bandwidth per direction (Mbit/s, tc tbf)", ylabel="speed-up over DDP",
-           title=f"GPT {args.n_layer}x{args.n_head}x{args.n_embd}, {args.nodes} nodes x {args.nproc} CPU processes")
+    ax.set(
+        xscale="log",
+        xlabel="inter-node bandwidth per direction (Mbit/s, tc tbf)",
+        ylabel="speed-up over DDP",
+        title=f"GPT {args.n_layer}x{args.n_head}x{args.n_embd}, {args.nodes} nodes x {args.nproc} CPU processes",
+    )
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -505,9 +516,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     payload["total_wall_s"] = time.perf_counter() - t0
     payload["load_avg_start"], payload["load_avg_end"] = load_start, os.getloadavg()
     payload["code"] = code
-    md += f"\nCode: commit {code['commit']}" + (
-        f", with uncommitted changes in {', '.join(code['dirty'])}" if code["dirty"] else ", clean"
-    ) + ".\n"
+    md += (
+        f"\nCode: commit {code['commit']}"
+        + (f", with uncommitted changes in {', '.join(code['dirty'])}" if code["dirty"] else ", clean")
+        + ".\n"
+    )
     noisy = load_start[0] > 0.5 * machine_info()["cores"]  # before our own processes started
     md += (f"\nTotal wall time {payload['total_wall_s']:.0f} s. Load average (1, 5, 15 min) at start "
            f"{', '.join(f'{x:.1f}' for x in load_start)}, at end "

@@ -55,13 +55,13 @@ def _worker(
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
-    except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt/SystemExit
+    except BaseException:  # report everything, including KeyboardInterrupt/SystemExit
         queue.put((rank, False, traceback.format_exc()))
     finally:
         if init_group and dist.is_available() and dist.is_initialized():
             try:
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
+            except Exception:  # tearing down after a failure: the failure itself is already reported
                 pass
 
 

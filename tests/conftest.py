@@ -21,12 +21,13 @@ if "LIGHTNING_SDP_CACHE_DIR" not in os.environ:
     os.environ["LIGHTNING_SDP_CACHE_DIR"] = tempfile.mkdtemp(prefix="lightning_sdp_test_cache_")
     atexit.register(shutil.rmtree, os.environ["LIGHTNING_SDP_CACHE_DIR"], ignore_errors=True)
 
-from pathlib import Path  # noqa: E402
+# Imported only after the environment above is set (lightning_sdp may import triton and torch reads it).
+from pathlib import Path
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from lightning_sdp._imports import (  # noqa: E402
+from lightning_sdp._imports import (
     _NUMBA_AVAILABLE,
     _OPEN_CLIP_AVAILABLE,
     _SKLEARN_AVAILABLE,

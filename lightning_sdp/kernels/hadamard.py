@@ -27,9 +27,7 @@ def _hadamard_cpu(n: int) -> Tensor:
     return h
 
 
-def hadamard_matrix(
-    n: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
-) -> Tensor:
+def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> Tensor:
     """The ``n x n`` Sylvester Hadamard matrix with ±1 entries (``H[i, j] = (-1)^popcount(i & j)``).
 
     Args:
@@ -72,9 +70,7 @@ def fast_walsh_hadamard(x: Tensor, block: int = 32) -> Tensor:
     """
     _check_size(block)
     if x.numel() % block:
-        raise ValueError(
-            f"The Hadamard transform needs a whole number of blocks of {block}; got {x.numel()}."
-        )
+        raise ValueError(f"The Hadamard transform needs a whole number of blocks of {block}; got {x.numel()}.")
     y = x.reshape(-1, block).clone()
     h = 1
     while h < block:

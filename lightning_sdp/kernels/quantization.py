@@ -153,9 +153,7 @@ class RoundingSource:
         return scaled.add_(self.offsets(scaled.numel(), scaled.device).view(scaled.shape))
 
 
-def quantize(
-    x: Tensor, fmt: QuantFormat, rounding: RoundingSource | Rounding = "stochastic"
-) -> tuple[Tensor, Tensor]:
+def quantize(x: Tensor, fmt: QuantFormat, rounding: RoundingSource | Rounding = "stochastic") -> tuple[Tensor, Tensor]:
     """Quantise a flat tensor group-wise to integer codes.
 
     Args:
@@ -214,9 +212,7 @@ def unpack_int4(packed: Tensor) -> Tensor:
     return out.view(-1)
 
 
-def encode(
-    x: Tensor, fmt: QuantFormat, rounding: RoundingSource | Rounding = "stochastic"
-) -> tuple[Tensor, Tensor]:
+def encode(x: Tensor, fmt: QuantFormat, rounding: RoundingSource | Rounding = "stochastic") -> tuple[Tensor, Tensor]:
     """Quantise and lay out for the wire: ``(payload uint8, scales fp32)``; 4-bit codes are packed.
 
     Args:

@@ -71,8 +71,20 @@ def _run_methods(rank: int, world: int, data: str, methods: list[str]) -> list[d
     rows = []
     for method in methods:
         row = _run_method(method, 1000.0, steps=4, validate=True, args=args)
-        rows.append({k: row[k] for k in ("method", "median_step_s", "tokens_per_s", "val_loss", "train_losses_rank0",
-                                         "wire_bytes_per_step_per_node", "accounted_inter_bytes_per_step_per_node")})
+        rows.append(
+            {
+                k: row[k]
+                for k in (
+                    "method",
+                    "median_step_s",
+                    "tokens_per_s",
+                    "val_loss",
+                    "train_losses_rank0",
+                    "wire_bytes_per_step_per_node",
+                    "accounted_inter_bytes_per_step_per_node",
+                )
+            }
+        )
     return rows
 
 
@@ -89,4 +101,3 @@ def test_worker_runs_zero_and_sdp4bit_and_accounts_sdp4bit_bytes(tmp_path: Path)
     zero, sdp4bit = results[0]
     assert zero["accounted_inter_bytes_per_step_per_node"] is None  # only SDP4Bit keeps its own accounting
     assert sdp4bit["accounted_inter_bytes_per_step_per_node"] > 0  # one node: the weight all-gather's ring edge
-

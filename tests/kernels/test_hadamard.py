@@ -37,9 +37,7 @@ def test_hadamard_spreads_an_outlier():
     x = torch.zeros(32)
     x[5] = 32.0
     y = hadamard_transform(x, 32)
-    assert torch.all(
-        y.abs() == 32.0
-    )  # an outlier becomes a flat block: absmax / rms drops from sqrt(32) to 1
+    assert torch.all(y.abs() == 32.0)  # an outlier becomes a flat block: absmax / rms drops from sqrt(32) to 1
     torch.testing.assert_close(y.norm(), (32**0.5) * x.norm())
 
 

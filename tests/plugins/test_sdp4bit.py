@@ -42,9 +42,7 @@ def _net() -> nn.Module:
 def _optim(net: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     decay = [p for p in net.parameters() if p.dim() == 2]
     no_decay = [p for p in net.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=LR
-    )
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=LR)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, _lambda)
 
 
@@ -127,10 +125,7 @@ def _four_process_run(rank: int, world: int, tmp: str) -> dict:
     out["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
     out["topology"] = (strategy.topology.intra_size, strategy.topology.inter_size)
     out["state_dict_is_master"] = float(
-        (
-            torch.cat([v.reshape(-1) for v in strategy.lightning_module_state_dict().values()])
-            - out["full_params"]
-        )
+        (torch.cat([v.reshape(-1) for v in strategy.lightning_module_state_dict().values()]) - out["full_params"])
         .abs()
         .max()
     )
@@ -189,9 +184,7 @@ def _four_process_run(rank: int, world: int, tmp: str) -> dict:
     dm = CharTextDataModule(block_size=16, batch_size=4)
     dm.setup("fit")
     torch.manual_seed(0)
-    gpt = GPT(
-        vocab_size=dm.vocab_size, n_layer=1, n_head=2, n_embd=32, block_size=16, max_steps=3, warmup_steps=1
-    )
+    gpt = GPT(vocab_size=dm.vocab_size, n_layer=1, n_head=2, n_embd=32, block_size=16, max_steps=3, warmup_steps=1)
     strategy = SDP4BitStrategy(intra_node_size=2, weight_group_size=256)
     trainer = pl.Trainer(
         strategy=strategy, devices=world, accelerator="cpu", max_steps=3, precision="bf16-true", limit_val_batches=1,
@@ -226,12 +219,8 @@ def _two_process_resume(rank: int, world: int, tmp: str) -> dict:
     state = strategy.optimizer_state(trainer.optimizers[0])
     saved = ckpt["optimizer_states"][0]
     same = all(
-        torch.equal(state["state"][i][k], saved["state"][i][k])
-        for i in saved["state"]
-        for k in saved["state"][i]
-    ) and all(
-        torch.equal(state["sdp4bit"]["master"][i], saved["sdp4bit"]["master"][i]) for i in saved["state"]
-    )
+        torch.equal(state["state"][i][k], saved["state"][i][k]) for i in saved["state"] for k in saved["state"][i]
+    ) and all(torch.equal(state["sdp4bit"]["master"][i], saved["sdp4bit"]["master"][i]) for i in saved["state"])
     order = [0, 2, 1, 3]  # optimizer index of net.0.weight, net.0.bias, net.2.weight, net.2.bias
     weights_are_master = all(
         torch.equal(p.detach(), saved["sdp4bit"]["master"][i])
@@ -335,14 +324,10 @@ def test_checkpoint_resume_same_world_size(four):
 def test_checkpoint_from_four_processes_resumes_on_two(four, ckpt_dir):
     results = run_distributed(_two_process_resume, 2, str(ckpt_dir), timeout=300, init_group=False)
     for res in results:
-        assert res[
-            "same_state"
-        ]  # re-sharded for 2 ranks, consolidated again: identical to what 4 ranks saved
+        assert res["same_state"]  # re-sharded for 2 ranks, consolidated again: identical to what 4 ranks saved
         assert res["weights_are_master"]  # weight reference refreshed to the exact master weights
         assert res["topology"] == (2, 1)
-        assert (
-            res["global_step"] == 4 + 4
-        )  # saved after 4 steps; epoch 3 on 2 ranks: 32 samples / 4 / accumulation 2
+        assert res["global_step"] == 4 + 4  # saved after 4 steps; epoch 3 on 2 ranks: 32 samples / 4 / accumulation 2
         assert res["identical"]
         assert all(math.isfinite(v) for v in res["losses"])
 

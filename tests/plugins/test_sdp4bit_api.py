@@ -119,6 +119,15 @@ def test_unsupported_optimizer_message():
         check_optimizer(torch.optim.LBFGS([nn.Parameter(torch.zeros(2))]))
 
 
+def test_optimizer_step_needs_a_lightning_module():
+    strategy = SDP4BitStrategy()
+    optimizer = torch.optim.AdamW([nn.Parameter(torch.zeros(2))])
+    with pytest.raises(TypeError, match=r"needs the LightningModule being trained.*got Linear"):
+        strategy.optimizer_step(optimizer, lambda: None, model=nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"got NoneType"):  # no model given and no Trainer attached
+        strategy.optimizer_step(optimizer, lambda: None)
+
+
 def test_single_device_trains_and_warns(single_process_group):
     model = _tiny()
     before = model.net.weight.detach().clone()

@@ -510,9 +510,7 @@ class GradientExchange:
         _all_to_all(recv, send, topo.intra_group)
         if self.stats is not None:
             frac = _sent_fraction(n_intra)
-            self.stats.record(
-                "grad_intra", frac * (send_p.numel() + 4 * send_s.numel()), frac * n_inter * n_intra * s
-            )
+            self.stats.record("grad_intra", frac * (send_p.numel() + 4 * send_s.numel()), frac * n_inter * n_intra * s)
         recv_p, recv_s = _unpack(recv, send_p.shape[1])
         if n_inter == 1:
             self._result = self.ops.dequantize_sum_hadamard(recv_p, recv_s, bits, self.group_size, fmt.hadamard)

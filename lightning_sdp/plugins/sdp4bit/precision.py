@@ -131,7 +131,8 @@ class ShardedClippingPrecision(Precision):
         return self.plugin.post_backward(tensor, module)
 
     @override
-    def optimizer_step(  # type: ignore[override]  # the signature of Lightning's own Precision.optimizer_step
+    # ignore[override]: Lightning's own pytorch Precision.optimizer_step (this signature) already breaks fabric's
+    def optimizer_step(  # type: ignore[override]
         self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         # the wrapped plugin runs its own closure wrapper; its ``configure_gradient_clipping`` call reaches

@@ -133,9 +133,7 @@ class FlatBucket:
 
     def views(self, flat: Tensor) -> list[Tensor]:
         """Per-parameter views of a flat buffer with this bucket's layout."""
-        return [
-            flat[a : a + n].view_as(p) for a, n, p in zip(self.offsets[:-1], self.numels, self.params, strict=True)
-        ]
+        return [flat[a : a + n].view_as(p) for a, n, p in zip(self.offsets[:-1], self.numels, self.params, strict=True)]
 
     @torch.no_grad()
     def load_from_params(self) -> None:
@@ -361,9 +359,7 @@ class use_shards:  # lower case: used like a function: ``with use_shards(optimiz
             group["params"] = group_params(self.buckets, i)
 
 
-def consolidate_state(
-    optimizer: Optimizer, buckets: list[FlatBucket], extra: dict[str, Any]
-) -> dict[str, Any]:
+def consolidate_state(optimizer: Optimizer, buckets: list[FlatBucket], extra: dict[str, Any]) -> dict[str, Any]:
     """The optimizer state as the unsharded optimizer would save it (a collective; every rank must call it).
 
     Shard-shaped state tensors are all-gathered, cut per parameter and reshaped; scalar state (``step``) is copied.
@@ -407,11 +403,7 @@ def _consolidate_bucket(
         entry = {}
         for k, v in full.items():
             is_flat = isinstance(v, Tensor) and v.dim() == 1 and v.numel() == bucket.padded
-            entry[k] = (
-                v[a : a + n].view_as(p).clone()
-                if is_flat
-                else (v.clone() if isinstance(v, Tensor) else v)
-            )
+            entry[k] = v[a : a + n].view_as(p).clone() if is_flat else (v.clone() if isinstance(v, Tensor) else v)
         if entry:
             state[index] = entry
         masters[index] = master_full[a : a + n].view(p.shape).clone()
@@ -458,9 +450,7 @@ def load_consolidated_state(optimizer: Optimizer, buckets: list[FlatBucket], sav
                 group[k] = v
 
 
-def _load_bucket(
-    optimizer: Optimizer, bucket: FlatBucket, ids: list[int], saved_state: dict, masters: dict
-) -> None:
+def _load_bucket(optimizer: Optimizer, bucket: FlatBucket, ids: list[int], saved_state: dict, masters: dict) -> None:
     """Cut the consolidated state of parameters ``ids`` for this rank's shard of ``bucket``."""
     entries = [saved_state.get(i, {}) for i in ids]
     new_state: dict[str, Any] = {}

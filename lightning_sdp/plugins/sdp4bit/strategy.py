@@ -12,7 +12,7 @@ import os
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
@@ -210,9 +210,7 @@ class SDP4BitStrategy(DDPStrategy):
         if weight_compression not in WEIGHT_MODES:
             raise ValueError(f"weight_compression must be one of {WEIGHT_MODES}, got {weight_compression!r}.")
         if gradient_compression not in GRADIENT_MODES:
-            raise ValueError(
-                f"gradient_compression must be one of {GRADIENT_MODES}, got {gradient_compression!r}."
-            )
+            raise ValueError(f"gradient_compression must be one of {GRADIENT_MODES}, got {gradient_compression!r}.")
         for name, bits in (("weight_bits", weight_bits), ("gradient_intra_bits", gradient_intra_bits),
                            ("gradient_inter_bits", gradient_inter_bits)):  # fmt: skip
             if bits not in (4, 8):
@@ -222,9 +220,7 @@ class SDP4BitStrategy(DDPStrategy):
             ("gradient_group_size", gradient_group_size),
         ):
             if size < 2 or size % 2:
-                raise ValueError(
-                    f"{name} must be a positive even number (two 4-bit codes per byte), got {size}."
-                )
+                raise ValueError(f"{name} must be a positive even number (two 4-bit codes per byte), got {size}.")
             if size > _MAX_GROUP_SIZE:
                 raise ValueError(
                     f"{name} must be at most {_MAX_GROUP_SIZE}, got {size}: every param group is padded to a whole "
@@ -452,7 +448,13 @@ class SDP4BitStrategy(DDPStrategy):
         for i in range(n_known, len(groups)):
             buckets.extend(
                 shard_group(
-                    groups[i], names, self.world_size, self.global_rank, self.alignment, self.param_alignment, i,
+                    groups[i],
+                    names,
+                    self.world_size,
+                    self.global_rank,
+                    self.alignment,
+                    self.param_alignment,
+                    i,
                     self._bucket_numel,
                 )
             )
@@ -471,9 +473,7 @@ class SDP4BitStrategy(DDPStrategy):
             for name, size in (("weight_group_size", self.weight_group_size),
                                ("gradient_group_size", self.gradient_group_size)):  # fmt: skip
                 if size & (size - 1):
-                    raise ValueError(
-                        f"kernel_backend='triton' needs {name} to be a power of two, got {size}."
-                    )
+                    raise ValueError(f"kernel_backend='triton' needs {name} to be a power of two, got {size}.")
             return TritonOps()
         pow2 = all(s & (s - 1) == 0 for s in (self.weight_group_size, self.gradient_group_size))
         if self.root_device.type == "cuda" and _TRITON_AVAILABLE and pow2:
@@ -495,9 +495,16 @@ class SDP4BitStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         """Closure (forward + backward), gradient reduce-scatter, clipping, sharded step, weight all-gather."""
+        lightning_module = model or self.lightning_module
+        if not isinstance(lightning_module, pl.LightningModule):
+            # the precision plugin runs the LightningModule's hooks around the step
+            raise TypeError(
+                "SDP4BitStrategy.optimizer_step needs the LightningModule being trained (or `model=None` for the"
+                f" Trainer's one), got {type(lightning_module).__name__}."
+            )
         buckets = self._buckets_of(optimizer)
         if buckets is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+            return super().optimizer_step(optimizer, closure, lightning_module, **kwargs)
         assert self._rng is not None
         raw = unwrap_optimizer(optimizer)
         self._sync_groups(raw, buckets)
@@ -522,12 +529,11 @@ class SDP4BitStrategy(DDPStrategy):
             self._snapshot_absent(raw, buckets)
             return result
 
-        model = model or self.lightning_module
         try:
             self._wait_all_weights()  # normally a no-op (done in the closure), unless a precision skips it
             with use_shards(raw, buckets):
                 output = self.precision_plugin.optimizer_step(
-                    optimizer, model=model, closure=closure_with_exchange, **kwargs
+                    optimizer, model=lightning_module, closure=closure_with_exchange, **kwargs
                 )
                 self._restore_absent(raw)
         finally:
@@ -648,9 +654,7 @@ class SDP4BitStrategy(DDPStrategy):
                 for pos in again:
                     self._launch(pos)
                 self._collecting = None
-                n_bad = float(
-                    sum(job is not None and (not job.finite or bool(job.overflow)) for job in self._jobs)
-                )
+                n_bad = float(sum(job is not None and (not job.finite or bool(job.overflow)) for job in self._jobs))
                 agreed[0] = all_reduce_sum(torch.tensor([n_bad]).to(self.root_device)).cpu()[0]
             shards = {id(job.bucket): job.future.result() for job in self._jobs if job is not None}
             jobs = [job for job in self._jobs[::-1] if job is not None]  # in parameter order
@@ -907,6 +911,7 @@ class SDP4BitStrategy(DDPStrategy):
                 "gathered before each training_step. If this step read them stale, pass "
                 "`overlap_param_gather=False`."
             )
+
     def _clip_shards(self, optimizer: Any, kind: ClipKind, clip_val: float) -> bool:
         """Clip ``optimizer``'s reduced shard gradients; ``False`` when this strategy does not shard it.
 
@@ -941,9 +946,7 @@ class SDP4BitStrategy(DDPStrategy):
         if pending is not None:
             self._clip_shards(raw, *pending)
 
-    def grad_norm(
-        self, module: Module, norm_type: float | int | str, group_separator: str = "/"
-    ) -> dict[str, Tensor]:
+    def grad_norm(self, module: Module, norm_type: float | int | str, group_separator: str = "/") -> dict[str, Tensor]:
         """Norms of the reduced gradients, keyed like :func:`lightning.pytorch.utilities.grad_norm` (a collective).
 
         Call it on every rank where the reduced gradients exist: in ``on_before_optimizer_step`` (or
@@ -1054,8 +1057,8 @@ class SDP4BitStrategy(DDPStrategy):
         if not self._buckets:
             return state
         aliases: dict[int, list[str]] = {}
-        for name, p in self.lightning_module.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(p), []).append(name)
+        for name, param in self.lightning_module.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(param), []).append(name)
         for buckets in self._buckets.values():
             for bucket in buckets:
                 full = bucket.full_master()
@@ -1064,7 +1067,6 @@ class SDP4BitStrategy(DDPStrategy):
                         if name in state:
                             state[name] = view.to(state[name].dtype).clone()
         return state
-
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -1156,7 +1158,8 @@ def grad_norm(
         strategy = getattr(trainer, "strategy", None)
     if isinstance(strategy, SDP4BitStrategy) and strategy._buckets:
         return strategy.grad_norm(module, norm_type, group_separator)
-    return lightning_grad_norm(module, norm_type, group_separator)
+    # Lightning annotates its values as ``float`` but returns 0-dim tensors (``p.grad.norm(...)``), as we do
+    return cast(dict[str, Tensor], lightning_grad_norm(module, norm_type, group_separator))
 
 
 class _GradJob:

@@ -85,8 +85,8 @@ def run(name: str, g: float, args: argparse.Namespace, dm: InteractionsDataModul
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--data", default=str(SHARED_DATA / "gowalla"))
     parser.add_argument("--models", default="MF-CCL,SimpleX", help="comma list of MF-CCL, SimpleX")
     parser.add_argument("--budget-minutes", type=float, default=30.0, help="training time per model (<= 30)")
@@ -114,7 +114,7 @@ def main() -> None:
         "--combine", nargs="+", default=None, metavar="JSON",
         help="only write the report from earlier results JSONs (e.g. one run per model, run side by side)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.combine:
         import json
 
@@ -173,10 +173,12 @@ def report(results: list[dict], args: argparse.Namespace, extra: dict) -> None:
         f"({schedule} schedule over {args.max_epochs} epochs), row norm {getattr(args, 'row_norm', None)}, init std 0.1, "
         f"batch {args.batch_size}; SimpleX g=0.8 mean aggregator, history 100, V lr x{args.aggregator_lr_scale:g}, "
         f"V weight decay {getattr(args, 'aggregator_weight_decay', 0.0):g}. Budget {args.budget_minutes:g} min per "
-        "model (Lightning `max_time`, validation included).\n\n"
+        "model (Lightning `max_time`, validation included). A validation split (10% of each user's training items, "
+        "seeded by the run's seed) is carved out of the training interactions: the per-epoch curve and `val_recall@20` are scored on "
+        "it; `recall@20` / `ndcg@20` are the test split, scored once after training.\n\n"
         + (f"{extra['note']}\n\n" if extra.get("note") else "")
         + markdown_table(results, cols)
-        + "\n\n## Recall@20 by epoch\n\n"
+        + "\n\n## Validation Recall@20 by epoch\n\n"
         + "\n\n".join(f"### {r['model']}\n\n" + markdown_table(r["curve"]) for r in results)
     )
     name = args.name or ("heat_gowalla_quality" if not args.quick else "heat_gowalla_quality_quick")

@@ -7,6 +7,7 @@ _EXPORTS = {
     "FastCLIPModule": "lightning_sdp.models.fastclip",
     "SimpleXModule": "lightning_sdp.models.simplex",
     "PtychoNN": "lightning_sdp.models.ptychonn",
+    "fit_simplex_within_budget": "lightning_sdp.models.simplex_budget",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,38 @@
+"""Smoke tests of the HEAT benchmarks' ``--quick`` modes: each trains on small synthetic data and writes its report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("numba", reason="HEAT's fused backend needs the cpu extra (numba)")
+
+from benchmarks import heat_gowalla_quality, heat_gowalla_tuning, heat_throughput
+from benchmarks._common import RESULTS_DIR
+
+
+def _quick_results(name: str) -> dict:
+    return json.loads((RESULTS_DIR / f"{name}_quick.json").read_text())
+
+
+def test_throughput_quick_measures_both_backends() -> None:
+    heat_throughput.main(["--quick"])
+    rows = _quick_results("heat_throughput")["rows"]
+    assert {r["model"] for r in rows} == {"MF-CCL", "SimpleX"}
+    assert all(r["fused"] > 0 and r["reference"] > 0 for r in rows)
+    assert all(r["fused/reference"] == pytest.approx(r["fused"] / r["reference"], rel=0.01) for r in rows)
+
+
+def test_gowalla_quality_quick_scores_validation_during_training_and_test_once() -> None:
+    heat_gowalla_quality.main(["--quick"])
+    text = (RESULTS_DIR / "heat_gowalla_quality_quick.md").read_text()
+    assert "validation" in text.lower() and "test" in text.lower()
+
+
+def test_gowalla_tuning_quick_scores_the_validation_split() -> None:
+    heat_gowalla_tuning.main(["--quick"])
+    (run,) = _quick_results("heat_gowalla_tuning")["runs"]
+    assert run["split"] == "validation"
+    assert [point["epochs"] for point in run["curve"]] == [1, 2]
+    assert 0.0 < run["recall@20"] <= 1.0

@@ -15,34 +15,31 @@ Modes (same ``--workers`` reader processes per rank everywhere):
     solar_serial  our default schedule (Belady + re-routing + balancing), hyperslab reads one after another.
     solar         our default (as solar_serial, plus ``io_threads`` concurrent positional reads per step).
 
-Run: ``.venv/bin/python benchmarks/solar_loading.py`` (about 10 minutes on 2 busy cores), ``--quick`` for a smoke run.
+Run: ``.venv/bin/python -m benchmarks.solar_loading`` (about 10 minutes on 2 busy cores), ``--quick`` for a smoke run.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from torch.utils.data import DataLoader, Dataset, DistributedSampler  # noqa: E402
-
-from benchmarks._common import markdown_table, write_results  # noqa: E402
-from lightning_sdp.datamodules.solar.loader import SolarLoader  # noqa: E402
-from lightning_sdp.datamodules.solar.ptycho import INPUT_KEY, TARGET_KEYS, make_ptycho_h5  # noqa: E402
-from lightning_sdp.datamodules.solar.reader import (  # noqa: E402
+from benchmarks._common import markdown_table, write_results
+from lightning_sdp.datamodules.solar import (
     HDF5Reader,
+    PerSampleHDF5Dataset,
+    SolarLoader,
+    SolarSchedule,
     StorageThrottle,
-    ThrottledFile,
     drop_page_cache,
 )
-from lightning_sdp.datamodules.solar.schedule import SolarSchedule  # noqa: E402
+from lightning_sdp.datamodules.solar.ptycho import INPUT_KEY, TARGET_KEYS, make_ptycho_h5
 
 KEYS = [INPUT_KEY, *TARGET_KEYS]
 MODES = {
@@ -53,33 +50,8 @@ MODES = {
 }
 
 
-class PerSampleH5(Dataset):
-    """The baseline: ``__getitem__(i)`` reads row ``i`` of every key with plain h5py indexing."""
-
-    def __init__(self, path: str, throttle: StorageThrottle | None) -> None:
-        self.path, self.throttle = path, throttle
-        self._file = None
-        import h5py
-
-        with h5py.File(path, "r") as f:
-            self.n = f[INPUT_KEY].shape[0]
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int):
-        if self._file is None:
-            import h5py
-
-            target = ThrottledFile(self.path, self.throttle) if self.throttle is not None else self.path
-            self._file = h5py.File(target, "r")
-        x = torch.from_numpy(self._file[INPUT_KEY][i])
-        y = torch.cat([torch.from_numpy(self._file[k][i]) for k in TARGET_KEYS], dim=0)
-        return x, y
-
-
 def run_baseline(path, n, ranks, batch, epochs, workers, throttle, seed, sample_bytes):
-    dataset = PerSampleH5(path, throttle)
+    dataset = PerSampleHDF5Dataset(path, INPUT_KEY, TARGET_KEYS, throttle=throttle)
     loaders = []
     for r in range(ranks):
         sampler = DistributedSampler(dataset, num_replicas=ranks, rank=r, shuffle=True, seed=seed)
@@ -126,8 +98,8 @@ def run_solar(path, n, ranks, batch, epochs, workers, throttle, seed, buffer, mo
             for b in loader:
                 count += len(b["index"])
             times.append(time.perf_counter() - t0)
-            hits += int(loader.epoch_stats["hits"])
-            nbytes += int(loader.epoch_stats["bytes"])
+            hits += loader.epoch_stats.hits
+            nbytes += loader.epoch_stats.storage_bytes
         rows.append({"epoch": e, "rank_s": times, "hits": hits, "samples": count, "bytes": nbytes})
     for loader in loaders:
         loader.close()
@@ -284,7 +256,7 @@ def main(argv=None) -> int:
         ax.set_xlabel("epoch")
         ax.legend(fontsize=6, ncol=2)
         fig.tight_layout()
-    except Exception as err:  # noqa: BLE001 - the numbers matter more than the picture
+    except Exception as err:
         print(f"no figure: {err}")
     payload = {"args": vars(args), "summary": summary, "epochs": results, "sample_bytes": sample_bytes}
     write_results(args.name, payload, md, fig)

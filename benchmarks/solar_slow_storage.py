@@ -10,12 +10,13 @@ SolarLoader with a read window of ``window`` steps and ``max_gap``; opts ``ra`` 
 behaviour), ``nobuf`` (buffer 0: coalesced reads alone), ``serial`` (one read at a time, no threads).
 
     sudo .venv/bin/python -m benchmarks.solar_slow_storage            # full run
-    sudo .venv/bin/python -m benchmarks.solar_slow_storage --quick    # smoke run (about 2 minutes)
+    sudo .venv/bin/python -m benchmarks.solar_slow_storage --quick    # smoke run (under a minute)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -33,13 +34,11 @@ DEFAULT_MODES = [
 
 
 def _child(mode: str, path: str, samples: int, epochs: int, batch: int, buffer: int, headroom_mib: int) -> None:
-    import h5py
-    import numpy as np
     import torch
-    from torch.utils.data import DataLoader, Dataset
+    from torch.utils.data import DataLoader
 
     from benchmarks._throttled_storage import ThrottleGroup
-    from lightning_sdp.datamodules.solar import HDF5Reader, SolarLoader, SolarSchedule
+    from lightning_sdp.datamodules.solar import HDF5Reader, PerSampleHDF5Dataset, SolarLoader, SolarSchedule
 
     torch.set_num_threads(1)
     group = ThrottleGroup.from_env()
@@ -47,18 +46,6 @@ def _child(mode: str, path: str, samples: int, epochs: int, batch: int, buffer: 
     parts = mode.split(":")
     opts = set(parts[3:])
     schedule = SolarSchedule(samples, epochs, 1, batch, buffer_size=0 if "nobuf" in opts else buffer, seed=0)
-
-    class H5(Dataset):
-        def __init__(self) -> None:
-            self.f = None
-
-        def __len__(self) -> int:
-            return samples
-
-        def __getitem__(self, i: int):
-            if self.f is None:
-                self.f = h5py.File(path, "r")
-            return tuple(torch.from_numpy(self.f[k][i]) for k in KEYS)
 
     loader = None
     if parts[0] == "solar":
@@ -69,6 +56,8 @@ def _child(mode: str, path: str, samples: int, epochs: int, batch: int, buffer: 
     if headroom_mib > 0:
         group.limit_memory(headroom_mib * 2**20)
     for epoch in range(epochs):
+        # a fresh baseline dataset (and h5py handle) per epoch, made before the cache drop and the clock start
+        dataset = PerSampleHDF5Dataset(path, KEYS[0], KEYS[1:]) if loader is None else None
         group.drop_caches()
         b0, r0, t0 = group.device_read_bytes(), group.device_read_requests(), time.perf_counter()
         n = 0
@@ -78,7 +67,8 @@ def _child(mode: str, path: str, samples: int, epochs: int, batch: int, buffer: 
                 n += len(b["input"])
         else:
             workers = int(parts[0][2:])
-            dl = DataLoader(H5(), batch_size=batch, sampler=schedule.permutation(epoch).tolist(), num_workers=workers)
+            order = schedule.permutation(epoch).tolist()
+            dl = DataLoader(dataset, batch_size=batch, sampler=order, num_workers=workers)
             for b in dl:
                 n += len(b[0])
         dt = time.perf_counter() - t0
@@ -115,42 +105,40 @@ def main(argv=None) -> int:
         m, p, s, e, b, c, h = args.child
         _child(m, p, int(s), int(e), int(b), int(c), int(h))
         return 0
-    from benchmarks._common import machine_info, markdown_table, write_results
+    from benchmarks._common import REPO_ROOT, machine_info, markdown_table, write_results
     from benchmarks._throttled_storage import ThrottledStorage
     from lightning_sdp.datamodules.solar.ptycho import make_ptycho_h5
 
     if args.quick:
-        args.samples, args.epochs, args.modes = 1024, 2, ["dl0", "solar:1:0:ra", "solar:1:0", "solar:16:8"]
+        # tiny: a 3 MiB file, the baseline and SOLAR with and without a read window (under a minute)
+        args.samples, args.size, args.epochs, args.modes = 256, 32, 2, ["dl0", "solar:1:0", "solar:16:8"]
         args.name += "_quick"
     buffer = int(round(args.buffer_fraction * args.samples))
     rows = []
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory())
         src = make_ptycho_h5(Path(tmp) / "ptycho.h5", args.samples, args.size, seed=0)
         file_mib = os.path.getsize(src) / 2**20
         try:
-            storage = ThrottledStorage("512MiB", args.bps, args.iops, args.readahead_kb)
-            storage.__enter__()
+            storage = stack.enter_context(ThrottledStorage("512MiB", args.bps, args.iops, args.readahead_kb))
         except PermissionError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-        try:
-            path = str(storage.copy_in(src))
-            facts = storage.facts()
-            print(f"file {file_mib:.1f} MiB, buffer {buffer} samples; device {facts}", flush=True)
-            for mode in args.modes:
-                cmd = [sys.executable, "-m", "benchmarks.solar_slow_storage", "--child", mode, path,
-                       str(args.samples), str(args.epochs), str(args.batch), str(buffer), str(args.headroom_mib)]
-                out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
-                                     env={**os.environ, **storage.env()}, preexec_fn=storage.group_join)
-                for line in out.stdout.splitlines():
-                    if line.startswith("{"):
-                        rows.append(json.loads(line))
-                        print(line, flush=True)
-                if out.returncode:
-                    print(f"{mode}: exit {out.returncode}\n{out.stderr[-2000:]}", flush=True)
-        finally:
-            storage.cleanup()
+        path = str(storage.copy_in(src))
+        facts = storage.facts()
+        print(f"file {file_mib:.1f} MiB, buffer {buffer} samples; device {facts}", flush=True)
+        for mode in args.modes:
+            cmd = [sys.executable, "-m", "benchmarks.solar_slow_storage", "--child", mode, path,
+                   str(args.samples), str(args.epochs), str(args.batch), str(buffer), str(args.headroom_mib)]
+            out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT,
+                                 env={**os.environ, **storage.env()}, preexec_fn=storage.group_join)
+            for line in out.stdout.splitlines():
+                if line.startswith("{"):
+                    rows.append(json.loads(line))
+                    print(line, flush=True)
+            if out.returncode:
+                print(f"{mode}: exit {out.returncode}\n{out.stderr[-2000:]}", flush=True)
     summary = []
     base = [r["samples_per_s"] for r in rows if r["mode"] == "dl0" and r["epoch"] > 0]
     base_sps = sum(base) / len(base) if base else float("nan")
@@ -166,7 +154,8 @@ def main(argv=None) -> int:
             "peak RSS MiB": round(max(r["peak_rss_mib"] for r in later)),
         })
     md = (
-        f"File {file_mib:.1f} MiB ({args.samples} samples), buffer {buffer} samples (C/N = {buffer / args.samples:.2f}, "
+        f"File {file_mib:.1f} MiB ({args.samples} samples), buffer {buffer} samples "
+        f"(C/N = {buffer / args.samples:.2f}, "
         f"so at most {(1 - buffer / args.samples) * file_mib:.1f} MiB/epoch for SOLAR), batch {args.batch}, "
         f"{args.epochs} epochs, one rank, page cache dropped before every epoch, memory headroom "
         f"{args.headroom_mib or 'uncapped'} MiB. Device: {facts}. 'later' = epochs after the first. Device bytes and "

@@ -3,8 +3,9 @@
     .venv/bin/python examples/solar_ptycho.py                 # generate data if needed, size the buffer, train
     .venv/bin/python examples/solar_ptycho.py --epochs 1 --samples 512
 
-The two lines that change in an existing project are marked with ``# SOLAR``: the DataModule, and
-``use_distributed_sampler=False`` on the Trainer. The model only has to compute its loss as
+The lines that change in an existing project are marked with ``# SOLAR``: the DataModule,
+``use_distributed_sampler=False`` on the Trainer, and the ``SolarMetrics`` callback that logs the ``solar/*``
+metrics. The model only has to compute its loss as
 ``batch["loss_scale"] * per_sample_losses.sum()`` (PtychoNN does), which keeps DDP's gradient the global mean
 when SOLAR hands ranks local batches of different sizes.
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
+from lightning_sdp.callbacks import SolarMetrics
 from lightning_sdp.datamodules.solar import SolarDataModule, SolarSchedule, make_ptycho_h5
 from lightning_sdp.models import PtychoNN
 
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         devices=1,
         max_epochs=args.epochs,
         use_distributed_sampler=False,  # SOLAR
+        callbacks=[SolarMetrics()],  # SOLAR
         log_every_n_steps=10,
         default_root_dir="runs/solar_example",
     )

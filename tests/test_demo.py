@@ -137,3 +137,21 @@ def test_readme_links_point_to_existing_files():
     assert any(t.endswith(".png") for t in targets)
     missing = [t for t in targets if not (root / t).exists()]
     assert not missing, f"README links to missing files: {missing}"
+
+
+def test_each_part_lives_in_its_own_module():
+    assert list(demo.PARTS) == ["sdp4bit", "fastclip", "solar", "heat", "profiler", "gpt"]
+    for name, run in demo.PARTS.items():
+        assert run.__module__ == f"lightning_sdp.demo.{name}"
+
+
+def test_python_dash_m_runs_the_demo(tmp_path):
+    """``python -m lightning_sdp.demo`` is the same command as ``lightning-sdp demo``."""
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-m", "lightning_sdp.demo", "--only", "nope"], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert res.returncode == 2 and "invalid choice: 'nope'" in res.stderr
+    assert "lightning-sdp demo" in res.stderr  # the same parser as the console script

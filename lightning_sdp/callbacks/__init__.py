@@ -6,6 +6,7 @@ _EXPORTS = {
     "EngineProfiler": "lightning_sdp.callbacks.engine_profiler",
     "GammaModule": "lightning_sdp.callbacks.fastclip",
     "GammaScheduler": "lightning_sdp.callbacks.fastclip",
+    "SolarMetrics": "lightning_sdp.callbacks.solar",
     "TemperatureModule": "lightning_sdp.callbacks.fastclip",
     "TemperatureScheduler": "lightning_sdp.callbacks.fastclip",
     "ZeroShotEvaluation": "lightning_sdp.callbacks.fastclip",

@@ -41,7 +41,7 @@ class Classifier(LightningModule):
         self.shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         self.seen: list[int] = []
 
-    def _xy(self, batch):  # noqa: ANN001, ANN202
+    def _xy(self, batch):
         if self.unpack:
             x, y = batch
         else:
@@ -49,21 +49,21 @@ class Classifier(LightningModule):
         self.shapes.append((tuple(x.shape), tuple(y.shape)))
         return x, y
 
-    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def training_step(self, batch, batch_idx):
         x, y = self._xy(batch)
         return F.cross_entropy(self.layer(x), y)
 
-    def test_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def test_step(self, batch, batch_idx):
         x, y = self._xy(batch)
         if not self.unpack:
             self.seen += batch["index"].tolist()
         self.log("test/loss", F.cross_entropy(self.layer(x), y))
 
-    def predict_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+    def predict_step(self, batch, batch_idx):
         x, _ = self._xy(batch)
         return self.layer(x)
 
-    def configure_optimizers(self):  # noqa: ANN201
+    def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 

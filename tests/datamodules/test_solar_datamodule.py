@@ -7,7 +7,8 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_sdp.datamodules.solar import SolarDataModule, SolarLoader, make_ptycho_h5
+from lightning_sdp.callbacks import SolarMetrics
+from lightning_sdp.datamodules.solar import EpochStats, SolarDataModule, SolarLoader, StepStats, make_ptycho_h5
 from lightning_sdp.models.ptychonn import PtychoNN
 
 CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "solar_ptycho.yaml"
@@ -76,7 +77,7 @@ def test_standalone_loader_serves_file_rows_every_sample_once(ptycho):
             assert torch.equal(batch["target"], torch.from_numpy(np.concatenate([amp[ids], ph[ids]], axis=1)))
             assert float(batch["loss_scale"]) == pytest.approx(1 / len(ids))
             seen += ids.tolist()
-            hits.append(loader.last_stats["hits"])
+            hits.append(loader.last_stats.hits)
         assert sorted(seen) == list(range(96))
         if epoch == 0:
             assert sum(hits) == 0
@@ -101,7 +102,7 @@ def test_worker_processes_give_identical_batches(ptycho):
 def test_fit_follows_schedule_and_logs_metrics(ptycho):
     rec = Recorder()
     dm = _dm(ptycho, val_split=0.25)
-    trainer = _trainer(max_epochs=2, callbacks=[rec], log_every_n_steps=1)
+    trainer = _trainer(max_epochs=2, callbacks=[rec, SolarMetrics()], log_every_n_steps=1)
     trainer.fit(_model(), dm)
     plans = dm.schedule.epoch_plan(0) + dm.schedule.epoch_plan(1)
     assert rec.indices == [sp.ranks[0].indices.tolist() for sp in plans]
@@ -119,6 +120,49 @@ def test_fit_follows_schedule_and_logs_metrics(ptycho):
     sample_bytes = 3 * 16 * 16 * 4
     assert float(m["solar/epoch_storage_bytes"]) == (72 - 24) * sample_bytes
     assert float(m["solar/epoch_samples_per_s"]) > 0 and float(m["solar/epoch_load_time_s"]) > 0
+
+
+def test_loader_stats_are_typed_and_serialise_with_the_dict_keys(ptycho):
+    dm = _dm(ptycho, max_epochs=2)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    assert loader.last_stats is None and loader.epoch_stats == EpochStats()
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for _ in loader:
+            pass
+    step, epoch_stats = loader.last_stats, loader.epoch_stats
+    assert isinstance(step, StepStats) and isinstance(epoch_stats, EpochStats)
+    assert epoch_stats.steps == 12 and epoch_stats.samples == 96 and epoch_stats.hits == 24
+    assert epoch_stats.reads == 96 - 24 and epoch_stats.storage_bytes == (96 - 24) * 3 * 16 * 16 * 4
+    assert epoch_stats.hit_rate == pytest.approx(0.25)
+    assert epoch_stats.samples_per_s == pytest.approx(96 / epoch_stats.wall_s)
+    assert list(step.to_dict()) == [
+        "samples", "hits", "hit_rate", "reads", "bytes", "wait_s", "read_s", "samples_per_s",
+    ]  # fmt: skip
+    assert step.to_dict()["hit_rate"] == step.hits / step.samples
+    as_dict = epoch_stats.to_dict()
+    assert list(as_dict) == ["samples", "hits", "reads", "bytes", "wait_s", "read_s", "steps", "wall_s"]
+    assert as_dict["bytes"] == float(epoch_stats.storage_bytes) and as_dict["steps"] == 12.0
+
+
+@pytest.mark.parametrize(
+    ("with_callback", "log_metrics", "warns"), [(False, True, True), (False, False, False), (True, True, False)]
+)
+def test_warns_when_no_solar_metrics_callback_logs_the_counters(ptycho, with_callback, log_metrics, warns):
+    import warnings
+
+    trainer = _trainer(max_epochs=1, callbacks=[SolarMetrics()] if with_callback else [])
+    dm = _dm(ptycho, log_metrics=log_metrics)
+    dm.trainer = trainer
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dm.setup("fit")
+    named = [w for w in caught if "SolarMetrics" in str(w.message)]
+    assert bool(named) == warns
+    if warns:
+        assert "lightning_sdp.callbacks.SolarMetrics()" in str(named[0].message)
+        assert "log_metrics=False" in str(named[0].message)
 
 
 def test_requires_use_distributed_sampler_false(ptycho):
@@ -173,8 +217,8 @@ def test_buffer_zero_or_larger_than_data(ptycho, buffer, expected):
     loader = dm.train_dataloader()
     for _ in loader:
         pass
-    hits = sum(1 for _ in loader for _ in [0] if loader.last_stats["hits"] > 0)
-    assert loader.epoch_stats["hits"] == expected * 96
+    hits = sum(1 for _ in loader for _ in [0] if loader.last_stats.hits > 0)
+    assert loader.epoch_stats.hits == expected * 96
     assert hits == (12 if expected else 0)
 
 

@@ -58,7 +58,7 @@ def test_read_window_gives_identical_batches_with_fewer_requests(ptycho):
     for (i0, x0, y0), (i1, x1, y1) in zip(ref, got, strict=True):
         assert torch.equal(i0, i1) and torch.equal(x0, x1) and torch.equal(y0, y1)
     assert requests < ref_requests
-    assert stats["hits"] == 16 and stats["reads"] == 64 - 16
+    assert stats.hits == 16 and stats.reads == 64 - 16
 
 
 def test_read_window_must_be_positive(ptycho):

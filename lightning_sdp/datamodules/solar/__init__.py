@@ -8,10 +8,13 @@ from lightning_sdp._lazy import lazy_exports
 
 _EXPORTS = {
     "SolarDataModule": "lightning_sdp.datamodules.solar.datamodule",
-    "SolarMetrics": "lightning_sdp.datamodules.solar.datamodule",
     "per_sample_loss_scale": "lightning_sdp.datamodules.solar.datamodule",
     "SolarLoader": "lightning_sdp.datamodules.solar.loader",
     "BatchReader": "lightning_sdp.datamodules.solar.loader",
+    "StepStats": "lightning_sdp.datamodules.solar.loader",
+    "EpochStats": "lightning_sdp.datamodules.solar.loader",
+    "no_collate": "lightning_sdp.datamodules.solar.loader",
+    "PerSampleHDF5Dataset": "lightning_sdp.datamodules.solar.baseline",
     "SolarSchedule": "lightning_sdp.datamodules.solar.schedule",
     "SimulationReport": "lightning_sdp.datamodules.solar.schedule",
     "StepPlan": "lightning_sdp.datamodules.solar.schedule",

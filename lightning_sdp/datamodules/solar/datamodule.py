@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -25,8 +25,8 @@ from lightning_sdp.datamodules.solar.loader import (
     BatchFormat,
     BatchReader,
     SolarLoader,
-    _no_collate,
     check_batch_format,
+    no_collate,
 )
 from lightning_sdp.datamodules.solar.reader import DatasetInfo, HDF5Reader, StorageThrottle, inspect_h5
 from lightning_sdp.datamodules.solar.schedule import SolarSchedule, even_split
@@ -34,48 +34,13 @@ from lightning_sdp.datamodules.solar.schedule import SolarSchedule, even_split
 _log = logging.getLogger(__name__)
 
 
-class SolarMetrics(Callback):
-    """Logs the SOLAR loader's counters through ``pl_module.log`` (so every Trainer logger shows them).
-
-    Per training step, this rank's values (no collective in the step): ``solar/hit_rate`` (buffer hits / local
-    batch), ``solar/storage_bytes`` (bytes read from storage), ``solar/samples_per_s`` (local samples per second
-    of wall time between batches) and ``solar/load_time_s`` (time the loop waited for the batch).
-
-    Per epoch, over all ranks (one all-reduce each at the end of the epoch): ``solar/epoch_hit_rate`` (mean over
-    ranks), ``solar/epoch_storage_bytes`` (sum), ``solar/epoch_samples_per_s`` (sum: global throughput) and
-    ``solar/epoch_load_time_s`` (mean waiting time per step).
-    """
-
-    @override
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        loader = getattr(trainer.datamodule, "train_loader", None)
-        if not isinstance(loader, SolarLoader) or not loader.last_stats:
-            return
-        s = loader.last_stats
-        n = max(int(s["samples"]), 1)
-        for name, key in (
-            ("hit_rate", "hit_rate"),
-            ("storage_bytes", "bytes"),
-            ("samples_per_s", "samples_per_s"),
-            ("load_time_s", "wait_s"),
-        ):
-            pl_module.log(f"solar/{name}", float(s[key]), on_step=True, on_epoch=False, batch_size=n)
-
-    @override
-    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        loader = getattr(trainer.datamodule, "train_loader", None)
-        if not isinstance(loader, SolarLoader) or not loader.epoch_stats.get("steps"):
-            return
-        e = loader.epoch_stats
-        rate = e["hits"] / e["samples"] if e["samples"] else 0.0
-        throughput = e["samples"] / e["wall_s"] if e["wall_s"] > 0 else 0.0
-        log = dict(on_step=False, on_epoch=True, sync_dist=True, batch_size=1)
-        pl_module.log("solar/epoch_hit_rate", rate, **log)
-        pl_module.log("solar/epoch_storage_bytes", float(e["bytes"]), reduce_fx="sum", **log)
-        pl_module.log("solar/epoch_samples_per_s", throughput, reduce_fx="sum", **log)
-        pl_module.log("solar/epoch_load_time_s", e["wait_s"] / e["steps"], **log)
+def _is_solar_metrics(callback: object) -> bool:
+    """Whether ``callback`` is (a subclass of) ``lightning_sdp.callbacks.SolarMetrics``, found by name because
+    the data layer does not import the callbacks layer."""
+    return any(
+        cls.__name__ == "SolarMetrics" and cls.__module__ == "lightning_sdp.callbacks.solar"
+        for cls in type(callback).__mro__
+    )
 
 
 class SolarDataModule(LightningDataModule):
@@ -149,7 +114,10 @@ class SolarDataModule(LightningDataModule):
             Default False.
         synthetic_samples: samples of the generated set. Default 2048.
         synthetic_size: patch side of the generated set. Default 64.
-        log_metrics: add a :class:`SolarMetrics` callback to the Trainer. Default True.
+        log_metrics: expect a :class:`lightning_sdp.callbacks.SolarMetrics` callback on the Trainer (it logs the
+            ``solar/*`` metrics) and warn once in ``setup`` when there is none; ``False`` trains without those
+            metrics and without the warning. The DataModule cannot add the callback itself: nothing under
+            ``lightning_sdp.datamodules`` imports from ``lightning_sdp.callbacks``. Default True.
     """
 
     def __init__(
@@ -279,8 +247,15 @@ class SolarDataModule(LightningDataModule):
                     "`Trainer(use_distributed_sampler=False)` (YAML: `trainer: {use_distributed_sampler: false}`)"
                 )
             self.rank, self.world_size = trainer.global_rank, trainer.world_size
-            if self.log_metrics and not any(isinstance(c, SolarMetrics) for c in trainer.callbacks):
-                trainer.callbacks.append(SolarMetrics())
+            callbacks = trainer.callbacks  # type: ignore[attr-defined]
+            if self.log_metrics and not any(_is_solar_metrics(c) for c in callbacks):
+                rank_zero_warn(
+                    "SolarDataModule: the Trainer has no SolarMetrics callback, so the solar/* loading metrics "
+                    "(buffer hit rate, storage bytes, samples/s) are not logged. Add it with "
+                    "`Trainer(callbacks=[lightning_sdp.callbacks.SolarMetrics()], ...)` (YAML: `trainer: {callbacks: "
+                    "[{class_path: lightning_sdp.callbacks.SolarMetrics}]}`), or create the DataModule with "
+                    "log_metrics=False to train without them."
+                )
         if self.schedule is not None and self.schedule.world_size == self.world_size:
             return
         if not Path(self.path).exists():
@@ -408,7 +383,7 @@ class SolarDataModule(LightningDataModule):
         )
         # Evaluation reads run in the rank's own process: the held-out share is small, and forking short-lived
         # workers next to the persistent training readers hung under DDP (gloo) in our tests.
-        return DataLoader(dataset, batch_size=None, num_workers=0, collate_fn=_no_collate)
+        return DataLoader(dataset, batch_size=None, num_workers=0, collate_fn=no_collate)
 
     @override
     def val_dataloader(self) -> DataLoader | list:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -21,8 +22,111 @@ from lightning_sdp.datamodules.solar.reader import HDF5Reader
 from lightning_sdp.datamodules.solar.schedule import SolarSchedule
 
 
-def _no_collate(item: Any) -> Any:
+def no_collate(item: Any) -> Any:
+    """``collate_fn`` for datasets whose items are whole batches already (``DataLoader(batch_size=None)``)."""
     return item
+
+
+@dataclass
+class StepStats:
+    """This rank's loading counters for one training step of a :class:`SolarLoader`.
+
+    Args:
+        samples: samples in the local batch.
+        hits: samples served from the buffer.
+        reads: samples read from storage.
+        storage_bytes: bytes read from storage for this step (0 for the later steps of a read window, whose bytes
+            count on its first step).
+        wait_s: seconds the training loop waited for the batch.
+        read_s: seconds the reader spent on the step's read request (0 for the later steps of a read window).
+        samples_per_s: local samples per second of wall time since the previous batch.
+    """
+
+    samples: int
+    hits: int
+    reads: int
+    storage_bytes: int
+    wait_s: float
+    read_s: float
+    samples_per_s: float
+
+    @property
+    def hit_rate(self) -> float:
+        """Buffer hits / local batch (0 for an empty batch)."""
+        return self.hits / self.samples if self.samples else 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        """JSON-ready counters (keys ``samples``, ``hits``, ``hit_rate``, ``reads``, ``bytes``, ``wait_s``,
+        ``read_s``, ``samples_per_s``)."""
+        return {
+            "samples": float(self.samples),
+            "hits": float(self.hits),
+            "hit_rate": self.hit_rate,
+            "reads": float(self.reads),
+            "bytes": float(self.storage_bytes),
+            "wait_s": self.wait_s,
+            "read_s": self.read_s,
+            "samples_per_s": self.samples_per_s,
+        }
+
+
+@dataclass
+class EpochStats:
+    """This rank's loading counters summed over the steps of the current (or last) epoch of a :class:`SolarLoader`.
+
+    Args:
+        samples: samples yielded.
+        hits: samples served from the buffer.
+        reads: samples read from storage.
+        storage_bytes: bytes read from storage.
+        wait_s: seconds the training loop waited for batches.
+        read_s: seconds the reader spent on read requests.
+        steps: steps yielded.
+        wall_s: wall seconds from the start of the epoch to the latest batch.
+    """
+
+    samples: int = 0
+    hits: int = 0
+    reads: int = 0
+    storage_bytes: int = 0
+    wait_s: float = 0.0
+    read_s: float = 0.0
+    steps: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        """Buffer hits / samples (0 before the first step)."""
+        return self.hits / self.samples if self.samples else 0.0
+
+    @property
+    def samples_per_s(self) -> float:
+        """Samples per wall second of the epoch so far (0 before the first step)."""
+        return self.samples / self.wall_s if self.wall_s > 0 else 0.0
+
+    def add(self, step: StepStats) -> None:
+        """Count one step (``wall_s`` is set by the loader)."""
+        self.samples += step.samples
+        self.hits += step.hits
+        self.reads += step.reads
+        self.storage_bytes += step.storage_bytes
+        self.wait_s += step.wait_s
+        self.read_s += step.read_s
+        self.steps += 1
+
+    def to_dict(self) -> dict[str, float]:
+        """JSON-ready counters (keys ``samples``, ``hits``, ``reads``, ``bytes``, ``wait_s``, ``read_s``,
+        ``steps``, ``wall_s``)."""
+        return {
+            "samples": float(self.samples),
+            "hits": float(self.hits),
+            "reads": float(self.reads),
+            "bytes": float(self.storage_bytes),
+            "wait_s": self.wait_s,
+            "read_s": self.read_s,
+            "steps": float(self.steps),
+            "wall_s": self.wall_s,
+        }
 
 
 BatchFormat = Literal["dict", "tuple"]
@@ -158,6 +262,9 @@ class SolarLoader:
     Implements ``state_dict``/``load_state_dict`` so Lightning treats it as resumable; it resumes at any step of
     any epoch with the identical remaining sequence (samples the plan expects buffered are re-read once).
 
+    ``last_stats`` (:class:`StepStats`, ``None`` before the first batch) and ``epoch_stats`` (:class:`EpochStats`)
+    hold this rank's loading counters; :class:`lightning_sdp.callbacks.SolarMetrics` logs them.
+
     Args:
         schedule: the shared schedule.
         rank: this rank.
@@ -204,8 +311,8 @@ class SolarLoader:
         self._epoch_counter = 0
         self._resume: tuple[int, int] | None = None
         self._last_yield: float | None = None
-        self.last_stats: dict[str, float] = {}
-        self.epoch_stats: dict[str, float] = {}
+        self.last_stats: StepStats | None = None
+        self.epoch_stats = EpochStats()
 
     def __len__(self) -> int:
         return self.schedule.steps_per_epoch
@@ -250,7 +357,7 @@ class SolarLoader:
                 sampler=self._sampler,
                 batch_size=None,
                 num_workers=self.num_workers,
-                collate_fn=_no_collate,
+                collate_fn=no_collate,
                 **extra,
             )
         return self._loader
@@ -290,10 +397,7 @@ class SolarLoader:
         self._sampler.requests = [
             (per_step[i][0], np.concatenate([r for _, r in per_step[i : i + w]])) for i in range(0, len(per_step), w)
         ]
-        self.epoch_stats = dict.fromkeys(
-            ("samples", "hits", "reads", "bytes", "wait_s", "read_s", "steps"), 0.0
-        )
-        self.epoch_stats["wall_s"] = 0.0
+        self.epoch_stats = EpochStats()
         epoch_start = time.perf_counter()
         if not steps:
             return
@@ -335,20 +439,17 @@ class SolarLoader:
             now = time.perf_counter()
             step_time = now - self._last_yield if self._last_yield is not None else wait
             n_hits = n - sum(1 for x in ids.tolist() if x in read_pos)
-            self.last_stats = {
-                "samples": float(n),
-                "hits": float(n_hits),
-                "hit_rate": n_hits / n if n else 0.0,
-                "reads": float(n - n_hits),
-                "bytes": float(res["bytes"]) if fresh else 0.0,
-                "wait_s": wait,
-                "read_s": float(res["seconds"]) if fresh else 0.0,
-                "samples_per_s": n / step_time if step_time > 0 else 0.0,
-            }
-            for k in ("samples", "hits", "reads", "bytes", "wait_s", "read_s"):
-                self.epoch_stats[k] += self.last_stats[k]
-            self.epoch_stats["steps"] += 1
-            self.epoch_stats["wall_s"] = time.perf_counter() - epoch_start
+            self.last_stats = StepStats(
+                samples=n,
+                hits=n_hits,
+                reads=n - n_hits,
+                storage_bytes=int(res["bytes"]) if fresh else 0,
+                wait_s=wait,
+                read_s=float(res["seconds"]) if fresh else 0.0,
+                samples_per_s=n / step_time if step_time > 0 else 0.0,
+            )
+            self.epoch_stats.add(self.last_stats)
+            self.epoch_stats.wall_s = time.perf_counter() - epoch_start
             last = sp.step + 1 == self.schedule.steps_per_epoch
             self._next_pos = (epoch + 1, 0) if last else (epoch, sp.step + 1)
             if last:

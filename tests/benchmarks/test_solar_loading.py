@@ -1,0 +1,27 @@
+"""``python -m benchmarks.solar_loading --quick``: SOLAR against the per-sample h5py DataLoader, loading only."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_quick_run_writes_results_with_solar_at_its_hit_rate_bound():
+    res = subprocess.run(
+        [sys.executable, "-m", "benchmarks.solar_loading", "--quick", "--storage", "throttled"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    payload = json.loads((REPO / "benchmarks" / "results" / "solar_loading_quick.json").read_text())
+    rows = {(r["P"], r["mode"]): r for r in payload["summary"]}
+    assert {mode for _, mode in rows} == {"baseline", "lru", "artifact", "solar_serial", "solar"}
+    for ranks in (1, 2):
+        assert rows[ranks, "baseline"]["hit rate (later)"] == 0.0
+        # Belady + re-routing reaches C/N after the first epoch, and reads only the rest of the file
+        assert rows[ranks, "solar"]["hit rate (later)"] == rows[ranks, "solar"]["bound C/N"] == 0.25
+        base_mib = rows[ranks, "baseline"]["storage MiB/epoch (later)"]
+        assert rows[ranks, "solar"]["storage MiB/epoch (later)"] == base_mib * 0.75

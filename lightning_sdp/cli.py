@@ -30,7 +30,7 @@ def _optional_tools() -> dict[str, tuple[str, str]]:
             "write a PtychoNN-like HDF5 data set for SOLAR",
         ),
         "sequence-sweep": (
-            "lightning_sdp.profiling.sweep:main",
+            "lightning_sdp.callbacks.engine_profiler.sweep:main",
             "EngineProfiler's sequence-length study of a GPT",
         ),
         "engine-bench": (

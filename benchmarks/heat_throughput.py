@@ -18,18 +18,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from benchmarks._common import SHARED_DATA, markdown_table, write_results  # noqa: E402
-from lightning_sdp.datamodules.interactions import InteractionsDataModule  # noqa: E402
-from lightning_sdp.models.simplex import SimpleXModule  # noqa: E402
+from benchmarks._common import SHARED_DATA, markdown_table, write_results
+from lightning_sdp.datamodules.interactions import InteractionsDataModule
+from lightning_sdp.models.simplex import SimpleXModule
 
 
 def set_threads(n: int) -> None:

@@ -58,7 +58,7 @@ def _resolve(alias: _Alias) -> type | None:
         return None
     try:
         module = importlib.import_module(alias.module)
-    except Exception as err:  # noqa: BLE001 - a broken plugin must not break `import lightning.pytorch`
+    except Exception as err:  # a broken plugin must not break `import lightning.pytorch`
         _log.warning(
             "lightning-sdp: alias %r is not registered because %s failed to import: %s: %s",
             alias.name,
@@ -75,8 +75,10 @@ def _register(registry: Any, alias: _Alias, cls: type, kind: str) -> bool:
     if alias.name in registry:
         existing = registry[alias.name]
         registered_cls = existing.get(kind) if isinstance(existing, dict) else None
-        if registered_cls is not None and getattr(registered_cls, "__qualname__", None) == cls.__qualname__ and (
-            getattr(registered_cls, "__module__", None) == cls.__module__
+        if (
+            registered_cls is not None
+            and getattr(registered_cls, "__qualname__", None) == cls.__qualname__
+            and (getattr(registered_cls, "__module__", None) == cls.__module__)
         ):
             return True  # ours from an earlier import or a reload
         _log.warning(

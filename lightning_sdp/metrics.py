@@ -8,6 +8,8 @@ reduce each batch of users to two sums right away. States are sums, so the value
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -93,8 +95,11 @@ class _RankingAtK(Metric):
     is_differentiable = False
     higher_is_better = True
     full_state_update = False
+    # states registered by add_state in __init__; declared so type checkers know they are Tensors
+    total: Tensor
+    count: Tensor
 
-    def __init__(self, k: int = 20, **kwargs) -> None:  # noqa: ANN003
+    def __init__(self, k: int = 20, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if k <= 0:
             raise ValueError(f"{type(self).__name__}: k must be positive, got {k}.")

@@ -56,7 +56,9 @@ def test_aliases_registered_when_lightning_is_imported_after_the_package():
 
 @pytest.fixture
 def test_alias(monkeypatch):
-    alias = _Alias("lsdp_test_ddp", "lightning.pytorch.strategies", "DDPStrategy", "test alias", {"start_method": "spawn"})
+    alias = _Alias(
+        "lsdp_test_ddp", "lightning.pytorch.strategies", "DDPStrategy", "test alias", {"start_method": "spawn"}
+    )
     monkeypatch.setattr(_registry, "STRATEGY_ALIASES", (alias,))
     monkeypatch.setattr(_registry, "ACCELERATOR_ALIASES", ())
     from lightning.pytorch.strategies import StrategyRegistry

@@ -8,10 +8,14 @@ The fused numba kernel (:mod:`lightning_sdp.kernels.cf_numba`) computes the same
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import overload
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
 _EPS = 1e-12
 
@@ -282,13 +286,17 @@ class RowWiseAdagrad(torch.optim.Optimizer):
         initial_accumulator_value: starting value of every accumulator.
     """
 
-    def __init__(self, params, lr: float = 0.05, eps: float = 1e-8, initial_accumulator_value: float = 0.0) -> None:  # noqa: ANN001
+    def __init__(
+        self, params: ParamsT, lr: float = 0.05, eps: float = 1e-8, initial_accumulator_value: float = 0.0
+    ) -> None:
         if lr <= 0 or eps <= 0 or initial_accumulator_value < 0:
             raise ValueError(
                 f"RowWiseAdagrad: lr and eps must be positive and initial_accumulator_value >= 0; got lr={lr}, "
                 f"eps={eps}, initial_accumulator_value={initial_accumulator_value}."
             )
-        super().__init__(params, {"lr": lr, "eps": eps, "initial_accumulator_value": initial_accumulator_value, "rowwise": True})
+        super().__init__(
+            params, {"lr": lr, "eps": eps, "initial_accumulator_value": initial_accumulator_value, "rowwise": True}
+        )
 
     def row_sums(self, param: Tensor) -> Tensor:
         """The accumulators of ``param``'s rows (created on first use), shape ``(param.shape[0],)``."""
@@ -298,8 +306,12 @@ class RowWiseAdagrad(torch.optim.Optimizer):
             state["sum"] = torch.full((param.shape[0],), float(group["initial_accumulator_value"]), dtype=param.dtype)
         return state["sum"]
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001, ANN201
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():

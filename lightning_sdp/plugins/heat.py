@@ -204,9 +204,13 @@ class HEATAccelerator(CPUAccelerator):
 
             stats["numba_threads"] = numba.get_num_threads()
         now = _read_proc_stat()
-        cores = self.cpu_affinity if self.cpu_affinity is not None else sorted(os.sched_getaffinity(0)) if hasattr(
-            os, "sched_getaffinity"
-        ) else []
+        cores = (
+            self.cpu_affinity
+            if self.cpu_affinity is not None
+            else sorted(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else []
+        )
         for c in cores:
             key = f"cpu{c}"
             if key in now and key in self._last_stat:

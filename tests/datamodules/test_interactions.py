@@ -247,7 +247,11 @@ def test_trainer_runs_validation_only_with_a_validation_set(val_fraction):
     dm = InteractionsDataModule(num_users=40, num_items=30, batch_size=64, val_fraction=val_fraction)
     model = _CountingModule()
     trainer = Trainer(
-        max_epochs=1, num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        max_epochs=1,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
     )
     trainer.fit(model, dm)

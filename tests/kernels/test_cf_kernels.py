@@ -42,8 +42,28 @@ def _attention(aggregator: str, d: int, seed: int) -> tuple[np.ndarray, np.ndarr
 
 
 def _fused(
-    user_emb, item_emb, V, users, items, negatives, indptr, indices, *, g, margin, w, lr, wd, chunks=1, sums=None,
-    vwd=0.0, aggregator="mean", att=None, masks=None, dropout=0.0, rng_state=None,
+    user_emb,
+    item_emb,
+    V,
+    users,
+    items,
+    negatives,
+    indptr,
+    indices,
+    *,
+    g,
+    margin,
+    w,
+    lr,
+    wd,
+    chunks=1,
+    sums=None,
+    vwd=0.0,
+    aggregator="mean",
+    att=None,
+    masks=None,
+    dropout=0.0,
+    rng_state=None,
 ):
     from lightning_sdp.kernels import cf_numba
 
@@ -54,9 +74,36 @@ def _fused(
     given_masks = np.zeros((0, 0), np.float32) if masks is None else masks
     state = np.arange(4, dtype=np.int64) if rng_state is None else rng_state
     cf_numba.fused_sgd_step(
-        ue, ie, v, aw, ab, aq, cf_numba.AGGREGATORS[aggregator], users, items, indptr, indices, negatives, given_masks,
-        negatives.shape[1], g, margin, w, dropout, lr, lr, wd, vwd, *acc, state, np.zeros((4, 0), np.int64),
-        np.zeros(4, np.int64), 0, 10_000, chunks, losses,
+        ue,
+        ie,
+        v,
+        aw,
+        ab,
+        aq,
+        cf_numba.AGGREGATORS[aggregator],
+        users,
+        items,
+        indptr,
+        indices,
+        negatives,
+        given_masks,
+        negatives.shape[1],
+        g,
+        margin,
+        w,
+        dropout,
+        lr,
+        lr,
+        wd,
+        vwd,
+        *acc,
+        state,
+        np.zeros((4, 0), np.int64),
+        np.zeros(4, np.int64),
+        0,
+        10_000,
+        chunks,
+        losses,
     )
     return ue, ie, v, losses, (aw, ab, aq)
 
@@ -69,9 +116,22 @@ def _reference_step(problem, *, g, margin, w, wd, vwd=0.0, aggregator="mean", at
         params.update(zip(("W", "b", "q"), att, strict=True))
     tensors = {k: torch.tensor(a, requires_grad=True) for k, a in params.items()}
     objective, per_sample = ref.simplex_loss(
-        tensors["user"], tensors["item"], tensors["V"], torch.tensor(users), torch.tensor(items),
-        torch.tensor(negatives), g, margin, w, ref.padded_history(indptr, indices), weight_decay=wd, reduction="sum",
-        aggregator_weight_decay=vwd, aggregator=aggregator, att_w=tensors.get("W"), att_b=tensors.get("b"),
+        tensors["user"],
+        tensors["item"],
+        tensors["V"],
+        torch.tensor(users),
+        torch.tensor(items),
+        torch.tensor(negatives),
+        g,
+        margin,
+        w,
+        ref.padded_history(indptr, indices),
+        weight_decay=wd,
+        reduction="sum",
+        aggregator_weight_decay=vwd,
+        aggregator=aggregator,
+        att_w=tensors.get("W"),
+        att_b=tensors.get("b"),
         att_q=tensors.get("q") if aggregator == "self_attention" else None,
         dropout_mask=None if masks is None else torch.from_numpy(masks),
     )
@@ -185,12 +245,17 @@ def test_mean_aggregator_is_bit_identical_to_the_kernel_before_attention(tmp_pat
 
     root = Path(__file__).resolve().parents[2]
     shown = subprocess.run(
-        ["git", "show", f"{_KERNEL_BEFORE_ATTENTION}:lightning_sdp/kernels/cf_numba.py"], cwd=root,
-        capture_output=True, text=True, check=False,
+        ["git", "show", f"{_KERNEL_BEFORE_ATTENTION}:lightning_sdp/kernels/cf_numba.py"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if shown.returncode != 0:
-        pytest.fail(f"this test compares with the kernel of commit {_KERNEL_BEFORE_ATTENTION}, which git cannot show "
-                    f"here ({shown.stderr.strip()}); run it in a clone with the project's history.")
+        pytest.fail(
+            f"this test compares with the kernel of commit {_KERNEL_BEFORE_ATTENTION}, which git cannot show "
+            f"here ({shown.stderr.strip()}); run it in a clone with the project's history."
+        )
     path = tmp_path / "cf_numba_before_attention.py"
     path.write_text(shown.stdout)
     spec = importlib.util.spec_from_file_location("cf_numba_before_attention", path)
@@ -208,15 +273,33 @@ def test_mean_aggregator_is_bit_identical_to_the_kernel_before_attention(tmp_pat
         V = (np.eye(d) + 0.1 * rng.normal(size=(d, d))).astype(np.float32)
         runs = []
         for new in (True, False):
-            out = [ue.copy(), ie.copy(), V.copy(), np.arange(1, 5, dtype=np.int64) * 99,
-                   np.zeros((4, 16 if tile else 0), np.int64), np.zeros(4, np.int64), np.zeros(batch, np.float32)]
+            out = [
+                ue.copy(),
+                ie.copy(),
+                V.copy(),
+                np.arange(1, 5, dtype=np.int64) * 99,
+                np.zeros((4, 16 if tile else 0), np.int64),
+                np.zeros(4, np.int64),
+                np.zeros(batch, np.float32),
+            ]
             sums = [np.full(n, 0.1, np.float32) if adaptive else np.zeros(0, np.float32) for n in (nu, ni)]
             rows, sampler, losses = out[:3], out[3:6], out[6]
             head = (users, items, indptr, indices, np.zeros((0, 0), np.int64))
             rates = (0.05, 0.01, 1e-3, 1e-3, *sums, 1e-8, *sampler, tile, 7, 1, losses)
             if new:
-                cf_numba.fused_sgd_step(*rows, *_attention("mean", d, 0), 0, *head, np.zeros((0, 0), np.float32), 8, g,
-                                        0.3, 20.0, 0.0, *rates)
+                cf_numba.fused_sgd_step(
+                    *rows,
+                    *_attention("mean", d, 0),
+                    0,
+                    *head,
+                    np.zeros((0, 0), np.float32),
+                    8,
+                    g,
+                    0.3,
+                    20.0,
+                    0.0,
+                    *rates,
+                )
             else:
                 old.fused_sgd_step(*rows, *head, 8, g, 0.3, 20.0, *rates)
             runs.append(out + sums)
@@ -241,13 +324,38 @@ def test_fused_rowwise_adagrad_step_equals_reference_optimizer(g, wd):
     opt.row_sums(tu).copy_(torch.from_numpy(user_sums))
     opt.row_sums(ti).copy_(torch.from_numpy(item_sums))
     objective, _ = ref.simplex_loss(
-        tu, ti, tv, torch.tensor(users), torch.tensor(items), torch.tensor(negatives), g, margin, w,
-        ref.padded_history(indptr, indices), weight_decay=wd, reduction="sum",
+        tu,
+        ti,
+        tv,
+        torch.tensor(users),
+        torch.tensor(items),
+        torch.tensor(negatives),
+        g,
+        margin,
+        w,
+        ref.padded_history(indptr, indices),
+        weight_decay=wd,
+        reduction="sum",
     )
     objective.backward()
     opt.step()
     sums = (user_sums.copy(), item_sums.copy())
-    ue, ie, v, _, _ = _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, g=g, margin=margin, w=w, lr=lr, wd=wd, sums=sums)
+    ue, ie, v, _, _ = _fused(
+        user_emb,
+        item_emb,
+        V,
+        users,
+        items,
+        negatives,
+        indptr,
+        indices,
+        g=g,
+        margin=margin,
+        w=w,
+        lr=lr,
+        wd=wd,
+        sums=sums,
+    )
     np.testing.assert_allclose(sums[0], opt.row_sums(tu).numpy(), rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose(sums[1], opt.row_sums(ti).numpy(), rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose(ue, tu.detach().numpy(), rtol=1e-4, atol=1e-6)
@@ -258,7 +366,9 @@ def test_fused_rowwise_adagrad_step_equals_reference_optimizer(g, wd):
     grew = np.flatnonzero(sums[1] > item_sums)
     assert set(grew) <= set(touched) and len(grew) >= len(items)
     assert (sums[0][users] > user_sums[users]).all() and (sums[0][3:] == user_sums[3:]).all()
-    ue_sgd, _, _, _, _ = _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, g=g, margin=margin, w=w, lr=lr, wd=wd)
+    ue_sgd, _, _, _, _ = _fused(
+        user_emb, item_emb, V, users, items, negatives, indptr, indices, g=g, margin=margin, w=w, lr=lr, wd=wd
+    )
     assert np.abs(ue_sgd - ue).max() > 1e-4
 
 
@@ -279,7 +389,9 @@ def test_rowwise_adagrad_reference_skips_untouched_rows():
 
 def test_inactive_margin_gives_no_negative_gradient():
     user_emb, item_emb, V, users, items, negatives, indptr, indices = _problem(5)
-    _, ie, _, losses, _ = _fused(user_emb, item_emb, V, users, items, negatives, indptr, indices, g=1.0, margin=1.0, w=3.0, lr=0.1, wd=0.0)
+    _, ie, _, losses, _ = _fused(
+        user_emb, item_emb, V, users, items, negatives, indptr, indices, g=1.0, margin=1.0, w=3.0, lr=0.1, wd=0.0
+    )
     np.testing.assert_array_equal(ie[negatives.ravel()], item_emb[negatives.ravel()])
     assert not np.array_equal(ie[items], item_emb[items])
     assert (losses > 0).all()
@@ -301,9 +413,34 @@ def _sampling_run(tile_refresh: int, chunks: int, seed: int = 0) -> dict[str, np
     losses = np.zeros(B, np.float32)
     # margin -1: every negative is active, so every sampled negative row moves
     cf_numba.fused_sgd_step(
-        ue, ie, np.eye(d, dtype=np.float32), *_attention("mean", d, 0), cf_numba.AGGREGATOR_MEAN, users, out["items"],
-        indptr, np.zeros(0, np.int64), np.zeros((0, 0), np.int64), np.zeros((0, 0), np.float32), 8, 1.0, -1.0, 1.0,
-        0.0, 0.01, 0.01, 0.0, 0.0, *_no_sums(), state, tiles, left, tile_refresh, 32, chunks, losses,
+        ue,
+        ie,
+        np.eye(d, dtype=np.float32),
+        *_attention("mean", d, 0),
+        cf_numba.AGGREGATOR_MEAN,
+        users,
+        out["items"],
+        indptr,
+        np.zeros(0, np.int64),
+        np.zeros((0, 0), np.int64),
+        np.zeros((0, 0), np.float32),
+        8,
+        1.0,
+        -1.0,
+        1.0,
+        0.0,
+        0.01,
+        0.01,
+        0.0,
+        0.0,
+        *_no_sums(),
+        state,
+        tiles,
+        left,
+        tile_refresh,
+        32,
+        chunks,
+        losses,
     )
     out.update(ue=ue, ie=ie, state=state, tiles=tiles, left=left, losses=losses)
     return out

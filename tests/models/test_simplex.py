@@ -101,21 +101,31 @@ def test_trains_with_heat_accelerator_and_improves_recall(tmp_path, backend):
 
 
 class _StopAfterFirstEpoch(Callback):
-    def on_train_epoch_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
         trainer.should_stop = True
 
 
 @pytest.mark.parametrize(
     ("backend", "optimizer", "schedule"),
-    [("fused", "sgd", "constant"), ("reference", "adam", "constant"), ("fused", "rowwise_adagrad", "linear"),
-     ("reference", "rowwise_adagrad", "linear")],
+    [
+        ("fused", "sgd", "constant"),
+        ("reference", "adam", "constant"),
+        ("fused", "rowwise_adagrad", "linear"),
+        ("reference", "rowwise_adagrad", "linear"),
+    ],
 )
 def test_resume_continues_bit_exactly(tmp_path, backend, optimizer, schedule):
     def model() -> SimpleXModule:
         return SimpleXModule(
-            g=0.8, backend=backend, optimizer=optimizer, lr_schedule=schedule,
-            lr=0.01 if optimizer == "adam" else 0.3, sampler="tile" if backend == "fused" else "uniform",
-            tile_size=16, tile_refresh=50, **_SMALL,
+            g=0.8,
+            backend=backend,
+            optimizer=optimizer,
+            lr_schedule=schedule,
+            lr=0.01 if optimizer == "adam" else 0.3,
+            sampler="tile" if backend == "fused" else "uniform",
+            tile_size=16,
+            tile_refresh=50,
+            **_SMALL,
         )
 
     quiet = {"max_epochs": 2, "num_sanity_val_steps": 0, "limit_val_batches": 0}
@@ -171,7 +181,9 @@ def test_resume_with_other_sizes_fails_clearly(tmp_path):
     with pytest.raises(ValueError, match="different configuration"):
         _trainer(tmp_path, max_epochs=2, limit_val_batches=0).fit(other, _dm(), ckpt_path=str(ckpt))
     with pytest.raises(ValueError, match="different configuration"):
-        _trainer(tmp_path, max_epochs=2, limit_val_batches=0).fit(SimpleXModule(**_SMALL), _dm(num_items=90), ckpt_path=str(ckpt))
+        _trainer(tmp_path, max_epochs=2, limit_val_batches=0).fit(
+            SimpleXModule(**_SMALL), _dm(num_items=90), ckpt_path=str(ckpt)
+        )
     loaded = SimpleXModule.load_from_checkpoint(ckpt)
     torch.testing.assert_close(loaded.item_embedding.weight, model.item_embedding.weight)
 
@@ -195,7 +207,9 @@ def test_bad_input():
     with pytest.raises(ValueError, match="users but the user table"):
         model.set_interactions(np.zeros(3, np.int64), np.zeros(0, np.int64))
     with pytest.raises(ValueError, match="model has 5 users"):
-        SimpleXModule(5, dm.num_items, **_SMALL).setup.__func__(_WithDM(SimpleXModule(5, dm.num_items, **_SMALL), dm), "fit")
+        SimpleXModule(5, dm.num_items, **_SMALL).setup.__func__(
+            _WithDM(SimpleXModule(5, dm.num_items, **_SMALL), dm), "fit"
+        )
     with pytest.raises(RuntimeError, match="tables do not exist"):
         _ = SimpleXModule().num_users
 
@@ -206,7 +220,7 @@ class _WithDM:
     def __init__(self, model: SimpleXModule, dm: InteractionsDataModule) -> None:
         self.__dict__.update({"model": model, "_trainer": True, "trainer": type("T", (), {"datamodule": dm})()})
 
-    def __getattr__(self, name):  # noqa: ANN001, ANN204
+    def __getattr__(self, name):
         return getattr(self.__dict__["model"], name)
 
 
@@ -218,8 +232,13 @@ def test_synthetic_yaml_trains_one_epoch(tmp_path):
     config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "heat_synthetic.yaml"
     main(
         [
-            "fit", "--config", str(config), "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false",
-            f"--trainer.default_root_dir={tmp_path}", "--data.init_args.num_users=300",
+            "fit",
+            "--config",
+            str(config),
+            "--trainer.max_epochs=1",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--data.init_args.num_users=300",
             "--data.init_args.num_items=200",
         ]
     )

@@ -118,16 +118,28 @@ def test_streamed_ranking_equals_dense_topk_hits(item_chunk):
     target = csr_rows_mask(test_indptr, test_items, np.arange(batch), num_items)
     dense_hits, dense_relevant = topk_hits(_dense_scores(users, items), target, k, exclude)
     hits, relevant = rank_and_score(
-        users, torch.nn.functional.normalize(items, dim=-1), torch.from_numpy(test_indptr),
-        torch.from_numpy(test_items), torch.from_numpy(known_indptr), torch.from_numpy(known_items), k,
+        users,
+        torch.nn.functional.normalize(items, dim=-1),
+        torch.from_numpy(test_indptr),
+        torch.from_numpy(test_items),
+        torch.from_numpy(known_indptr),
+        torch.from_numpy(known_items),
+        k,
         item_chunk=item_chunk,
     )
     torch.testing.assert_close(hits, dense_hits)
     torch.testing.assert_close(relevant, dense_relevant)
     assert hits.any() and (relevant < torch.tensor([len(t) for t in test])).any()
     with pytest.raises(ValueError, match="offsets"):
-        rank_and_score(users, items, torch.zeros(3, dtype=torch.long), torch.from_numpy(test_items),
-                       torch.from_numpy(known_indptr), torch.from_numpy(known_items), k)
+        rank_and_score(
+            users,
+            items,
+            torch.zeros(3, dtype=torch.long),
+            torch.from_numpy(test_items),
+            torch.from_numpy(known_indptr),
+            torch.from_numpy(known_items),
+            k,
+        )
 
 
 def test_evaluate_batch_masks_the_batch_known_items_and_falls_back_to_training_items():
@@ -145,16 +157,27 @@ def test_evaluate_batch_masks_the_batch_known_items_and_falls_back_to_training_i
     with_known = score(batch)
     # the same known items given as the training CSR (the fallback) give the same numbers when they are the same
     history = model.histories()
-    own = {**batch, **dict(zip(("known_indptr", "known_items"), batch_csr(history.train_indptr, history.train_indices,
-                                                                          batch["users"]), strict=True))}
+    own = {
+        **batch,
+        **dict(
+            zip(
+                ("known_indptr", "known_items"),
+                batch_csr(history.train_indptr, history.train_indices, batch["users"]),
+                strict=True,
+            )
+        ),
+    }
     fallback = {key: v for key, v in batch.items() if not key.startswith("known_")}
     assert score(own) == pytest.approx(score(fallback), abs=0)
     # the test batch's known items also hold the validation items, so they differ from the training items only
     if not torch.equal(own["known_items"], batch["known_items"]):
         assert with_known != score(fallback)
     # nothing known: training items are ranked too and take top slots, so recall cannot be the same
-    empty = {**batch, "known_indptr": torch.zeros_like(batch["known_indptr"]),
-             "known_items": torch.zeros(0, dtype=torch.long)}
+    empty = {
+        **batch,
+        "known_indptr": torch.zeros_like(batch["known_indptr"]),
+        "known_items": torch.zeros(0, dtype=torch.long),
+    }
     assert score(empty) != with_known
 
 
@@ -162,8 +185,13 @@ def test_linear_schedule_is_the_shared_linear_decay_with_the_same_numbers(tmp_pa
     from lightning.pytorch import Trainer
 
     model = SimpleXModule(lr=0.4, lr_schedule="linear", **_SMALL)
-    trainer = Trainer(max_steps=10, logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                      default_root_dir=str(tmp_path))
+    trainer = Trainer(
+        max_steps=10,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        default_root_dir=str(tmp_path),
+    )
     model.trainer = trainer
     model._build_tables(5, 7)  # tables without a datamodule
     config = model.configure_optimizers()

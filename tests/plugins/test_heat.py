@@ -43,8 +43,14 @@ class _Probe(LightningModule):
 def _fit(accelerator, **kw) -> tuple[Trainer, _Probe]:
     model = _Probe()
     trainer = Trainer(
-        accelerator=accelerator, devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, **kw,
+        accelerator=accelerator,
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kw,
     )
     trainer.fit(model)
     return trainer, model
@@ -122,8 +128,14 @@ def _ddp_heat_threads(rank: int, world_size: int) -> dict[str, int]:
     torch.set_num_threads(available_cores())
     model = _Probe()
     trainer = Trainer(
-        accelerator="heat", devices=world_size, strategy="ddp", max_steps=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="heat",
+        devices=world_size,
+        strategy="ddp",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(model)
     return {"torch": int(model.seen["torch"]), "numba": int(model.seen["numba"]), "cores": available_cores()}
@@ -170,8 +182,13 @@ def test_thread_count_holds_through_the_setup_hooks():
     torch.set_num_threads(2)
     model = _ResetsThreadsInSetup()
     trainer = Trainer(
-        accelerator=HEATAccelerator(num_threads=1), devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator=HEATAccelerator(num_threads=1),
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(model)
     assert model.seen["torch"] == 1
@@ -203,9 +220,16 @@ def _two_reference_runs(rank: int, world_size: int) -> dict[str, object]:
         model = SimpleXModule(g=0.8, backend="reference", dim=8, num_negatives=4, lr=0.05, seed=0)
         threads = _Threads()
         trainer = Trainer(
-            accelerator=HEATAccelerator(num_threads=1), devices=1, max_epochs=2, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[threads],
-            num_sanity_val_steps=0, limit_val_batches=0,
+            accelerator=HEATAccelerator(num_threads=1),
+            devices=1,
+            max_epochs=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[threads],
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
         )
         trainer.fit(model, dm)
         weights.append([p.detach().numpy().copy() for p in model.parameters()])

@@ -8,7 +8,7 @@ switches on the backend's name.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import numpy as np
 import torch
@@ -19,6 +19,9 @@ from lightning_sdp.kernels import cf_reference as ref
 from lightning_sdp.models.simplex import kernel
 
 if TYPE_CHECKING:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from torch.optim.lr_scheduler import LambdaLR
+
     from lightning_sdp.models.simplex.module import SimpleXModule
 
 
@@ -85,11 +88,12 @@ class FusedBackend(SimpleXBackend):
 
     @override
     def training_step(self, model: SimpleXModule, users: Tensor, items: Tensor) -> None:
-        opt = model.optimizers()
+        # configure_optimizers returns one optimizer, so Lightning hands back one (not a list)
+        opt = cast("LightningOptimizer", model.optimizers())
         lr = opt.param_groups[0]["lr"]
         row_sums = None
         if model.config.optimizer_name == "rowwise_adagrad":
-            inner = opt.optimizer
+            inner = cast(ref.RowWiseAdagrad, opt.optimizer)
             user_emb, item_emb = model.tables()
             row_sums = (inner.row_sums(user_emb.weight), inner.row_sums(item_emb.weight))
         losses = model.fused_step(users, items, lr, aggregator_lr=opt.param_groups[1]["lr"], row_sums=row_sums)
@@ -100,8 +104,9 @@ class FusedBackend(SimpleXBackend):
                 f"lower lr (now {lr}) or raise init_std."
             )
         opt.step()  # no gradients: only advances Lightning's step counter (the kernel already updated the rows)
-        # manual optimisation: Lightning leaves stepping step-wise schedulers to the module
-        schedules = model.lr_schedulers() or []
+        # manual optimisation: Lightning leaves stepping step-wise schedulers to the module; configure_optimizers
+        # only builds LambdaLR (never ReduceLROnPlateau, whose step needs a metric)
+        schedules = cast("LambdaLR | list[LambdaLR] | None", model.lr_schedulers()) or []
         for schedule in schedules if isinstance(schedules, list) else [schedules]:
             schedule.step()
         model.log("train/lr", lr)

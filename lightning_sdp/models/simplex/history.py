@@ -31,7 +31,13 @@ class UserHistories:
 
     @classmethod
     def from_csr(
-        cls, indptr: np.ndarray, indices: np.ndarray, num_users: int, num_items: int, max_history: int, seed: int,
+        cls,
+        indptr: np.ndarray,
+        indices: np.ndarray,
+        num_users: int,
+        num_items: int,
+        max_history: int,
+        seed: int,
         padded: bool,
     ) -> UserHistories:
         """Check the CSR against the table sizes and cap the histories.

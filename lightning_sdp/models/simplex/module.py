@@ -90,6 +90,11 @@ class SimpleXModule(LightningModule):
         seed: seed of the initialisation, the history subsets and the negative samplers. Default 0.
     """
 
+    # buffers registered in __init__; declared so type checkers see Tensors, not nn.Module.__getattr__'s union
+    sampler_rng: Tensor
+    sampler_tiles: Tensor
+    sampler_tile_left: Tensor
+
     def __init__(
         self,
         num_users: int | None = None,
@@ -121,12 +126,32 @@ class SimpleXModule(LightningModule):
     ) -> None:
         super().__init__()
         self.config = SimpleXConfig(
-            num_users=num_users, num_items=num_items, dim=dim, g=g, aggregator=aggregator, margin=margin,
-            negative_weight=negative_weight, num_negatives=num_negatives, max_history=max_history, backend=backend,
-            optimizer=optimizer, lr=lr, adagrad_eps=adagrad_eps, lr_schedule=lr_schedule, row_norm=row_norm,
-            weight_decay=weight_decay, init_std=init_std, sampler=sampler,
-            tile_size=tile_size, tile_refresh=tile_refresh, v_sync=v_sync, aggregator_lr_scale=aggregator_lr_scale,
-            aggregator_weight_decay=aggregator_weight_decay, dropout=dropout, k=k, seed=seed,
+            num_users=num_users,
+            num_items=num_items,
+            dim=dim,
+            g=g,
+            aggregator=aggregator,
+            margin=margin,
+            negative_weight=negative_weight,
+            num_negatives=num_negatives,
+            max_history=max_history,
+            backend=backend,
+            optimizer=optimizer,
+            lr=lr,
+            adagrad_eps=adagrad_eps,
+            lr_schedule=lr_schedule,
+            row_norm=row_norm,
+            weight_decay=weight_decay,
+            init_std=init_std,
+            sampler=sampler,
+            tile_size=tile_size,
+            tile_refresh=tile_refresh,
+            v_sync=v_sync,
+            aggregator_lr_scale=aggregator_lr_scale,
+            aggregator_weight_decay=aggregator_weight_decay,
+            dropout=dropout,
+            k=k,
+            seed=seed,
         )
         self.save_hyperparameters()
         self.backend = make_backend(backend)
@@ -290,7 +315,11 @@ class SimpleXModule(LightningModule):
         return self.histories().padded if self.config.uses_history else None
 
     def reference_loss(
-        self, users: Tensor, items: Tensor, negatives: Tensor, reduction: str = "mean",
+        self,
+        users: Tensor,
+        items: Tensor,
+        negatives: Tensor,
+        reduction: str = "mean",
         dropout_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Plain-PyTorch objective and per-sample contrastive loss of a batch with given negatives.
@@ -305,9 +334,24 @@ class SimpleXModule(LightningModule):
         user_emb, item_emb = self.tables()
         c = self.config
         return ref.simplex_loss(
-            user_emb.weight, item_emb.weight, self.aggregator, users, items, negatives, c.g, c.margin,
-            c.negative_weight, self._padded_history(), c.weight_decay, reduction, c.aggregator_weight_decay,
-            c.aggregator, self.attention_weight, self.attention_bias, self.attention_query, dropout_mask,
+            user_emb.weight,
+            item_emb.weight,
+            self.aggregator,
+            users,
+            items,
+            negatives,
+            c.g,
+            c.margin,
+            c.negative_weight,
+            self._padded_history(),
+            c.weight_decay,
+            reduction,
+            c.aggregator_weight_decay,
+            c.aggregator,
+            self.attention_weight,
+            self.attention_bias,
+            self.attention_query,
+            dropout_mask,
         )
 
     @torch.no_grad()
@@ -368,8 +412,17 @@ class SimpleXModule(LightningModule):
         user_emb, item_emb = self.tables()
         c = self.config
         return ref.user_vectors(
-            user_emb.weight, item_emb.weight, self.aggregator, users, c.g, self._padded_history(), None,
-            c.aggregator, self.attention_weight, self.attention_bias, self.attention_query,
+            user_emb.weight,
+            item_emb.weight,
+            self.aggregator,
+            users,
+            c.g,
+            self._padded_history(),
+            None,
+            c.aggregator,
+            self.attention_weight,
+            self.attention_bias,
+            self.attention_query,
         )
 
     def _normalized_items(self) -> Tensor:
@@ -403,7 +456,11 @@ class SimpleXModule(LightningModule):
             history = self.histories()
             known = batch_csr(history.train_indptr, history.train_indices, users)
         hits, num_relevant = rank_and_score(
-            self.user_vectors(users), self._normalized_items(), batch["test_indptr"], batch["test_items"], *known,
+            self.user_vectors(users),
+            self._normalized_items(),
+            batch["test_indptr"],
+            batch["test_items"],
+            *known,
             k=self.config.k,
         )
         recall.update(topk_hits=hits, num_relevant=num_relevant)

@@ -16,13 +16,14 @@ $(VENV)/.installed-all: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[all,test]'
+	$(BIN)/python -m pip install -q -e '.[all,test,dev]'
 	touch $@ $(VENV)/.installed-all
 
 demo: $(VENV)/.installed-all
 	$(BIN)/lightning-sdp demo
 
-test: $(VENV)/.installed-test
+# The suite runs the linters first (a few seconds), so CI (`.ci/run` = `make test`) keeps the tree lint-clean.
+test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 $(VENV)/.installed-bench: pyproject.toml | $(BIN)/python
@@ -35,8 +36,9 @@ bench: $(VENV)/.installed-bench
 	  echo "== $$name"; $(BIN)/python -m benchmarks.$$name; done
 
 lint: $(VENV)/.installed-test
-	$(BIN)/python -m pip install -q -e '.[dev]'
-	$(BIN)/ruff check lightning_sdp tests benchmarks
+	$(BIN)/ruff check lightning_sdp tests benchmarks examples
+	$(BIN)/ruff format --check lightning_sdp tests benchmarks examples
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) demo_report .pytest_cache

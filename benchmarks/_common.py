@@ -55,11 +55,12 @@ class StepTimer(Callback):
 
     def intervals(self) -> list[float]:
         """Wall seconds from each batch's start to the next batch's start."""
-        return [b - a for a, b in zip(self.starts[:-1], self.starts[1:])]
+        return [b - a for a, b in zip(self.starts[:-1], self.starts[1:], strict=True)]
 
     def durations(self) -> list[float]:
         """Wall seconds from each batch's start to its end."""
-        return [e - s for s, e in zip(self.starts, self.ends)]
+        # A batch whose end never came (fit stopped inside it) has a start but no end: it has no duration.
+        return [e - s for s, e in zip(self.starts, self.ends, strict=False)]
 
 
 def _cpu_model() -> str:

@@ -5,7 +5,8 @@ ext4, mounts it, and creates a cgroup-v1 blkio group with ``read_bps_device`` / 
 loop device's ``MAJ:MIN`` (plus a memory cgroup, to cap the page cache). Commands started with
 :meth:`ThrottledStorage.run` (and their children) read the mounted files at the limited rate, whatever loader they
 use; the controlling process stays outside the groups so that it can always clean up. Inside, a command gets a
-:class:`ThrottleGroup` from :meth:`ThrottleGroup.from_env`. :meth:`ThrottleGroup.drop_caches` empties the page cache (``echo 3 > /proc/sys/vm/drop_caches`` plus
+:class:`ThrottleGroup` from :meth:`ThrottleGroup.from_env`. :meth:`ThrottleGroup.drop_caches` empties the page cache
+(``echo 3 > /proc/sys/vm/drop_caches`` plus
 ``posix_fadvise(DONTNEED)`` on every file of the mount) so each epoch reads from the device again, and
 :meth:`ThrottleGroup.device_read_bytes` reads the bytes the device served (``blkio.throttle.io_service_bytes``)
 and the read requests (``io_serviced``). Everything is undone on exit, on exceptions and on SIGINT/SIGTERM
@@ -41,8 +42,19 @@ from typing import Any
 
 BLKIO_ROOT = Path("/sys/fs/cgroup/blkio")
 MEMORY_ROOT = Path("/sys/fs/cgroup/memory")
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+}
 
 
 def parse_bytes(text: str | int) -> int:
@@ -51,7 +63,7 @@ def parse_bytes(text: str | int) -> int:
         return text
     s = text.strip().lower()
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):].strip()
+    unit = s[len(num) :].strip()
     if unit not in _UNITS or not num:
         raise ValueError(f"cannot parse byte size {text!r}; use e.g. 40MB, 512MiB")
     return int(float(num) * _UNITS[unit])

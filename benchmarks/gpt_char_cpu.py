@@ -75,13 +75,31 @@ def _train(
 ):
     seed_everything(1337)
     data = CharTextDataModule(path, block_size=64, batch_size=12)
-    model = GPT(**dims, block_size=64, dropout=0.0, attention=attention,
-                learning_rate=1e-3, warmup_steps=min(100, steps), min_lr_ratio=0.1, max_steps=steps)
+    model = GPT(
+        **dims,
+        block_size=64,
+        dropout=0.0,
+        attention=attention,
+        learning_rate=1e-3,
+        warmup_steps=min(100, steps),
+        min_lr_ratio=0.1,
+        max_steps=steps,
+    )
     rec = _Recorder(budget_s)
     trainer = Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, val_check_interval=eval_every, check_val_every_n_epoch=None,
-        limit_val_batches=val_batches, num_sanity_val_steps=0, gradient_clip_val=1.0, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[rec],
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        val_check_interval=eval_every,
+        check_val_every_n_epoch=None,
+        limit_val_batches=val_batches,
+        num_sanity_val_steps=0,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[rec],
     )
     trainer.fit(model, datamodule=data)
     return rec, model
@@ -150,8 +168,15 @@ def _write(args, path, rows, final, tokens_per_s, tp_rows, steps, dims) -> None:
     )
     write_results(
         "gpt_char_cpu" + ("_quick" if args.quick else ""),
-        {"data": path or "builtin", "curve": rows, "final": final, "train_tokens_per_s": tokens_per_s,
-         "attention_throughput": tp_rows, "steps": steps, "model": dims},
+        {
+            "data": path or "builtin",
+            "curve": rows,
+            "final": final,
+            "train_tokens_per_s": tokens_per_s,
+            "attention_throughput": tp_rows,
+            "steps": steps,
+            "model": dims,
+        },
         md,
         fig,
     )

@@ -35,10 +35,10 @@ class _History(Callback):
         self.rows: list[dict] = []
         self.start = time.perf_counter()
 
-    def on_fit_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+    def on_fit_start(self, trainer, pl_module) -> None:
         self.start = time.perf_counter()
 
-    def on_validation_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+    def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking:
             return
         m = trainer.callback_metrics
@@ -55,16 +55,36 @@ class _History(Callback):
 
 def run(name: str, g: float, args: argparse.Namespace, dm: InteractionsDataModule) -> dict:
     model = SimpleXModule(
-        dim=args.dim, g=g, margin=0.9, negative_weight=args.negative_weight, num_negatives=args.negatives,
-        max_history=100, backend="fused", lr=args.lr, init_std=0.1, sampler=args.sampler,
-        aggregator_lr_scale=args.aggregator_lr_scale, optimizer=args.optimizer, lr_schedule=args.lr_schedule,
-        row_norm=args.row_norm, aggregator_weight_decay=args.aggregator_weight_decay, seed=args.seed,
+        dim=args.dim,
+        g=g,
+        margin=0.9,
+        negative_weight=args.negative_weight,
+        num_negatives=args.negatives,
+        max_history=100,
+        backend="fused",
+        lr=args.lr,
+        init_std=0.1,
+        sampler=args.sampler,
+        aggregator_lr_scale=args.aggregator_lr_scale,
+        optimizer=args.optimizer,
+        lr_schedule=args.lr_schedule,
+        row_norm=args.row_norm,
+        aggregator_weight_decay=args.aggregator_weight_decay,
+        seed=args.seed,
     )
     history = _History()
     trainer = Trainer(
-        accelerator="heat", devices=1, max_epochs=args.max_epochs, max_time={"minutes": args.budget_minutes},
-        check_val_every_n_epoch=args.eval_every, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[history],
+        accelerator="heat",
+        devices=1,
+        max_epochs=args.max_epochs,
+        max_time={"minutes": args.budget_minutes},
+        check_val_every_n_epoch=args.eval_every,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[history],
     )
     start = time.perf_counter()
     trainer.fit(model, dm)
@@ -78,10 +98,18 @@ def run(name: str, g: float, args: argparse.Namespace, dm: InteractionsDataModul
     # the curve above is validation (carved from train); the test split is scored once, here, after the last epoch
     test = trainer.test(model, dm, verbose=False)[0]
     return {
-        "model": name, "g": g, "epochs": epochs, "wall_s": train_wall, "val_recall@20": final["recall@20"],
-        "val_ndcg@20": final["ndcg@20"], "recall@20": test["test/recall@20"], "ndcg@20": test["test/ndcg@20"],
-        "published_recall@20": pub[0], "published_ndcg@20": pub[1],
-        "load_avg_1m": round(os.getloadavg()[0], 2), "curve": history.rows,
+        "model": name,
+        "g": g,
+        "epochs": epochs,
+        "wall_s": train_wall,
+        "val_recall@20": final["recall@20"],
+        "val_ndcg@20": final["ndcg@20"],
+        "recall@20": test["test/recall@20"],
+        "ndcg@20": test["test/ndcg@20"],
+        "published_recall@20": pub[0],
+        "published_ndcg@20": pub[1],
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "curve": history.rows,
     }
 
 
@@ -98,7 +126,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=1.0, help="per-sample learning rate of the fused kernel")
     parser.add_argument("--optimizer", default="sgd", choices=["sgd", "rowwise_adagrad"])
     parser.add_argument(
-        "--lr-schedule", default="linear", choices=["constant", "linear"],
+        "--lr-schedule",
+        default="linear",
+        choices=["constant", "linear"],
         help="linear decays to 0 over --max-epochs (choose it so that the fit ends inside the budget)",
     )
     parser.add_argument("--row-norm", type=float, default=None, help="project rows to this norm after each step")
@@ -111,7 +141,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default=None, help="results file stem (default heat_gowalla_quality)")
     parser.add_argument("--note", default="", help="a sentence added to the report (e.g. how the runs were made)")
     parser.add_argument(
-        "--combine", nargs="+", default=None, metavar="JSON",
+        "--combine",
+        nargs="+",
+        default=None,
+        metavar="JSON",
         help="only write the report from earlier results JSONs (e.g. one run per model, run side by side)",
     )
     args = parser.parse_args(argv)
@@ -120,9 +153,15 @@ def main(argv: list[str] | None = None) -> None:
 
         loaded = [json.loads(Path(f).read_text()) for f in args.combine]
         results = [r for doc in loaded for r in doc["results"]]
-        report(results, argparse.Namespace(**{**loaded[0]["args"], "name": args.name, "quick": False}),
-               {"runs": [{"args": d["args"], "machine": d.get("machine")} for d in loaded],
-                "machine": loaded[0].get("machine"), "note": args.note})
+        report(
+            results,
+            argparse.Namespace(**{**loaded[0]["args"], "name": args.name, "quick": False}),
+            {
+                "runs": [{"args": d["args"], "machine": d.get("machine")} for d in loaded],
+                "machine": loaded[0].get("machine"),
+                "note": args.note,
+            },
+        )
         return
 
     if args.quick:
@@ -148,33 +187,52 @@ def report(results: list[dict], args: argparse.Namespace, extra: dict) -> None:
     optimizer, schedule = getattr(args, "optimizer", "sgd"), getattr(args, "lr_schedule", "constant")  # older JSONs
     tile = inspect.signature(SimpleXModule).parameters  # run() leaves the tile settings at the module's defaults
     sampler = (
-        f"tile sampler: {tile['tile_size'].default} items per thread, redrawn every {tile['tile_refresh'].default} samples"
-        if args.sampler == "tile" else "uniform over all items"
+        f"tile sampler: {tile['tile_size'].default} items per thread, "
+        f"redrawn every {tile['tile_refresh'].default} samples"
+        if args.sampler == "tile"
+        else "uniform over all items"
     )
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in results:
         curve = r["curve"]
-        line = ax.plot([c["epochs"] for c in curve], [c["recall@20"] for c in curve], "-o", label=f"{r['model']} (fused)")
-        ax.axhline(r["published_recall@20"], color=line[0].get_color(), ls="--", lw=0.8, label=f"{r['model']} published")
+        line = ax.plot(
+            [c["epochs"] for c in curve], [c["recall@20"] for c in curve], "-o", label=f"{r['model']} (fused)"
+        )
+        ax.axhline(
+            r["published_recall@20"], color=line[0].get_color(), ls="--", lw=0.8, label=f"{r['model']} published"
+        )
     ax.set_xlabel("epoch")
     ax.set_ylabel("Recall@20 (Gowalla validation)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(
         f"HEAT fused {optimizer} ({schedule} lr), {args.negatives} negatives, d={args.dim}, "
-        f"budget {args.budget_minutes:g} min/model", fontsize=9,
+        f"budget {args.budget_minutes:g} min/model",
+        fontsize=9,
     )
 
-    cols = ["model", "epochs", "wall_s", "val_recall@20", "recall@20", "published_recall@20", "ndcg@20", "published_ndcg@20",
-            "load_avg_1m"]
+    cols = [
+        "model",
+        "epochs",
+        "wall_s",
+        "val_recall@20",
+        "recall@20",
+        "published_recall@20",
+        "ndcg@20",
+        "published_ndcg@20",
+        "load_avg_1m",
+    ]
     md = (
-        f"Fused backend, `Trainer(accelerator=\"heat\")`, d={args.dim}, {args.negatives} negatives per positive "
-        f"({sampler}), seed {getattr(args, 'seed', 0)}, w={args.negative_weight:g}, m=0.9, per-sample {optimizer} lr {args.lr:g} "
-        f"({schedule} schedule over {args.max_epochs} epochs), row norm {getattr(args, 'row_norm', None)}, init std 0.1, "
+        f'Fused backend, `Trainer(accelerator="heat")`, d={args.dim}, {args.negatives} negatives per positive '
+        f"({sampler}), seed {getattr(args, 'seed', 0)}, w={args.negative_weight:g}, m=0.9, "
+        f"per-sample {optimizer} lr {args.lr:g} "
+        f"({schedule} schedule over {args.max_epochs} epochs), row norm {getattr(args, 'row_norm', None)}, "
+        "init std 0.1, "
         f"batch {args.batch_size}; SimpleX g=0.8 mean aggregator, history 100, V lr x{args.aggregator_lr_scale:g}, "
         f"V weight decay {getattr(args, 'aggregator_weight_decay', 0.0):g}. Budget {args.budget_minutes:g} min per "
         "model (Lightning `max_time`, validation included). A validation split (10% of each user's training items, "
-        "seeded by the run's seed) is carved out of the training interactions: the per-epoch curve and `val_recall@20` are scored on "
+        "seeded by the run's seed) is carved out of the training interactions: the per-epoch curve and "
+        "`val_recall@20` are scored on "
         "it; `recall@20` / `ndcg@20` are the test split, scored once after training.\n\n"
         + (f"{extra['note']}\n\n" if extra.get("note") else "")
         + markdown_table(results, cols)

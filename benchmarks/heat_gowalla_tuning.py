@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 from pathlib import Path
-
 from typing import Any
 
 import torch
@@ -32,12 +31,48 @@ from lightning_sdp.plugins.heat import HEATAccelerator
 
 NAME = "heat_gowalla_tuning"
 DEFAULTS: dict[str, object] = {
-    "g": 1.0, "negatives": 800, "negative_weight": 150.0, "margin": 0.9, "dim": 64, "optimizer": "sgd", "lr": 0.5,
-    "schedule": "constant", "epochs": 30, "init_std": 0.1, "weight_decay": 0.0, "row_norm": 0.0, "batch_size": 16384,
-    "eval_every": 10, "threads": 2, "seed": 0, "aggregator_lr_scale": 1.0, "aggregator_weight_decay": 0.0,
+    "g": 1.0,
+    "negatives": 800,
+    "negative_weight": 150.0,
+    "margin": 0.9,
+    "dim": 64,
+    "optimizer": "sgd",
+    "lr": 0.5,
+    "schedule": "constant",
+    "epochs": 30,
+    "init_std": 0.1,
+    "weight_decay": 0.0,
+    "row_norm": 0.0,
+    "batch_size": 16384,
+    "eval_every": 10,
+    "threads": 2,
+    "seed": 0,
+    "aggregator_lr_scale": 1.0,
+    "aggregator_weight_decay": 0.0,
 }
-COLUMNS = ["name", "dim", "g", "aggregator_lr_scale", "aggregator_weight_decay", "negatives", "negative_weight", "margin", "optimizer", "schedule", "lr", "init_std",
-           "weight_decay", "row_norm", "user_init_scale", "epochs", "recall@20", "ndcg@20", "train_s", "threads", "script"]
+COLUMNS = [
+    "name",
+    "dim",
+    "g",
+    "aggregator_lr_scale",
+    "aggregator_weight_decay",
+    "negatives",
+    "negative_weight",
+    "margin",
+    "optimizer",
+    "schedule",
+    "lr",
+    "init_std",
+    "weight_decay",
+    "row_norm",
+    "user_init_scale",
+    "epochs",
+    "recall@20",
+    "ndcg@20",
+    "train_s",
+    "threads",
+    "script",
+]
 
 
 def _parse(pairs: list[str]) -> dict[str, object]:
@@ -93,26 +128,53 @@ class _ValidationCurve(Callback):
 def train(name: str, cfg: dict[str, object], dm: InteractionsDataModule) -> dict:
     dm.setup("fit")
     model = SimpleXModule(
-        dm.num_users, dm.num_items, dim=int(cfg["dim"]), g=float(cfg["g"]), margin=float(cfg["margin"]),
-        negative_weight=float(cfg["negative_weight"]), num_negatives=int(cfg["negatives"]), max_history=100,
-        backend="fused", optimizer=str(cfg["optimizer"]), lr=float(cfg["lr"]), init_std=float(cfg["init_std"]),
-        weight_decay=float(cfg["weight_decay"]), seed=int(cfg["seed"]), lr_schedule=str(cfg["schedule"]),
-        row_norm=float(cfg["row_norm"]) or None, aggregator_lr_scale=float(cfg["aggregator_lr_scale"]),
+        dm.num_users,
+        dm.num_items,
+        dim=int(cfg["dim"]),
+        g=float(cfg["g"]),
+        margin=float(cfg["margin"]),
+        negative_weight=float(cfg["negative_weight"]),
+        num_negatives=int(cfg["negatives"]),
+        max_history=100,
+        backend="fused",
+        optimizer=str(cfg["optimizer"]),
+        lr=float(cfg["lr"]),
+        init_std=float(cfg["init_std"]),
+        weight_decay=float(cfg["weight_decay"]),
+        seed=int(cfg["seed"]),
+        lr_schedule=str(cfg["schedule"]),
+        row_norm=float(cfg["row_norm"]) or None,
+        aggregator_lr_scale=float(cfg["aggregator_lr_scale"]),
         aggregator_weight_decay=float(cfg["aggregator_weight_decay"]),
     )
     timer = StepTimer()
     curve = _ValidationCurve(timer, norms=True)
     trainer = Trainer(
-        accelerator=HEATAccelerator(num_threads=int(cfg["threads"])), devices=1, max_epochs=int(cfg["epochs"]),
-        check_val_every_n_epoch=int(cfg["eval_every"]), num_sanity_val_steps=0, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer, curve],
+        accelerator=HEATAccelerator(num_threads=int(cfg["threads"])),
+        devices=1,
+        max_epochs=int(cfg["epochs"]),
+        check_val_every_n_epoch=int(cfg["eval_every"]),
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer, curve],
     )
     trainer.fit(model, datamodule=dm)
     if not curve.curve or curve.curve[-1]["epochs"] != int(cfg["epochs"]):
         trainer.validate(model, datamodule=dm, verbose=False)
     last = curve.curve[-1]
-    return {"name": name, **cfg, **last, "recall@20": last["val_recall@20"], "ndcg@20": last["val_ndcg@20"],
-            "curve": curve.curve, "split": "validation", "load_avg_1m": round(os.getloadavg()[0], 2)}
+    return {
+        "name": name,
+        **cfg,
+        **last,
+        "recall@20": last["val_recall@20"],
+        "ndcg@20": last["val_ndcg@20"],
+        "curve": curve.curve,
+        "split": "validation",
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
 
 
 def _curve_recall(point: dict) -> float:
@@ -129,8 +191,13 @@ def report(runs: list[dict], name: str = NAME) -> None:
         run.setdefault("split", "test (before the validation split)")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in sorted(runs, key=lambda r: -r["recall@20"])[:8]:
-        ax.plot([c["epochs"] for c in run["curve"]], [_curve_recall(c) for c in run["curve"]], "-o", ms=3,
-                label=f"{run['name']} ({run['split'].split()[0]})")
+        ax.plot(
+            [c["epochs"] for c in run["curve"]],
+            [_curve_recall(c) for c in run["curve"]],
+            "-o",
+            ms=3,
+            label=f"{run['name']} ({run['split'].split()[0]})",
+        )
     ax.axhline(0.1837, color="k", ls="--", lw=0.8, label="MF-CCL published (Adam, test)")
     ax.set_xscale("log")
     ax.set_xlabel("epoch")
@@ -139,7 +206,7 @@ def report(runs: list[dict], name: str = NAME) -> None:
     ax.legend(fontsize=7)
     ax.set_title("HEAT fused kernel: optimiser settings (best 8 runs)", fontsize=10)
     md = (
-        "SimpleXModule (fused backend) through a Trainer on `accelerator=\"heat\"`, Gowalla LightGCN split with a "
+        'SimpleXModule (fused backend) through a Trainer on `accelerator="heat"`, Gowalla LightGCN split with a '
         "validation set of 10% of each user's training items carved out (seed 0); d=64 unless listed, w=150, m=0.9 "
         "unless listed, uniform negatives, batches of 16,384 positives; Recall/NDCG@20 after the last epoch on the "
         "split named in `split` (full ranking, known items masked). Runs whose split is `test (before the validation "

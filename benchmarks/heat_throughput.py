@@ -44,17 +44,30 @@ def _pairs(dm: InteractionsDataModule, seed: int = 0) -> tuple[torch.Tensor, tor
     return torch.from_numpy(users[order].astype(np.int64)), torch.from_numpy(indices[order].astype(np.int64))
 
 
-def _model(dm: InteractionsDataModule, backend: str, g: float, dim: int, negatives: int, sampler: str = "uniform") -> SimpleXModule:
+def _model(
+    dm: InteractionsDataModule, backend: str, g: float, dim: int, negatives: int, sampler: str = "uniform"
+) -> SimpleXModule:
     m = SimpleXModule(
-        dm.num_users, dm.num_items, dim=dim, g=g, num_negatives=negatives, negative_weight=150.0, margin=0.9,
-        max_history=100, backend=backend, sampler=sampler, lr=0.5 if backend == "fused" else 1e-4,
+        dm.num_users,
+        dm.num_items,
+        dim=dim,
+        g=g,
+        num_negatives=negatives,
+        negative_weight=150.0,
+        margin=0.9,
+        max_history=100,
+        backend=backend,
+        sampler=sampler,
+        lr=0.5 if backend == "fused" else 1e-4,
         init_std=0.1 if backend == "fused" else 1e-4,
     )
     m.set_interactions(*dm.train_csr)
     return m
 
 
-def measure_fused(m: SimpleXModule, users: torch.Tensor, items: torch.Tensor, seconds: float, batch: int = 16384) -> float:
+def measure_fused(
+    m: SimpleXModule, users: torch.Tensor, items: torch.Tensor, seconds: float, batch: int = 16384
+) -> float:
     m.fused_step(users[:batch], items[:batch], 0.05)  # warm-up (and compile on first use)
     done, start, pos = 0, time.perf_counter(), batch
     while time.perf_counter() - start < seconds:
@@ -105,7 +118,9 @@ def recall_ndcg_at_20(m: SimpleXModule, dm: InteractionsDataModule) -> tuple[flo
     return float(recall.compute()), float(ndcg.compute())
 
 
-def sampler_quality(dm: InteractionsDataModule, epochs: int, dim: int, negatives: int, threads: int) -> tuple[list[dict], list[dict]]:
+def sampler_quality(
+    dm: InteractionsDataModule, epochs: int, dim: int, negatives: int, threads: int
+) -> tuple[list[dict], list[dict]]:
     """Tile vs uniform sampler on MF-CCL: seconds per epoch, and Recall/NDCG@20 during and after ``epochs`` epochs.
 
     Returns the final row per sampler and the curve (about eight evaluations per sampler).
@@ -127,16 +142,23 @@ def sampler_quality(dm: InteractionsDataModule, epochs: int, dim: int, negatives
             if epoch + 1 in evals:
                 recall, ndcg = recall_ndcg_at_20(m, dm)
                 curve.append({"sampler": sampler, "epochs": epoch + 1, "recall@20": recall, "ndcg@20": ndcg})
-        rows.append({
-            "sampler": sampler, "epochs": epochs, "s_per_epoch": train_s / epochs,
-            "positives_per_s": epochs * dm.num_train_interactions / train_s,
-            "recall@20": curve[-1]["recall@20"], "ndcg@20": curve[-1]["ndcg@20"],
-        })
+        rows.append(
+            {
+                "sampler": sampler,
+                "epochs": epochs,
+                "s_per_epoch": train_s / epochs,
+                "positives_per_s": epochs * dm.num_train_interactions / train_s,
+                "recall@20": curve[-1]["recall@20"],
+                "ndcg@20": curve[-1]["ndcg@20"],
+            }
+        )
         print(rows[-1], flush=True)
     return rows, curve
 
 
-def sampler_report(rows: list[dict], curve: list[dict], args: argparse.Namespace, dim: int, threads: int, name: str) -> None:
+def sampler_report(
+    rows: list[dict], curve: list[dict], args: argparse.Namespace, dim: int, threads: int, name: str
+) -> None:
     """Write the tile-vs-uniform comparison on its own (``--sampler-only``)."""
     import matplotlib
 
@@ -169,7 +191,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=4.0, help="measuring time per configuration")
     parser.add_argument("--negatives", type=int, default=64)
     parser.add_argument("--sampler-epochs", type=int, default=5, help="epochs per sampler in the tile/uniform test")
-    parser.add_argument("--sampler-only", action="store_true", help="only the tile/uniform comparison (own results file)")
+    parser.add_argument(
+        "--sampler-only", action="store_true", help="only the tile/uniform comparison (own results file)"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny synthetic run (smoke test)")
     args = parser.parse_args(argv)
 
@@ -189,7 +213,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.sampler_only:
         threads = max(threads_list)
         sampler_rows, curve = sampler_quality(dm, sampler_epochs, dims[0], args.negatives, threads)
-        sampler_report(sampler_rows, curve, args, dims[0], threads, "heat_sampler_quality" + ("_quick" if args.quick else ""))
+        sampler_report(
+            sampler_rows, curve, args, dims[0], threads, "heat_sampler_quality" + ("_quick" if args.quick else "")
+        )
         return
 
     rows = []
@@ -199,8 +225,12 @@ def main(argv: list[str] | None = None) -> None:
                 set_threads(threads)
                 row = {"model": model_name, "d": dim, "threads": threads}
                 row["fused"] = measure_fused(_model(dm, "fused", g, dim, args.negatives), users, items, seconds)
-                row["fused_tile"] = measure_fused(_model(dm, "fused", g, dim, args.negatives, "tile"), users, items, seconds)
-                row["reference"] = measure_reference(_model(dm, "reference", g, dim, args.negatives), users, items, seconds, 256)
+                row["fused_tile"] = measure_fused(
+                    _model(dm, "fused", g, dim, args.negatives, "tile"), users, items, seconds
+                )
+                row["reference"] = measure_reference(
+                    _model(dm, "reference", g, dim, args.negatives), users, items, seconds, 256
+                )
                 row["reference_b4096"] = measure_reference(
                     _model(dm, "reference", g, dim, args.negatives), users, items, seconds, 4096
                 )
@@ -232,10 +262,24 @@ def main(argv: list[str] | None = None) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("positives / s")
     axes[1].legend(fontsize=7)
-    fig.suptitle("HEAT fused kernel vs plain-PyTorch SimpleX (Gowalla)" if not args.quick else "HEAT (quick, synthetic)")
+    fig.suptitle(
+        "HEAT fused kernel vs plain-PyTorch SimpleX (Gowalla)" if not args.quick else "HEAT (quick, synthetic)"
+    )
 
-    cols = ["model", "d", "threads", "fused", "fused_tile", "reference", "reference_b4096", "fused/reference",
-            "fused/reference_b4096", "s_per_epoch_fused", "s_per_epoch_reference", "load_avg_1m"]
+    cols = [
+        "model",
+        "d",
+        "threads",
+        "fused",
+        "fused_tile",
+        "reference",
+        "reference_b4096",
+        "fused/reference",
+        "fused/reference_b4096",
+        "s_per_epoch_fused",
+        "s_per_epoch_reference",
+        "load_avg_1m",
+    ]
     md = (
         f"Data: {'synthetic (quick)' if args.quick else args.data} ({dm.num_train_interactions:,} training positives), "
         f"{args.negatives} negatives, positives per second (higher is better); `fused` = HEAT numba kernel (batches "
@@ -246,8 +290,12 @@ def main(argv: list[str] | None = None) -> None:
         + f"d={dims[0]}, {max(threads_list)} threads, {sampler_epochs} epochs, lr {SAMPLER_LR:g} linear to 0)\n\n"
         + markdown_table(sampler_rows, floatfmt="{:.4g}")
     )
-    write_results("heat_throughput" if not args.quick else "heat_throughput_quick",
-                  {"rows": rows, "sampler": sampler_rows, "negatives": args.negatives, "quick": args.quick}, md, fig)
+    write_results(
+        "heat_throughput" if not args.quick else "heat_throughput_quick",
+        {"rows": rows, "sampler": sampler_rows, "negatives": args.negatives, "quick": args.quick},
+        md,
+        fig,
+    )
 
 
 if __name__ == "__main__":

@@ -58,7 +58,11 @@ ONE_SHOT = ("cornac_ease",)
 ALL_METHODS = ITERATIVE[:4] + ONE_SHOT + SCHEDULED + ITERATIVE[4:]
 DEFAULT_METHODS = ("als", "bpr", "lightfm", "cornac_bpr", "cornac_ease", "heat", "heat_budget")
 PEER_PACKAGES = {
-    "als": "implicit", "bpr": "implicit", "lightfm": "lightfm", "cornac_bpr": "cornac", "cornac_ease": "cornac"
+    "als": "implicit",
+    "bpr": "implicit",
+    "lightfm": "lightfm",
+    "cornac_bpr": "cornac",
+    "cornac_ease": "cornac",
 }
 # the stated grids (first entry = the library's defaults, as a new user would start)
 GRIDS: dict[str, dict[str, list[Any]]] = {
@@ -97,8 +101,15 @@ class Split:
     def describe(self) -> dict[str, Any]:
         n_train, n_val, n_test = len(self.train[1]), len(self.val[1]), len(self.test[1])
         density = (n_train + n_val) / (self.num_users * self.num_items)
-        return {"dataset": self.name, "users": self.num_users, "items": self.num_items, "train": n_train,
-                "val": n_val, "test": n_test, "density": density}
+        return {
+            "dataset": self.name,
+            "users": self.num_users,
+            "items": self.num_items,
+            "train": n_train,
+            "val": n_val,
+            "test": n_test,
+            "density": density,
+        }
 
 
 def load_split(dataset: str, data: str, val_fraction: float, quick: bool) -> Split | None:
@@ -114,8 +125,9 @@ def load_split(dataset: str, data: str, val_fraction: float, quick: bool) -> Spl
     users, items, per_user = (300, 200, 20) if quick else (3000, 1500, 60)
     dm = InteractionsDataModule(num_users=users, num_items=items, interactions_per_user=per_user, val_fraction=0.0)
     dm.setup("fit")
-    return Split("synthetic_quick" if quick else "synthetic", tuple(dm.train_csr), tuple(dm.test_csr), items,
-                 val_fraction)
+    return Split(
+        "synthetic_quick" if quick else "synthetic", tuple(dm.train_csr), tuple(dm.test_csr), items, val_fraction
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- threads
@@ -233,8 +245,14 @@ def build_iterative(method: str, config: dict[str, Any], split: Split, threads: 
 
 
 def run_iterative(
-    method: str, config: dict[str, Any], split: Split, seconds: float, eval_at: list[float], target: str,
-    threads: int, seed: int,
+    method: str,
+    config: dict[str, Any],
+    split: Split,
+    seconds: float,
+    eval_at: list[float],
+    target: str,
+    threads: int,
+    seed: int,
 ) -> list[dict[str, float]]:
     """Train up to ``seconds`` of training time; score on ``target`` once training time passes each ``eval_at``."""
     model = build_iterative(method, config, split, threads, seed)
@@ -255,13 +273,27 @@ def run_iterative(
                 pending.pop(0)
             start = time.perf_counter()
             recall, ndcg = evaluate_ranking(model.score, known, goal, split.num_items, 20, users)
-            curve.append({"train_s": train_s, "passes": passes, "recall@20": recall, "ndcg@20": ndcg,
-                          "eval_s": time.perf_counter() - start})
+            curve.append(
+                {
+                    "train_s": train_s,
+                    "passes": passes,
+                    "recall@20": recall,
+                    "ndcg@20": ndcg,
+                    "eval_s": time.perf_counter() - start,
+                }
+            )
     if not curve or curve[-1]["passes"] != passes:
         start = time.perf_counter()
         recall, ndcg = evaluate_ranking(model.score, known, goal, split.num_items, 20, users)
-        curve.append({"train_s": train_s, "passes": passes, "recall@20": recall, "ndcg@20": ndcg,
-                      "eval_s": time.perf_counter() - start})
+        curve.append(
+            {
+                "train_s": train_s,
+                "passes": passes,
+                "recall@20": recall,
+                "ndcg@20": ndcg,
+                "eval_s": time.perf_counter() - start,
+            }
+        )
     return curve
 
 
@@ -304,8 +336,14 @@ def run_scheduled(
     known, goal = (split.train, split.val) if target == "val" else (split.full_train, split.test)
     start = time.perf_counter()
     recall, ndcg = evaluate_ranking(model.score, known, goal, split.num_items)
-    return {"train_s": train_s, "steps": steps, "final_lr": final_lr, "recall@20": recall, "ndcg@20": ndcg,
-            "eval_s": time.perf_counter() - start}
+    return {
+        "train_s": train_s,
+        "steps": steps,
+        "final_lr": final_lr,
+        "recall@20": recall,
+        "ndcg@20": ndcg,
+        "eval_s": time.perf_counter() - start,
+    }
 
 
 def _heat_batch(split: Split) -> int:
@@ -343,10 +381,18 @@ def tune(method: str, split: Split, args: argparse.Namespace) -> tuple[dict[str,
             final = run_ease(config, split, "val", args.seed)[-1]
         else:
             final = run_scheduled(method, config, split, args.trial_seconds, "val", args.threads, args.seed)
-        trials.append({"config": config, "val_recall@20": final["recall@20"], "val_ndcg@20": final["ndcg@20"],
-                       "train_s": final["train_s"], "wall_s": time.perf_counter() - start})
-        print(f"  {method} trial {config}: val Recall@20 {final['recall@20']:.4f} ({final['train_s']:.1f}s)",
-              flush=True)
+        trials.append(
+            {
+                "config": config,
+                "val_recall@20": final["recall@20"],
+                "val_ndcg@20": final["ndcg@20"],
+                "train_s": final["train_s"],
+                "wall_s": time.perf_counter() - start,
+            }
+        )
+        print(
+            f"  {method} trial {config}: val Recall@20 {final['recall@20']:.4f} ({final['train_s']:.1f}s)", flush=True
+        )
     best = max(trials, key=lambda t: t["val_recall@20"])
     return best["config"], trials
 
@@ -360,16 +406,32 @@ def run_method(method: str, split: Split, args: argparse.Namespace) -> dict[str,
         points = []
         for budget in budgets:
             fit = fit_simplex_within_budget(
-                split.train, budget_seconds=budget, val=split.val, num_items=split.num_items, threads=args.threads,
+                split.train,
+                budget_seconds=budget,
+                val=split.val,
+                num_items=split.num_items,
+                threads=args.threads,
                 seed=args.seed,
             )
             model = fit.model
             start = time.perf_counter()
             recall, ndcg = evaluate_ranking(model.score, split.full_train, split.test, split.num_items)
-            points.append({"budget_s": budget, "train_s": fit.search_seconds + fit.fit_seconds, "recall@20": recall,
-                           "ndcg@20": ndcg, "eval_s": time.perf_counter() - start, "val_recall@20": fit.val_recall,
-                           "config": fit.config, "max_steps": fit.max_steps, "final_lr": fit.final_lr,
-                           "search_s": fit.search_seconds, "trials": len(fit.trials), "notes": fit.notes})
+            points.append(
+                {
+                    "budget_s": budget,
+                    "train_s": fit.search_seconds + fit.fit_seconds,
+                    "recall@20": recall,
+                    "ndcg@20": ndcg,
+                    "eval_s": time.perf_counter() - start,
+                    "val_recall@20": fit.val_recall,
+                    "config": fit.config,
+                    "max_steps": fit.max_steps,
+                    "final_lr": fit.final_lr,
+                    "search_s": fit.search_seconds,
+                    "trials": len(fit.trials),
+                    "notes": fit.notes,
+                }
+            )
             print(f"  heat_budget {budget}s: test Recall@20 {recall:.4f}, chose {fit.config}", flush=True)
         return {"method": method, "config": "chosen inside each budget", "trials": [], "curve": points}
     config, trials = tune(method, split, args)
@@ -385,8 +447,10 @@ def run_method(method: str, split: Split, args: argparse.Namespace) -> dict[str,
             point = run_scheduled(method, config, split, budget, "test", args.threads, args.seed)
             curve.append({"budget_s": budget, **point})
     for point in curve:
-        print(f"  {method} test: {point['train_s']:.1f}s Recall@20 {point['recall@20']:.4f} "
-              f"NDCG@20 {point['ndcg@20']:.4f}")
+        print(
+            f"  {method} test: {point['train_s']:.1f}s Recall@20 {point['recall@20']:.4f} "
+            f"NDCG@20 {point['ndcg@20']:.4f}"
+        )
     return {"method": method, "config": config, "trials": trials, "curve": curve}
 
 
@@ -462,8 +526,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", default=str(SHARED_DATA / "gowalla"), help="LightGCN folder of the Gowalla split")
     parser.add_argument("--dataset", default="gowalla", help="comma list of gowalla, synthetic (dense, 3000 x 1500)")
-    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                        help=f"comma list of {', '.join(ALL_METHODS)} or 'all'")
+    parser.add_argument(
+        "--methods", default=",".join(DEFAULT_METHODS), help=f"comma list of {', '.join(ALL_METHODS)} or 'all'"
+    )
     parser.add_argument("--budgets", default="30,60,180", help="training-time budgets in seconds")
     parser.add_argument("--configs", type=int, default=3, help="configurations tried per method (same for all)")
     parser.add_argument("--trial-seconds", type=float, default=8.0, help="training time of each tuning trial")
@@ -484,9 +549,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.quick:
         datasets, args.budgets, args.configs = ["synthetic"], [1.5, 3.0], 2
         args.trial_seconds, args.curve_points = 0.3, 2
-    print(f"heat_vs_peers: methods {methods}, datasets {datasets}, budgets {args.budgets} s, {args.configs} configs "
-          f"x {args.trial_seconds:g} s tuning each; expected run time about "
-          f"{estimate_seconds(methods, datasets, args) / 60:.1f} min (more on a loaded machine)", flush=True)
+    print(
+        f"heat_vs_peers: methods {methods}, datasets {datasets}, budgets {args.budgets} s, {args.configs} configs "
+        f"x {args.trial_seconds:g} s tuning each; expected run time about "
+        f"{estimate_seconds(methods, datasets, args) / 60:.1f} min (more on a loaded machine)",
+        flush=True,
+    )
     limiter = set_threads(args.threads)
     results: dict[str, Any] = {"args": vars(args), "methods": methods, "datasets": {}, "machine": machine_info()}
     for ds in datasets:
@@ -513,4 +581,3 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     main()
-

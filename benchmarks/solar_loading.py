@@ -56,9 +56,7 @@ def run_baseline(path, n, ranks, batch, epochs, workers, throttle, seed, sample_
     for r in range(ranks):
         sampler = DistributedSampler(dataset, num_replicas=ranks, rank=r, shuffle=True, seed=seed)
         extra = {"persistent_workers": True, "prefetch_factor": 2} if workers else {}
-        loaders.append(
-            (sampler, DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=workers, **extra))
-        )
+        loaders.append((sampler, DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=workers, **extra)))
     rows = []
     for e in range(epochs):
         times, count = [], 0
@@ -117,9 +115,7 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="reader processes per rank (all modes)")
     parser.add_argument("--latency", type=float, default=0.001, help="throttled mode: seconds per request")
     parser.add_argument("--bandwidth", type=float, default=200e6, help="throttled mode: bytes/s per request")
-    parser.add_argument(
-        "--storage", nargs="+", default=["throttled", "plain"], choices=["throttled", "plain"]
-    )
+    parser.add_argument("--storage", nargs="+", default=["throttled", "plain"], choices=["throttled", "plain"])
     parser.add_argument("--modes", nargs="+", default=["baseline", *MODES])
     parser.add_argument("--data", default=None, help="HDF5 file to use/create (default: a temp file)")
     parser.add_argument("--seed", type=int, default=0)
@@ -141,9 +137,7 @@ def main(argv=None) -> int:
     sample_bytes = 3 * args.size * args.size * 4
     buffer = int(round(args.buffer_fraction * n))
     file_mib = os.path.getsize(path) / 2**20
-    print(
-        f"file {file_mib:.0f} MiB, {n} samples, buffer {buffer} samples ({buffer * sample_bytes / 2**20:.0f} MiB)"
-    )
+    print(f"file {file_mib:.0f} MiB, {n} samples, buffer {buffer} samples ({buffer * sample_bytes / 2**20:.0f} MiB)")
     results = []
     start = time.perf_counter()
     for storage in args.storage:
@@ -171,25 +165,17 @@ def main(argv=None) -> int:
                             "rank_s": [round(t, 3) for t in row["rank_s"]],
                         }
                     )
-                last = [
-                    r
-                    for r in results
-                    if r["storage"] == storage and r["ranks"] == ranks and r["mode"] == mode
-                ]
+                last = [r for r in results if r["storage"] == storage and r["ranks"] == ranks and r["mode"] == mode]
                 print(
                     f"{storage:9s} P={ranks} {mode:12s} "
-                    + " ".join(
-                        f"e{r['epoch']}:{r['samples_per_s']:.0f}/s,h={r['hit_rate']:.3f}" for r in last
-                    )
+                    + " ".join(f"e{r['epoch']}:{r['samples_per_s']:.0f}/s,h={r['hit_rate']:.3f}" for r in last)
                     + f"  ({time.perf_counter() - t0:.0f}s)",
                     flush=True,
                 )
     summary = []
     for storage in args.storage:
         for ranks in args.ranks:
-            base = [
-                r for r in results if (r["storage"], r["ranks"], r["mode"]) == (storage, ranks, "baseline")
-            ]
+            base = [r for r in results if (r["storage"], r["ranks"], r["mode"]) == (storage, ranks, "baseline")]
             base_sps = np.mean([r["samples_per_s"] for r in base if r["epoch"] > 0]) if base else float("nan")
             for mode in args.modes:
                 rs = [r for r in results if (r["storage"], r["ranks"], r["mode"]) == (storage, ranks, mode)]
@@ -240,9 +226,7 @@ def main(argv=None) -> int:
         for mode in args.modes:
             for ranks in args.ranks:
                 rs = [
-                    r
-                    for r in results
-                    if r["storage"] == args.storage[0] and r["ranks"] == ranks and r["mode"] == mode
+                    r for r in results if r["storage"] == args.storage[0] and r["ranks"] == ranks and r["mode"] == mode
                 ]
                 ax.plot(
                     [r["epoch"] for r in rs],

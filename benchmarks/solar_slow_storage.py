@@ -27,9 +27,15 @@ from pathlib import Path
 
 KEYS = ["diffraction", "amplitude", "phase"]
 DEFAULT_MODES = [
-    "dl0", "dl2", "dl4",
-    "solar:1:0:ra", "solar:1:0:serial:nobuf", "solar:1:0:serial", "solar:1:0",
-    "solar:16:8:nobuf", "solar:16:8",
+    "dl0",
+    "dl2",
+    "dl4",
+    "solar:1:0:ra",
+    "solar:1:0:serial:nobuf",
+    "solar:1:0:serial",
+    "solar:1:0",
+    "solar:16:8:nobuf",
+    "solar:16:8",
 ]
 
 
@@ -77,11 +83,21 @@ def _child(mode: str, path: str, samples: int, epochs: int, batch: int, buffer: 
             for line in fh:
                 if line.startswith("VmHWM"):
                     rss = int(line.split()[1]) * 1024
-        print(json.dumps({
-            "mode": mode, "epoch": epoch, "samples": n, "seconds": dt, "samples_per_s": n / dt,
-            "device_mib": (group.device_read_bytes() - b0) / 2**20,
-            "device_requests": group.device_read_requests() - r0, "peak_rss_mib": rss / 2**20,
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "mode": mode,
+                    "epoch": epoch,
+                    "samples": n,
+                    "seconds": dt,
+                    "samples_per_s": n / dt,
+                    "device_mib": (group.device_read_bytes() - b0) / 2**20,
+                    "device_requests": group.device_read_requests() - r0,
+                    "peak_rss_mib": rss / 2**20,
+                }
+            ),
+            flush=True,
+        )
 
 
 def main(argv=None) -> int:
@@ -94,8 +110,12 @@ def main(argv=None) -> int:
     parser.add_argument("--bps", default="40MB")
     parser.add_argument("--iops", type=int, default=400)
     parser.add_argument("--readahead-kb", type=int, default=None, help="loop device readahead (default: kernel's)")
-    parser.add_argument("--headroom-mib", type=int, default=0,
-                        help="cap the group's memory at its use + this (0: no cap; the page cache may hold the file)")
+    parser.add_argument(
+        "--headroom-mib",
+        type=int,
+        default=0,
+        help="cap the group's memory at its use + this (0: no cap; the page cache may hold the file)",
+    )
     parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--name", default="solar_slow_storage")
@@ -129,10 +149,27 @@ def main(argv=None) -> int:
         facts = storage.facts()
         print(f"file {file_mib:.1f} MiB, buffer {buffer} samples; device {facts}", flush=True)
         for mode in args.modes:
-            cmd = [sys.executable, "-m", "benchmarks.solar_slow_storage", "--child", mode, path,
-                   str(args.samples), str(args.epochs), str(args.batch), str(buffer), str(args.headroom_mib)]
-            out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT,
-                                 env={**os.environ, **storage.env()}, preexec_fn=storage.group_join)
+            cmd = [
+                sys.executable,
+                "-m",
+                "benchmarks.solar_slow_storage",
+                "--child",
+                mode,
+                path,
+                str(args.samples),
+                str(args.epochs),
+                str(args.batch),
+                str(buffer),
+                str(args.headroom_mib),
+            ]
+            out = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                cwd=REPO_ROOT,
+                env={**os.environ, **storage.env()},
+                preexec_fn=storage.group_join,
+            )
             for line in out.stdout.splitlines():
                 if line.startswith("{"):
                     rows.append(json.loads(line))
@@ -147,24 +184,33 @@ def main(argv=None) -> int:
         if not later:
             continue
         sps = sum(r["samples_per_s"] for r in later) / len(later)
-        summary.append({
-            "mode": mode, "samples/s (later epochs)": round(sps, 1), "vs dl0": round(sps / base_sps, 2),
-            "device MiB/epoch": round(sum(r["device_mib"] for r in later) / len(later), 1),
-            "device requests/epoch": round(sum(r["device_requests"] for r in later) / len(later)),
-            "peak RSS MiB": round(max(r["peak_rss_mib"] for r in later)),
-        })
+        summary.append(
+            {
+                "mode": mode,
+                "samples/s (later epochs)": round(sps, 1),
+                "vs dl0": round(sps / base_sps, 2),
+                "device MiB/epoch": round(sum(r["device_mib"] for r in later) / len(later), 1),
+                "device requests/epoch": round(sum(r["device_requests"] for r in later) / len(later)),
+                "peak RSS MiB": round(max(r["peak_rss_mib"] for r in later)),
+            }
+        )
     md = (
         f"File {file_mib:.1f} MiB ({args.samples} samples), buffer {buffer} samples "
         f"(C/N = {buffer / args.samples:.2f}, "
         f"so at most {(1 - buffer / args.samples) * file_mib:.1f} MiB/epoch for SOLAR), batch {args.batch}, "
         f"{args.epochs} epochs, one rank, page cache dropped before every epoch, memory headroom "
         f"{args.headroom_mib or 'uncapped'} MiB. Device: {facts}. 'later' = epochs after the first. Device bytes and "
-        "requests from the blkio cgroup.\n\n" + markdown_table(summary)
+        "requests from the blkio cgroup.\n\n"
+        + markdown_table(summary)
         + f"\n\nWall time {time.perf_counter() - start:.0f} s.\n"
     )
     print(md)
-    write_results(args.name, {"args": vars(args), "device": facts, "summary": summary, "epochs": rows,
-                              "machine": machine_info()}, md, None)
+    write_results(
+        args.name,
+        {"args": vars(args), "device": facts, "summary": summary, "epochs": rows, "machine": machine_info()},
+        md,
+        None,
+    )
     return 0
 
 

@@ -89,16 +89,28 @@ def _train(cfg: dict[str, Any]) -> None:
 
                 # litdata copies chunks into cache_dir; keep that on the throttled device too, or later epochs
                 # would read the copies from the unthrottled disk
-                ds = StreamingDataset(cfg["litdata"], cache_dir=cfg["litdata_cache"], shuffle=True, drop_last=True,
-                                      seed=0, max_cache_size="64MB")
+                ds = StreamingDataset(
+                    cfg["litdata"],
+                    cache_dir=cfg["litdata_cache"],
+                    shuffle=True,
+                    drop_last=True,
+                    seed=0,
+                    max_cache_size="64MB",
+                )
                 return StreamingDataLoader(ds, batch_size=batch, num_workers=2, collate_fn=_lit_collate)
             if loader == "webdataset":
                 import webdataset as wds
 
                 steps = cfg["train_samples"] // (world * batch)
                 pipe = (
-                    wds.WebDataset(cfg["wds"], shardshuffle=len(cfg["wds"]), nodesplitter=wds.split_by_node,
-                                   workersplitter=wds.split_by_worker, empty_check=False, seed=0)
+                    wds.WebDataset(
+                        cfg["wds"],
+                        shardshuffle=len(cfg["wds"]),
+                        nodesplitter=wds.split_by_node,
+                        workersplitter=wds.split_by_worker,
+                        empty_check=False,
+                        seed=0,
+                    )
                     .repeat()
                     .shuffle(256)
                     .decode()
@@ -137,13 +149,16 @@ def _train(cfg: dict[str, Any]) -> None:
             trainer.strategy.barrier()
             dt = time.perf_counter() - self.t0
             if trainer.global_rank == 0 and group is not None:
-                self.rows.append({
-                    "epoch": trainer.current_epoch, "seconds": dt,
-                    "samples_per_s": cfg["train_samples"] / dt,
-                    "device_mib": (group.device_read_bytes() - self.b0) / 2**20,
-                    "device_requests": group.device_read_requests() - self.r0,
-                    "peak_rss_mib_rank0": _peak_rss_mib(),
-                })
+                self.rows.append(
+                    {
+                        "epoch": trainer.current_epoch,
+                        "seconds": dt,
+                        "samples_per_s": cfg["train_samples"] / dt,
+                        "device_mib": (group.device_read_bytes() - self.b0) / 2**20,
+                        "device_requests": group.device_read_requests() - self.r0,
+                        "peak_rss_mib_rank0": _peak_rss_mib(),
+                    }
+                )
             self._drop_and_start(trainer)
 
         def on_fit_end(self, trainer: Trainer, pl_module: Any) -> None:
@@ -155,9 +170,15 @@ def _train(cfg: dict[str, Any]) -> None:
     if loader.startswith("solar"):
         window = {"read_window": 16, "max_gap": 8} if loader == "solar_window" else {}
         dm: Any = SolarDataModule(
-            cfg["h5"], KEYS[0], KEYS[1:], batch_size=batch, buffer_size=cfg["buffer"],
+            cfg["h5"],
+            KEYS[0],
+            KEYS[1:],
+            batch_size=batch,
+            buffer_size=cfg["buffer"],
             num_workers=cfg["solar_workers"],
-            seed=0, log_metrics=False, **window,
+            seed=0,
+            log_metrics=False,
+            **window,
         )
         dm.val_dataloader = _val_loader  # the same held-out set for every loader
     else:
@@ -165,9 +186,17 @@ def _train(cfg: dict[str, Any]) -> None:
     torch.manual_seed(0)
     model = PtychoNN(image_size=cfg["size"], base_channels=cfg["channels"], depth=2)
     trainer = Trainer(
-        accelerator="cpu", devices=ranks, strategy="ddp" if ranks > 1 else "auto", max_epochs=cfg["epochs"],
-        use_distributed_sampler=False, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[Probe()], num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=ranks,
+        strategy="ddp" if ranks > 1 else "auto",
+        max_epochs=cfg["epochs"],
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Probe()],
+        num_sanity_val_steps=0,
     )
     trainer.fit(model, dm)
     np.asarray(0)
@@ -197,8 +226,14 @@ def _convert_litdata(src: str, dst: str, n: int) -> float:
     from litdata import optimize
 
     t0 = time.perf_counter()
-    optimize(fn=functools.partial(_lit_item, path=src), inputs=list(range(n)), output_dir=dst,
-             chunk_bytes="4MB", num_workers=1, verbose=False)
+    optimize(
+        fn=functools.partial(_lit_item, path=src),
+        inputs=list(range(n)),
+        output_dir=dst,
+        chunk_bytes="4MB",
+        num_workers=1,
+        verbose=False,
+    )
     return time.perf_counter() - t0
 
 
@@ -277,9 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             conversions["litdata_s"] = _convert_litdata(src, lit_dir, args.samples)
         wds_paths: list[str] = []
         if "webdataset" in args.loaders:
-            wds_paths, conversions["webdataset_s"] = _convert_webdataset(
-                src, storage.mount / "wds", args.samples, 16
-            )
+            wds_paths, conversions["webdataset_s"] = _convert_webdataset(src, storage.mount / "wds", args.samples, 16)
         os.sync()
         facts = storage.facts()
         print(f"file {file_mib:.1f} MiB, buffer {buffer}; conversions {conversions}; device {facts}", flush=True)
@@ -287,17 +320,34 @@ def main(argv: list[str] | None = None) -> int:
             for loader in args.loaders:
                 out = Path(tmp) / f"{loader}_{ranks}.json"
                 cfg = {
-                    "loader": loader, "ranks": ranks, "batch": args.batch, "epochs": args.epochs,
-                    "h5": h5, "val": val, "litdata": lit_dir, "litdata_cache": str(storage.mount / "litcache"),
-                    "wds": wds_paths, "buffer": buffer, "size": args.size, "channels": args.channels,
-                    "solar_workers": args.solar_workers, "out": str(out),
+                    "loader": loader,
+                    "ranks": ranks,
+                    "batch": args.batch,
+                    "epochs": args.epochs,
+                    "h5": h5,
+                    "val": val,
+                    "litdata": lit_dir,
+                    "litdata_cache": str(storage.mount / "litcache"),
+                    "wds": wds_paths,
+                    "buffer": buffer,
+                    "size": args.size,
+                    "channels": args.channels,
+                    "solar_workers": args.solar_workers,
+                    "out": str(out),
                     "train_samples": (args.samples // (ranks * args.batch)) * ranks * args.batch,
                 }
                 cmd = [sys.executable, "-m", "benchmarks.solar_vs_loaders", "--child", json.dumps(cfg)]
                 t0 = time.perf_counter()
                 try:
-                    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, timeout=args.timeout,
-                                         env={**os.environ, **storage.env()}, preexec_fn=storage.group_join)
+                    res = subprocess.run(
+                        cmd,
+                        capture_output=True,
+                        text=True,
+                        cwd=REPO_ROOT,
+                        timeout=args.timeout,
+                        env={**os.environ, **storage.env()},
+                        preexec_fn=storage.group_join,
+                    )
                     rc, err = res.returncode, res.stderr
                 except subprocess.TimeoutExpired as exc:
                     rc, err = "timeout", str(exc.stderr or "")[-2000:]
@@ -308,13 +358,21 @@ def main(argv: list[str] | None = None) -> int:
                 result = json.loads(out.read_text())
                 for e in result["epochs"]:
                     rows.append({"ranks": ranks, "loader": loader, **e, "val_loss": result["val_loss"]})
-                print(f"P={ranks} {loader}: " + " ".join(
-                    f"e{e['epoch']}:{e['samples_per_s']:.0f}/s,{e['device_mib']:.0f}MiB" for e in result["epochs"]
-                ) + f" val {result['val_loss']:.4f} ({time.perf_counter() - t0:.0f}s)", flush=True)
+                print(
+                    f"P={ranks} {loader}: "
+                    + " ".join(
+                        f"e{e['epoch']}:{e['samples_per_s']:.0f}/s,{e['device_mib']:.0f}MiB" for e in result["epochs"]
+                    )
+                    + f" val {result['val_loss']:.4f} ({time.perf_counter() - t0:.0f}s)",
+                    flush=True,
+                )
     summary = []
     for ranks in args.ranks:
-        base = [r["samples_per_s"] for r in rows if r.get("epoch", 0) > 0 and r["ranks"] == ranks
-                and r["loader"] in ("dl0", "dl2", "dl4")]
+        base = [
+            r["samples_per_s"]
+            for r in rows
+            if r.get("epoch", 0) > 0 and r["ranks"] == ranks and r["loader"] in ("dl0", "dl2", "dl4")
+        ]
         best_dl = max(base) if base else float("nan")
         for loader in args.loaders:
             later = [r for r in rows if r["ranks"] == ranks and r["loader"] == loader and r.get("epoch", 0) > 0]
@@ -322,15 +380,19 @@ def main(argv: list[str] | None = None) -> int:
                 summary.append({"P": ranks, "loader": loader, "samples/s": "failed"})
                 continue
             sps = sum(r["samples_per_s"] for r in later) / len(later)
-            summary.append({
-                "P": ranks, "loader": loader, "samples/s": round(sps, 1),
-                "vs best DataLoader": round(sps / best_dl, 2),
-                "epoch s": round(sum(r["seconds"] for r in later) / len(later), 2),
-                "device MiB/epoch": round(sum(r["device_mib"] for r in later) / len(later), 1),
-                "device requests/epoch": round(sum(r["device_requests"] for r in later) / len(later)),
-                "peak RSS MiB (rank 0)": round(max(r["peak_rss_mib_rank0"] for r in later)),
-                "final val loss": round(later[-1]["val_loss"], 4) if later[-1]["val_loss"] is not None else None,
-            })
+            summary.append(
+                {
+                    "P": ranks,
+                    "loader": loader,
+                    "samples/s": round(sps, 1),
+                    "vs best DataLoader": round(sps / best_dl, 2),
+                    "epoch s": round(sum(r["seconds"] for r in later) / len(later), 2),
+                    "device MiB/epoch": round(sum(r["device_mib"] for r in later) / len(later), 1),
+                    "device requests/epoch": round(sum(r["device_requests"] for r in later) / len(later)),
+                    "peak RSS MiB (rank 0)": round(max(r["peak_rss_mib_rank0"] for r in later)),
+                    "final val loss": round(later[-1]["val_loss"], 4) if later[-1]["val_loss"] is not None else None,
+                }
+            )
     md = (
         f"Training PtychoNN (base channels {args.channels}, depth 2, {args.size}x{args.size}) through Trainer with P "
         f"real DDP processes (gloo, CPU). File {file_mib:.1f} MiB ({args.samples} samples); SOLAR buffer {buffer} "
@@ -344,8 +406,19 @@ def main(argv: list[str] | None = None) -> int:
         + f"\n\nWall time {time.perf_counter() - start:.0f} s.\n"
     )
     print(md)
-    write_results(args.name, {"args": vars(args), "device": facts, "conversions": conversions,
-                              "summary": summary, "epochs": rows, "machine": machine_info()}, md, None)
+    write_results(
+        args.name,
+        {
+            "args": vars(args),
+            "device": facts,
+            "conversions": conversions,
+            "summary": summary,
+            "epochs": rows,
+            "machine": machine_info(),
+        },
+        md,
+        None,
+    )
     return 0
 
 

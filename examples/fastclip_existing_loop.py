@@ -39,8 +39,10 @@ def main() -> None:
     model = build_clip("tiny")  # any open_clip CLIP; "ViT-B-32" etc. work the same way
     loss_fn = build_loss("fastclip_v3", data_size=len(data.train_set), rho=6.5)
     opt = torch.optim.AdamW(
-        [{"params": [p for n, p in model.named_parameters() if n != "logit_scale"]},
-         {"params": [model.logit_scale], "lr": 2e-4, "weight_decay": 0.0}],
+        [
+            {"params": [p for n, p in model.named_parameters() if n != "logit_scale"]},
+            {"params": [model.logit_scale], "lr": 2e-4, "weight_decay": 0.0},
+        ],
         lr=1e-3,
         weight_decay=0.1,
     )

@@ -22,19 +22,32 @@ from lightning_sdp import InteractionsDataModule, SimpleXModule
 def train(backend: str, data: str | None, epochs: int) -> dict[str, float]:
     dm = InteractionsDataModule(data, batch_size=16384 if backend == "fused" else 512)
     model = SimpleXModule(
-        dim=64, g=1.0, margin=0.9, negative_weight=150.0, num_negatives=64,
-        backend=backend,                      # <- "reference" (plain PyTorch) or "fused" (HEAT)
+        dim=64,
+        g=1.0,
+        margin=0.9,
+        negative_weight=150.0,
+        num_negatives=64,
+        backend=backend,  # <- "reference" (plain PyTorch) or "fused" (HEAT)
         lr=0.5 if backend == "fused" else 1e-3,
     )
     trainer = Trainer(
-        accelerator="heat" if backend == "fused" else "cpu",   # <- the HEAT accelerator owns the CPU threads
-        devices=1, max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        num_sanity_val_steps=0, check_val_every_n_epoch=epochs,
+        accelerator="heat" if backend == "fused" else "cpu",  # <- the HEAT accelerator owns the CPU threads
+        devices=1,
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        check_val_every_n_epoch=epochs,
     )
     start = time.perf_counter()
     trainer.fit(model, dm)
     m = trainer.callback_metrics
-    return {"seconds": time.perf_counter() - start, "recall@20": float(m["val/recall@20"]), "ndcg@20": float(m["val/ndcg@20"])}
+    return {
+        "seconds": time.perf_counter() - start,
+        "recall@20": float(m["val/recall@20"]),
+        "ndcg@20": float(m["val/ndcg@20"]),
+    }
 
 
 def main() -> None:

@@ -28,9 +28,9 @@ def size_the_buffer(num_samples: int, ranks: int, batch_size: int, sample_nbytes
     for fraction in (0.1, 0.25, 0.5):
         buffer = int(fraction * num_samples)
         for eviction in ("lru", "belady"):
-            report = SolarSchedule(
-                num_samples, 3, ranks, batch_size, buffer_size=buffer, eviction=eviction
-            ).simulate(sample_nbytes=sample_nbytes)
+            report = SolarSchedule(num_samples, 3, ranks, batch_size, buffer_size=buffer, eviction=eviction).simulate(
+                sample_nbytes=sample_nbytes
+            )
             mib = [b / 2**20 for b in report.storage_bytes]
             print(
                 f"  buffer {buffer:6d} ({fraction:.0%}) {eviction:6s}: hit rate per epoch "

@@ -63,7 +63,10 @@ def read_text(path: str | Path) -> str:
     """Read a UTF-8 text file, with errors that say what was wrong."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise FileNotFoundError(f"Text file {str(p)!r} does not exist. Pass the path of a UTF-8 text file, or no path for the built-in corpus.")
+        raise FileNotFoundError(
+            f"Text file {str(p)!r} does not exist. Pass the path of a UTF-8 text file, "
+            "or no path for the built-in corpus."
+        )
     if not p.is_file():
         raise ValueError(f"{str(p)!r} is not a file. Pass the path of a UTF-8 text file.")
     raw = p.read_bytes()
@@ -71,7 +74,7 @@ def read_text(path: str | Path) -> str:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(
-            f"{str(p)!r} is not valid UTF-8 (byte {err.start}: {raw[err.start:err.start + 1]!r}). Convert it, e.g. "
+            f"{str(p)!r} is not valid UTF-8 (byte {err.start}: {raw[err.start : err.start + 1]!r}). Convert it, e.g. "
             f"`iconv -f latin1 -t utf-8 in.txt > out.txt`."
         ) from err
     if not text:
@@ -150,8 +153,10 @@ class CharTextDataModule(LightningDataModule):
         if self.train_data is not None:
             return
         text = builtin_corpus() if self.path is None else read_text(self.path)
-        if self.chars is None:
-            self._set_vocab(sorted(set(text)))
+        chars = self.chars
+        if chars is None:
+            chars = sorted(set(text))
+            self._set_vocab(chars)
         data = self.encode(text)
         n_train = int(len(data) * (1.0 - self.val_fraction))
         need = self.block_size + 1
@@ -161,7 +166,7 @@ class CharTextDataModule(LightningDataModule):
                 f"{n_train} train / {len(data) - n_train} validation): each split needs at least block_size + 1 "
                 f"characters. Use a smaller block_size or a longer text."
             )
-        dtype = torch.uint8 if len(self.chars) <= 256 else torch.int32
+        dtype = torch.uint8 if len(chars) <= 256 else torch.int32
         self.train_data, self.val_data = data[:n_train].to(dtype), data[n_train:].to(dtype)
 
     @override

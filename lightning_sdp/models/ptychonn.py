@@ -10,9 +10,10 @@ loss is ``loss_scale * sum_i l_i`` so that SOLAR's variable local batches give t
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
+from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from typing_extensions import override
@@ -82,9 +83,14 @@ class PtychoNN(LightningModule):
         self.example_input_array = torch.zeros(2, in_channels, image_size, image_size)
 
     @property
+    def _hp(self) -> AttributeDict:
+        """``self.hparams`` typed for attribute access (Lightning annotates it as a plain ``MutableMapping``)."""
+        return cast(AttributeDict, self.hparams)
+
+    @property
     def input_shape(self) -> tuple[int, int, int]:
         """Expected per-sample input shape ``(C, S, S)``."""
-        hp = self.hparams
+        hp = self._hp
         return (hp.in_channels, hp.image_size, hp.image_size)
 
     def check_input(self, x: Tensor) -> None:
@@ -114,7 +120,7 @@ class PtychoNN(LightningModule):
         err = (pred - target) ** 2
         amp = err[:, 0].flatten(1).mean(1)
         phase = err[:, 1].flatten(1).mean(1)
-        return amp + self.hparams.phase_weight * phase
+        return amp + self._hp.phase_weight * phase
 
     def _loss(self, batch: dict[str, Tensor] | tuple[Tensor, Tensor]) -> tuple[Tensor, int]:
         if isinstance(batch, dict):
@@ -143,7 +149,7 @@ class PtychoNN(LightningModule):
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        lr = self.hparams.learning_rate
-        if self.hparams.optimizer == "sgd":
+        lr = self._hp.learning_rate
+        if self._hp.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=lr)
         return torch.optim.Adam(self.parameters(), lr=lr)

@@ -22,8 +22,9 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -195,7 +196,7 @@ def _shape_key(config: dict[str, Any]) -> str:
     return f"d{config['dim']}_n{config['num_negatives']}"
 
 
-def sample_configs(grid: dict[str, Sequence[Any]], num_configs: int, seed: int = 0) -> list[dict[str, Any]]:
+def sample_configs(grid: Mapping[str, Sequence[Any]], num_configs: int, seed: int = 0) -> list[dict[str, Any]]:
     """The anchor (first value of every list) followed by a seeded sample of the rest of the grid's product.
 
     Args:
@@ -265,10 +266,18 @@ class SimpleXRunner:
             self.pairs, batch_size=None, sampler=EpochSeededBatchSampler(len(self.pairs), self.batch_size, self.seed)
         )
         trainer = Trainer(
-            accelerator=HEATAccelerator(num_threads=self.threads), devices=1, max_steps=steps, max_epochs=-1,
-            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock],
-            max_time=None if max_seconds is None else {"seconds": max(1.0, max_seconds)},
+            accelerator=HEATAccelerator(num_threads=self.threads),
+            devices=1,
+            max_steps=steps,
+            max_epochs=-1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            callbacks=[clock],
+            max_time=None if max_seconds is None else timedelta(seconds=max(1.0, max_seconds)),
         )
         start = time.perf_counter()
         trainer.fit(model, train_dataloaders=loader)
@@ -301,7 +310,8 @@ def _set_threads(n: int | None) -> int:
     if n is not None:
         import numba
 
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        # numba.config sets its options at run time, so its stubs lack NUMBA_NUM_THREADS.
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
         torch.set_num_threads(n)
     return saved
 
@@ -326,6 +336,7 @@ def _split_data(
     data: Any, val: tuple | None, val_fraction: float, seed: int, notes: list[str]
 ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray], int]:
     """``(train, val, num_items)`` from a datamodule or a train CSR; the test split is never read."""
+    train: tuple[np.ndarray, np.ndarray] | None
     if isinstance(data, tuple):
         train, num_items = (np.asarray(data[0], np.int64), np.asarray(data[1], np.int64)), None
         if val is not None:
@@ -435,6 +446,7 @@ def fit_simplex_within_budget(
     if budget_seconds is not None:
         search_budget = budget_seconds * search_fraction
     else:
+        assert budget_epochs is not None  # _check_budget: exactly one of the two budgets is given
         total_steps = max(1, round(budget_epochs * runner.steps_per_epoch))
         search_steps = int(total_steps * search_fraction)
 
@@ -516,13 +528,31 @@ def fit_simplex_within_budget(
         _log.warning("fit_simplex_within_budget: %s.", notes[-1])
     val_recall, val_ndcg = score_on_val(model, None)
     return BudgetedFit(
-        model=model, config=dict(best), max_steps=max_steps, batch_size=batch_size, budget_seconds=budget_seconds,
-        budget_epochs=budget_epochs, search_seconds=search_seconds, fit_seconds=fit_wall,
-        train_seconds=clock.train_seconds, final_lr=clock.final_lr, val_recall=val_recall, val_ndcg=val_ndcg,
-        trials=trials, seconds_per_step=step_seconds, notes=notes,
+        model=model,
+        config=dict(best),
+        max_steps=max_steps,
+        batch_size=batch_size,
+        budget_seconds=budget_seconds,
+        budget_epochs=budget_epochs,
+        search_seconds=search_seconds,
+        fit_seconds=fit_wall,
+        train_seconds=clock.train_seconds,
+        final_lr=clock.final_lr,
+        val_recall=val_recall,
+        val_ndcg=val_ndcg,
+        trials=trials,
+        seconds_per_step=step_seconds,
+        notes=notes,
     )
 
 
-__all__ = ["BASE_SETTINGS", "DEFAULT_GRID", "BudgetedFit", "SimpleXRunner", "Trial", "evaluate_ranking",
-           "fit_simplex_within_budget",
-           "sample_configs"]
+__all__ = [
+    "BASE_SETTINGS",
+    "DEFAULT_GRID",
+    "BudgetedFit",
+    "SimpleXRunner",
+    "Trial",
+    "evaluate_ranking",
+    "fit_simplex_within_budget",
+    "sample_configs",
+]

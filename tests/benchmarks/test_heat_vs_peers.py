@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("numba", reason="HEAT's fused backend needs the cpu extra (numba)")
 pytest.importorskip("threadpoolctl", reason="the benchmark limits BLAS threads with threadpoolctl")
 
-from benchmarks import heat_vs_peers as hvp  # noqa: E402
+from benchmarks import heat_vs_peers as hvp
 
 
 def test_quick_run_scores_heat_and_installed_peers() -> None:

@@ -1,5 +1,7 @@
 """SolarDataModule as a drop-in: tuple batches, per-dataset sample shapes, test / predict loaders, hints."""
 
+import logging
+
 import h5py
 import numpy as np
 import pytest
@@ -8,6 +10,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer
 
 from lightning_sdp.datamodules.solar import SolarDataModule, make_ptycho_h5
+from lightning_sdp.datamodules.solar.datamodule import _add_note_py310
 
 
 @pytest.fixture(autouse=True)
@@ -69,8 +72,15 @@ class Classifier(LightningModule):
 
 def _trainer(**kw) -> Trainer:
     args = dict(
-        accelerator="cpu", devices=1, use_distributed_sampler=False, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        max_epochs=1,
     )
     args.update(kw)
     return Trainer(**args)
@@ -108,6 +118,16 @@ def test_unpacking_a_dict_batch_gets_a_hint(labels):
     with pytest.raises(ValueError, match="values to unpack") as err:
         _trainer().fit(Classifier(unpack=True), SolarDataModule(str(labels), batch_size=8))
     assert any("batch_format='tuple'" in note for note in getattr(err.value, "__notes__", []))
+
+
+def test_hint_fallback_for_python_310_keeps_the_note_and_logs_it(caplog):
+    # Python 3.10 has no BaseException.add_note: the fallback must still record the hint and show it.
+    err = KeyError(0)
+    with caplog.at_level(logging.ERROR, logger="lightning_sdp.datamodules.solar.datamodule"):
+        _add_note_py310(err, "first")
+        _add_note_py310(err, "Hint: use batch['input']")
+    assert err.__notes__ == ["first", "Hint: use batch['input']"]
+    assert "KeyError: Hint: use batch['input']" in caplog.text
 
 
 def test_test_and_predict_use_the_test_split_else_the_validation_split(labels, tmp_path):

@@ -245,9 +245,7 @@ def test_bad_inputs(ptycho, tmp_path):
         _dm(ptycho, buffer_size="big").setup("fit")
     # a sample shape the model does not expect: the message names both shapes
     trainer = _trainer(max_epochs=1)
-    with pytest.raises(
-        ValueError, match=r"expects inputs of shape \(batch, 1, 32, 32\).*got \(8, 1, 16, 16\)"
-    ):
+    with pytest.raises(ValueError, match=r"expects inputs of shape \(batch, 1, 32, 32\).*got \(8, 1, 16, 16\)"):
         trainer.fit(PtychoNN(image_size=32, base_channels=4, depth=2), _dm(ptycho))
 
 

@@ -21,9 +21,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def ptycho(tmp_path_factory):
-    return str(
-        make_ptycho_h5(tmp_path_factory.mktemp("solar_ddp") / "train.h5", num_samples=64, size=16, seed=1)
-    )
+    return str(make_ptycho_h5(tmp_path_factory.mktemp("solar_ddp") / "train.h5", num_samples=64, size=16, seed=1))
 
 
 def _tiny_model():

@@ -30,9 +30,7 @@ def test_reproducible_from_seed_and_seed_matters():
     assert a.schedule_hash != c.schedule_hash
 
 
-@pytest.mark.parametrize(
-    "world_size,batch,drop", [(1, 7, False), (3, 5, False), (4, 8, False), (2, 16, True)]
-)
+@pytest.mark.parametrize("world_size,batch,drop", [(1, 7, False), (3, 5, False), (4, 8, False), (2, 16, True)])
 @pytest.mark.parametrize("eviction", ["belady", "lru"])
 def test_each_sample_once_per_epoch(world_size, batch, drop, eviction):
     n = 203

@@ -66,9 +66,7 @@ def test_empty_local_batch_still_backpropagates_zero():
 
 def test_bad_shapes_say_what_was_expected():
     m = _model()
-    with pytest.raises(
-        ValueError, match=r"expects inputs of shape \(batch, 1, 16, 16\).*got \(2, 3, 16, 16\)"
-    ):
+    with pytest.raises(ValueError, match=r"expects inputs of shape \(batch, 1, 16, 16\).*got \(2, 3, 16, 16\)"):
         m(torch.zeros(2, 3, 16, 16))
     with pytest.raises(ValueError, match=r"expects targets of shape \(2, 2, 16, 16\)"):
         m._loss((torch.zeros(2, 1, 16, 16), torch.zeros(2, 1, 16, 16)))

@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("numba", reason="the fused backend needs the cpu extra (numba)")
 
-from lightning_sdp.datamodules.interactions import InteractionsDataModule  # noqa: E402
-from lightning_sdp.models.simplex_budget import (  # noqa: E402
+from lightning_sdp.datamodules.interactions import InteractionsDataModule
+from lightning_sdp.models.simplex_budget import (
     evaluate_ranking,
     fit_simplex_within_budget,
     sample_configs,
@@ -37,8 +37,9 @@ def _data() -> InteractionsDataModule:
 
 def test_epoch_budget_decays_to_zero_and_splits_the_steps() -> None:
     dm = _data()
-    fit = fit_simplex_within_budget(dm, budget_epochs=8, search_fraction=0.5, grid=TINY_GRID, num_configs=3, threads=1,
-                                    batch_size=128)
+    fit = fit_simplex_within_budget(
+        dm, budget_epochs=8, search_fraction=0.5, grid=TINY_GRID, num_configs=3, threads=1, batch_size=128
+    )
     steps_per_epoch = -(-len(dm.train_csr.indices) // fit.batch_size)
     total = 8 * steps_per_epoch
     assert fit.final_lr == 0.0  # the linear schedule reached its end at the last step
@@ -52,8 +53,9 @@ def test_epoch_budget_decays_to_zero_and_splits_the_steps() -> None:
 def test_seconds_budget_ends_decayed_inside_the_budget() -> None:
     dm = _data()
     budget = 6.0
-    fit = fit_simplex_within_budget(dm, budget_seconds=budget, grid=TINY_GRID, num_configs=3, threads=1, batch_size=128,
-                                    min_trial_seconds=0.2)
+    fit = fit_simplex_within_budget(
+        dm, budget_seconds=budget, grid=TINY_GRID, num_configs=3, threads=1, batch_size=128, min_trial_seconds=0.2
+    )
     assert fit.final_lr == 0.0
     # the plan keeps a 5 % margin; the factor 2 is slack for a loaded host (this is a behaviour test, not a timing one)
     assert fit.search_seconds + fit.fit_seconds <= budget * 2.0
@@ -62,8 +64,9 @@ def test_seconds_budget_ends_decayed_inside_the_budget() -> None:
 
 def test_search_picks_by_validation_only() -> None:
     dm = _data()  # its test split raises when read
-    fit = fit_simplex_within_budget(dm, budget_epochs=6, search_fraction=0.5, grid=TINY_GRID, num_configs=3, threads=1,
-                                    batch_size=128)
+    fit = fit_simplex_within_budget(
+        dm, budget_epochs=6, search_fraction=0.5, grid=TINY_GRID, num_configs=3, threads=1, batch_size=128
+    )
     last_round = max(t.round for t in fit.trials)
     best = max((t for t in fit.trials if t.round == last_round), key=lambda t: t.val_recall)
     assert fit.config == best.config
@@ -73,8 +76,9 @@ def test_search_picks_by_validation_only() -> None:
 def test_carves_validation_from_a_training_csr() -> None:
     dm = _data()
     indptr, indices = dm.train_csr
-    fit = fit_simplex_within_budget((indptr, indices), budget_epochs=2, search_fraction=0.0, grid=TINY_GRID,
-                                    num_items=dm.num_items, threads=1)
+    fit = fit_simplex_within_budget(
+        (indptr, indices), budget_epochs=2, search_fraction=0.0, grid=TINY_GRID, num_items=dm.num_items, threads=1
+    )
     assert any("carved" in note for note in fit.notes)
     assert fit.trials == [] and fit.final_lr == 0.0
     assert fit.model.num_items == dm.num_items

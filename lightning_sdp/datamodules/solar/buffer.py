@@ -61,9 +61,7 @@ def parse_size(size: int | str, sample_nbytes: int) -> int:
             raise ValueError(f"buffer_size must be >= 0 samples, got {size}")
         return size
     if not isinstance(size, str):
-        raise TypeError(
-            f"buffer_size must be an int (samples) or a string such as '8GB', got {type(size).__name__}"
-        )
+        raise TypeError(f"buffer_size must be an int (samples) or a string such as '8GB', got {type(size).__name__}")
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", size)
     if m is None or m.group(2).lower() not in _UNITS:
         raise ValueError(

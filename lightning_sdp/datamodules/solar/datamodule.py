@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -193,9 +194,7 @@ class SolarDataModule(LightningDataModule):
             raise ValueError(f"validate must be 'warn', 'raise' or 'off', got {validate!r}")
         self.read_window, self.readahead, self.validate = read_window, readahead, validate
         self.throttle = (
-            StorageThrottle(storage_latency_s, storage_bandwidth)
-            if storage_latency_s or storage_bandwidth
-            else None
+            StorageThrottle(storage_latency_s, storage_bandwidth) if storage_latency_s or storage_bandwidth else None
         )
         self.generate_if_missing = generate_if_missing
         self.synthetic_samples, self.synthetic_size = synthetic_samples, synthetic_size
@@ -216,9 +215,7 @@ class SolarDataModule(LightningDataModule):
         if self.generate_if_missing and not Path(self.path).exists():
             from lightning_sdp.datamodules.solar.ptycho import make_ptycho_h5
 
-            _log.warning(
-                "SolarDataModule: %s is missing; generating the synthetic PtychoNN-like set", self.path
-            )
+            _log.warning("SolarDataModule: %s is missing; generating the synthetic PtychoNN-like set", self.path)
             make_ptycho_h5(self.path, self.synthetic_samples, self.synthetic_size, seed=self.seed)
 
     def _num_epochs(self, trainer: Trainer | None, steps_per_epoch: int) -> int:
@@ -442,10 +439,7 @@ class SolarDataModule(LightningDataModule):
             if saved.get(k) != current.get(k)
         }
         if diff or state_dict.get("schedule_hash") != self.schedule.schedule_hash:
-            detail = (
-                ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
-                or "same options"
-            )
+            detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items()) or "same options"
             raise ValueError(
                 f"the checkpoint's SOLAR schedule does not match this configuration ({detail}; schedule hash "
                 f"{state_dict.get('schedule_hash')} vs {self.schedule.schedule_hash}). Resume with the same data, "
@@ -465,17 +459,38 @@ class SolarDataModule(LightningDataModule):
         unpack = isinstance(exception, ValueError) and "values to unpack" in str(exception)
         index = isinstance(exception, KeyError) and bool(exception.args) and isinstance(exception.args[0], int)
         if unpack or index:
-            exception.add_note(
+            _add_note(
+                exception,
                 "Hint: SolarDataModule batches are dicts with keys 'input', 'target', 'index', 'loss_scale', so "
                 "`x, y = batch` unpacks the keys and `batch[0]` is a missing key. Read batch['input'] and "
                 "batch['target'], or create SolarDataModule(..., batch_format='tuple') to get "
-                "(input, target_1, ..., target_k)."
+                "(input, target_1, ..., target_k).",
             )
 
     @override
     def teardown(self, stage: str) -> None:
         if self.train_loader is not None and stage == "fit":
             self.train_loader.close()
+
+
+def _add_note(exception: BaseException, note: str) -> None:
+    """``exception.add_note(note)``, also on Python 3.10, which has no ``add_note``.
+
+    Args:
+        exception: the exception to annotate.
+        note: the text to add to its ``__notes__``.
+    """
+    if sys.version_info >= (3, 11):
+        exception.add_note(note)
+    else:
+        _add_note_py310(exception, note)
+
+
+def _add_note_py310(exception: BaseException, note: str) -> None:
+    # 3.10 neither has add_note nor prints __notes__: keep the note where 3.11+ and pytest look for it, and log
+    # it so that the user sees it with the traceback.
+    setattr(exception, "__notes__", [*getattr(exception, "__notes__", ()), note])  # noqa: B010
+    _log.error("%s: %s", type(exception).__name__, note)
 
 
 def per_sample_loss_scale(batch: dict[str, torch.Tensor]) -> torch.Tensor:

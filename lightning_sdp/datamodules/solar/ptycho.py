@@ -121,10 +121,7 @@ def make_ptycho_h5(
     chunks = (min(chunk_samples, num_samples), 1, size, size) if chunk_samples else None
     seeds = np.random.SeedSequence(seed).spawn(-(-num_samples // block))
     with h5py.File(tmp, "w") as f:
-        dsets = {
-            k: f.create_dataset(k, shape=shape, dtype="float32", chunks=chunks)
-            for k in (INPUT_KEY, *TARGET_KEYS)
-        }
+        dsets = {k: f.create_dataset(k, shape=shape, dtype="float32", chunks=chunks) for k in (INPUT_KEY, *TARGET_KEYS)}
         for b, ss in enumerate(seeds):
             lo, hi = b * block, min((b + 1) * block, num_samples)
             data = simulate_ptycho(hi - lo, size, seed=int(ss.generate_state(1)[0]), **physics)
@@ -132,9 +129,7 @@ def make_ptycho_h5(
                 d[lo:hi] = data[k]
         f.attrs["generator"] = "lightning_sdp.datamodules.solar.ptycho"
         f.attrs["seed"] = seed
-        f.attrs["input_formula"] = (
-            "log1p(Poisson(photons * |FFT(probe * A * exp(i*phi))|^2 / sum)) / log1p(photons)"
-        )
+        f.attrs["input_formula"] = "log1p(Poisson(photons * |FFT(probe * A * exp(i*phi))|^2 / sum)) / log1p(photons)"
     os.replace(tmp, path)
     return path
 
@@ -149,12 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-samples", type=int, default=2048)
     parser.add_argument("--size", type=int, default=64, help="patch side in pixels")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--chunk-samples", type=int, default=None, help="HDF5 chunk length (default: contiguous)"
-    )
-    parser.add_argument(
-        "--photons", type=float, default=1e6, help="expected photons per pattern (0: no noise)"
-    )
+    parser.add_argument("--chunk-samples", type=int, default=None, help="HDF5 chunk length (default: contiguous)")
+    parser.add_argument("--photons", type=float, default=1e6, help="expected photons per pattern (0: no noise)")
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
     path = make_ptycho_h5(

@@ -39,9 +39,7 @@ def coalesce_runs(sorted_ids: np.ndarray, max_gap: int = 0) -> list[tuple[int, i
     return list(zip(starts.tolist(), stops.tolist(), strict=True))
 
 
-def read_coalesced(
-    dset: Any, ids: Sequence[int] | np.ndarray, max_gap: int = 0
-) -> tuple[np.ndarray, int, int]:
+def read_coalesced(dset: Any, ids: Sequence[int] | np.ndarray, max_gap: int = 0) -> tuple[np.ndarray, int, int]:
     """Read rows ``ids`` (any order, repeats allowed) of an array-like with one slice read per run.
 
     Args:
@@ -214,9 +212,7 @@ class DatasetInfo:
     @property
     def sample_nbytes(self) -> int:
         """Bytes of one sample over all keys."""
-        return int(
-            sum(int(np.prod(s, dtype=np.int64)) * self.dtypes[k].itemsize for k, s in self.shapes.items())
-        )
+        return int(sum(int(np.prod(s, dtype=np.int64)) * self.dtypes[k].itemsize for k, s in self.shapes.items()))
 
 
 def _open_h5(path: str, fileobj: Any = None, rdcc_nbytes: int = 0) -> Any:
@@ -229,8 +225,7 @@ def _open_h5(path: str, fileobj: Any = None, rdcc_nbytes: int = 0) -> Any:
         raise
     except OSError as err:
         raise ValueError(
-            f"{path!s} is not a readable HDF5 file ({err}); it may be corrupt or truncated. "
-            "Regenerate or re-copy it."
+            f"{path!s} is not a readable HDF5 file ({err}); it may be corrupt or truncated. Regenerate or re-copy it."
         ) from err
 
 
@@ -278,9 +273,7 @@ def inspect_h5(path: str | os.PathLike, keys: Sequence[str]) -> DatasetInfo:
             shapes[key] = tuple(dset.shape[1:])
             dtypes[key] = dset.dtype
         if len(set(lengths.values())) > 1:
-            raise ValueError(
-                f"datasets in {path!r} have different lengths {lengths}; inputs and targets must match"
-            )
+            raise ValueError(f"datasets in {path!r} have different lengths {lengths}; inputs and targets must match")
     n = next(iter(lengths.values()))
     if n == 0:
         raise ValueError(f"datasets {list(keys)} in {path!r} are empty")
@@ -357,9 +350,7 @@ class HDF5Reader:
 
     def _handle(self) -> Any:
         if self._file is None or self._pid != os.getpid():
-            self._file = self._raw = self._pool = self._layout = (
-                None  # never close handles inherited through fork
-            )
+            self._file = self._raw = self._pool = self._layout = None  # never close handles inherited through fork
             if self.throttle is not None:
                 self._fileobj = ThrottledFile(self.path, self.throttle, readahead=self.readahead)
                 self._file = _open_h5(self.path, self._fileobj, self.rdcc_nbytes)
@@ -385,12 +376,11 @@ class HDF5Reader:
     def _read_direct(self, ids: np.ndarray, layout: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:
         if self._raw is None:
             self._raw = (
-                self._fileobj
-                if self._fileobj is not None
-                else ThrottledFile(self.path, readahead=self.readahead)
+                self._fileobj if self._fileobj is not None else ThrottledFile(self.path, readahead=self.readahead)
             )
             if self.io_threads > 1:
                 self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="solar-io")
+        raw = self._raw
         uniq, inverse = np.unique(ids, return_inverse=True)
         runs = coalesce_runs(uniq, self.max_gap)
         bounds = [tuple(np.searchsorted(uniq, [a, b]).tolist()) for a, b in runs]
@@ -400,9 +390,9 @@ class HDF5Reader:
         def job(key: str, a: int, b: int, lo: int, hi: int) -> int:
             offset, row = layout[key]
             if b - a == hi - lo:  # no gap rows: read straight into place
-                return self._raw.pread_into(rows[key][lo:hi], offset + a * row)
+                return raw.pread_into(rows[key][lo:hi], offset + a * row)
             block = np.empty((b - a, *info.shapes[key]), dtype=info.dtypes[key])
-            n = self._raw.pread_into(block, offset + a * row)
+            n = raw.pread_into(block, offset + a * row)
             rows[key][lo:hi] = block[uniq[lo:hi] - a]
             return n
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import inspect
 import json
 import os
 import time
@@ -359,11 +358,32 @@ def available(method: str) -> str | None:
         if package == "lightfm":
             hint = " (LightFM 1.17's sdist fails to build under setuptools' build backend: see docs/heat.md)"
         return f"{package} is not installed: pip install 'lightning-sdp[bench]'{hint}"
-    if method == "heat_attention":
-        agg = inspect.signature(SimpleXModule).parameters["aggregator"].annotation
-        if "user_attention" not in str(agg):
-            return "SimpleXModule has no attention aggregator in this version"
     return None
+
+
+def merge_into_stored(results: dict[str, Any]) -> dict[str, Any]:
+    """``results`` added to ``results/heat_vs_peers.json``: this run's methods replace their rows there.
+
+    Each row keeps the machine line of the run that produced it, so a merged report says which run measured what.
+    """
+    path = RESULTS_DIR / f"{NAME}.json"
+    if not path.exists():
+        return results
+    stored = json.loads(path.read_text())
+    if stored["args"]["budgets"] != results["args"]["budgets"]:
+        raise SystemExit(
+            f"--merge: the stored run used budgets {stored['args']['budgets']}, this one {results['args']['budgets']}; "
+            "use the same --budgets or run without --merge"
+        )
+    run = {"machine": results["machine"], "methods": results["methods"]}
+    stored.setdefault("runs", [{"machine": stored["machine"], "methods": stored["methods"]}]).append(run)
+    for name, data in results["datasets"].items():
+        old = stored["datasets"].setdefault(name, {"split": data["split"], "methods": []})
+        new_rows = {row["method"]: {**row, "run": len(stored["runs"]) - 1} for row in data["methods"]}
+        old["methods"] = [r for r in old["methods"] if r["method"] not in new_rows] + list(new_rows.values())
+    stored["methods"] = list(dict.fromkeys([*stored["methods"], *results["methods"]]))
+    stored["machine"]["load_avg_1m_end"] = results["machine"]["load_avg_1m_end"]
+    return stored
 
 
 def tune(method: str, split: Split, args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -495,6 +515,12 @@ def report(results: dict[str, Any], args: argparse.Namespace, name: str) -> None
         "each budget (its search time is part of `train_s`). Grids: "
         + "; ".join(f"`{m}` {GRIDS[m]}" for m in results["methods"] if m in GRIDS),
     ]
+    for i, run in enumerate(results.get("runs", [])):
+        m = run["machine"]
+        md.append(
+            f"Run {i} (column `run`): {', '.join(run['methods'])}; load average {m.get('load_avg_1m')} at the start, "
+            f"{m.get('load_avg_1m_end')} at the end, {m.get('time', m.get('date', ''))}."
+        )
     for ax, ds in zip(axes[0], datasets, strict=False):
         entry = results["datasets"][ds]
         md.append(f"\n## {ds}\n\n" + markdown_table([entry["split"]]))
@@ -511,6 +537,8 @@ def report(results: dict[str, Any], args: argparse.Namespace, name: str) -> None
                 p = at_budget(curve, b)
                 row[f"R@20 {b:g}s"] = "" if p is None else f"{p['recall@20']:.4f} / {p['ndcg@20']:.4f}"
             row["eval_s (total)"] = round(sum(p["eval_s"] for p in curve), 1)
+            if "runs" in results:
+                row["run"] = r.get("run", 0)
             rows.append(row)
         md.append("Recall@20 / NDCG@20 on test at each training-time budget:\n\n" + markdown_table(rows))
         ax.set_xscale("log")
@@ -537,6 +565,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny synthetic data, seconds (smoke test)")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="add this run's methods to the stored results (same datasets and budgets), replacing their old rows",
+    )
     args = parser.parse_args(argv)
     args.budgets = [float(b) for b in args.budgets.split(",")]
     if any(b <= 0 for b in args.budgets):
@@ -574,6 +607,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["datasets"][split.name] = {"split": split.describe(), "methods": rows}
     results["machine"]["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
     del limiter
+    if args.merge and not args.quick:
+        results = merge_into_stored(results)
     if results["datasets"]:
         report(results, args, NAME + ("_quick" if args.quick else ""))
     return results

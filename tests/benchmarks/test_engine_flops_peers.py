@@ -25,3 +25,16 @@ def test_fused_gpt_difference_is_exactly_the_fused_attention() -> None:
     assert ep["attention_flops"] > 0
     assert ep["matrix_flops"] == 2 * row["fvcore"]["matrix_macs"]  # fvcore skips the fused kernel
     assert ep["flops"] - 2 * row["fvcore"]["matrix_macs"] == ep["attention_flops"]
+
+
+def test_quick_mode_writes_the_table_and_the_callback_check_agrees() -> None:
+    import json
+
+    from benchmarks._common import RESULTS_DIR
+
+    efp.main(["--quick"])
+    payload = json.loads((RESULTS_DIR / "engine_flops_peers_quick.json").read_text())
+    assert {row["model"] for row in payload["rows"]} >= {"resnet18"}
+    assert payload["callback_check"]["equal"] is True
+    met, total = (int(x) for x in payload["targets_met"].split("/"))
+    assert total >= 1 and met == total

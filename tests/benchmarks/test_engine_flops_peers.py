@@ -34,7 +34,7 @@ def test_quick_mode_writes_the_table_and_the_callback_check_agrees() -> None:
 
     efp.main(["--quick"])
     payload = json.loads((RESULTS_DIR / "engine_flops_peers_quick.json").read_text())
-    assert {row["model"] for row in payload["rows"]} >= {"resnet18"}
+    assert any(row["model"].startswith("resnet18") for row in payload["rows"])
     assert payload["callback_check"]["equal"] is True
     met, total = (int(x) for x in payload["targets_met"].split("/"))
     assert total >= 1 and met == total

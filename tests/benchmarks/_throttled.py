@@ -1,0 +1,38 @@
+"""Running a throttled-storage benchmark's ``--quick`` mode, or checking why it refused (no root / no blkio)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks._throttled_storage import check_root
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _storage_unavailable() -> str | None:
+    try:
+        check_root()
+    except PermissionError as err:
+        return str(err)
+    return None
+
+
+def run_quick(name: str, timeout: int) -> dict[str, Any] | None:
+    """``python -m benchmarks.<name> --quick``: its quick results, or ``None`` after checking that it refused clearly.
+
+    Where the device cannot be built the benchmark must exit with code 2 and say why on stderr.
+    """
+    res = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{name}", "--quick"], cwd=REPO, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    reason = _storage_unavailable()
+    if reason is not None:
+        assert res.returncode == 2 and reason in res.stderr
+        return None
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads((REPO / "benchmarks" / "results" / f"{name}_quick.json").read_text())

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
-from typing import Any
 
 import torch
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Trainer
 
 from benchmarks._common import RESULTS_DIR, SHARED_DATA, StepTimer, markdown_table, write_results
+from benchmarks.heat_gowalla_quality import ValidationHistory
 from lightning_sdp.datamodules.interactions import InteractionsDataModule
 from lightning_sdp.models.simplex import SimpleXModule
 from lightning_sdp.plugins.heat import HEATAccelerator
@@ -103,28 +102,6 @@ def _norms(model: SimpleXModule) -> dict[str, float]:
     return out
 
 
-class _ValidationCurve(Callback):
-    """Validation Recall/NDCG@20 after each validation run, with the training seconds spent so far."""
-
-    def __init__(self, timer: StepTimer, norms: bool) -> None:
-        self.timer, self.norms, self.curve = timer, norms, []
-
-    def on_validation_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
-        if trainer.sanity_checking:
-            return
-        metrics = trainer.callback_metrics
-        row = {
-            "epochs": trainer.current_epoch + 1,
-            "train_s": round(sum(self.timer.durations()), 1),
-            "val_recall@20": float(metrics["val/recall@20"]),
-            "val_ndcg@20": float(metrics["val/ndcg@20"]),
-        }
-        if self.norms:
-            row.update(_norms(pl_module))
-        self.curve.append(row)
-        print(pl_module.__class__.__name__, row, flush=True)
-
-
 def train(name: str, cfg: dict[str, object], dm: InteractionsDataModule) -> dict:
     dm.setup("fit")
     model = SimpleXModule(
@@ -148,7 +125,7 @@ def train(name: str, cfg: dict[str, object], dm: InteractionsDataModule) -> dict
         aggregator_weight_decay=float(cfg["aggregator_weight_decay"]),
     )
     timer = StepTimer()
-    curve = _ValidationCurve(timer, norms=True)
+    history = ValidationHistory(timer, extra=_norms)
     trainer = Trainer(
         accelerator=HEATAccelerator(num_threads=int(cfg["threads"])),
         devices=1,
@@ -159,26 +136,14 @@ def train(name: str, cfg: dict[str, object], dm: InteractionsDataModule) -> dict
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[timer, curve],
+        callbacks=[timer, history],
     )
     trainer.fit(model, datamodule=dm)
-    if not curve.curve or curve.curve[-1]["epochs"] != int(cfg["epochs"]):
+    if not history.rows or history.rows[-1]["epochs"] != trainer.current_epoch:
         trainer.validate(model, datamodule=dm, verbose=False)
-    last = curve.curve[-1]
-    return {
-        "name": name,
-        **cfg,
-        **last,
-        "recall@20": last["val_recall@20"],
-        "ndcg@20": last["val_ndcg@20"],
-        "curve": curve.curve,
-        "split": "validation",
-        "load_avg_1m": round(os.getloadavg()[0], 2),
-    }
-
-
-def _curve_recall(point: dict) -> float:
-    return point.get("val_recall@20", point.get("recall@20", float("nan")))
+        history.rows[-1]["epochs"] = trainer.current_epoch
+    last = history.rows[-1]  # validation Recall/NDCG@20: the test split is never read here
+    return {"name": name, **cfg, **last, "curve": history.rows, "split": "validation"}
 
 
 def report(runs: list[dict], name: str = NAME) -> None:
@@ -193,7 +158,7 @@ def report(runs: list[dict], name: str = NAME) -> None:
     for run in sorted(runs, key=lambda r: -r["recall@20"])[:8]:
         ax.plot(
             [c["epochs"] for c in run["curve"]],
-            [_curve_recall(c) for c in run["curve"]],
+            [c["recall@20"] for c in run["curve"]],
             "-o",
             ms=3,
             label=f"{run['name']} ({run['split'].split()[0]})",

@@ -27,14 +27,7 @@ import torch
 from benchmarks._common import SHARED_DATA, markdown_table, write_results
 from lightning_sdp.datamodules.interactions import InteractionsDataModule
 from lightning_sdp.models.simplex import SimpleXModule
-
-
-def set_threads(n: int) -> None:
-    """Use ``n`` threads in torch and in numba (the fused kernel)."""
-    import numba
-
-    torch.set_num_threads(n)
-    numba.set_num_threads(n)
+from lightning_sdp.plugins.heat import set_cpu_threads
 
 
 def _pairs(dm: InteractionsDataModule, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +119,7 @@ def sampler_quality(
     Returns the final row per sampler and the curve (about eight evaluations per sampler).
     """
     rows, curve = [], []
-    set_threads(threads)
+    set_cpu_threads(threads)
     evals = {max(1, round(epochs * k / 8)) for k in range(1, 9)}
     for sampler in ("uniform", "tile"):
         m = _model(dm, "fused", 1.0, dim, negatives, sampler)
@@ -222,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     for model_name, g in (("MF-CCL", 1.0), ("SimpleX", 0.8)):
         for dim in dims:
             for threads in threads_list:
-                set_threads(threads)
+                set_cpu_threads(threads)
                 row = {"model": model_name, "d": dim, "threads": threads}
                 row["fused"] = measure_fused(_model(dm, "fused", g, dim, args.negatives), users, items, seconds)
                 row["fused_tile"] = measure_fused(

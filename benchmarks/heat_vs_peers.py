@@ -47,6 +47,7 @@ from lightning_sdp.models.simplex_budget import (
     fit_simplex_within_budget,
     sample_configs,
 )
+from lightning_sdp.plugins.heat import set_cpu_threads
 
 NAME = "heat_vs_peers"
 RESULTS = RESULTS_DIR  # where write_results puts the files
@@ -132,11 +133,7 @@ def load_split(dataset: str, data: str, val_fraction: float, quick: bool) -> Spl
 # ---------------------------------------------------------------------------------------------------- threads
 def set_threads(n: int) -> Any:
     """``n`` threads for numba, torch and BLAS; returns the threadpoolctl limiter (keep it alive)."""
-    if importlib.util.find_spec("numba"):
-        import numba
-
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-    torch.set_num_threads(n)
+    set_cpu_threads(n)
     from threadpoolctl import threadpool_limits
 
     return threadpool_limits(limits=n)
@@ -262,6 +259,18 @@ def run_iterative(
         if len(users) > 5000:
             users = np.sort(np.random.default_rng(seed).choice(users, 5000, replace=False))
     pending, curve, train_s, passes = sorted(eval_at), [], 0.0, 0
+
+    def point() -> dict[str, float]:
+        start = time.perf_counter()
+        recall, ndcg = evaluate_ranking(model.score, known, goal, split.num_items, 20, users)
+        return {
+            "train_s": train_s,
+            "passes": passes,
+            "recall@20": recall,
+            "ndcg@20": ndcg,
+            "eval_s": time.perf_counter() - start,
+        }
+
     while train_s < seconds:
         start = time.perf_counter()
         model.step()
@@ -270,29 +279,9 @@ def run_iterative(
         if pending and (train_s >= pending[0] or train_s >= seconds):
             while pending and train_s >= pending[0]:
                 pending.pop(0)
-            start = time.perf_counter()
-            recall, ndcg = evaluate_ranking(model.score, known, goal, split.num_items, 20, users)
-            curve.append(
-                {
-                    "train_s": train_s,
-                    "passes": passes,
-                    "recall@20": recall,
-                    "ndcg@20": ndcg,
-                    "eval_s": time.perf_counter() - start,
-                }
-            )
+            curve.append(point())
     if not curve or curve[-1]["passes"] != passes:
-        start = time.perf_counter()
-        recall, ndcg = evaluate_ranking(model.score, known, goal, split.num_items, 20, users)
-        curve.append(
-            {
-                "train_s": train_s,
-                "passes": passes,
-                "recall@20": recall,
-                "ndcg@20": ndcg,
-                "eval_s": time.perf_counter() - start,
-            }
-        )
+        curve.append(point())
     return curve
 
 

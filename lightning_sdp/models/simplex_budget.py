@@ -30,12 +30,13 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.pytorch import Callback, Trainer
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from lightning_sdp.datamodules.interactions import split_validation
+from lightning_sdp.datamodules.interactions import PositivePairs, split_validation
 from lightning_sdp.datamodules.sampling import EpochSeededBatchSampler
 from lightning_sdp.metrics import NDCGAtK, RecallAtK, csr_rows_mask, topk_hits
 from lightning_sdp.models.simplex import SimpleXModule
+from lightning_sdp.plugins.heat import HEATAccelerator, set_cpu_threads
 
 _log = logging.getLogger(__name__)
 
@@ -53,13 +54,9 @@ BASE_SETTINGS: dict[str, Any] = {"g": 1.0, "optimizer": "sgd", "row_norm": 1.0, 
 
 
 def _csr_of(source: Any, name: str) -> tuple[np.ndarray, np.ndarray] | None:
-    """``source.<name>`` as ``(indptr, indices)`` whether it is a property (CSR tuple) or an older method."""
+    """``source.<name>`` (a CSR tuple such as ``InteractionsDataModule.train_csr``) as int64 arrays, or ``None``."""
     value = getattr(source, name, None)
-    if value is None:
-        return None
-    if not isinstance(value, tuple):
-        value = value()
-    return np.asarray(value[0], dtype=np.int64), np.asarray(value[1], dtype=np.int64)
+    return None if value is None else (np.asarray(value[0], np.int64), np.asarray(value[1], np.int64))
 
 
 # ---------------------------------------------------------------------------------------------------- evaluation
@@ -113,21 +110,6 @@ def evaluate_ranking(
 
 
 # ---------------------------------------------------------------------------------------------------- training
-class _PositivePairs(Dataset):
-    """``dataset[index_array]`` -> ``(users, items)`` LongTensors of the training positives at those indices."""
-
-    def __init__(self, indptr: np.ndarray, indices: np.ndarray) -> None:
-        self.users = torch.from_numpy(np.repeat(np.arange(len(indptr) - 1, dtype=np.int64), np.diff(indptr)))
-        self.items = torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64))
-
-    def __len__(self) -> int:
-        return len(self.users)
-
-    def __getitem__(self, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = torch.from_numpy(np.asarray(index, dtype=np.int64))
-        return self.users[idx], self.items[idx]
-
-
 class _FitClock(Callback):
     """Wall time of the training batches (first batch start to last batch end) and the learning rate at the end."""
 
@@ -237,7 +219,7 @@ class SimpleXRunner:
         self.train, self.num_items, self.batch_size = train, num_items, batch_size
         self.threads, self.seed, self.model_kwargs = threads, seed, model_kwargs
         self.num_users = len(train[0]) - 1
-        self.pairs = _PositivePairs(*train)
+        self.pairs = PositivePairs.from_csr(*train)
         self.steps_per_epoch = math.ceil(len(self.pairs) / batch_size)
 
     def model(self, config: dict[str, Any]) -> SimpleXModule:
@@ -258,8 +240,6 @@ class SimpleXRunner:
         ``max_seconds`` is a guard (Lightning's ``max_time``) against a step-time estimate gone wrong; a fit it cuts
         ends before its schedule does, which the returned clock's ``final_lr`` shows.
         """
-        from lightning_sdp.plugins.heat import HEATAccelerator
-
         model = self.model(config)
         clock = _FitClock()
         loader = DataLoader(
@@ -305,14 +285,10 @@ class SimpleXRunner:
 
 
 def _set_threads(n: int | None) -> int:
-    """Use ``n`` threads in numba (first: its pool start-up resets torch's count) and torch; returns the old count."""
+    """Use ``n`` threads (numba and torch) unless ``None``; returns torch's previous count."""
     saved = torch.get_num_threads()
     if n is not None:
-        import numba
-
-        # numba.config sets its options at run time, so its stubs lack NUMBA_NUM_THREADS.
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
-        torch.set_num_threads(n)
+        set_cpu_threads(n)
     return saved
 
 

@@ -64,6 +64,24 @@ def _env_local_world_size() -> int:
         return 1
 
 
+def set_cpu_threads(n: int) -> int:
+    """Use ``n`` threads in numba's kernels (when the ``cpu`` extra is installed) and in torch.
+
+    numba's count is set first: starting its OpenMP pool resets torch's count to every core.
+
+    Returns:
+        The threads numba uses: ``n`` capped by ``NUMBA_NUM_THREADS`` (``n`` without numba).
+    """
+    used = n
+    if _NUMBA_AVAILABLE:
+        import numba
+
+        used = min(n, numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+        numba.set_num_threads(used)
+    torch.set_num_threads(n)
+    return used
+
+
 def _check_cpu_precision(plugin: Precision) -> None:
     """Refuse a precision plugin that computes on a GPU: HEAT runs on the CPU.
 
@@ -142,20 +160,15 @@ class HEATAccelerator(CPUAccelerator):
     def _apply_threads(self) -> None:
         """Set numba's, then torch's thread count (numba's OpenMP pool start-up resets torch to every core)."""
         n = self.resolved_threads()
-        if _NUMBA_AVAILABLE:
-            import numba
-
-            limit = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
-            if n > limit and not self._warned_numba_limit:
-                self._warned_numba_limit = True
-                _log.warning(
-                    "HEATAccelerator: numba allows at most %d threads (NUMBA_NUM_THREADS); using %d instead of %d.",
-                    limit,
-                    limit,
-                    n,
-                )
-            numba.set_num_threads(min(n, limit))
-        torch.set_num_threads(n)
+        used = set_cpu_threads(n)
+        if used < n and not self._warned_numba_limit:
+            self._warned_numba_limit = True
+            _log.warning(
+                "HEATAccelerator: numba allows at most %d threads (NUMBA_NUM_THREADS); using %d instead of %d.",
+                used,
+                used,
+                n,
+            )
 
     @override
     def setup_device(self, device: torch.device) -> None:

@@ -327,3 +327,13 @@ def test_explicit_eval_batch_size_is_checked_against_memory(monkeypatch):
         InteractionsDataModule(num_users=50, num_items=40, eval_batch_size=1_000_000).setup()
     with pytest.raises(ValueError, match="positive int or 'auto'"):
         InteractionsDataModule(eval_batch_size=0)
+
+
+def test_positive_pairs_from_a_csr_hold_every_positive_user_by_user() -> None:
+    from lightning_sdp.datamodules.interactions import PositivePairs
+
+    indptr, indices = np.array([0, 2, 2, 5]), np.array([4, 1, 0, 3, 2])
+    pairs = PositivePairs.from_csr(indptr, indices)
+    users, items = pairs[np.arange(len(pairs))]
+    assert users.tolist() == [0, 0, 2, 2, 2] and items.tolist() == [4, 1, 0, 3, 2]
+    assert users.dtype == items.dtype == torch.int64

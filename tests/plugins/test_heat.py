@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -112,7 +113,10 @@ def test_device_stats_report_threads_and_core_use():
     acc = HEATAccelerator(num_threads=1)
     acc.setup_device(torch.device("cpu"))
     try:
-        sum(i * i for i in range(200_000))
+        # busy for a few kernel ticks (10 ms each), so that /proc/stat's counters move
+        deadline = time.perf_counter() + 0.05
+        while time.perf_counter() < deadline:
+            sum(i * i for i in range(10_000))
         stats = acc.get_device_stats(torch.device("cpu"))
     finally:
         acc.teardown()

@@ -10,7 +10,7 @@ batch sizing).
 """
 
 from lightning_sdp.datamodules.interactions.csr import CSR, to_csr
-from lightning_sdp.datamodules.interactions.datamodule import InteractionsDataModule
+from lightning_sdp.datamodules.interactions.datamodule import InteractionsDataModule, PositivePairs
 from lightning_sdp.datamodules.interactions.eval_memory import auto_eval_batch_size, check_eval_batch_size
 from lightning_sdp.datamodules.interactions.readers import ID_RULE, read_id_table, read_lightgcn, synthetic_interactions
 from lightning_sdp.datamodules.interactions.split import split_per_user, split_validation
@@ -19,6 +19,7 @@ __all__ = [
     "CSR",
     "ID_RULE",
     "InteractionsDataModule",
+    "PositivePairs",
     "auto_eval_batch_size",
     "check_eval_batch_size",
     "read_id_table",

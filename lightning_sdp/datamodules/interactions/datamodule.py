@@ -31,12 +31,26 @@ _SPARSE_ROWS_FACTOR = 2
 _SPARSE_ROWS_SLACK = 1024
 
 
-class _PairBatches(Dataset):
-    """``dataset[index_array]`` -> ``(users, items)`` LongTensors of the positives at those indices."""
+class PositivePairs(Dataset):
+    """``dataset[index_array]`` -> ``(users, items)`` LongTensors of the positives at those indices.
+
+    Indexed by whole index arrays (one batch each, from :class:`EpochSeededBatchSampler` with ``batch_size=None``),
+    so no per-sample collation happens.
+
+    Args:
+        users: ``(n,)`` int64 user of each positive.
+        items: ``(n,)`` int64 item of each positive.
+    """
 
     def __init__(self, users: np.ndarray, items: np.ndarray) -> None:
-        self.users = torch.from_numpy(users)
-        self.items = torch.from_numpy(items)
+        self.users = torch.from_numpy(np.ascontiguousarray(users, dtype=np.int64))
+        self.items = torch.from_numpy(np.ascontiguousarray(items, dtype=np.int64))
+
+    @classmethod
+    def from_csr(cls, indptr: np.ndarray, indices: np.ndarray) -> PositivePairs:
+        """The positives of a CSR ``(indptr, indices)``, user by user."""
+        users = np.repeat(np.arange(len(indptr) - 1, dtype=np.int64), np.diff(indptr))
+        return cls(users, indices)
 
     def __len__(self) -> int:
         return len(self.users)
@@ -345,7 +359,7 @@ class InteractionsDataModule(LightningDataModule):
         self._check_setup()
         users, items = self._pairs  # type: ignore[misc]
         sampler = EpochSeededBatchSampler(len(users), self.batch_size, self.seed, self.shuffle)
-        return DataLoader(_PairBatches(users, items), batch_size=None, sampler=sampler, num_workers=self.num_workers)
+        return DataLoader(PositivePairs(users, items), batch_size=None, sampler=sampler, num_workers=self.num_workers)
 
     def _eval_loader(self, users: np.ndarray, target: CSR, known: CSR) -> DataLoader:
         batch = self.resolved_eval_batch_size

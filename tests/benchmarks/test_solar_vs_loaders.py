@@ -14,13 +14,13 @@ def test_quick_run_trains_with_both_loaders_to_the_same_validation_loss():
     if payload is None:  # refused clearly: no root or no blkio cgroup
         return
     rows = {r["loader"]: r for r in payload["summary"]}
-    assert set(rows) == {"dl0", "solar_window"}
+    assert set(rows) == {"dl0", "solar"}
     for row in rows.values():
         assert row["samples/s"] != "failed" and row["samples/s"] > 0
         assert row["device MiB/epoch"] > 0
     # the same model, data and validation file: the two loaders train to nearly the same loss
-    assert abs(rows["dl0"]["final val loss"] - rows["solar_window"]["final val loss"]) < 0.05
-    assert rows["solar_window"]["device requests/epoch"] < rows["dl0"]["device requests/epoch"]
+    assert abs(rows["dl0"]["final val loss"] - rows["solar"]["final val loss"]) < 0.05
+    assert rows["solar"]["device requests/epoch"] < rows["dl0"]["device requests/epoch"]
 
 
 def test_without_root_it_exits_2_saying_why(monkeypatch, capsys):

@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_sdp.callbacks import SolarMetrics
 from lightning_sdp.datamodules.solar import EpochStats, SolarDataModule, SolarLoader, StepStats, make_ptycho_h5
+from lightning_sdp.datamodules.solar.reader import resolve_max_gap, resolve_read_window
 from lightning_sdp.models.ptychonn import PtychoNN
 
 CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "solar_ptycho.yaml"
@@ -101,7 +102,7 @@ def test_worker_processes_give_identical_batches(ptycho):
 
 def test_fit_follows_schedule_and_logs_metrics(ptycho):
     rec = Recorder()
-    dm = _dm(ptycho, val_split=0.25)
+    dm = _dm(ptycho, val_split=0.25, read_window=1, max_gap=0)  # exact reads: storage bytes = the plan's misses
     trainer = _trainer(max_epochs=2, callbacks=[rec, SolarMetrics()], log_every_n_steps=1)
     trainer.fit(_model(), dm)
     plans = dm.schedule.epoch_plan(0) + dm.schedule.epoch_plan(1)
@@ -123,7 +124,7 @@ def test_fit_follows_schedule_and_logs_metrics(ptycho):
 
 
 def test_loader_stats_are_typed_and_serialise_with_the_dict_keys(ptycho):
-    dm = _dm(ptycho, max_epochs=2)
+    dm = _dm(ptycho, max_epochs=2, read_window=1, max_gap=0)
     dm.setup("fit")
     loader = dm.train_dataloader()
     assert loader.last_stats is None and loader.epoch_stats == EpochStats()
@@ -293,3 +294,44 @@ def test_tsp_epoch_order_needs_a_horizon_and_follows_it(ptycho):
         ids = torch.cat([b["index"] for b in loader]).numpy()
         assert np.array_equal(ids, dm.schedule.permutation(epoch))
     assert sorted(dm.schedule._order) == [0, 1, 2]
+
+
+def test_auto_read_plan_is_sized_from_the_sample_bytes():
+    # 48 KiB samples of three 16 KiB rows, local batch 32: 16 steps (24 MiB <= 32 MiB), gaps of 8 rows (128 KiB)
+    assert resolve_read_window("auto", 32, 48 * 1024) == 16
+    assert resolve_max_gap("auto", 16 * 1024) == 8
+    # big samples: the window shrinks to stay within its memory bound, never below one step
+    assert resolve_read_window("auto", 32, 4 * 2**20) == 1
+    assert resolve_read_window("auto", 8, 1024 * 1024) == 4
+    assert resolve_max_gap("auto", 1 * 2**20) == 0
+    assert resolve_read_window(3, 32, 1) == 3 and resolve_max_gap(5, 1) == 5
+    for bad in (0, -2, "big"):
+        with pytest.raises(ValueError, match="read_window must be 'auto' or an int >= 1"):
+            resolve_read_window(bad, 32, 1)
+    with pytest.raises(ValueError, match="max_gap must be 'auto' or an int >= 0"):
+        SolarDataModule("unused.h5", max_gap=-1)
+
+
+def test_auto_read_plan_yields_the_exact_plans_batches_in_fewer_requests(ptycho):
+    out, stats, requests = [], [], []
+    for kw in ({"read_window": 1, "max_gap": 0}, {}):
+        dm = _dm(ptycho, max_epochs=2, **kw)
+        dm.setup("fit")
+        loader = dm.train_dataloader()
+        batches = []
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            batches += [b for b in loader]
+        out.append(batches)
+        stats.append(loader.epoch_stats)
+        requests.append(loader.reader.requests)
+        loader.close()
+    exact, auto = out
+    assert len(exact) == len(auto) == 24
+    for a, b in zip(exact, auto, strict=True):
+        assert torch.equal(a["index"], b["index"]) and torch.equal(a["input"], b["input"])
+        assert torch.equal(a["target"], b["target"])
+    # same plan (hit rate C/N), more bytes (whole windows) in fewer requests
+    assert stats[0].hits == stats[1].hits == 24
+    assert stats[1].storage_bytes >= stats[0].storage_bytes
+    assert requests[1] < requests[0]

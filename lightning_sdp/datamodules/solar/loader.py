@@ -33,9 +33,9 @@ class StepStats:
 
     Args:
         samples: samples in the local batch.
-        hits: samples served from the buffer.
-        reads: samples read from storage.
-        storage_bytes: bytes read from storage for this step (0 for the later steps of a read window, whose bytes
+        hits: the plan's buffer hits (with a read window some arrive with a neighbour step's read instead).
+        reads: the plan's misses, read from storage (``samples - hits``).
+        storage_bytes: bytes read from storage for this step, measured: with ``max_gap`` it includes the gap rows (0 for the later steps of a read window, whose bytes
             count on its first step).
         wait_s: seconds the training loop waited for the batch.
         read_s: seconds the reader spent on the step's read request (0 for the later steps of a read window).
@@ -76,9 +76,9 @@ class EpochStats:
 
     Args:
         samples: samples yielded.
-        hits: samples served from the buffer.
-        reads: samples read from storage.
-        storage_bytes: bytes read from storage.
+        hits: the plan's buffer hits.
+        reads: the plan's misses (``samples - hits``).
+        storage_bytes: bytes read from storage (measured; gap rows included).
         wait_s: seconds the training loop waited for batches.
         read_s: seconds the reader spent on read requests.
         steps: steps yielded.
@@ -438,7 +438,9 @@ class SolarLoader:
             wait = time.perf_counter() - t0
             now = time.perf_counter()
             step_time = now - self._last_yield if self._last_yield is not None else wait
-            n_hits = n - sum(1 for x in ids.tolist() if x in read_pos)
+            # the plan's buffer hits: with a read window a planned hit may arrive with a neighbour step's read
+            # (it was read anyway), so counting what came from the store would understate the buffer
+            n_hits = int(np.count_nonzero(rs.hit))
             self.last_stats = StepStats(
                 samples=n,
                 hits=n_hits,

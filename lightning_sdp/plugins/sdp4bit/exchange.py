@@ -125,9 +125,15 @@ class CommStats:
         self.steps += 1
 
     def bits_per_element(self, name: str, total: bool = False) -> float:
-        """Bits per value of collective ``name`` (``"weight"``, ``"grad_intra"``, ``"grad_inter"``)."""
-        stats = (self.total if total else self.last).get(name)
-        return stats.bits_per_element if stats else 0.0
+        """Bits per value of collective ``name`` (``"weight"``, ``"grad_intra"``, ``"grad_inter"``).
+
+        ``"weight"`` also sums the two stages of the hierarchical all-gather (``"weight_inter"``,
+        ``"weight_intra"``).
+        """
+        entries = self.total if total else self.last
+        parts = [v for k, v in entries.items() if k == name or (name == "weight" and k.startswith("weight_"))]
+        elements = sum(v.elements for v in parts)
+        return 8.0 * sum(v.bytes for v in parts) / elements if elements else 0.0
 
     @property
     def bytes_per_step(self) -> int:
@@ -652,17 +658,43 @@ class WeightExchange:
         self._gathered: Tensor | None = None
         self._nbytes = 0
 
+    def _hierarchical(self) -> bool:
+        topo = self.topo
+        own_group = self.group is None or self.group is topo.world_group
+        return own_group and topo.weight_inter_group is not None and topo.weight_intra_group is not None
+
+    def _gather(self, out: Tensor, row: Tensor, elements: int) -> None:
+        """All-gather ``row`` of every rank into ``out`` (rank order) and account the bytes this rank sends.
+
+        With several nodes of several processes it runs in two stages: across nodes among the ranks with this
+        local index, then inside the node. Each shard then crosses to every other node once, instead of riding a
+        ring over every rank (whose node-crossing edges carry all ``W - 1`` shards of a rank).
+        """
+        topo, n = self.topo, row.numel()
+        nbytes = n * row.element_size()
+        if not self._hierarchical():
+            all_gather_into_tensor(out, row, group=self.group)
+            if self.stats is not None:
+                self.stats.record("weight", (topo.world_size - 1) * nbytes, (topo.world_size - 1) * elements)
+            return
+        nodes, local = topo.inter_size, topo.intra_size
+        across = torch.empty(nodes * n, dtype=row.dtype, device=row.device)
+        all_gather_into_tensor(across, row, group=topo.weight_inter_group)
+        inside = torch.empty(local * nodes * n, dtype=row.dtype, device=row.device)
+        all_gather_into_tensor(inside, across, group=topo.weight_intra_group)
+        # (local, node, n) -> rank order (node, local, n)
+        out.view(nodes, local, n).copy_(inside.view(local, nodes, n).transpose(0, 1))
+        if self.stats is not None:
+            self.stats.record("weight_inter", (nodes - 1) * nbytes, (nodes - 1) * elements)
+            self.stats.record("weight_intra", (local - 1) * nodes * nbytes, (local - 1) * nodes * elements)
+
     def send(self) -> None:
         """Quantise this rank's shard and all-gather every rank's codes (the whole exchange for ``"none"``)."""
         w, s, topo = self.topo.world_size, self.master.numel(), self.topo
         if w == 1:
             return
-        frac = _sent_fraction(w)
         if self.mode == "none":
-            send = self.master.to(self.model_flat.dtype)
-            all_gather_into_tensor(self.model_flat, send, group=self.group)
-            if self.stats is not None:
-                self.stats.record("weight", frac * w * send.numel() * send.element_size(), frac * w * s)
+            self._gather(self.model_flat, self.master.to(self.model_flat.dtype), s)
             return
         lo = topo.rank * s
         reference = self.model_flat[lo : lo + s] if self.mode == "qwd" else None
@@ -671,9 +703,7 @@ class WeightExchange:
         )
         row = _pack(payload.view(1, -1), scales.view(1, -1))
         gathered = torch.empty(w, row.shape[1], dtype=row.dtype, device=row.device)
-        all_gather_into_tensor(gathered.view(-1), row.view(-1), group=self.group)
-        if self.stats is not None:
-            self.stats.record("weight", frac * w * (payload.numel() + 4 * scales.numel()), frac * w * s)
+        self._gather(gathered.view(-1), row.view(-1), s)
         self._gathered, self._nbytes = gathered, payload.numel()
 
     def apply(self) -> None:

@@ -25,6 +25,9 @@ class Topology:
         inter_group: process group of the ranks with this local index, or ``None``.
         world_group: a private process group of all ranks for the strategy's own collectives (weight all-gathers
             that may run on a communication thread while the training loop uses the default group), or ``None``.
+        weight_inter_group: with several nodes of several processes, a private group of the ranks with this
+            local index for the weight all-gather's inter-node stage, or ``None``.
+        weight_intra_group: the same for its intra-node stage (this rank's node), or ``None``.
         owned_groups: the process groups :func:`build_topology` created that hold this rank (to destroy them).
     """
 
@@ -35,6 +38,8 @@ class Topology:
     intra_group: Any = None
     inter_group: Any = None
     world_group: Any = None
+    weight_inter_group: Any = None
+    weight_intra_group: Any = None
     owned_groups: list[Any] = field(default_factory=list)
 
     def destroy(self) -> None:
@@ -44,6 +49,7 @@ class Topology:
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group(group)
         self.intra_group = self.inter_group = self.world_group = None
+        self.weight_inter_group = self.weight_intra_group = None
 
     @property
     def node(self) -> int:
@@ -94,4 +100,19 @@ def build_topology(rank: int, world_size: int, intra_size: int) -> Topology:
                 topo.owned_groups.append(group)
     topo.world_group = dist.new_group(list(range(world_size)))
     topo.owned_groups.append(topo.world_group)
+    if inter_size > 1 and intra_size > 1:
+        # The weight all-gather in two stages (across nodes, then inside each node) sends each shard over the
+        # slow link once per remote node; its own groups keep its collectives apart from the gradient threads'.
+        for local in range(intra_size):
+            ranks = list(range(local, world_size, intra_size))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                topo.weight_inter_group = group
+                topo.owned_groups.append(group)
+        for node in range(inter_size):
+            ranks = list(range(node * intra_size, (node + 1) * intra_size))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                topo.weight_intra_group = group
+                topo.owned_groups.append(group)
     return topo

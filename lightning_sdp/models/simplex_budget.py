@@ -45,8 +45,10 @@ _log = logging.getLogger(__name__)
 DEFAULT_GRID: dict[str, list[Any]] = {
     "dim": [128, 64, 256],
     "num_negatives": [200, 64],
-    "margin": [0.9, 0.8],
-    "negative_weight": [150.0, 50.0],
+    # Gowalla's (sparse) best is a high margin and a heavy negative term; on dense data (60 of 1,500 items per
+    # user) a light one wins by far (validation Recall@20 0.45 at w = 10 against 0.26 at w = 150), so both ends
+    "margin": [0.9, 0.8, 0.5, 0.0],
+    "negative_weight": [150.0, 50.0, 10.0, 1.0],
     "lr": [0.1, 0.3],
 }
 #: Settings shared by every configuration (unit-norm rows make a row's step ``lr`` whatever its norm).

@@ -84,35 +84,27 @@ def build_topology(rank: int, world_size: int, intra_size: int) -> Topology:
     topo = Topology(rank=rank, world_size=world_size, intra_size=intra_size, inter_size=inter_size)
     if world_size == 1:
         return topo
+    nodes = [list(range(n * intra_size, (n + 1) * intra_size)) for n in range(inter_size)]
+    peers = [list(range(local, world_size, intra_size)) for local in range(intra_size)]
     if intra_size > 1:
-        for node in range(inter_size):
-            ranks = list(range(node * intra_size, (node + 1) * intra_size))
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                topo.intra_group = group
-                topo.owned_groups.append(group)
+        topo.intra_group = _own_group(topo, nodes)
     if inter_size > 1:
-        for local in range(intra_size):
-            ranks = list(range(local, world_size, intra_size))
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                topo.inter_group = group
-                topo.owned_groups.append(group)
-    topo.world_group = dist.new_group(list(range(world_size)))
-    topo.owned_groups.append(topo.world_group)
+        topo.inter_group = _own_group(topo, peers)
+    topo.world_group = _own_group(topo, [list(range(world_size))])
     if inter_size > 1 and intra_size > 1:
         # The weight all-gather in two stages (across nodes, then inside each node) sends each shard over the
         # slow link once per remote node; its own groups keep its collectives apart from the gradient threads'.
-        for local in range(intra_size):
-            ranks = list(range(local, world_size, intra_size))
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                topo.weight_inter_group = group
-                topo.owned_groups.append(group)
-        for node in range(inter_size):
-            ranks = list(range(node * intra_size, (node + 1) * intra_size))
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                topo.weight_intra_group = group
-                topo.owned_groups.append(group)
+        topo.weight_inter_group = _own_group(topo, peers)
+        topo.weight_intra_group = _own_group(topo, nodes)
     return topo
+
+
+def _own_group(topo: Topology, partition: list[list[int]]) -> Any:
+    """Create one process group per rank list (every rank creates all of them, in order); keep the caller's."""
+    mine = None
+    for ranks in partition:
+        group = dist.new_group(ranks)
+        if topo.rank in ranks:
+            mine = group
+            topo.owned_groups.append(group)
+    return mine

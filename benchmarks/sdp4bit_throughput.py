@@ -192,11 +192,14 @@ class _Meter(StepTimer):
         self.warmup, self.strategy, self.ifname = warmup, strategy, ifname
         self.losses: list[float] = []
         self.marks: dict[str, tuple[int | None, dict[str, float] | None]] = {}
+        self.cpu: dict[str, float] = {}
 
     def _mark(self, name: str) -> None:
         from benchmarks.emulated_cluster import read_tx_bytes
 
         self.marks[name] = (read_tx_bytes(self.ifname) if self.ifname else None, _sdp4bit_bytes(self.strategy))
+        # the process's CPU time, all its threads (gloo's and the exchange threads' included)
+        self.cpu[name] = time.process_time()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
@@ -232,7 +235,8 @@ def _run_method(method: str, bandwidth: float, steps: int, validate: bool, args:
     val = float(trainer.callback_metrics["val/loss"]) if validate and "val/loss" in trainer.callback_metrics else None
     # end-to-end intervals of the steps after the warm-up (each holds a whole step, its communication included)
     durations = [b - a for a, b in zip(meter.ends[args.warmup - 1 :], meter.ends[args.warmup :], strict=False)]
-    mine = {"marks": meter.marks, "rank": dist.get_rank(), "local_rank": local_rank,
+    cpu_per_step = (meter.cpu["end"] - meter.cpu["start"]) / (steps - args.warmup)
+    mine = {"marks": meter.marks, "rank": dist.get_rank(), "local_rank": local_rank, "cpu_s_per_step": cpu_per_step,
             "node": int(os.environ.get("GROUP_RANK", os.environ.get("EMULATED_CLUSTER_NODE", "0")))}  # fmt: skip
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -259,6 +263,7 @@ def _run_method(method: str, bandwidth: float, steps: int, validate: bool, args:
         "accounted_inter_bytes_per_step_per_node": (
             sum(acct_nodes.values()) / len(acct_nodes) / timed if acct_nodes else None
         ),
+        "cpu_s_per_step_per_rank": statistics.mean(e["cpu_s_per_step"] for e in everyone),
         "train_losses_rank0": meter.losses,
         "val_loss": val,
         "wall_s": wall,
@@ -368,6 +373,8 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
                 "wire vs ddp": wire / dwire if wire and dwire else float("nan"),
                 "accounted MB/step/node": acct / 1e6 if acct is not None else "",
                 "wire / accounted": wire / acct if wire and acct else "",
+                "CPU s/step/rank": r.get("cpu_s_per_step_per_rank", float("nan")),
+                "CPU-bound step (s)": r.get("cpu_s_per_step_per_rank", float("nan")) * args.world / _cores(),
                 "load": round(r["load_avg_1m"], 1),
             })  # fmt: skip
     quality = []
@@ -418,8 +425,10 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
         f"Timing: median step after {args.warmup} warm-up steps of {args.timing_steps} "
         f"({args.steps} at {quality_bw:g} Mbit/s). Wire bytes: each node's interface counter (tx_bytes, all "
         "headers), per step, mean over nodes. Accounted: what SDP4Bit's comm_stats says each node sent to the "
-        "other (its grad_inter all-to-all plus one ring edge of the weight all-gather; gloo runs all-gathers as a "
-        "ring).",
+        "other (its grad_inter all-to-all, plus its weight_inter stage when the weight all-gather runs in two "
+        "stages, else one ring edge of the ring all-gather). CPU s/step/rank: process CPU time (all threads) per "
+        f"timed step, mean over ranks; CPU-bound step = that x {args.world} ranks / {_cores()} cores, the step time "
+        "if the cores were the only limit (when it is close to the measured step, overlap has no idle core to use).",
         "",
         "## Speed-up over DDP (median step time ratio)",
         "",
@@ -439,6 +448,10 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
     payload = {"args": vars(args), "rows": rows, "speedups": speedups, "quality": quality, "table": table,
                "failed": failed}  # fmt: skip
     return payload, "\n".join(md), fig
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _code_version() -> dict[str, Any]:

@@ -57,6 +57,9 @@ def test_expected_node_egress_counts_inter_all_to_all_and_one_ring_edge() -> Non
     # two ranks of one node; each sent 100 bytes of its weight shard to the 3 others (300) and 40 across nodes
     ranks = [{"weight": 300.0, "grad_inter": 40.0, "grad_intra": 50.0}] * 2
     assert _expected_node_egress(ranks) == 300.0 + 2 * 40.0
+    # two-stage all-gather: each rank's inter-node stage leaves the node, the intra-node stage does not
+    ranks = [{"weight_inter": 100.0, "weight_intra": 200.0, "grad_inter": 40.0}] * 2
+    assert _expected_node_egress(ranks) == 2 * 100.0 + 2 * 40.0
 
 
 def _run_methods(rank: int, world: int, data: str, methods: list[str]) -> list[dict[str, Any]]:
@@ -82,6 +85,7 @@ def _run_methods(rank: int, world: int, data: str, methods: list[str]) -> list[d
                     "train_losses_rank0",
                     "wire_bytes_per_step_per_node",
                     "accounted_inter_bytes_per_step_per_node",
+                    "cpu_s_per_step_per_rank",
                 )
             }
         )
@@ -98,6 +102,7 @@ def test_worker_runs_zero_and_sdp4bit_and_accounts_sdp4bit_bytes(tmp_path: Path)
         assert row["median_step_s"] > 0 and row["tokens_per_s"] == 2 * 16 * 2 / row["median_step_s"]
         assert len(row["train_losses_rank0"]) == 4 and math.isfinite(row["val_loss"])
         assert row["wire_bytes_per_step_per_node"] is None  # no shaped interface outside the emulated cluster
+        assert row["cpu_s_per_step_per_rank"] > 0
     zero, sdp4bit = results[0]
     assert zero["accounted_inter_bytes_per_step_per_node"] is None  # only SDP4Bit keeps its own accounting
     assert sdp4bit["accounted_inter_bytes_per_step_per_node"] > 0  # one node: the weight all-gather's ring edge

@@ -221,6 +221,10 @@ class ThrottledStorage:
         self.cleanup()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        # A Ctrl-C reaches the whole process group, sometimes twice (``timeout`` forwards it too): a second signal
+        # must not interrupt this clean-up half way.
+        for sig in self._old_handlers:
+            signal.signal(sig, signal.SIG_IGN)
         self.cleanup()
         raise SystemExit(128 + signum)
 

@@ -63,29 +63,37 @@ def cached_datamodule(args: argparse.Namespace, batch: int, seed: int, val_batch
     return dm
 
 
-def train_one(loss: str, batch: int, seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    import lightning.pytorch as pl
-    import torch
-
-    from lightning_sdp.callbacks import GammaScheduler, TemperatureScheduler
+def bench_module(loss: str, steps: int, args: argparse.Namespace) -> Any:
+    """The FastCLIP benchmarks' module: ``NANO_CONFIG``, 5 % warm-up, ``args.lr``/``temperature`` (SigLIP: its own
+    initial temperature), v3's ``rho`` and ``lr_tau`` from ``args``."""
     from lightning_sdp.models import FastCLIPModule
 
-    # One thread per process: on a loaded 2-core machine OpenMP threads spin-wait and cost ~10x the CPU time.
-    torch.set_num_threads(args.threads)
-    dm = cached_datamodule(args, batch, seed)
-    pl.seed_everything(seed, verbose=False)
-    steps = args.epochs * (dm.data_size // batch)
-    module = FastCLIPModule(
+    v3 = loss == "fastclip_v3"
+    return FastCLIPModule(
         model=NANO_CONFIG,
         loss=loss,
         lr=args.lr,
         weight_decay=0.1,
         warmup_steps=max(1, steps // 20),
         max_steps=steps,
-        temperature=args.temperature,
-        lr_tau=args.lr_tau if loss == "fastclip_v3" else None,
-        rho=args.rho if loss == "fastclip_v3" else None,
+        temperature=None if loss == "siglip" else args.temperature,
+        lr_tau=args.lr_tau if v3 else None,
+        rho=args.rho if v3 else None,
     )
+
+
+def train_one(loss: str, batch: int, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_sdp.callbacks import GammaScheduler, TemperatureScheduler
+
+    # One thread per process: on a loaded 2-core machine OpenMP threads spin-wait and cost ~10x the CPU time.
+    torch.set_num_threads(args.threads)
+    dm = cached_datamodule(args, batch, seed)
+    pl.seed_everything(seed, verbose=False)
+    steps = args.epochs * (dm.data_size // batch)
+    module = bench_module(loss, steps, args)
     gamma = GammaScheduler(gamma_min=args.gamma_min, decay_epochs=max(1, args.epochs // 2))
     scores = fit_and_score(module, dm, args.epochs, [gamma, TemperatureScheduler()])
     return {"loss": loss, "batch": batch, "seed": seed, "steps": steps, **scores}

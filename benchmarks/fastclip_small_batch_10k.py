@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import RESULTS_DIR, markdown_table, write_results
-from benchmarks.fastclip_small_batch import cached_datamodule, fit_and_score, run_jobs, run_quietly
+from benchmarks.fastclip_small_batch import bench_module, cached_datamodule, fit_and_score, run_jobs, run_quietly
 from lightning_sdp.integrations.open_clip import NANO_CONFIG
 
 # inherited by the spawned worker processes, which import torch after this is set
@@ -114,25 +114,13 @@ def train_one(loss: str, batch: int, seed: int, args: argparse.Namespace) -> dic
     import torch
 
     from lightning_sdp.callbacks import GammaScheduler, TemperatureScheduler
-    from lightning_sdp.models import FastCLIPModule
 
     # One thread per process: on a loaded 2-core machine OpenMP threads spin-wait and cost ~10x the CPU time.
     torch.set_num_threads(args.threads)
     dm = cached_datamodule(args, batch, seed, val_batch_size=500)
     pl.seed_everything(seed, verbose=False)
     steps = args.epochs * (dm.data_size // batch)
-    v3 = loss == "fastclip_v3"
-    module = FastCLIPModule(
-        model=NANO_CONFIG,
-        loss=loss,
-        lr=args.lr,
-        weight_decay=0.1,
-        warmup_steps=max(1, steps // 20),
-        max_steps=steps,
-        temperature=None if loss == "siglip" else args.temperature,
-        lr_tau=args.lr_tau if v3 else None,
-        rho=args.rho if v3 else None,
-    )
+    module = bench_module(loss, steps, args)
     probe = _make_probe(args, batch)
     decay_epochs = max(1, round(args.epochs * args.gamma_decay_fraction))
     gamma = GammaScheduler(gamma_min=args.gamma_min, decay_epochs=decay_epochs)

@@ -42,6 +42,7 @@ from lightning_sdp.datamodules.interactions import InteractionsDataModule, split
 from lightning_sdp.models.simplex import SimpleXModule
 from lightning_sdp.models.simplex_budget import (
     DEFAULT_GRID,
+    WIDE_GRID,
     SimpleXRunner,
     evaluate_ranking,
     fit_simplex_within_budget,
@@ -53,7 +54,7 @@ NAME = "heat_vs_peers"
 RESULTS = RESULTS_DIR  # where write_results puts the files
 EASE_MAX_ITEMS = 15_000
 ITERATIVE = ("als", "bpr", "lightfm", "cornac_bpr", "reference")
-SCHEDULED = ("heat", "heat_attention", "heat_budget")
+SCHEDULED = ("heat", "heat_attention", "heat_budget", "heat_budget_wide")
 ONE_SHOT = ("cornac_ease",)
 ALL_METHODS = ITERATIVE[:4] + ONE_SHOT + SCHEDULED + ITERATIVE[4:]
 DEFAULT_METHODS = ("als", "bpr", "lightfm", "cornac_bpr", "cornac_ease", "heat", "heat_budget")
@@ -121,13 +122,18 @@ def load_split(dataset: str, data: str, val_fraction: float, quick: bool) -> Spl
         dm = InteractionsDataModule(data, val_fraction=0.0)
         dm.setup("fit")
         return Split("gowalla", tuple(dm.train_csr), tuple(dm.test_csr), dm.num_items, val_fraction)
-    # dense synthetic catalogue: ~60 items per user over 1,500 (Gowalla: ~27 per user over 41k items)
-    users, items, per_user = (300, 200, 20) if quick else (3000, 1500, 60)
-    dm = InteractionsDataModule(num_users=users, num_items=items, interactions_per_user=per_user, val_fraction=0.0)
-    dm.setup("fit")
-    return Split(
-        "synthetic_quick" if quick else "synthetic", tuple(dm.train_csr), tuple(dm.test_csr), items, val_fraction
+    if dataset == "synthetic_fresh":
+        # a catalogue nothing was tuned on: other size, density, popularity skew, clusters and seed
+        users, items, per_user, extra = 6000, 4000, 25, {"alpha": 1.0, "num_clusters": 50, "seed": 1}
+    else:
+        # dense synthetic catalogue: ~60 items per user over 1,500 (Gowalla: ~27 per user over 41k items)
+        users, items, per_user, extra = (300, 200, 20, {}) if quick else (3000, 1500, 60, {})
+    dm = InteractionsDataModule(
+        num_users=users, num_items=items, interactions_per_user=per_user, val_fraction=0.0, **extra
     )
+    dm.setup("fit")
+    name = "synthetic_quick" if quick else dataset
+    return Split(name, tuple(dm.train_csr), tuple(dm.test_csr), items, val_fraction)
 
 
 # ---------------------------------------------------------------------------------------------------- threads
@@ -355,7 +361,7 @@ def merge_into_stored(results: dict[str, Any]) -> dict[str, Any]:
 
     Each row keeps the machine line of the run that produced it, so a merged report says which run measured what.
     """
-    path = RESULTS_DIR / f"{NAME}.json"
+    path = RESULTS_DIR / f"{results['args']['name']}.json"
     if not path.exists():
         return results
     stored = json.loads(path.read_text())
@@ -411,7 +417,7 @@ def run_method(method: str, split: Split, args: argparse.Namespace) -> dict[str,
     if method == "cornac_ease" and split.num_items > EASE_MAX_ITEMS:
         why = f"EASE needs a dense {split.num_items}^2 item matrix (> {EASE_MAX_ITEMS} items)"
         return {"method": method, "missing": why}
-    if method == "heat_budget":
+    if method in ("heat_budget", "heat_budget_wide"):
         points = []
         for budget in budgets:
             fit = fit_simplex_within_budget(
@@ -421,6 +427,7 @@ def run_method(method: str, split: Split, args: argparse.Namespace) -> dict[str,
                 num_items=split.num_items,
                 threads=args.threads,
                 seed=args.seed,
+                grid=WIDE_GRID if method == "heat_budget_wide" else None,
             )
             model = fit.model
             start = time.perf_counter()
@@ -441,7 +448,7 @@ def run_method(method: str, split: Split, args: argparse.Namespace) -> dict[str,
                     "notes": fit.notes,
                 }
             )
-            print(f"  heat_budget {budget}s: test Recall@20 {recall:.4f}, chose {fit.config}", flush=True)
+            print(f"  {method} {budget}s: test Recall@20 {recall:.4f}, chose {fit.config}", flush=True)
         return {"method": method, "config": "chosen inside each budget", "trials": [], "curve": points}
     config, trials = tune(method, split, args)
     if method in ITERATIVE:
@@ -476,7 +483,7 @@ def estimate_seconds(methods: list[str], splits: list[str], args: argparse.Names
     total, top, total_budget = 0.0, max(args.budgets), sum(args.budgets)
     for _ in splits:
         for m in methods:
-            if m == "heat_budget":
+            if m in ("heat_budget", "heat_budget_wide"):
                 total += total_budget + 10 * len(args.budgets)
             elif m in SCHEDULED:
                 total += args.configs * (args.trial_seconds + 3) + total_budget + 10 * len(args.budgets)
@@ -542,7 +549,12 @@ def report(results: dict[str, Any], args: argparse.Namespace, name: str) -> None
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", default=str(SHARED_DATA / "gowalla"), help="LightGCN folder of the Gowalla split")
-    parser.add_argument("--dataset", default="gowalla", help="comma list of gowalla, synthetic (dense, 3000 x 1500)")
+    parser.add_argument(
+        "--dataset",
+        default="gowalla",
+        help="comma list of gowalla, synthetic (dense, 3000 x 1500), synthetic_fresh (6000 x 4000, never tuned on)",
+    )
+    parser.add_argument("--name", default=NAME, help="stem of the results files (another stem keeps the stored run)")
     parser.add_argument(
         "--methods", default=",".join(DEFAULT_METHODS), help=f"comma list of {', '.join(ALL_METHODS)} or 'all'"
     )
@@ -568,6 +580,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
     datasets = args.dataset.split(",")
+    unknown_data = sorted(set(datasets) - {"gowalla", "synthetic", "synthetic_fresh"})
+    if unknown_data:
+        raise SystemExit(f"unknown datasets {unknown_data}; choose from gowalla, synthetic, synthetic_fresh")
     if args.quick:
         datasets, args.budgets, args.configs = ["synthetic"], [1.5, 3.0], 2
         args.trial_seconds, args.curve_points = 0.3, 2
@@ -599,7 +614,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.merge and not args.quick:
         results = merge_into_stored(results)
     if results["datasets"]:
-        report(results, args, NAME + ("_quick" if args.quick else ""))
+        report(results, args, args.name + ("_quick" if args.quick else ""))
     return results
 
 

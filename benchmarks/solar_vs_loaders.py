@@ -138,7 +138,11 @@ def _train(cfg: dict[str, Any]) -> None:
         def __init__(self) -> None:
             self.t0 = 0.0
             self.b0 = self.r0 = 0
+            self.samples = 0  # trained this epoch by this rank: counted, since a loader may yield fewer than planned
             self.rows: list[dict[str, Any]] = []
+
+        def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+            self.samples += len(batch["input"] if isinstance(batch, dict) else batch[0])
 
         def _drop_and_start(self, trainer: Trainer) -> None:
             """Drop the page cache, then start the clock and the device counters (all ranks wait for it)."""
@@ -148,6 +152,7 @@ def _train(cfg: dict[str, Any]) -> None:
                 self.b0, self.r0 = group.device_read_bytes(), group.device_read_requests()
             trainer.strategy.barrier()
             self.t0 = time.perf_counter()
+            self.samples = 0
 
         def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
             self._drop_and_start(trainer)
@@ -158,12 +163,14 @@ def _train(cfg: dict[str, Any]) -> None:
             # the validation pass, which is the same unthrottled file for every loader.
             trainer.strategy.barrier()
             dt = time.perf_counter() - self.t0
+            samples = int(trainer.strategy.reduce(torch.tensor(float(self.samples)), reduce_op="sum"))
             if trainer.global_rank == 0 and group is not None:
                 self.rows.append(
                     {
                         "epoch": trainer.current_epoch,
                         "seconds": dt,
-                        "samples_per_s": cfg["train_samples"] / dt,
+                        "samples": samples,
+                        "samples_per_s": samples / dt,
                         "device_mib": (group.device_read_bytes() - self.b0) / 2**20,
                         "device_requests": group.device_read_requests() - self.r0,
                         "peak_rss_mib_rank0": _peak_rss_mib(),
@@ -404,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                     "vs best DataLoader": round(sps / best_dl, 2),
                     "of in-memory ceiling": round(sps / memory, 2),
                     "epoch s": round(sum(r["seconds"] for r in later) / len(later), 2),
+                    "samples/epoch": round(sum(r["samples"] for r in later) / len(later)),
                     "device MiB/epoch": round(sum(r["device_mib"] for r in later) / len(later), 1),
                     "device requests/epoch": round(sum(r["device_requests"] for r in later) / len(later)),
                     "peak RSS MiB (rank 0)": round(max(r["peak_rss_mib_rank0"] for r in later)),
@@ -417,7 +425,9 @@ def main(argv: list[str] | None = None) -> int:
         f"local batch {args.batch}; {args.epochs} epochs; page cache dropped before every epoch. Device: {facts}. "
         f"Conversions (unthrottled source, written to the device): {conversions}. Columns are means over the epochs "
         "after the first; an epoch runs from the previous epoch's end (cache dropped) to this one's end and includes "
-        "the same validation pass (256 samples, unthrottled) for every loader; samples/s counts training samples; "
+        "the same validation pass (256 samples, unthrottled) for every loader; samples/s counts the training samples "
+        "the ranks actually received in the epoch (samples/epoch; a loader that yields fewer than the file's "
+        f"{args.samples} is not credited for the missing ones); "
         "device bytes and requests from the blkio cgroup (all ranks). `memory` is the ceiling, not a loader: the "
         "file read into memory before fit (not timed), so its epoch is the compute alone; a loader's speed-up over "
         "the DataLoader cannot exceed memory's.\n\n"

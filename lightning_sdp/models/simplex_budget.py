@@ -45,11 +45,18 @@ _log = logging.getLogger(__name__)
 DEFAULT_GRID: dict[str, list[Any]] = {
     "dim": [128, 64, 256],
     "num_negatives": [200, 64],
-    # Gowalla's (sparse) best is a high margin and a heavy negative term; on dense data (60 of 1,500 items per
-    # user) a light one wins by far (validation Recall@20 0.45 at w = 10 against 0.26 at w = 150), so both ends
+    "margin": [0.9, 0.8],
+    "negative_weight": [150.0, 50.0],
+    "lr": [0.1, 0.3],
+}
+#: The default grid plus light negative terms and low margins. On a dense catalogue (60 of 1,500 items per user)
+#: the recipe with it reached test Recall@20 0.48 where the default grid gives 0.26; on Gowalla its short search
+#: trials favour the light weights, which learn fast early and end low (0.045 at a 60 s budget against 0.163),
+#: so it is not the default (docs/heat.md, benchmarks/results/heat_vs_peers_wide_grid.md).
+WIDE_GRID: dict[str, list[Any]] = {
+    **DEFAULT_GRID,
     "margin": [0.9, 0.8, 0.5, 0.0],
     "negative_weight": [150.0, 50.0, 10.0, 1.0],
-    "lr": [0.1, 0.3],
 }
 #: Settings shared by every configuration (unit-norm rows make a row's step ``lr`` whatever its norm).
 BASE_SETTINGS: dict[str, Any] = {"g": 1.0, "optimizer": "sgd", "row_norm": 1.0, "init_std": 0.1, "max_history": 100}
@@ -527,6 +534,7 @@ def fit_simplex_within_budget(
 __all__ = [
     "BASE_SETTINGS",
     "DEFAULT_GRID",
+    "WIDE_GRID",
     "BudgetedFit",
     "SimpleXRunner",
     "Trial",

@@ -115,6 +115,8 @@ def test_u_probe_with_lr_zero_and_full_batch_has_no_estimation_error_and_no_drif
     for v in summary:
         assert v["u_new_vs_g_then"]["rel_err"] < 1e-5 and v["probe_vs_training_u_rel_diff"] < 1e-5
     assert summary[-1]["drift_prev_over_then"] == pytest.approx(1.0, abs=1e-6)
+    # g never moves and the batch is the data: no sampling error and no staleness in the decomposition either
+    assert summary[-1]["u_if_g_still"]["rel_err"] < 1e-6 and abs(summary[-1]["staleness_log_factor"]) < 1e-5
     assert summary[-1]["gap_steps_median"] == 1
     last = probe.probes[-1]
     assert last["proper"]["rel_err"] < 1e-5 and last["total"]["rel_err"] < 1e-5
@@ -142,6 +144,7 @@ def test_u_diagnostic_quick_probes_several_times_per_epoch_and_matches_training(
     assert all(v["probe_vs_training_u_rel_diff"] < 1e-4 for v in run["visit_summary"])
     later = run["visit_summary"][-1]
     assert later["revisits"] > 0 and later["drift_prev_over_then"] > 0
+    assert later["u_if_g_still"]["rel_err"] >= 0 and math.isfinite(later["staleness_log_factor"])
     for p in run["probes"]:
         assert 0 < p["rare"]["topb_share"] <= 1 and 0 <= p["rare"]["p_batch_has_k50"] <= 1
         assert p["total"]["rel_err"] >= 0 and p["age_median"] >= 0

@@ -82,6 +82,20 @@ def bench_module(loss: str, steps: int, args: argparse.Namespace) -> Any:
     )
 
 
+def add_training_args(
+    parser: argparse.ArgumentParser, dataset: str, datasets: list[str], num_train: int, num_val: int
+) -> None:
+    """The data and loss options every FastCLIP benchmark shares (its own defaults for the data)."""
+    parser.add_argument("--dataset", default=dataset, choices=datasets)
+    parser.add_argument("--num-train", type=int, default=num_train)
+    parser.add_argument("--num-val", type=int, default=num_val)
+    parser.add_argument("--data-seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--temperature", type=float, default=0.07)
+    parser.add_argument("--lr-tau", type=float, default=4e-4, help="v3: logit_scale's lr")
+    parser.add_argument("--rho", type=float, default=6.5, help="v3: the paper's CC3M value")
+
+
 def train_one(loss: str, batch: int, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     import lightning.pytorch as pl
     import torch
@@ -267,14 +281,7 @@ def main() -> None:
     parser.add_argument("--batches", default="16,32,64,128")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--dataset", default="shapes", choices=["shapes", "digits"])
-    parser.add_argument("--num-train", type=int, default=1280)
-    parser.add_argument("--num-val", type=int, default=400)
-    parser.add_argument("--data-seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--temperature", type=float, default=0.07)
-    parser.add_argument("--lr-tau", type=float, default=4e-4)
-    parser.add_argument("--rho", type=float, default=6.5)
+    add_training_args(parser, "shapes", ["shapes", "digits"], num_train=1280, num_val=400)
     parser.add_argument("--gamma-min", type=float, default=0.8)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--workers", type=int, default=2, help="training runs in parallel processes (1: in-process)")

@@ -33,7 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import RESULTS_DIR, markdown_table, write_results
-from benchmarks.fastclip_small_batch import bench_module, cached_datamodule, fit_and_score, run_jobs, run_quietly
+from benchmarks.fastclip_small_batch import (
+    add_training_args,
+    bench_module,
+    cached_datamodule,
+    fit_and_score,
+    run_jobs,
+    run_quietly,
+)
 from lightning_sdp.integrations.open_clip import NANO_CONFIG
 
 # inherited by the spawned worker processes, which import torch after this is set
@@ -328,14 +335,7 @@ def main() -> None:
     parser.add_argument("--batches", default="16,32,64")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--dataset", default="scenes", choices=["shapes", "scenes"])
-    parser.add_argument("--num-train", type=int, default=10_240)
-    parser.add_argument("--num-val", type=int, default=1_000)
-    parser.add_argument("--data-seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--temperature", type=float, default=0.07)
-    parser.add_argument("--lr-tau", type=float, default=4e-4, help="v3: logit_scale's lr (the paper's lr / 5)")
-    parser.add_argument("--rho", type=float, default=6.5, help="v3: the paper's CC3M value")
+    add_training_args(parser, "scenes", ["shapes", "scenes"], num_train=10_240, num_val=1_000)
     parser.add_argument("--gamma-min", type=float, default=0.2, help="the paper scripts' value")
     parser.add_argument(
         "--gamma-decay-fraction", type=float, default=0.5, help="cosine decay over this part of the epochs"

@@ -49,7 +49,13 @@ from lightning.pytorch import Callback
 from torch import Tensor
 
 from benchmarks._common import RESULTS_DIR, markdown_table, write_results
-from benchmarks.fastclip_small_batch import bench_module, cached_datamodule, fit_and_score, run_quietly
+from benchmarks.fastclip_small_batch import (
+    add_training_args,
+    bench_module,
+    cached_datamodule,
+    fit_and_score,
+    run_quietly,
+)
 from lightning_sdp.integrations.open_clip import NANO_CONFIG
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -537,14 +543,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: fastclip_v3, 256 pairs, batch 16, 2 epochs")
     parser.add_argument("--runs", default=DEFAULT_RUNS, help="comma-separated loss:global_batch:gamma_min:seed")
     parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--dataset", default="scenes", choices=["shapes", "scenes"])
-    parser.add_argument("--num-train", type=int, default=10_240)
-    parser.add_argument("--num-val", type=int, default=1_000)
-    parser.add_argument("--data-seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--temperature", type=float, default=0.07)
-    parser.add_argument("--lr-tau", type=float, default=4e-4)
-    parser.add_argument("--rho", type=float, default=6.5)
+    add_training_args(parser, "scenes", ["shapes", "scenes"], num_train=10_240, num_val=1_000)
     parser.add_argument("--gamma-decay-fraction", type=float, default=0.5)
     parser.add_argument("--probe-anchors", type=int, default=128)
     parser.add_argument("--probes-per-epoch", type=int, default=4)

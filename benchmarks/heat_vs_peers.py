@@ -54,7 +54,10 @@ NAME = "heat_vs_peers"
 RESULTS = RESULTS_DIR  # where write_results puts the files
 EASE_MAX_ITEMS = 15_000
 ITERATIVE = ("als", "bpr", "lightfm", "cornac_bpr", "reference")
-SCHEDULED = ("heat", "heat_attention", "heat_budget", "heat_budget_wide")
+# HEAT's budgeted recipe, by the grid it searches (None: its default)
+BUDGETED: dict[str, dict[str, list[Any]] | None] = {"heat_budget": None, "heat_budget_wide": WIDE_GRID}
+SCHEDULED = ("heat", "heat_attention", *BUDGETED)
+DATASETS = ("gowalla", "synthetic", "synthetic_fresh")
 ONE_SHOT = ("cornac_ease",)
 ALL_METHODS = ITERATIVE[:4] + ONE_SHOT + SCHEDULED + ITERATIVE[4:]
 DEFAULT_METHODS = ("als", "bpr", "lightfm", "cornac_bpr", "cornac_ease", "heat", "heat_budget")
@@ -417,7 +420,7 @@ def run_method(method: str, split: Split, args: argparse.Namespace) -> dict[str,
     if method == "cornac_ease" and split.num_items > EASE_MAX_ITEMS:
         why = f"EASE needs a dense {split.num_items}^2 item matrix (> {EASE_MAX_ITEMS} items)"
         return {"method": method, "missing": why}
-    if method in ("heat_budget", "heat_budget_wide"):
+    if method in BUDGETED:
         points = []
         for budget in budgets:
             fit = fit_simplex_within_budget(
@@ -427,7 +430,7 @@ def run_method(method: str, split: Split, args: argparse.Namespace) -> dict[str,
                 num_items=split.num_items,
                 threads=args.threads,
                 seed=args.seed,
-                grid=WIDE_GRID if method == "heat_budget_wide" else None,
+                grid=BUDGETED[method],
             )
             model = fit.model
             start = time.perf_counter()
@@ -483,7 +486,7 @@ def estimate_seconds(methods: list[str], splits: list[str], args: argparse.Names
     total, top, total_budget = 0.0, max(args.budgets), sum(args.budgets)
     for _ in splits:
         for m in methods:
-            if m in ("heat_budget", "heat_budget_wide"):
+            if m in BUDGETED:
                 total += total_budget + 10 * len(args.budgets)
             elif m in SCHEDULED:
                 total += args.configs * (args.trial_seconds + 3) + total_budget + 10 * len(args.budgets)
@@ -580,9 +583,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
     datasets = args.dataset.split(",")
-    unknown_data = sorted(set(datasets) - {"gowalla", "synthetic", "synthetic_fresh"})
+    unknown_data = sorted(set(datasets) - set(DATASETS))
     if unknown_data:
-        raise SystemExit(f"unknown datasets {unknown_data}; choose from gowalla, synthetic, synthetic_fresh")
+        raise SystemExit(f"unknown datasets {unknown_data}; choose from {', '.join(DATASETS)}")
     if args.quick:
         datasets, args.budgets, args.configs = ["synthetic"], [1.5, 3.0], 2
         args.trial_seconds, args.curve_points = 0.3, 2

@@ -385,20 +385,15 @@ def main(argv: list[str] | None = None) -> int:
                 )
     summary = []
     for ranks in args.ranks:
-        base = [
-            r["samples_per_s"]
-            for r in rows
-            if r.get("epoch", 0) > 0 and r["ranks"] == ranks and r["loader"] in ("dl0", "dl2", "dl4")
-        ]
-        best_dl = max(base) if base else float("nan")
-        ceiling = [
-            r["samples_per_s"]
-            for r in rows
-            if r.get("epoch", 0) > 0 and r["ranks"] == ranks and r["loader"] == "memory"
-        ]
+
+        def later_epochs(*loaders: str, ranks: int = ranks) -> list[dict[str, Any]]:
+            return [r for r in rows if r["ranks"] == ranks and r["loader"] in loaders and r.get("epoch", 0) > 0]
+
+        best_dl = max((r["samples_per_s"] for r in later_epochs("dl0", "dl2", "dl4")), default=float("nan"))
+        ceiling = [r["samples_per_s"] for r in later_epochs("memory")]
         memory = sum(ceiling) / len(ceiling) if ceiling else float("nan")
         for loader in args.loaders:
-            later = [r for r in rows if r["ranks"] == ranks and r["loader"] == loader and r.get("epoch", 0) > 0]
+            later = later_epochs(loader)
             if not later:
                 summary.append({"P": ranks, "loader": loader, "samples/s": "failed"})
                 continue

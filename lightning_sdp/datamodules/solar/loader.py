@@ -35,8 +35,8 @@ class StepStats:
         samples: samples in the local batch.
         hits: the plan's buffer hits (with a read window some arrive with a neighbour step's read instead).
         reads: the plan's misses, read from storage (``samples - hits``).
-        storage_bytes: bytes read from storage for this step, measured: with ``max_gap`` it includes the gap rows (0 for the later steps of a read window, whose bytes
-            count on its first step).
+        storage_bytes: bytes read from storage for this step, measured (with ``max_gap`` the gap rows too; 0 for
+            the later steps of a read window, whose bytes count on its first step).
         wait_s: seconds the training loop waited for the batch.
         read_s: seconds the reader spent on the step's read request (0 for the later steps of a read window).
         samples_per_s: local samples per second of wall time since the previous batch.

@@ -249,9 +249,14 @@ class DatasetInfo:
     dtypes: dict[str, np.dtype]
 
     @property
+    def row_nbytes(self) -> dict[str, int]:
+        """Bytes of one sample's row in each dataset."""
+        return {k: int(np.prod(s, dtype=np.int64)) * self.dtypes[k].itemsize for k, s in self.shapes.items()}
+
+    @property
     def sample_nbytes(self) -> int:
         """Bytes of one sample over all keys."""
-        return int(sum(int(np.prod(s, dtype=np.int64)) * self.dtypes[k].itemsize for k, s in self.shapes.items()))
+        return sum(self.row_nbytes.values())
 
 
 def _open_h5(path: str, fileobj: Any = None, rdcc_nbytes: int = 0) -> Any:

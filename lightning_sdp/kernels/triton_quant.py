@@ -36,6 +36,10 @@ from lightning_sdp.kernels.quantization import QuantFormat, Rounding, RoundingSo
 
 # How the kernels get their rounding offsets (the ``NOISE`` constexpr of ``_quantize_store``).
 _NOISE_NEAREST, _NOISE_TENSOR, _NOISE_RANDOM = 0, 1, 2
+# Compile without fusing a * b + c into one FMA: the fused form rounds once, torch's reference (and the CPU
+# interpreter) twice, so ``target + code * scale`` would differ in the last bit on a GPU (the kernels are memory-bound:
+# an FMA saves nothing measurable). The interpreter ignores the option.
+_EXACT = {"enable_fp_fusion": False}
 
 
 def _pow2(n: int, what: str) -> None:
@@ -115,7 +119,7 @@ def encode(
     kernels["encode"][grid](
         x, reference if reference is not None else x, h, noise_t, _wire_view(payload, fmt), scales, seed,
         GROUP=fmt.group_size, HB=hb, QMAX=fmt.qmax, HAS_REF=reference is not None,
-        HADAMARD=hadamard_size is not None, NOISE=mode, PACK=fmt.bits == 4,
+        HADAMARD=hadamard_size is not None, NOISE=mode, PACK=fmt.bits == 4, **_EXACT,
     )  # fmt: skip
     return payload, scales
 
@@ -143,6 +147,7 @@ def dequantize_add_(target: Tensor, payload: Tensor, scales: Tensor, fmt: QuantF
         GROUP=fmt.group_size,
         PACK=fmt.bits == 4,
         BF16=target.dtype == torch.bfloat16,
+        **_EXACT,
     )
     return target
 
@@ -184,7 +189,7 @@ def dequantize_sum_requantize(
         _wire_view(payloads.contiguous(), fmt_in), scales.contiguous(), noise_t, _wire_view(payload, fmt_out),
         out_scales, seed, k, payloads.shape[1], scales.shape[1],
         GROUP=fmt_out.group_size, GROUP_IN=fmt_in.group_size, PACK_IN=fmt_in.bits == 4, QMAX=fmt_out.qmax,
-        NOISE=mode, PACK=fmt_out.bits == 4,
+        NOISE=mode, PACK=fmt_out.bits == 4, **_EXACT,
     )  # fmt: skip
     return payload, out_scales
 
@@ -209,6 +214,6 @@ def dequantize_sum_hadamard(
         _wire_view(payloads.contiguous(), fmt), scales.contiguous(), hadamard_matrix(hb, device=payloads.device),
         out, k, payloads.shape[1], scales.shape[1], 1.0 / hb,
         GROUP=fmt.group_size, GROUP_IN=fmt.group_size, PACK_IN=fmt.bits == 4, HB=hb,
-        HADAMARD=hadamard_size is not None,
+        HADAMARD=hadamard_size is not None, **_EXACT,
     )  # fmt: skip
     return out

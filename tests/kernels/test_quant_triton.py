@@ -1,4 +1,10 @@
-"""The fused Triton kernels against the torch reference (CPU interpreter: TRITON_INTERPRET=1 from conftest)."""
+"""The fused Triton kernels against the torch reference.
+
+On the CPU they run in Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest). With a CUDA device and
+``TRITON_INTERPRET=0`` the same tests run the compiled kernels on the GPU (``benchmarks/gpu_checks.py`` does this).
+"""
+
+import os
 
 import pytest
 import torch
@@ -7,6 +13,9 @@ from lightning_sdp.kernels import quantization as q
 from lightning_sdp.kernels.quantization import QuantFormat, RoundingSource
 
 pytestmark = pytest.mark.triton
+
+#: Compiled kernels on the GPU when one is present and the interpreter is off; the interpreter on the CPU otherwise.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "1") == "0" else "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -21,14 +30,14 @@ def _inputs(n, seed):
     x = torch.randn(n, generator=g) * 3
     x[: n // 8] = 0  # a zero group
     x[-1] = 40.0  # an outlier
-    return x, torch.rand(n, generator=g)
+    return x.to(DEVICE), torch.rand(n, generator=g).to(DEVICE)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n,group", [(64, 64), (6 * 32, 32), (5 * 128, 128)])
 def test_encode_equals_reference(tq, bits, n, group):
     x, noise = _inputs(n, n + bits)
-    ref, fmt, u = torch.randn(n), QuantFormat(bits, group), RoundingSource(noise=noise)
+    ref, fmt, u = torch.randn(n, device=DEVICE), QuantFormat(bits, group), RoundingSource(noise=noise)
     for kwargs, expected in (
         ({}, q.encode(x, fmt, u)),
         ({"reference": ref}, q.quantize_difference(x, ref, fmt, u)),
@@ -57,7 +66,7 @@ def _seeded(seed):
 
 
 def test_in_kernel_stochastic_rounding(tq):
-    x, fmt = torch.randn(4 * 64), QuantFormat(4, 64)
+    x, fmt = torch.randn(4 * 64, device=DEVICE), QuantFormat(4, 64)
     a = tq.encode(x, fmt, _seeded(3))
     assert all(torch.equal(u, v) for u, v in zip(a, tq.encode(x, fmt, _seeded(3)), strict=True))  # reproducible
     assert not torch.equal(a[0], tq.encode(x, fmt, _seeded(4))[0])
@@ -74,7 +83,7 @@ def test_dequantize_add_equals_reference(tq, bits, dtype):
     x, noise = _inputs(256, 3)
     fmt = QuantFormat(bits, 64)
     payload, scales = q.encode(x, fmt, RoundingSource(noise=noise))
-    target = torch.randn(256).to(dtype)
+    target = torch.randn(256, device=DEVICE).to(dtype)
     expected = q.dequantize_add_(target.clone(), payload, scales, fmt)
     got = tq.dequantize_add_(target.clone(), payload, scales, fmt)
     assert torch.equal(got, expected)
@@ -86,7 +95,7 @@ def test_dequantize_sum_requantize_equals_reference(tq, bits_in, bits_out):
     fmt_in, fmt_out = QuantFormat(bits_in, g), QuantFormat(bits_out, g)
     rows = [q.encode(_inputs(n, s)[0], fmt_in) for s in range(k)]
     payloads, scales = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
-    u = RoundingSource(noise=torch.rand(n))
+    u = RoundingSource(noise=torch.rand(n, device=DEVICE))
     got = tq.dequantize_sum_requantize(payloads, scales, fmt_in, fmt_out, u)
     expected = q.dequantize_sum_requantize(payloads, scales, fmt_in, fmt_out, u)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
@@ -104,8 +113,10 @@ def test_dequantize_sum_hadamard_equals_reference(tq, hadamard):
 
 def test_triton_bad_sizes(tq):
     with pytest.raises(ValueError, match="power of two"):
-        tq.encode(torch.zeros(96), QuantFormat(4, 48))
+        tq.encode(torch.zeros(96, device=DEVICE), QuantFormat(4, 48))
     with pytest.raises(ValueError, match="whole number of quantisation groups"):
-        tq.encode(torch.zeros(100), QuantFormat(4, 64))
+        tq.encode(torch.zeros(100, device=DEVICE), QuantFormat(4, 64))
     with pytest.raises(ValueError, match="noise has 3 values"):
-        tq.encode(torch.zeros(128), QuantFormat(4, 64), RoundingSource(noise=torch.rand(3)))
+        tq.encode(
+            torch.zeros(128, device=DEVICE), QuantFormat(4, 64), RoundingSource(noise=torch.rand(3, device=DEVICE))
+        )

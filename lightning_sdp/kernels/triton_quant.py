@@ -40,6 +40,16 @@ _NOISE_NEAREST, _NOISE_TENSOR, _NOISE_RANDOM = 0, 1, 2
 # interpreter) twice, so ``target + code * scale`` would differ in the last bit on a GPU (the kernels are memory-bound:
 # an FMA saves nothing measurable). The interpreter ignores the option.
 _EXACT = {"enable_fp_fusion": False}
+# Values per program: each program quantises TILE // group_size whole groups (at least one).
+_TILE = 4096
+
+
+def _rows(group_size: int) -> int:
+    return max(1, _TILE // group_size)
+
+
+def _grid(n_groups: int, group_size: int) -> tuple[int]:
+    return (-(-n_groups // _rows(group_size)),)
 
 
 def _pow2(n: int, what: str) -> None:
@@ -115,10 +125,10 @@ def encode(
     mode, noise_t, seed = _noise_args(n, rounding, x.device)
     payload = torch.empty(fmt.payload_bytes(n), dtype=torch.uint8, device=x.device)
     scales = torch.empty(n // fmt.group_size, dtype=torch.float32, device=x.device)
-    grid = (n // fmt.group_size,)
-    kernels["encode"][grid](
-        x, reference if reference is not None else x, h, noise_t, _wire_view(payload, fmt), scales, seed,
-        GROUP=fmt.group_size, HB=hb, QMAX=fmt.qmax, HAS_REF=reference is not None,
+    n_groups = n // fmt.group_size
+    kernels["encode"][_grid(n_groups, fmt.group_size)](
+        x, reference if reference is not None else x, h, noise_t, _wire_view(payload, fmt), scales, seed, n_groups,
+        GROUP=fmt.group_size, ROWS=_rows(fmt.group_size), HB=hb, QMAX=fmt.qmax, HAS_REF=reference is not None,
         HADAMARD=hadamard_size is not None, NOISE=mode, PACK=fmt.bits == 4, **_EXACT,
     )  # fmt: skip
     return payload, scales
@@ -140,11 +150,13 @@ def dequantize_add_(target: Tensor, payload: Tensor, scales: Tensor, fmt: QuantF
     n = target.numel()
     if payload.numel() != fmt.payload_bytes(n) or scales.numel() * fmt.group_size != n:
         raise ValueError(f"payload/scales do not describe {n} values at {fmt.bits} bits, group {fmt.group_size}.")
-    kernels["dequant_add"][(n // fmt.group_size,)](
+    kernels["dequant_add"][_grid(n // fmt.group_size, fmt.group_size)](
         _wire_view(payload.contiguous(), fmt),
         scales.contiguous(),
         target,
+        n // fmt.group_size,
         GROUP=fmt.group_size,
+        ROWS=_rows(fmt.group_size),
         PACK=fmt.bits == 4,
         BF16=target.dtype == torch.bfloat16,
         **_EXACT,
@@ -185,10 +197,10 @@ def dequantize_sum_requantize(
     mode, noise_t, seed = _noise_args(n, rounding, device)
     payload = torch.empty(fmt_out.payload_bytes(n), dtype=torch.uint8, device=device)
     out_scales = torch.empty(n // fmt_out.group_size, dtype=torch.float32, device=device)
-    kernels["dequant_sum_requant"][(n // fmt_out.group_size,)](
+    kernels["dequant_sum_requant"][_grid(n // fmt_out.group_size, fmt_out.group_size)](
         _wire_view(payloads.contiguous(), fmt_in), scales.contiguous(), noise_t, _wire_view(payload, fmt_out),
-        out_scales, seed, k, payloads.shape[1], scales.shape[1],
-        GROUP=fmt_out.group_size, GROUP_IN=fmt_in.group_size, PACK_IN=fmt_in.bits == 4, QMAX=fmt_out.qmax,
+        out_scales, seed, k, payloads.shape[1], scales.shape[1], n // fmt_out.group_size,
+        GROUP=fmt_out.group_size, ROWS=_rows(fmt_out.group_size), GROUP_IN=fmt_in.group_size, PACK_IN=fmt_in.bits == 4, QMAX=fmt_out.qmax,
         NOISE=mode, PACK=fmt_out.bits == 4, **_EXACT,
     )  # fmt: skip
     return payload, out_scales
@@ -210,10 +222,10 @@ def dequantize_sum_hadamard(
     k, n = _check_rows(payloads, scales, fmt)
     hb = _hadamard_block(fmt.group_size, hadamard_size)
     out = torch.empty(n, dtype=torch.float32, device=payloads.device)
-    kernels["dequant_sum_hadamard"][(n // fmt.group_size,)](
+    kernels["dequant_sum_hadamard"][_grid(n // fmt.group_size, fmt.group_size)](
         _wire_view(payloads.contiguous(), fmt), scales.contiguous(), hadamard_matrix(hb, device=payloads.device),
-        out, k, payloads.shape[1], scales.shape[1], 1.0 / hb,
-        GROUP=fmt.group_size, GROUP_IN=fmt.group_size, PACK_IN=fmt.bits == 4, HB=hb,
+        out, k, payloads.shape[1], scales.shape[1], 1.0 / hb, n // fmt.group_size,
+        GROUP=fmt.group_size, ROWS=_rows(fmt.group_size), GROUP_IN=fmt.group_size, PACK_IN=fmt.bits == 4, HB=hb,
         HADAMARD=hadamard_size is not None, **_EXACT,
     )  # fmt: skip
     return out

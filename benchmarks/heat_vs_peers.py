@@ -54,8 +54,13 @@ NAME = "heat_vs_peers"
 RESULTS = RESULTS_DIR  # where write_results puts the files
 EASE_MAX_ITEMS = 15_000
 ITERATIVE = ("als", "bpr", "lightfm", "cornac_bpr", "reference")
-# HEAT's budgeted recipe, by the grid it searches (None: its default)
-BUDGETED: dict[str, dict[str, list[Any]] | None] = {"heat_budget": None, "heat_budget_wide": WIDE_GRID}
+# HEAT's budgeted recipe, by the arguments it gets beside the budget: the default; the wide grid; the final fit as
+# three warm restarts whose best snapshot on validation is kept (the training length chosen on validation)
+BUDGETED: dict[str, dict[str, Any]] = {
+    "heat_budget": {},
+    "heat_budget_wide": {"grid": WIDE_GRID},
+    "heat_budget_cycles": {"cycles": 3},
+}
 SCHEDULED = ("heat", "heat_attention", *BUDGETED)
 DATASETS = ("gowalla", "synthetic", "synthetic_fresh")
 ONE_SHOT = ("cornac_ease",)
@@ -430,7 +435,7 @@ def run_method(method: str, split: Split, args: argparse.Namespace) -> dict[str,
                 num_items=split.num_items,
                 threads=args.threads,
                 seed=args.seed,
-                grid=BUDGETED[method],
+                **BUDGETED[method],
             )
             model = fit.model
             start = time.perf_counter()
@@ -448,6 +453,9 @@ def run_method(method: str, split: Split, args: argparse.Namespace) -> dict[str,
                     "final_lr": fit.final_lr,
                     "search_s": fit.search_seconds,
                     "trials": len(fit.trials),
+                    "cycle_steps": fit.cycle_steps,
+                    "cycle_val_recall@20": fit.cycle_val_recall,
+                    "chosen_cycle": fit.chosen_cycle,
                     "notes": fit.notes,
                 }
             )

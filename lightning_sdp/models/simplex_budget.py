@@ -10,7 +10,9 @@ front. :func:`fit_simplex_within_budget` turns a wall-clock (or epoch) budget in
    trial is a complete short run whose linear schedule decays to 0 inside its own share of the time, scored on the
    validation split only; the better half goes on with twice the time;
 3. **fit**: the winner trains for the rest of the budget, ``max_steps`` chosen from its measured step time so that
-   ``lr_schedule="linear"`` ends at 0 before the budget runs out.
+   ``lr_schedule="linear"`` ends at 0 before the budget runs out. With ``cycles > 1`` the fit is a series of warm
+   restarts (Loshchilov & Hutter, SGDR) of doubling length, each decaying to 0 and scored on validation, and the best
+   snapshot is kept: so the training length is chosen on validation too (a longer schedule is not always better).
 
 The recipe never receives the test split: it carves validation out of the training interactions (or uses the
 datamodule's ``val_csr``), so the test split can be scored once, afterwards.
@@ -158,7 +160,12 @@ class Trial:
 
 @dataclass
 class BudgetedFit:
-    """What :func:`fit_simplex_within_budget` did: the trained model, the chosen settings and the time spent."""
+    """What :func:`fit_simplex_within_budget` did: the trained model, the chosen settings and the time spent.
+
+    ``cycle_steps`` and ``cycle_val_recall`` describe the final fit's warm-restart cycles (validation recall on the
+    search's user sample; without restarts, one entry: the final validation recall), ``chosen_cycle`` the snapshot
+    returned.
+    """
 
     model: SimpleXModule
     config: dict[str, Any]
@@ -175,6 +182,9 @@ class BudgetedFit:
     trials: list[Trial] = field(default_factory=list)
     seconds_per_step: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    cycle_steps: list[int] = field(default_factory=list)
+    cycle_val_recall: list[float] = field(default_factory=list)
+    chosen_cycle: int = 0
 
     def summary(self) -> dict[str, Any]:
         """JSON-friendly summary (no model)."""
@@ -242,18 +252,26 @@ class SimpleXRunner:
         return model
 
     def fit(
-        self, config: dict[str, Any], steps: int, max_seconds: float | None = None
+        self,
+        config: dict[str, Any],
+        steps: int,
+        max_seconds: float | None = None,
+        init: SimpleXModule | None = None,
+        cycle: int = 0,
     ) -> tuple[SimpleXModule, _FitClock, float]:
         """Train ``config`` for ``steps`` steps (the linear decay reaches 0 at the last one).
 
         ``max_seconds`` is a guard (Lightning's ``max_time``) against a step-time estimate gone wrong; a fit it cuts
-        ends before its schedule does, which the returned clock's ``final_lr`` shows.
+        ends before its schedule does, which the returned clock's ``final_lr`` shows. ``init`` warm-starts the new
+        model from another one's weights and sampler state (a warm restart, ``init`` is left unchanged); ``cycle``
+        numbers the restart so that it sees a new data order.
         """
         model = self.model(config)
+        if init is not None:
+            model.load_state_dict(init.state_dict())
         clock = _FitClock()
-        loader = DataLoader(
-            self.pairs, batch_size=None, sampler=EpochSeededBatchSampler(len(self.pairs), self.batch_size, self.seed)
-        )
+        order = EpochSeededBatchSampler(len(self.pairs), self.batch_size, self.seed + 1_000_003 * cycle)
+        loader = DataLoader(self.pairs, batch_size=None, sampler=order)
         trainer = Trainer(
             accelerator=HEATAccelerator(num_threads=self.threads),
             devices=1,
@@ -369,6 +387,7 @@ def fit_simplex_within_budget(
     model_kwargs: dict[str, Any] | None = None,
     k: int = 20,
     seed: int = 0,
+    cycles: int = 1,
 ) -> BudgetedFit:
     """Choose SimpleX hyper-parameters on validation and train the winner so that its schedule ends in the budget.
 
@@ -395,15 +414,20 @@ def fit_simplex_within_budget(
         model_kwargs: further fixed :class:`SimpleXModule` arguments (e.g. ``g=0.8``, ``sampler="uniform"``).
         k: cut-off of Recall/NDCG@K. Default 20.
         seed: seed of the models, the shuffles, the config sample and the validation split. Default 0.
+        cycles: the final fit as this many warm restarts of doubling length (steps in the ratio 1 : 2 : 4 ...),
+            each decaying to 0 and scored on validation; the best snapshot is returned. ``1`` (default): one
+            schedule over the whole rest of the budget.
 
     Returns:
         A :class:`BudgetedFit` with the trained model, its settings, ``max_steps`` and every trial.
 
     Raises:
         ValueError: a missing, non-positive or doubled budget, a ``search_fraction`` outside ``[0, 1)``, or a budget
-            too short for even one training step after the probe.
+            too short for even one training step after the probe, or ``cycles < 1``.
     """
     _check_budget(budget_seconds, budget_epochs, search_fraction)
+    if cycles < 1:
+        raise ValueError(f"fit_simplex_within_budget: cycles must be at least 1, got {cycles}.")
     notes: list[str] = []
     train, val, found_items = _split_data(data, val, val_fraction, seed, notes)
     num_items = num_items if num_items is not None else found_items
@@ -423,6 +447,7 @@ def fit_simplex_within_budget(
 
     step_seconds: dict[str, float] = {}
     overhead = 0.5  # Trainer set-up and tear-down per fit; replaced by the measured value after the first fit
+    eval_seconds = 1.0  # one validation scoring of the user sample; replaced by the measured value
 
     def steps_for(config: dict[str, Any], seconds: float) -> int:
         return int((seconds - overhead) / step_seconds[_shape_key(config)])
@@ -478,7 +503,9 @@ def fit_simplex_within_budget(
                 overhead = max(0.0, fit_wall - clock.train_seconds)
                 step_seconds[_shape_key(config)] = clock.train_seconds / steps
                 trial.train_seconds, trial.fit_seconds = clock.train_seconds, fit_wall
+                scored = time.perf_counter()
                 trial.val_recall, trial.val_ndcg = score_on_val(model, eval_users)
+                eval_seconds = time.perf_counter() - scored
                 results.append(trial)
             trials += results
             if not results:
@@ -496,8 +523,10 @@ def fit_simplex_within_budget(
         if _shape_key(best) not in step_seconds:
             step_seconds[_shape_key(best)] = runner.probe(best)
             left = budget_seconds - (time.perf_counter() - call_start)
-        # 5 % margin for the measured step time drifting under load
-        max_steps = int((left - overhead) * 0.95 / step_seconds[_shape_key(best)])
+        # 5 % margin for the measured step time drifting under load; every restart cycle pays a set-up and a scoring
+        max_steps = int(
+            (left - cycles * overhead - (cycles - 1) * eval_seconds) * 0.95 / step_seconds[_shape_key(best)]
+        )
         if max_steps < 1:
             raise ValueError(
                 f"fit_simplex_within_budget: the budget of {budget_seconds:g}s leaves {left:.2f}s after the probe "
@@ -506,12 +535,34 @@ def fit_simplex_within_budget(
             )
     else:
         max_steps = total_steps - search_steps
-    guard = None if budget_seconds is None else 2.0 * max(1.0, budget_seconds - (time.perf_counter() - call_start))
-    model, clock, fit_wall = runner.fit(best, max_steps, guard)
-    if clock.final_lr > 0:
-        notes.append(f"the final fit was cut at {guard:.0f}s before its schedule ended (the step time rose under load)")
-        _log.warning("fit_simplex_within_budget: %s.", notes[-1])
+    weights = [2**i for i in range(cycles)]
+    cycle_steps = [max_steps * w // sum(weights) for w in weights]
+    cycle_steps[-1] += max_steps - sum(cycle_steps)
+    if min(cycle_steps) < 1:
+        raise ValueError(
+            f"fit_simplex_within_budget: {max_steps} steps cannot make {cycles} restart cycles; lower cycles or "
+            "raise the budget."
+        )
+    snapshots: list[tuple[SimpleXModule, _FitClock]] = []
+    cycle_val: list[float] = []
+    fit_wall = 0.0
+    for i, steps in enumerate(cycle_steps):
+        guard = None
+        if budget_seconds is not None:
+            guard = 2.0 * max(1.0, budget_seconds - (time.perf_counter() - call_start))
+        model, clock, wall = runner.fit(best, steps, guard, init=snapshots[-1][0] if snapshots else None, cycle=i)
+        fit_wall += wall
+        if clock.final_lr > 0:
+            notes.append(f"cycle {i} was cut at {guard:.0f}s before its schedule ended (the step time rose under load)")
+            _log.warning("fit_simplex_within_budget: %s.", notes[-1])
+        snapshots.append((model, clock))
+        if cycles > 1:
+            cycle_val.append(score_on_val(model, eval_users)[0])
+    chosen = int(np.argmax(cycle_val)) if cycles > 1 else 0
+    model, clock = snapshots[chosen]
     val_recall, val_ndcg = score_on_val(model, None)
+    if cycles == 1:
+        cycle_val = [val_recall]
     return BudgetedFit(
         model=model,
         config=dict(best),
@@ -521,13 +572,16 @@ def fit_simplex_within_budget(
         budget_epochs=budget_epochs,
         search_seconds=search_seconds,
         fit_seconds=fit_wall,
-        train_seconds=clock.train_seconds,
+        train_seconds=sum(c.train_seconds for _, c in snapshots),
         final_lr=clock.final_lr,
         val_recall=val_recall,
         val_ndcg=val_ndcg,
         trials=trials,
         seconds_per_step=step_seconds,
         notes=notes,
+        cycle_steps=cycle_steps,
+        cycle_val_recall=cycle_val,
+        chosen_cycle=chosen,
     )
 
 

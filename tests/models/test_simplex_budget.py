@@ -73,6 +73,36 @@ def test_search_picks_by_validation_only() -> None:
     assert all(np.isfinite(t.val_recall) for t in fit.trials)
 
 
+def test_restart_cycles_double_in_length_and_keep_the_best_snapshot_on_validation() -> None:
+    dm = _data()
+    fit = fit_simplex_within_budget(
+        dm, budget_epochs=8, search_fraction=0.0, grid=TINY_GRID, threads=1, batch_size=128, cycles=3
+    )
+    steps_per_epoch = -(-len(dm.train_csr.indices) // fit.batch_size)
+    assert sum(fit.cycle_steps) == fit.max_steps == 8 * steps_per_epoch
+    first = fit.cycle_steps[0]
+    assert fit.cycle_steps[1] in (2 * first, 2 * first + 1) and fit.cycle_steps[2] >= 4 * first
+    assert len(fit.cycle_val_recall) == 3 and fit.chosen_cycle == int(np.argmax(fit.cycle_val_recall))
+    assert fit.final_lr == 0.0
+    with pytest.raises(ValueError, match="cycles must be at least 1"):
+        fit_simplex_within_budget(dm, budget_epochs=1, grid=TINY_GRID, cycles=0)
+
+
+def test_a_warm_restart_starts_from_the_given_weights() -> None:
+    from lightning_sdp.models.simplex_budget import SimpleXRunner
+
+    dm = _data()
+    runner = SimpleXRunner(tuple(np.asarray(a) for a in dm.train_csr), dm.num_items, 128, 1, 0, {})
+    config = {k: v[0] for k, v in TINY_GRID.items()}
+    trained, _, _ = runner.fit(config, 20)
+    fresh = runner.model(config)
+    restarted, _, _ = runner.fit({**config, "lr": 1e-12}, 1, init=trained, cycle=1)  # a step too small to move
+    for name, value in trained.state_dict().items():
+        if value.is_floating_point() and name.endswith("weight"):
+            torch.testing.assert_close(restarted.state_dict()[name], value, rtol=1e-6, atol=1e-9)
+            assert not torch.equal(fresh.state_dict()[name], value)
+
+
 def test_carves_validation_from_a_training_csr() -> None:
     dm = _data()
     indptr, indices = dm.train_csr

@@ -210,8 +210,11 @@ def _resolve_category(event: Any, cache: dict[int, str]) -> str:
     if cat is None:
         children = [c for c in getattr(event, "cpu_children", []) or [] if not is_annotation(c.name)]
         if children:
-            best = max(children, key=lambda c: c.cpu_time_total)
-            cat = _resolve_category(best, cache)
+            # Views (``aten::t`` under ``linear``) cost host time only; on a loaded host one can outlast the tiny
+            # matmul beside it, so the composite takes the category of its most expensive *compute* child.
+            resolved = [(c, _resolve_category(c, cache)) for c in children]
+            compute = [rc for rc in resolved if rc[1] != "host_other"] or resolved
+            cat = max(compute, key=lambda rc: rc[0].cpu_time_total)[1]
         else:
             base = op_base_name(event.name)
             cat = "attention_fused" if "attention" in base and "math" not in base else "vector"

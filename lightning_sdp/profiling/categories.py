@@ -5,7 +5,8 @@ Categories (``CATEGORIES``):
 - ``matrix``: work for the matrix engine (Gaudi MME, tensor cores): ``mm``, ``addmm``, ``bmm``, ``baddbmm``,
   convolutions and their backward, ``_scaled_mm``... Composite operators (``linear``, ``matmul``, ``einsum``,
   ``scaled_dot_product_attention`` when it falls back to the math path) have no category of their own: their self
-  time inherits the category of their most expensive child (:func:`classify_op` returns ``None`` for them).
+  time inherits the category of their most expensive child that computes (views such as ``aten::t`` are passed
+  over; :func:`classify_op` returns ``None`` for composites).
 - ``attention_fused``: fused attention kernels (flash / memory-efficient / cuDNN SDPA, CPU flash attention).
 - ``vector``: everything elementwise or reducing (softmax, norms, activations, arithmetic, optimizer math): the
   vector engines (Gaudi TPC, CUDA cores).

@@ -187,6 +187,16 @@ def test_cuda_kernel_attribution_and_tensor_cores():
     assert br.module_times_us["other"]["matrix"] == pytest.approx(100.0)
 
 
+def test_composite_takes_its_compute_child_even_when_a_view_is_slower():
+    # On a loaded CI host the ``aten::t`` view under a tiny ``linear`` once outlasted its ``addmm``.
+    lin = _ev("aten::linear", 2, 0, 100)
+    _ev("aten::t", 60, 1, 61, lin)
+    _ev("aten::addmm", 30, 62, 92, lin)
+    br = categorize_events([lin, *lin.cpu_children], span_us=100.0)
+    assert br.op_times_us["aten::linear"][0] == "matrix"
+    assert br.times_us["matrix"] == pytest.approx(32.0)
+
+
 def test_overlapping_streams_are_scaled_to_the_span():
     a = _ev("aten::mm", 1, 0, 10, kernels=[("cutlass_80_tensorop_gemm", 800.0)])
     b = _ev("nccl:all_reduce", 1, 0, 10, kernels=[("ncclDevKernel_AllReduce", 600.0)])

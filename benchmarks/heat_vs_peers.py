@@ -8,7 +8,8 @@ SimpleX with an attention aggregator (when ``SimpleXModule`` has one), HEAT's bu
 Protocol, the same for every method:
 
 1. the validation split is carved out of the training interactions with the datamodule's ``split_validation``
-   (``--val-fraction``, seed 0); every model trains on train minus validation;
+   (``--val-fraction``, seed 0); every model trains on train minus validation, except with ``--refit`` the final
+   (test-scored) models, which train on the whole training split once validation has chosen their settings;
 2. tuning: ``--configs`` configurations from the method's stated grid (``GRIDS``; the first is the library's default,
    the rest a seeded sample), each trained for ``--trial-seconds`` of training time and scored on validation;
    the best one is kept. HEAT's recipe does its own search inside each budget instead (stricter: its search time
@@ -26,6 +27,7 @@ run time is printed first. ``--quick`` runs tiny synthetic data in seconds.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import json
 import os
@@ -99,6 +101,13 @@ class Split:
         self.num_users = len(self.train[0]) - 1
         counts = np.diff(self.train[0])
         self.train_users = np.repeat(np.arange(self.num_users), counts)
+
+    def refit(self) -> Split:
+        """This split with validation folded back into train: what the final, test-scored models train on."""
+        other = copy.copy(self)
+        other.train = self.full_train
+        other.train_users = np.repeat(np.arange(self.num_users), np.diff(self.full_train[0]))
+        return other
 
     def matrix(self) -> Any:
         """``scipy.sparse.csr_matrix`` of train minus validation (users x items, ones)."""
@@ -378,6 +387,11 @@ def merge_into_stored(results: dict[str, Any]) -> dict[str, Any]:
             f"--merge: the stored run used budgets {stored['args']['budgets']}, this one {results['args']['budgets']}; "
             "use the same --budgets or run without --merge"
         )
+    if stored["args"].get("refit", False) != results["args"]["refit"]:
+        raise SystemExit(
+            f"--merge: the stored run used refit={stored['args'].get('refit', False)}, this one "
+            f"{results['args']['refit']}; runs of the two protocols cannot share a report: use another --name"
+        )
     run = {"machine": results["machine"], "methods": results["methods"]}
     stored.setdefault("runs", [{"machine": stored["machine"], "methods": stored["methods"]}]).append(run)
     for name, data in results["datasets"].items():
@@ -427,6 +441,7 @@ def run_method(method: str, split: Split, args: argparse.Namespace) -> dict[str,
         return {"method": method, "missing": why}
     if method in BUDGETED:
         points = []
+        settings = {"refit": args.refit and BUDGETED[method].get("cycles", 1) == 1, **BUDGETED[method]}
         for budget in budgets:
             fit = fit_simplex_within_budget(
                 split.train,
@@ -435,7 +450,7 @@ def run_method(method: str, split: Split, args: argparse.Namespace) -> dict[str,
                 num_items=split.num_items,
                 threads=args.threads,
                 seed=args.seed,
-                **BUDGETED[method],
+                **settings,
             )
             model = fit.model
             start = time.perf_counter()
@@ -456,22 +471,25 @@ def run_method(method: str, split: Split, args: argparse.Namespace) -> dict[str,
                     "cycle_steps": fit.cycle_steps,
                     "cycle_val_recall@20": fit.cycle_val_recall,
                     "chosen_cycle": fit.chosen_cycle,
+                    "refit": fit.refit,
+                    "train_positives": fit.train_positives,
                     "notes": fit.notes,
                 }
             )
             print(f"  {method} {budget}s: test Recall@20 {recall:.4f}, chose {fit.config}", flush=True)
         return {"method": method, "config": "chosen inside each budget", "trials": [], "curve": points}
     config, trials = tune(method, split, args)
+    final = split.refit() if args.refit else split  # what the test-scored model trains on
     if method in ITERATIVE:
         top = max(budgets)
         eval_at = sorted(set(budgets) | {top * f for f in np.geomspace(0.02, 1.0, args.curve_points)})
-        curve = run_iterative(method, config, split, top, eval_at, "test", args.threads, args.seed)
+        curve = run_iterative(method, config, final, top, eval_at, "test", args.threads, args.seed)
     elif method in ONE_SHOT:
-        curve = run_ease(config, split, "test", args.seed)
+        curve = run_ease(config, final, "test", args.seed)
     else:
         curve = []
         for budget in budgets:
-            point = run_scheduled(method, config, split, budget, "test", args.threads, args.seed)
+            point = run_scheduled(method, config, final, budget, "test", args.threads, args.seed)
             curve.append({"budget_s": budget, **point})
     for point in curve:
         print(
@@ -516,8 +534,13 @@ def report(results: dict[str, Any], args: argparse.Namespace, name: str) -> None
     md = [
         f"Protocol: validation carved from train ({args.val_fraction:.0%} per user, `split_validation`, seed 0); every "
         f"method tuned with the same budget ({args.configs} configurations of its grid, {args.trial_seconds:g} s of "
-        "training each, scored on validation); the chosen one trained on train minus validation and scored on the "
-        "test split (training and validation items masked). Times are training time only (evaluation excluded, "
+        "training each, scored on validation); the chosen one trained on "
+        + (
+            "the whole training split (validation folded back in, `--refit`)"
+            if args.refit
+            else "train minus validation"
+        )
+        + " and scored on the test split (training and validation items masked). Times are training time only (evaluation excluded, "
         f"column `eval_s`). {args.threads} threads for every method. HEAT's recipe (`heat_budget`) tunes inside "
         "each budget (its search time is part of `train_s`). Grids: "
         + "; ".join(f"`{m}` {GRIDS[m]}" for m in results["methods"] if m in GRIDS),
@@ -576,6 +599,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--val-fraction", type=float, default=0.1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--refit",
+        action="store_true",
+        help="train the final, test-scored models of every method on train + validation once validation has chosen",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny synthetic data, seconds (smoke test)")
     parser.add_argument(
         "--merge",

@@ -13,6 +13,8 @@ front. :func:`fit_simplex_within_budget` turns a wall-clock (or epoch) budget in
    ``lr_schedule="linear"`` ends at 0 before the budget runs out. With ``cycles > 1`` the fit is a series of warm
    restarts (Loshchilov & Hutter, SGDR) of doubling length, each decaying to 0 and scored on validation, and the best
    snapshot is kept: so the training length is chosen on validation too (a longer schedule is not always better).
+   Without restarts the final fit trains on the training *and* validation interactions (``refit``): validation has
+   done its job once the configuration is chosen, and on Gowalla the 10 % it holds are worth +0.008 test Recall@20.
 
 The recipe never receives the test split: it carves validation out of the training interactions (or uses the
 datamodule's ``val_csr``), so the test split can be scored once, afterwards.
@@ -34,7 +36,7 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader
 
-from lightning_sdp.datamodules.interactions import PositivePairs, split_validation
+from lightning_sdp.datamodules.interactions import PositivePairs, merge_csr, split_validation
 from lightning_sdp.datamodules.sampling import EpochSeededBatchSampler
 from lightning_sdp.metrics import NDCGAtK, RecallAtK, csr_rows_mask, topk_hits
 from lightning_sdp.models.simplex import SimpleXModule
@@ -164,7 +166,9 @@ class BudgetedFit:
 
     ``cycle_steps`` and ``cycle_val_recall`` describe the final fit's warm-restart cycles (validation recall on the
     search's user sample; without restarts, one entry: the final validation recall), ``chosen_cycle`` the snapshot
-    returned.
+    returned. With ``refit`` the final model trained on validation too (``train_positives`` counts what it trained
+    on), so ``val_recall`` / ``val_ndcg`` are the chosen configuration's last search trial's instead of its own
+    (NaN when there was no search).
     """
 
     model: SimpleXModule
@@ -185,6 +189,8 @@ class BudgetedFit:
     cycle_steps: list[int] = field(default_factory=list)
     cycle_val_recall: list[float] = field(default_factory=list)
     chosen_cycle: int = 0
+    refit: bool = False
+    train_positives: int = 0
 
     def summary(self) -> dict[str, Any]:
         """JSON-friendly summary (no model)."""
@@ -358,7 +364,7 @@ def _split_data(
         train, val = (train_part[0], train_part[1]), (val_part[0], val_part[1])
         notes.append(
             f"validation carved from the training interactions (split_validation, fraction {val_fraction}, seed "
-            f"{seed}); every model, the final one included, trains on train minus validation"
+            f"{seed}); the search trains on the rest"
         )
     if num_items is None:
         num_items = int(max(train[1].max(initial=-1), val[1].max(initial=-1))) + 1
@@ -388,6 +394,7 @@ def fit_simplex_within_budget(
     k: int = 20,
     seed: int = 0,
     cycles: int = 1,
+    refit: bool | None = None,
 ) -> BudgetedFit:
     """Choose SimpleX hyper-parameters on validation and train the winner so that its schedule ends in the budget.
 
@@ -417,17 +424,28 @@ def fit_simplex_within_budget(
         cycles: the final fit as this many warm restarts of doubling length (steps in the ratio 1 : 2 : 4 ...),
             each decaying to 0 and scored on validation; the best snapshot is returned. ``1`` (default): one
             schedule over the whole rest of the budget.
+        refit: train the final model on the training and validation interactions together, once validation has
+            chosen the configuration (nothing is scored on validation afterwards). ``None`` (default): ``True``
+            unless ``cycles > 1``, whose snapshots are chosen on validation, which must then stay held out.
 
     Returns:
         A :class:`BudgetedFit` with the trained model, its settings, ``max_steps`` and every trial.
 
     Raises:
         ValueError: a missing, non-positive or doubled budget, a ``search_fraction`` outside ``[0, 1)``, or a budget
-            too short for even one training step after the probe, or ``cycles < 1``.
+            too short for even one training step after the probe, ``cycles < 1``, or ``refit=True`` with
+            ``cycles > 1``.
     """
     _check_budget(budget_seconds, budget_epochs, search_fraction)
     if cycles < 1:
         raise ValueError(f"fit_simplex_within_budget: cycles must be at least 1, got {cycles}.")
+    if refit is None:
+        refit = cycles == 1
+    elif refit and cycles > 1:
+        raise ValueError(
+            f"fit_simplex_within_budget: cycles={cycles} chooses its snapshot on validation, so the final fit cannot "
+            "train on validation; pass refit=False (or cycles=1)."
+        )
     notes: list[str] = []
     train, val, found_items = _split_data(data, val, val_fraction, seed, notes)
     num_items = num_items if num_items is not None else found_items
@@ -518,8 +536,14 @@ def fit_simplex_within_budget(
     search_seconds = time.perf_counter() - call_start
 
     # ------------------------------------------------------------------ final fit, sized to what is left
+    # the same batch size, so the step times measured in the search still hold for the larger refit data
+    final_runner = (
+        SimpleXRunner(merge_csr(train, val), num_items, batch_size, threads, seed, dict(model_kwargs or {}))
+        if refit
+        else runner
+    )
     if budget_seconds is not None:
-        left = budget_seconds - search_seconds
+        left = budget_seconds - (time.perf_counter() - call_start)
         if _shape_key(best) not in step_seconds:
             step_seconds[_shape_key(best)] = runner.probe(best)
             left = budget_seconds - (time.perf_counter() - call_start)
@@ -550,7 +574,7 @@ def fit_simplex_within_budget(
         guard = None
         if budget_seconds is not None:
             guard = 2.0 * max(1.0, budget_seconds - (time.perf_counter() - call_start))
-        model, clock, wall = runner.fit(best, steps, guard, init=snapshots[-1][0] if snapshots else None, cycle=i)
+        model, clock, wall = final_runner.fit(best, steps, guard, init=snapshots[-1][0] if snapshots else None, cycle=i)
         fit_wall += wall
         if clock.final_lr > 0:
             notes.append(f"cycle {i} was cut at {guard:.0f}s before its schedule ended (the step time rose under load)")
@@ -560,7 +584,15 @@ def fit_simplex_within_budget(
             cycle_val.append(score_on_val(model, eval_users)[0])
     chosen = int(np.argmax(cycle_val)) if cycles > 1 else 0
     model, clock = snapshots[chosen]
-    val_recall, val_ndcg = score_on_val(model, None)
+    if refit:  # the model has seen validation: report what the search measured for its configuration
+        scored = [t for t in trials if t.config == best]
+        val_recall, val_ndcg = (scored[-1].val_recall, scored[-1].val_ndcg) if scored else (math.nan, math.nan)
+        notes.append(
+            "the final model trained on train + validation (refit); val_recall is its configuration's last search trial"
+        )
+    else:
+        val_recall, val_ndcg = score_on_val(model, None)
+        notes.append("the final model trained on train minus validation (refit=False)")
     if cycles == 1:
         cycle_val = [val_recall]
     return BudgetedFit(
@@ -582,6 +614,8 @@ def fit_simplex_within_budget(
         cycle_steps=cycle_steps,
         cycle_val_recall=cycle_val,
         chosen_cycle=chosen,
+        refit=refit,
+        train_positives=len(final_runner.pairs),
     )
 
 

@@ -36,3 +36,20 @@ def test_at_budget_takes_the_last_point_inside_the_budget() -> None:
     curve = [{"train_s": 1.0, "recall@20": 0.1}, {"train_s": 2.0, "recall@20": 0.2}, {"train_s": 5.0, "recall@20": 0.3}]
     assert hvp.at_budget(curve, 3.0)["recall@20"] == 0.2
     assert hvp.at_budget(curve, 0.5) is None
+
+
+def test_refit_split_trains_on_train_and_validation() -> None:
+    split = hvp.load_split("synthetic", "", 0.2, quick=True)
+    refit = split.refit()
+    assert refit.train is split.full_train and refit.test is split.test and refit.val is split.val
+    assert len(refit.train_users) == len(split.full_train[1]) > len(split.train_users)
+    assert refit.matrix().nnz == len(split.full_train[1])
+    assert split.matrix().nnz == len(split.train[1])  # the tuning split is left as it was
+
+
+def test_quick_refit_run_trains_the_budgeted_recipe_on_everything() -> None:
+    results = hvp.main(["--quick", "--refit", "--methods", "heat_budget", "--name", "heat_vs_peers_refit"])
+    (row,) = results["datasets"]["synthetic_quick"]["methods"]
+    split = hvp.load_split("synthetic", "", results["args"]["val_fraction"], quick=True)
+    assert all(p["refit"] and p["train_positives"] == len(split.full_train[1]) for p in row["curve"])
+    assert "validation folded back in" in (hvp.RESULTS_DIR / "heat_vs_peers_refit_quick.md").read_text()

@@ -148,3 +148,36 @@ def test_evaluate_ranking_of_a_perfect_scorer_is_one() -> None:
 def test_sample_configs_starts_with_the_anchor() -> None:
     configs = sample_configs({"dim": [64, 128], "lr": [0.1, 0.3]}, 3, seed=0)
     assert configs[0] == {"dim": 64, "lr": 0.1} and len(configs) == 3 and len({str(c) for c in configs}) == 3
+
+
+def test_merge_csr_undoes_split_validation() -> None:
+    from lightning_sdp.datamodules.interactions import merge_csr, split_validation, to_csr
+
+    rng = np.random.default_rng(7)
+    users = rng.integers(0, 50, 600)
+    items = rng.integers(0, 80, 600)
+    full = to_csr(users, items, 50)
+    train, val = split_validation(full.indptr, full.indices, 0.3, seed=3)
+    merged = merge_csr(train, val)
+    np.testing.assert_array_equal(merged.indptr, full.indptr)
+    np.testing.assert_array_equal(merged.indices, full.indices)
+    with pytest.raises(ValueError, match="same rows"):
+        merge_csr(train, (np.array([0, 0]), np.array([], dtype=np.int64)))
+
+
+def test_refit_trains_the_final_model_on_train_and_validation() -> None:
+    dm = _data()  # its test split raises when read
+    n_train, n_val = len(dm.train_csr.indices), len(dm.val_csr.indices)
+    kwargs = dict(budget_epochs=4, search_fraction=0.5, grid=TINY_GRID, num_configs=2, threads=1, batch_size=128)
+    refit = fit_simplex_within_budget(dm, **kwargs)
+    assert refit.refit and refit.train_positives == n_train + n_val
+    last = [t for t in refit.trials if t.config == refit.config][-1]
+    assert refit.val_recall == last.val_recall  # the search's score: the refit model has seen validation
+    held_out = fit_simplex_within_budget(dm, **kwargs, refit=False)
+    assert not held_out.refit and held_out.train_positives == n_train
+    assert held_out.config == refit.config and held_out.max_steps == refit.max_steps  # same search, same plan
+    # restarts choose their snapshot on validation, so they keep it held out; asking for both is refused
+    cycles = fit_simplex_within_budget(dm, budget_epochs=4, search_fraction=0.0, grid=TINY_GRID, threads=1, cycles=2)
+    assert not cycles.refit
+    with pytest.raises(ValueError, match="pass refit=False"):
+        fit_simplex_within_budget(dm, budget_epochs=4, grid=TINY_GRID, cycles=2, refit=True)

@@ -9,7 +9,7 @@ data), :mod:`.split` (test and validation splits), :mod:`.csr` (the CSR layout),
 batch sizing).
 """
 
-from lightning_sdp.datamodules.interactions.csr import CSR, to_csr
+from lightning_sdp.datamodules.interactions.csr import CSR, merge_csr, to_csr
 from lightning_sdp.datamodules.interactions.datamodule import InteractionsDataModule, PositivePairs
 from lightning_sdp.datamodules.interactions.eval_memory import auto_eval_batch_size, check_eval_batch_size
 from lightning_sdp.datamodules.interactions.readers import ID_RULE, read_id_table, read_lightgcn, synthetic_interactions
@@ -22,6 +22,7 @@ __all__ = [
     "PositivePairs",
     "auto_eval_batch_size",
     "check_eval_batch_size",
+    "merge_csr",
     "read_id_table",
     "read_lightgcn",
     "split_per_user",

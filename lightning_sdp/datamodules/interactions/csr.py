@@ -74,6 +74,23 @@ def check_csr(indptr: np.ndarray, indices: np.ndarray, name: str = "csr") -> CSR
     return CSR(indptr, indices)
 
 
+def merge_csr(first: tuple[np.ndarray, np.ndarray], second: tuple[np.ndarray, np.ndarray]) -> CSR:
+    """Row-wise union of two CSR matrices with the same rows (e.g. train and the validation carved out of it).
+
+    The inverse of :func:`~lightning_sdp.datamodules.interactions.split_validation`: items end up sorted within each
+    row and a pair in both is kept once.
+
+    Raises:
+        ValueError: when either is not a CSR matrix or their numbers of rows differ.
+    """
+    a, b = check_csr(*first, "merge_csr (first)"), check_csr(*second, "merge_csr (second)")
+    if a.num_rows != b.num_rows:
+        raise ValueError(f"merge_csr: the two matrices must have the same rows, got {a.num_rows} and {b.num_rows}.")
+    rows = np.arange(a.num_rows, dtype=np.int64)
+    users = np.concatenate([np.repeat(rows, a.counts()), np.repeat(rows, b.counts())])
+    return to_csr(users, np.concatenate([a.indices, b.indices]), a.num_rows)
+
+
 def gather_rows(csr: CSR, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Batch-local CSR of ``rows``: ``(offsets, items)``; ``rows[i]``'s items are ``items[offsets[i]:offsets[i+1]]``."""
     rows = np.asarray(rows, dtype=np.int64)
@@ -85,4 +102,4 @@ def gather_rows(csr: CSR, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return offsets, csr.indices[positions]
 
 
-__all__ = ["CSR", "check_csr", "gather_rows", "to_csr"]
+__all__ = ["CSR", "check_csr", "gather_rows", "merge_csr", "to_csr"]

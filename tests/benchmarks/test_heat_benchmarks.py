@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("numba", reason="HEAT's fused backend needs the cpu extra (numba)")
 
-from benchmarks import heat_gowalla_quality, heat_gowalla_tuning, heat_throughput
+from benchmarks import heat_gowalla_quality, heat_gowalla_tuning, heat_refit, heat_throughput
 from benchmarks._common import RESULTS_DIR
 
 
@@ -39,3 +39,11 @@ def test_gowalla_tuning_quick_scores_the_validation_split() -> None:
     assert run["split"] == "validation"
     assert [point["epochs"] for point in run["curve"]] == [1, 2]
     assert 0.0 < run["recall@20"] <= 1.0
+
+
+def test_refit_quick_trains_the_same_epochs_on_both_splits() -> None:
+    heat_refit.main(["--quick"])
+    held_out, refit = _quick_results("heat_refit")["rows"]
+    assert refit["positives"] > held_out["positives"] and refit["epochs"] == held_out["epochs"]
+    assert refit["steps"] >= held_out["steps"]  # the same epochs over more positives
+    assert all(0.0 < r["test Recall@20"] <= 1.0 for r in (held_out, refit))

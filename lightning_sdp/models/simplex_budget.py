@@ -585,8 +585,10 @@ def fit_simplex_within_budget(
     chosen = int(np.argmax(cycle_val)) if cycles > 1 else 0
     model, clock = snapshots[chosen]
     if refit:  # the model has seen validation: report what the search measured for its configuration
-        scored = [t for t in trials if t.config == best]
-        val_recall, val_ndcg = (scored[-1].val_recall, scored[-1].val_ndcg) if scored else (math.nan, math.nan)
+        best_trials = [t for t in trials if t.config == best]
+        val_recall, val_ndcg = (
+            (best_trials[-1].val_recall, best_trials[-1].val_ndcg) if best_trials else (math.nan, math.nan)
+        )
         notes.append(
             "the final model trained on train + validation (refit); val_recall is its configuration's last search trial"
         )

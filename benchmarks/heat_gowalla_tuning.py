@@ -48,6 +48,11 @@ DEFAULTS: dict[str, object] = {
     "seed": 0,
     "aggregator_lr_scale": 1.0,
     "aggregator_weight_decay": 0.0,
+    "aggregator": "mean",
+    "dropout": 0.0,
+    "sampler": "uniform",
+    "tile_size": 512,
+    "tile_refresh": 2048,
 }
 COLUMNS = [
     "name",
@@ -55,7 +60,11 @@ COLUMNS = [
     "g",
     "aggregator_lr_scale",
     "aggregator_weight_decay",
+    "aggregator",
     "negatives",
+    "sampler",
+    "tile_size",
+    "tile_refresh",
     "negative_weight",
     "margin",
     "optimizer",
@@ -83,6 +92,8 @@ def _parse(pairs: list[str]) -> dict[str, object]:
         cfg[key] = value if isinstance(DEFAULTS[key], str) else type(DEFAULTS[key])(value)
     if cfg["optimizer"] not in ("sgd", "rowwise_adagrad") or cfg["schedule"] not in ("constant", "linear"):
         raise SystemExit("optimizer must be sgd or rowwise_adagrad; schedule constant or linear")
+    if cfg["sampler"] not in ("uniform", "tile"):
+        raise SystemExit("sampler must be uniform or tile")
     return cfg
 
 
@@ -123,6 +134,11 @@ def train(name: str, cfg: dict[str, object], dm: InteractionsDataModule) -> dict
         row_norm=float(cfg["row_norm"]) or None,
         aggregator_lr_scale=float(cfg["aggregator_lr_scale"]),
         aggregator_weight_decay=float(cfg["aggregator_weight_decay"]),
+        aggregator=str(cfg["aggregator"]),
+        dropout=float(cfg["dropout"]),
+        sampler=str(cfg["sampler"]),
+        tile_size=int(cfg["tile_size"]),
+        tile_refresh=int(cfg["tile_refresh"]),
     )
     timer = StepTimer()
     history = ValidationHistory(timer, extra=_norms)
@@ -154,6 +170,7 @@ def report(runs: list[dict], name: str = NAME) -> None:
 
     for run in runs:  # runs stored before issue 15 were scored on the test split
         run.setdefault("split", "test (before the validation split)")
+        run.setdefault("sampler", "uniform")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in sorted(runs, key=lambda r: -r["recall@20"])[:8]:
         ax.plot(
@@ -173,7 +190,7 @@ def report(runs: list[dict], name: str = NAME) -> None:
     md = (
         'SimpleXModule (fused backend) through a Trainer on `accelerator="heat"`, Gowalla LightGCN split with a '
         "validation set of 10% of each user's training items carved out (seed 0); d=64 unless listed, w=150, m=0.9 "
-        "unless listed, uniform negatives, batches of 16,384 positives; Recall/NDCG@20 after the last epoch on the "
+        "unless listed, uniform negatives unless `sampler` says tile, batches of 16,384 positives; Recall/NDCG@20 after the last epoch on the "
         "split named in `split` (full ranking, known items masked). Runs whose split is `test (before the validation "
         "split)` were made by this script's earlier version, which called the fused kernel without a Trainer and "
         "scored the test split; they are kept for the record and are not comparable to the validation runs. "

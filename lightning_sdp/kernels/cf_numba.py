@@ -18,8 +18,10 @@ What one call of :func:`fused_sgd_step` does, for every positive pair ``(u, i)``
    (one accumulator per row, its squared gradient norm taken from the dot products already computed);
 5. samples its negatives inside the kernel, uniformly over all items or from a per-thread tile of ``tile_size``
    items redrawn every ``tile_refresh`` samples (HEAT's tiled sampler);
-6. accumulates the gradients of the shared aggregator parameters (``V``, and ``W_k``, ``b_k``, ``q`` of the
-   attention aggregators) per thread and applies them every ``v_sync`` samples.
+6. accumulates the gradients of the shared aggregator parameters (``V``, and ``q`` of self-attention) per thread
+   and applies them every ``v_sync`` samples; the attention keys ``tanh(W_k e_k + b_k)`` are computed once per
+   call for every item, and what flows back through them (to ``W_k``, ``b_k`` and the history rows) is summed per
+   item and applied after the pass, as the batched reference does (``O(|H| d)`` a sample instead of ``O(|H| d^2)``).
 
 The batch is split into ``num_chunks`` contiguous chunks processed in parallel (one per thread); each chunk owns
 its random state, its tile and its aggregator-gradient buffers, so the result for a fixed chunk count and a single
@@ -29,6 +31,7 @@ thread is deterministic. This module imports numba at import time: import it onl
 from __future__ import annotations
 
 import numpy as np
+import torch
 from numba import njit, prange
 
 from lightning_sdp._imports import require
@@ -111,29 +114,20 @@ def _apply_dv(V: np.ndarray, dV: np.ndarray, lr: float, weight_decay: float, sam
 
 
 @njit(inline="always")
-def _apply_attention(
-    att_w: np.ndarray, att_b: np.ndarray, att_q: np.ndarray, dW: np.ndarray, db: np.ndarray, dq: np.ndarray, lr: float
-) -> None:
-    """Apply a thread's accumulated attention gradients (``W_k``, ``b_k``, ``q``) with SGD; clear them."""
-    d = att_w.shape[0]
-    for t in range(d):
-        for r in range(d):
-            att_w[t, r] -= lr * dW[t, r]
-            dW[t, r] = 0.0
-        att_b[t] -= lr * db[t]
-        db[t] = 0.0
+def _apply_query(att_q: np.ndarray, dq: np.ndarray, lr: float) -> None:
+    """Apply a thread's accumulated gradient of the self-attention query ``q`` with SGD; clear it."""
     for t in range(att_q.shape[0]):
         att_q[t] -= lr * dq[t]
         dq[t] = 0.0
 
 
 @njit(parallel=True, nogil=True, fastmath=True, cache=True)
-def fused_sgd_step(
+def _fused_sgd_kernel(
     user_emb: np.ndarray,
     item_emb: np.ndarray,
     V: np.ndarray,
-    att_w: np.ndarray,
-    att_b: np.ndarray,
+    att_keys: np.ndarray,
+    att_key_grad: np.ndarray,
     att_q: np.ndarray,
     aggregator: int,
     users: np.ndarray,
@@ -162,44 +156,12 @@ def fused_sgd_step(
     num_chunks: int,
     losses: np.ndarray,
 ) -> None:
-    """One fused SGD pass over a batch of positives, updating the tables and aggregator parameters in place.
+    """The numba pass behind :func:`fused_sgd_step` (same arguments, except for the attention aggregators).
 
-    Args:
-        user_emb: ``(num_users, d)`` float32, C-contiguous.
-        item_emb: ``(num_items, d)`` float32, C-contiguous.
-        V: ``(d, d)`` float32 aggregator matrix (``p = g e_u + (1 - g) V h``); unused when ``g >= 1``.
-        att_w: ``(d, d)`` float32 attention key weights ``W_k`` (attention aggregators; else any ``(1, 1)``).
-        att_b: ``(d,)`` float32 attention key bias ``b_k`` (attention aggregators; else any ``(1,)``).
-        att_q: ``(d,)`` float32 attention query ``q`` (self-attention; else any ``(0,)``).
-        aggregator: :data:`AGGREGATOR_MEAN`, :data:`AGGREGATOR_USER_ATTENTION` or :data:`AGGREGATOR_SELF_ATTENTION`.
-        users: ``(B,)`` int64 user of each positive.
-        items: ``(B,)`` int64 item of each positive.
-        hist_indptr: ``(num_users + 1,)`` int64 CSR offsets of the (capped) histories.
-        hist_indices: int64 CSR items of the histories.
-        given_negatives: ``(B, n)`` int64 negatives to use, or a ``(0, 0)`` array to sample inside the kernel.
-        given_masks: ``(B, d)`` float32 dropout masks to use (already scaled), or a ``(0, 0)`` array to draw them
-            inside the kernel when ``dropout > 0``.
-        num_negatives: ``n`` when sampling inside the kernel.
-        g: gate; ``1`` is MF-CCL.
-        margin: negative margin ``m``.
-        negative_weight: ``w``; each active negative contributes ``w / n``.
-        dropout: dropout rate on the normalised user vector (training), in ``[0, 1)``.
-        lr: SGD learning rate (per sample) of the embedding rows.
-        v_lr: SGD learning rate of the aggregator parameters (their accumulated per-sample gradients).
-        weight_decay: L2 coefficient on the touched user, positive and negative rows.
-        v_weight_decay: L2 coefficient on ``V`` per sample (applied with the accumulated ``dV``); keeps ``V`` from
-            growing in directions the current histories no longer span.
-        user_acc: ``(num_users,)`` float32 row-wise Adagrad accumulators of the user rows, or a ``(0,)`` array for
-            plain SGD (``item_acc`` must then be empty too).
-        item_acc: ``(num_items,)`` float32 row-wise Adagrad accumulators of the item rows, or ``(0,)``.
-        adagrad_eps: Adagrad's ``eps`` added to ``sqrt(acc)``.
-        rng_state: ``(>= num_chunks,)`` int64 per-chunk random state, advanced in place.
-        tiles: ``(>= num_chunks, tile_size)`` int64 per-chunk negative tiles, redrawn in place.
-        tile_left: ``(>= num_chunks,)`` int64 samples left before each tile is redrawn.
-        tile_refresh: redraw a tile every this many samples; ``0`` selects uniform sampling over all items.
-        v_sync: apply each chunk's accumulated aggregator gradients every this many samples.
-        num_chunks: number of chunks processed in parallel.
-        losses: ``(B,)`` float32 output, the contrastive loss of each positive.
+    ``att_keys`` holds the attention keys ``tanh(W_k e + b_k)`` of every item, computed once per call from the item
+    rows at its start; the kernel adds the gradient of each key's pre-activation to that item's row of
+    ``att_key_grad`` (Hogwild across threads), and :func:`fused_sgd_step` applies what flows through ``W_k`` after
+    the pass. Both are ``(1, 1)`` placeholders for the mean aggregator and MF-CCL.
     """
     batch = users.shape[0]
     d = user_emb.shape[1]
@@ -243,16 +205,12 @@ def fused_sgd_step(
         # dropout: q = mask * p is what the items see; p itself sets the norm
         mask = np.ones(d if use_drop else 1, np.float32)
         q = np.empty(d, np.float32) if use_drop else p
-        # attention scratch: history ids, keys tanh(W e_k + b), weights and their gradients
+        # attention scratch: history ids, weights and their gradients
         hid = np.empty(hmax if use_att else 1, np.int64)
-        z = np.empty((hmax, d) if use_att else (1, 1), np.float32)
         alpha = np.empty(hmax if use_att else 1, np.float32)
         da = np.empty(hmax if use_att else 1, np.float32)
-        dy = np.empty(d if use_att else 1, np.float32)
         de = np.empty(d if use_att else 1, np.float32)
         dcv = np.zeros(d if use_att else 1, np.float32)
-        dW = np.zeros((d, d) if use_att else (1, 1), np.float32)
-        db = np.zeros(d if use_att else 1, np.float32)
         dq = np.zeros(att_q.shape[0] if use_att else 0, np.float32)
         state = rng_state[c]
         left = tile_left[c]
@@ -273,12 +231,7 @@ def fused_sgd_step(
                     it = hid[k]
                     s = np.float32(0.0)
                     for t in range(d):
-                        y = att_b[t]
-                        for r in range(d):
-                            y += att_w[t, r] * item_emb[it, r]
-                        zt = np.float32(np.tanh(y))
-                        z[k, t] = zt
-                        s += (user_emb[u, t] if user_att else att_q[t]) * zt
+                        s += (user_emb[u, t] if user_att else att_q[t]) * att_keys[it, t]
                     alpha[k] = s
                     smax = max(smax, s)
                 total = np.float32(0.0)
@@ -444,17 +397,13 @@ def fused_sgd_step(
                         it = hid[k]
                         ds = alpha[k] * (da[k] - sbar)
                         for t in range(d):
-                            zt = z[k, t]
+                            zt = att_keys[it, t]
                             cv = user_emb[u, t] if user_att else att_q[t]
-                            dy[t] = ds * cv * (np.float32(1.0) - zt * zt)
+                            # the key's pre-activation gradient; its W_k, b_k and e_k parts are applied after the
+                            # pass, which keeps the per-sample cost O(|H| d) instead of O(|H| d^2)
+                            att_key_grad[it, t] += ds * cv * (np.float32(1.0) - zt * zt)
                             dcv[t] += ds * zt
-                            db[t] += dy[t]
                             de[t] = alpha[k] * dh[t]
-                        for t in range(d):
-                            yt = dy[t]
-                            for r in range(d):
-                                dW[t, r] += yt * item_emb[it, r]
-                                de[r] += att_w[t, r] * yt
                         hsq = np.float32(0.0)
                         if adaptive:
                             for t in range(d):
@@ -485,7 +434,7 @@ def fused_sgd_step(
                 if pending >= v_sync:
                     _apply_dv(V, dV, vlr32, vwd32, pending)
                     if use_att:
-                        _apply_attention(att_w, att_b, att_q, dW, db, dq, vlr32)
+                        _apply_query(att_q, dq, vlr32)
                     pending = 0
             if user_att:  # the user row is also the attention query: its gradient adds dc
                 usq = np.float32(0.0)
@@ -512,9 +461,110 @@ def fused_sgd_step(
         if use_agg and pending > 0:
             _apply_dv(V, dV, vlr32, vwd32, pending)
             if use_att:
-                _apply_attention(att_w, att_b, att_q, dW, db, dq, vlr32)
+                _apply_query(att_q, dq, vlr32)
         rng_state[c] = state
         tile_left[c] = left
+
+
+def fused_sgd_step(
+    user_emb: np.ndarray,
+    item_emb: np.ndarray,
+    V: np.ndarray,
+    att_w: np.ndarray,
+    att_b: np.ndarray,
+    att_q: np.ndarray,
+    aggregator: int,
+    users: np.ndarray,
+    items: np.ndarray,
+    hist_indptr: np.ndarray,
+    hist_indices: np.ndarray,
+    given_negatives: np.ndarray,
+    given_masks: np.ndarray,
+    num_negatives: int,
+    g: float,
+    margin: float,
+    negative_weight: float,
+    dropout: float,
+    lr: float,
+    v_lr: float,
+    weight_decay: float,
+    v_weight_decay: float,
+    user_acc: np.ndarray,
+    item_acc: np.ndarray,
+    adagrad_eps: float,
+    rng_state: np.ndarray,
+    tiles: np.ndarray,
+    tile_left: np.ndarray,
+    tile_refresh: int,
+    v_sync: int,
+    num_chunks: int,
+    losses: np.ndarray,
+) -> None:
+    """One fused SGD pass over a batch of positives, updating the tables and aggregator parameters in place.
+
+    Args:
+        user_emb: ``(num_users, d)`` float32, C-contiguous.
+        item_emb: ``(num_items, d)`` float32, C-contiguous.
+        V: ``(d, d)`` float32 aggregator matrix (``p = g e_u + (1 - g) V h``); unused when ``g >= 1``.
+        att_w: ``(d, d)`` float32 attention key weights ``W_k`` (attention aggregators; else any ``(1, 1)``).
+        att_b: ``(d,)`` float32 attention key bias ``b_k`` (attention aggregators; else any ``(1,)``).
+        att_q: ``(d,)`` float32 attention query ``q`` (self-attention; else any ``(0,)``).
+        aggregator: :data:`AGGREGATOR_MEAN`, :data:`AGGREGATOR_USER_ATTENTION` or :data:`AGGREGATOR_SELF_ATTENTION`.
+        users: ``(B,)`` int64 user of each positive.
+        items: ``(B,)`` int64 item of each positive.
+        hist_indptr: ``(num_users + 1,)`` int64 CSR offsets of the (capped) histories.
+        hist_indices: int64 CSR items of the histories.
+        given_negatives: ``(B, n)`` int64 negatives to use, or a ``(0, 0)`` array to sample inside the kernel.
+        given_masks: ``(B, d)`` float32 dropout masks to use (already scaled), or a ``(0, 0)`` array to draw them
+            inside the kernel when ``dropout > 0``.
+        num_negatives: ``n`` when sampling inside the kernel.
+        g: gate; ``1`` is MF-CCL.
+        margin: negative margin ``m``.
+        negative_weight: ``w``; each active negative contributes ``w / n``.
+        dropout: dropout rate on the normalised user vector (training), in ``[0, 1)``.
+        lr: SGD learning rate (per sample) of the embedding rows.
+        v_lr: SGD learning rate of the aggregator parameters (their accumulated per-sample gradients).
+        weight_decay: L2 coefficient on the touched user, positive and negative rows.
+        v_weight_decay: L2 coefficient on ``V`` per sample (applied with the accumulated ``dV``); keeps ``V`` from
+            growing in directions the current histories no longer span.
+        user_acc: ``(num_users,)`` float32 row-wise Adagrad accumulators of the user rows, or a ``(0,)`` array for
+            plain SGD (``item_acc`` must then be empty too).
+        item_acc: ``(num_items,)`` float32 row-wise Adagrad accumulators of the item rows, or ``(0,)``.
+        adagrad_eps: Adagrad's ``eps`` added to ``sqrt(acc)``.
+        rng_state: ``(>= num_chunks,)`` int64 per-chunk random state, advanced in place.
+        tiles: ``(>= num_chunks, tile_size)`` int64 per-chunk negative tiles, redrawn in place.
+        tile_left: ``(>= num_chunks,)`` int64 samples left before each tile is redrawn.
+        tile_refresh: redraw a tile every this many samples; ``0`` selects uniform sampling over all items.
+        v_sync: apply each chunk's accumulated gradients of ``V`` and ``q`` every this many samples (``W_k`` and
+            ``b_k`` move once, after the pass).
+        num_chunks: number of chunks processed in parallel.
+        losses: ``(B,)`` float32 output, the contrastive loss of each positive.
+    """
+    # every argument after the attention parameters, passed through unchanged
+    rest = (
+        att_q, aggregator, users, items, hist_indptr, hist_indices, given_negatives, given_masks, num_negatives, g,
+        margin, negative_weight, dropout, lr, v_lr, weight_decay, v_weight_decay, user_acc, item_acc, adagrad_eps,
+        rng_state, tiles, tile_left, tile_refresh, v_sync, num_chunks, losses,
+    )  # fmt: skip
+    if g >= 1.0 or aggregator == AGGREGATOR_MEAN:
+        placeholder = np.zeros((1, 1), np.float32)
+        _fused_sgd_kernel(user_emb, item_emb, V, placeholder, placeholder, *rest)
+        return
+    # The attention keys depend on the item rows and W_k only, not on the user: computed once per batch (as the
+    # batched reference does) they cost O(num_items d^2) a batch instead of O(|H| d^2) a sample.
+    rows_before = torch.from_numpy(item_emb.copy())
+    w, b = torch.from_numpy(att_w), torch.from_numpy(att_b)
+    keys = torch.tanh(torch.addmm(b, rows_before, w.T)).numpy()
+    key_grad = np.zeros_like(item_emb)
+    _fused_sgd_kernel(user_emb, item_emb, V, keys, key_grad, *rest)
+    touched = np.flatnonzero(np.any(key_grad != 0, axis=1))
+    grad = torch.from_numpy(key_grad[touched])
+    row_lr = np.full(len(touched), lr, np.float32)
+    if user_acc.shape[0] > 0:  # row-wise Adagrad: the key path steps with the row's rate, as already accumulated
+        row_lr = np.float32(lr) / (np.sqrt(item_acc[touched]) + np.float32(adagrad_eps))
+    item_emb[touched] -= row_lr[:, None] * (grad @ w).numpy()
+    att_w -= np.float32(v_lr) * (grad.T @ rows_before[touched]).numpy()
+    att_b -= np.float32(v_lr) * key_grad[touched].sum(axis=0)
 
 
 @njit(parallel=True, nogil=True, fastmath=True, cache=True)

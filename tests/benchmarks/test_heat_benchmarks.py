@@ -8,7 +8,13 @@ import pytest
 
 pytest.importorskip("numba", reason="HEAT's fused backend needs the cpu extra (numba)")
 
-from benchmarks import heat_gowalla_quality, heat_gowalla_tuning, heat_refit, heat_throughput
+from benchmarks import (
+    heat_attention_throughput,
+    heat_gowalla_quality,
+    heat_gowalla_tuning,
+    heat_refit,
+    heat_throughput,
+)
 from benchmarks._common import RESULTS_DIR
 
 
@@ -34,9 +40,10 @@ def test_gowalla_quality_quick_scores_validation_during_training_and_test_once()
 
 
 def test_gowalla_tuning_quick_scores_the_validation_split() -> None:
-    heat_gowalla_tuning.main(["--quick"])
+    heat_gowalla_tuning.main(["--quick", "quick", "sampler=tile", "tile_size=8", "tile_refresh=64"])
     (run,) = _quick_results("heat_gowalla_tuning")["runs"]
     assert run["split"] == "validation"
+    assert (run["sampler"], run["tile_size"], run["tile_refresh"]) == ("tile", 8, 64)
     assert [point["epochs"] for point in run["curve"]] == [1, 2]
     assert 0.0 < run["recall@20"] <= 1.0
 
@@ -47,3 +54,11 @@ def test_refit_quick_trains_the_same_epochs_on_both_splits() -> None:
     assert refit["positives"] > held_out["positives"] and refit["epochs"] == held_out["epochs"]
     assert refit["steps"] >= held_out["steps"]  # the same epochs over more positives
     assert all(0.0 < r["test Recall@20"] <= 1.0 for r in (held_out, refit))
+
+
+def test_attention_throughput_quick_compares_batched_and_per_sample_keys() -> None:
+    heat_attention_throughput.main(["--quick"])
+    rows = {r["variant"]: r for r in _quick_results("heat_attention_throughput")["rows"]}
+    assert {"mean", "user_attention", "self_attention", "user_attention (reference, b4096)"} <= set(rows)
+    assert all(r["positives_per_s"] > 0 for r in rows.values())
+    assert rows["user_attention"]["batched_keys_speedup"] == pytest.approx(1.0)

@@ -422,9 +422,10 @@ EXPLANATION = """\
   flash-attention algorithm keeps no T×T matrix), so it counts 5 attention matmuls backward for 2 forward
   (2.5×), as `FlopCounterMode` does.
 - **Attention counted or not.** With the fused kernel (`scaled_dot_product_attention`, also what
-  `nn.MultiheadAttention` runs in open_clip), EngineProfiler counts `QK^T` and `AV` (4·B·H·T²·d forward, the
-  full square even for causal attention, as `FlopCounterMode` does) under `attention_fused`; DeepSpeed counts
-  the same amount (`EP − 2×DeepSpeed MAC` is 0 for the fused GPT). fvcore does not know
+  `nn.MultiheadAttention` runs in open_clip), EngineProfiler counts `QK^T` and `AV` under `attention_fused`
+  over the scores the mask keeps: 4·B·H·T²·d forward without a mask, (T+1)/(2T) of it for the GPT's causal
+  attention, which the fused kernel skips block by block. `FlopCounterMode` and DeepSpeed count the full square,
+  so for the fused GPT `EP − 2×DeepSpeed MAC` is minus the masked half. fvcore does not know
   `aten::scaled_dot_product_attention` (it lists it as unsupported and skips it) and ptflops' aten backend
   does not map the CPU flash-attention operator, so both miss exactly `EP fused-attention` FLOPs: the gap
   grows as T² and dominates the long-sequence rows. ptflops' pytorch backend has a hook for

@@ -82,6 +82,8 @@ def run(name: str, g: float, args: argparse.Namespace, dm: InteractionsDataModul
         lr_schedule=args.lr_schedule,
         row_norm=args.row_norm,
         aggregator_weight_decay=args.aggregator_weight_decay,
+        aggregator=getattr(args, "aggregator", "mean"),
+        dropout=getattr(args, "dropout", 0.0),
         seed=args.seed,
     )
     history = ValidationHistory()
@@ -91,6 +93,7 @@ def run(name: str, g: float, args: argparse.Namespace, dm: InteractionsDataModul
         max_epochs=args.max_epochs,
         max_time={"minutes": args.budget_minutes},
         check_val_every_n_epoch=args.eval_every,
+        limit_val_batches=0 if args.refit else None,  # refit: no validation split to score
         num_sanity_val_steps=0,
         logger=False,
         enable_checkpointing=False,
@@ -102,10 +105,10 @@ def run(name: str, g: float, args: argparse.Namespace, dm: InteractionsDataModul
     trainer.fit(model, dm)
     train_wall = time.perf_counter() - start
     epochs = trainer.current_epoch
-    if not history.rows or history.rows[-1]["epochs"] != epochs:
+    if not args.refit and (not history.rows or history.rows[-1]["epochs"] != epochs):
         trainer.validate(model, dm, verbose=False)
         history.rows[-1]["epochs"] = epochs
-    final = history.rows[-1]
+    final = history.rows[-1] if history.rows else {"recall@20": float("nan"), "ndcg@20": float("nan")}
     pub = PUBLISHED[name]
     # the curve above is validation (carved from train); the test split is scored once, here, after the last epoch
     test = trainer.test(model, dm, verbose=False)[0]
@@ -147,6 +150,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sampler", default="uniform", choices=["uniform", "tile"])
     parser.add_argument("--aggregator-lr-scale", type=float, default=1.0, help="SimpleX: lr of V relative to lr")
     parser.add_argument("--aggregator-weight-decay", type=float, default=0.0, help="SimpleX: L2 on V per sample")
+    parser.add_argument(
+        "--aggregator", default="mean", choices=["mean", "user_attention", "self_attention"], help="SimpleX only"
+    )
+    parser.add_argument("--dropout", type=float, default=0.0, help="SimpleX's net_dropout on the user vector")
+    parser.add_argument(
+        "--refit",
+        action="store_true",
+        help="train on the whole training split (no validation carved out, no curve): for settings already chosen "
+        "on validation (e.g. with heat_gowalla_tuning); the test split is still scored once, at the end",
+    )
     parser.add_argument("--batch-size", type=int, default=16384)
     parser.add_argument("--seed", type=int, default=0, help="initialisation, negatives and shuffling")
     parser.add_argument("--quick", action="store_true", help="tiny synthetic run (smoke test)")
@@ -177,12 +190,20 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     if args.quick:
-        dm = InteractionsDataModule(num_users=400, num_items=300, batch_size=2048, eval_batch_size=256)
+        dm = InteractionsDataModule(
+            num_users=400, num_items=300, batch_size=2048, eval_batch_size=256, val_fraction=0.0 if args.refit else 0.1
+        )
         args.max_epochs, args.eval_every, args.negatives, args.dim = 2, 1, 16, 16
     else:
         if not Path(args.data).is_dir():
             raise SystemExit(f"{args.data} not found; pass --data or use --quick")
-        dm = InteractionsDataModule(args.data, batch_size=args.batch_size, eval_batch_size=1024, seed=args.seed)
+        dm = InteractionsDataModule(
+            args.data,
+            batch_size=args.batch_size,
+            eval_batch_size=1024,
+            seed=args.seed,
+            val_fraction=0.0 if args.refit else 0.1,
+        )
     results = []
     for name in args.models.split(","):
         results.append(run(name, 1.0 if name == "MF-CCL" else 0.8, args, dm))
@@ -240,12 +261,18 @@ def report(results: list[dict], args: argparse.Namespace, extra: dict) -> None:
         f"per-sample {optimizer} lr {args.lr:g} "
         f"({schedule} schedule over {args.max_epochs} epochs), row norm {getattr(args, 'row_norm', None)}, "
         "init std 0.1, "
-        f"batch {args.batch_size}; SimpleX g=0.8 mean aggregator, history 100, V lr x{args.aggregator_lr_scale:g}, "
+        f"batch {args.batch_size}; SimpleX g=0.8 {getattr(args, 'aggregator', 'mean')} aggregator, dropout "
+        f"{getattr(args, 'dropout', 0.0):g}, history 100, V lr x{args.aggregator_lr_scale:g}, "
         f"V weight decay {getattr(args, 'aggregator_weight_decay', 0.0):g}. Budget {args.budget_minutes:g} min per "
-        "model (Lightning `max_time`, validation included). A validation split (10% of each user's training items, "
-        "seeded by the run's seed) is carved out of the training interactions: the per-epoch curve and "
-        "`val_recall@20` are scored on "
-        "it; `recall@20` / `ndcg@20` are the test split, scored once after training.\n\n"
+        "model (Lightning `max_time`, validation included). "
+        + (
+            "**Refit**: the model trains on the whole training split (settings chosen on validation beforehand), so "
+            "there is no validation curve; "
+            if getattr(args, "refit", False)
+            else "A validation split (10% of each user's training items, seeded by the run's seed) is carved out of "
+            "the training interactions: the per-epoch curve and `val_recall@20` are scored on it; "
+        )
+        + "`recall@20` / `ndcg@20` are the test split, scored once after training.\n\n"
         + (f"{extra['note']}\n\n" if extra.get("note") else "")
         + markdown_table(results, cols)
         + "\n\n## Validation Recall@20 by epoch\n\n"

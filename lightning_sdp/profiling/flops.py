@@ -1,7 +1,8 @@
 """Matrix FLOPs and vector work of a training step.
 
 Matrix FLOPs come from :class:`torch.utils.flop_counter.FlopCounterMode` (forward and backward), extended with the
-CPU flash-attention operators it does not know (``_scaled_dot_product_flash_attention_for_cpu`` and its backward).
+CPU flash-attention operators it does not know (``_scaled_dot_product_flash_attention_for_cpu`` and its backward)
+and with causal SDPA counted over the unmasked half of the scores (torch counts the whole matrix).
 Vector work is counted by a small dispatch mode beside it: for every non-matrix operator, the elements it writes
 and the bytes it reads and writes, split by engine category. The same mode notes operators that ran on CPU tensors
 while the model lives on an accelerator (host fallback).
@@ -16,7 +17,13 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+    shape_wrapper,
+)
 
 from lightning_sdp.profiling.categories import classify_op
 
@@ -33,15 +40,63 @@ def _cpu_sdpa_backward_flop(
     return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
+def causal_fraction(s_q: int, s_k: int) -> float:
+    """Share of the ``s_q x s_k`` score matrix a causal mask keeps (SDPA aligns it top-left: row ``i`` sees ``j <= i``)."""
+    if s_q <= 0 or s_k <= 0:
+        return 1.0
+    kept = s_q * (s_q + 1) // 2 if s_q <= s_k else s_k * (s_k + 1) // 2 + (s_q - s_k) * s_k
+    return kept / (s_q * s_k)
+
+
+def _argument_names(op: Any) -> list[str]:
+    """Argument names of an operator's default overload (``[]`` when it has no schema)."""
+    schema = getattr(getattr(op, "default", op), "_schema", None)
+    return [a.name for a in schema.arguments] if schema is not None else []
+
+
+def _causal_aware(op: Any, formula: Any) -> Any:
+    """``formula`` (raw arguments, as ``FlopCounterMode`` calls it) scaled by :func:`causal_fraction` when causal.
+
+    torch's SDPA formulas count the full score matrix whatever ``is_causal`` says, which makes causal attention look
+    up to twice as fast as it is; the fused kernels skip the masked blocks.
+    """
+    names = _argument_names(op)
+    where: dict[str, int] = {name: names.index(name) for name in ("is_causal", "query", "key") if name in names}
+
+    def arg(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, default: Any = None) -> Any:
+        if name in kwargs:
+            return kwargs[name]
+        i = where.get(name)
+        return args[i] if i is not None and i < len(args) else default
+
+    def counted(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
+        flops = formula(*args, out_val=out_val, **kwargs)
+        query, key = arg(args, kwargs, "query"), arg(args, kwargs, "key")
+        if not arg(args, kwargs, "is_causal", False) or query is None or key is None:
+            return flops
+        return int(flops * causal_fraction(int(query.shape[-2]), int(key.shape[-2])))
+
+    counted._get_raw = True  # type: ignore[attr-defined]  # FlopCounterMode passes raw arguments, not shapes
+    return counted
+
+
 def extra_flop_formulas() -> dict[Any, Any]:
-    """FLOP formulas for operators ``FlopCounterMode`` misses (the CPU fused SDPA forward and backward)."""
+    """FLOP formulas ``FlopCounterMode`` lacks or gets wrong.
+
+    Adds the CPU fused SDPA forward and backward, which it does not know, and counts every SDPA operator that takes
+    ``is_causal`` (CPU, flash, memory-efficient, cuDNN) over the unmasked part of the score matrix only.
+    """
     mapping: dict[Any, Any] = {}
     fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
     if fwd is not None:
-        mapping[fwd] = _cpu_sdpa_flop
+        mapping[fwd] = shape_wrapper(_cpu_sdpa_flop)
     if bwd is not None:
-        mapping[bwd] = _cpu_sdpa_backward_flop
+        mapping[bwd] = shape_wrapper(_cpu_sdpa_backward_flop)
+    for op, formula in {**flop_registry, **mapping}.items():
+        # the SDPA-level operators take (batch, heads, sequence, dim); the lower _flash/_efficient ones another layout
+        if str(op).startswith("aten._scaled_dot_product_") and "is_causal" in _argument_names(op):
+            mapping[op] = _causal_aware(op, formula)
     return mapping
 
 

@@ -39,6 +39,13 @@ def test_gowalla_quality_quick_scores_validation_during_training_and_test_once()
         assert 0.0 < r["recall@20"] <= 1.0 and 0.0 < r["ndcg@20"] <= 1.0  # the test split, scored once after it
 
 
+def test_gowalla_quality_refit_trains_on_everything_and_scores_test_once() -> None:
+    heat_gowalla_quality.main(["--quick", "--refit", "--models", "SimpleX", "--aggregator", "user_attention"])
+    (result,) = _quick_results("heat_gowalla_quality")["results"]
+    assert result["curve"] == [] and result["val_recall@20"] != result["val_recall@20"]  # no validation: NaN
+    assert 0.0 < result["recall@20"] <= 1.0
+
+
 def test_gowalla_tuning_quick_scores_the_validation_split() -> None:
     heat_gowalla_tuning.main(["--quick", "quick", "sampler=tile", "tile_size=8", "tile_refresh=64"])
     (run,) = _quick_results("heat_gowalla_tuning")["runs"]

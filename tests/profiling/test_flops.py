@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_sdp.profiling.flops import WorkCounter, count_work
+from lightning_sdp.profiling.flops import WorkCounter, causal_fraction, count_work
 
 
 def test_linear_forward_flops_equal_analytic():
@@ -50,6 +50,26 @@ def test_cpu_fused_sdpa_counted():
     both = count_work(lambda: F.scaled_dot_product_attention(q, k, v).sum().backward())
     assert both.attention_flops == 4 * b * h * n * n * e + 10 * b * h * n * n * e
     assert both.matrix_flops == 0
+
+
+@pytest.mark.parametrize(("n_q", "n_k"), [(16, 16), (8, 16)])
+def test_causal_sdpa_counts_the_unmasked_scores_only(n_q, n_k):
+    b, h, e = 2, 3, 8
+    q = torch.randn(b, h, n_q, e, requires_grad=True)
+    k, v = (torch.randn(b, h, n_k, e, requires_grad=True) for _ in range(2))
+    full = count_work(lambda: F.scaled_dot_product_attention(q, k, v).sum().backward()).attention_flops
+    causal = count_work(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward())
+    # top-left aligned mask: row i sees keys 0..i
+    kept = sum(min(i + 1, n_k) for i in range(n_q))
+    assert causal_fraction(n_q, n_k) == kept / (n_q * n_k)
+    assert full == 14 * b * h * n_q * n_k * e  # forward 4 + backward 10, as above
+    assert causal.attention_flops == pytest.approx(full * kept / (n_q * n_k), rel=1e-6)
+    assert causal.attention_flops < full
+
+
+def test_causal_fraction_of_a_longer_query():
+    assert causal_fraction(4, 2) == (1 + 2 + 2 + 2) / 8
+    assert causal_fraction(1, 1) == 1.0
 
 
 def test_explicit_attention_flops_are_matrix_and_softmax_is_vector_work():

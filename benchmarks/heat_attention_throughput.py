@@ -39,7 +39,7 @@ NAME = "heat_attention_throughput"
 PER_SAMPLE_KEYS_COMMIT = "48cbb34"  # the last kernel that computed the attention keys inside every sample
 
 
-def _kernel_at(commit: str) -> ModuleType | None:
+def kernel_at(commit: str) -> ModuleType | None:
     """``lightning_sdp.kernels.cf_numba`` as of ``commit`` (``None`` where git cannot show it)."""
     root = Path(__file__).resolve().parents[1]
     try:
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     dm.setup("fit")
     set_cpu_threads(args.threads)
     users, items = _pairs(dm)
-    old = _kernel_at(PER_SAMPLE_KEYS_COMMIT)
+    old = kernel_at(PER_SAMPLE_KEYS_COMMIT)
     rows = []
     for dim in (int(x) for x in args.dims.split(",")):
         measured: dict[str, float] = {}

@@ -30,6 +30,8 @@ thread is deterministic. This module imports numba at import time: import it onl
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from numba import njit, prange
@@ -466,43 +468,21 @@ def _fused_sgd_kernel(
         tile_left[c] = left
 
 
+# The arguments of fused_sgd_step after ``att_b``, in order: passed to the numba pass unchanged.
+_PASS_THROUGH = (
+    "att_q", "aggregator", "users", "items", "hist_indptr", "hist_indices", "given_negatives", "given_masks",
+    "num_negatives", "g", "margin", "negative_weight", "dropout", "lr", "v_lr", "weight_decay", "v_weight_decay",
+    "user_acc", "item_acc", "adagrad_eps", "rng_state", "tiles", "tile_left", "tile_refresh", "v_sync", "num_chunks",
+    "losses",
+)  # fmt: skip
+
+
 def fused_sgd_step(
-    user_emb: np.ndarray,
-    item_emb: np.ndarray,
-    V: np.ndarray,
-    att_w: np.ndarray,
-    att_b: np.ndarray,
-    att_q: np.ndarray,
-    aggregator: int,
-    users: np.ndarray,
-    items: np.ndarray,
-    hist_indptr: np.ndarray,
-    hist_indices: np.ndarray,
-    given_negatives: np.ndarray,
-    given_masks: np.ndarray,
-    num_negatives: int,
-    g: float,
-    margin: float,
-    negative_weight: float,
-    dropout: float,
-    lr: float,
-    v_lr: float,
-    weight_decay: float,
-    v_weight_decay: float,
-    user_acc: np.ndarray,
-    item_acc: np.ndarray,
-    adagrad_eps: float,
-    rng_state: np.ndarray,
-    tiles: np.ndarray,
-    tile_left: np.ndarray,
-    tile_refresh: int,
-    v_sync: int,
-    num_chunks: int,
-    losses: np.ndarray,
+    user_emb: np.ndarray, item_emb: np.ndarray, V: np.ndarray, att_w: np.ndarray, att_b: np.ndarray, *rest: Any
 ) -> None:
     """One fused SGD pass over a batch of positives, updating the tables and aggregator parameters in place.
 
-    Args:
+    Args (all positional, in this order):
         user_emb: ``(num_users, d)`` float32, C-contiguous.
         item_emb: ``(num_items, d)`` float32, C-contiguous.
         V: ``(d, d)`` float32 aggregator matrix (``p = g e_u + (1 - g) V h``); unused when ``g >= 1``.
@@ -540,12 +520,11 @@ def fused_sgd_step(
         num_chunks: number of chunks processed in parallel.
         losses: ``(B,)`` float32 output, the contrastive loss of each positive.
     """
-    # every argument after the attention parameters, passed through unchanged
-    rest = (
-        att_q, aggregator, users, items, hist_indptr, hist_indices, given_negatives, given_masks, num_negatives, g,
-        margin, negative_weight, dropout, lr, v_lr, weight_decay, v_weight_decay, user_acc, item_acc, adagrad_eps,
-        rng_state, tiles, tile_left, tile_refresh, v_sync, num_chunks, losses,
-    )  # fmt: skip
+    if len(rest) != len(_PASS_THROUGH):
+        raise TypeError(f"fused_sgd_step takes {5 + len(_PASS_THROUGH)} arguments, got {5 + len(rest)}")
+    arg = dict(zip(_PASS_THROUGH, rest, strict=True))
+    aggregator, g, lr, v_lr = arg["aggregator"], arg["g"], arg["lr"], arg["v_lr"]
+    user_acc, item_acc, adagrad_eps = arg["user_acc"], arg["item_acc"], arg["adagrad_eps"]
     if g >= 1.0 or aggregator == AGGREGATOR_MEAN:
         placeholder = np.zeros((1, 1), np.float32)
         _fused_sgd_kernel(user_emb, item_emb, V, placeholder, placeholder, *rest)

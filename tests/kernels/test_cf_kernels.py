@@ -235,32 +235,17 @@ def test_in_kernel_dropout_draws_the_masks_of_draw_dropout_mask():
     assert abs(big.mean() - 1.0) < 0.01
 
 
-def test_mean_aggregator_is_bit_identical_to_the_kernel_before_attention(tmp_path):
+def test_mean_aggregator_is_bit_identical_to_the_kernel_before_attention():
     """The kernel of commit 83b1768 (mean only, no dropout) and today's give the same bits for the mean."""
-    import importlib.util
-    import subprocess
-    from pathlib import Path
-
+    from benchmarks.heat_attention_throughput import kernel_at
     from lightning_sdp.kernels import cf_numba
 
-    root = Path(__file__).resolve().parents[2]
-    shown = subprocess.run(
-        ["git", "show", f"{_KERNEL_BEFORE_ATTENTION}:lightning_sdp/kernels/cf_numba.py"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if shown.returncode != 0:
+    old = kernel_at(_KERNEL_BEFORE_ATTENTION)
+    if old is None:
         pytest.fail(
             f"this test compares with the kernel of commit {_KERNEL_BEFORE_ATTENTION}, which git cannot show "
-            f"here ({shown.stderr.strip()}); run it in a clone with the project's history."
+            "here; run it in a clone with the project's history."
         )
-    path = tmp_path / "cf_numba_before_attention.py"
-    path.write_text(shown.stdout)
-    spec = importlib.util.spec_from_file_location("cf_numba_before_attention", path)
-    old = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(old)
     rng = np.random.default_rng(0)
     nu, ni, d, batch = 60, 90, 16, 300
     counts = rng.integers(0, 10, nu)

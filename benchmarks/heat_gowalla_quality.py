@@ -82,8 +82,8 @@ def run(name: str, g: float, args: argparse.Namespace, dm: InteractionsDataModul
         lr_schedule=args.lr_schedule,
         row_norm=args.row_norm,
         aggregator_weight_decay=args.aggregator_weight_decay,
-        aggregator=getattr(args, "aggregator", "mean"),
-        dropout=getattr(args, "dropout", 0.0),
+        aggregator=args.aggregator,
+        dropout=args.dropout,
         seed=args.seed,
     )
     history = ValidationHistory()
@@ -189,9 +189,10 @@ def main(argv: list[str] | None = None) -> None:
         )
         return
 
+    val_fraction = 0.0 if args.refit else 0.1  # refit: settings were chosen on validation beforehand
     if args.quick:
         dm = InteractionsDataModule(
-            num_users=400, num_items=300, batch_size=2048, eval_batch_size=256, val_fraction=0.0 if args.refit else 0.1
+            num_users=400, num_items=300, batch_size=2048, eval_batch_size=256, val_fraction=val_fraction
         )
         args.max_epochs, args.eval_every, args.negatives, args.dim = 2, 1, 16, 16
     else:
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
             batch_size=args.batch_size,
             eval_batch_size=1024,
             seed=args.seed,
-            val_fraction=0.0 if args.refit else 0.1,
+            val_fraction=val_fraction,
         )
     results = []
     for name in args.models.split(","):

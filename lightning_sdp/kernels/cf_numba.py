@@ -538,12 +538,14 @@ def fused_sgd_step(
     _fused_sgd_kernel(user_emb, item_emb, V, keys, key_grad, *rest)
     touched = np.flatnonzero(np.any(key_grad != 0, axis=1))
     grad = torch.from_numpy(key_grad[touched])
-    row_lr = np.full(len(touched), lr, np.float32)
+    step = (grad @ w).numpy()
     if user_acc.shape[0] > 0:  # row-wise Adagrad: the key path steps with the row's rate, as already accumulated
-        row_lr = np.float32(lr) / (np.sqrt(item_acc[touched]) + np.float32(adagrad_eps))
-    item_emb[touched] -= row_lr[:, None] * (grad @ w).numpy()
+        step *= (np.float32(lr) / (np.sqrt(item_acc[touched]) + np.float32(adagrad_eps)))[:, None]
+    else:
+        step *= np.float32(lr)
+    item_emb[touched] -= step
     att_w -= np.float32(v_lr) * (grad.T @ rows_before[touched]).numpy()
-    att_b -= np.float32(v_lr) * key_grad[touched].sum(axis=0)
+    att_b -= np.float32(v_lr) * grad.sum(dim=0).numpy()
 
 
 @njit(parallel=True, nogil=True, fastmath=True, cache=True)

@@ -56,10 +56,12 @@ NAME = "heat_vs_peers"
 RESULTS = RESULTS_DIR  # where write_results puts the files
 EASE_MAX_ITEMS = 15_000
 ITERATIVE = ("als", "bpr", "lightfm", "cornac_bpr", "reference")
-# HEAT's budgeted recipe, by the arguments it gets beside the budget: the default; the wide grid; the final fit as
-# three warm restarts whose best snapshot on validation is kept (the training length chosen on validation)
+# HEAT's budgeted recipe, by the arguments it gets beside the budget: the default; its search ranking trials by their
+# last validation score instead of the score extrapolated to the final length (the recipe before 2026-12-01); the
+# wide grid; the final fit as three warm restarts whose best snapshot on validation is kept
 BUDGETED: dict[str, dict[str, Any]] = {
     "heat_budget": {},
+    "heat_budget_last": {"selection": "last"},
     "heat_budget_wide": {"grid": WIDE_GRID},
     "heat_budget_cycles": {"cycles": 3},
 }
@@ -441,7 +443,10 @@ def run_method(method: str, split: Split, args: argparse.Namespace) -> dict[str,
         return {"method": method, "missing": why}
     if method in BUDGETED:
         points = []
-        settings = {"refit": args.refit and BUDGETED[method].get("cycles", 1) == 1, **BUDGETED[method]}
+        settings = {
+            "refit": args.refit and BUDGETED[method].get("cycles", 1) == 1,
+            **BUDGETED[method],
+        }
         for budget in budgets:
             fit = fit_simplex_within_budget(
                 split.train,
@@ -468,6 +473,8 @@ def run_method(method: str, split: Split, args: argparse.Namespace) -> dict[str,
                     "final_lr": fit.final_lr,
                     "search_s": fit.search_seconds,
                     "trials": len(fit.trials),
+                    "selection": fit.selection,
+                    "search_trials": [{k: v for k, v in t.__dict__.items() if k != "fit_seconds"} for t in fit.trials],
                     "cycle_steps": fit.cycle_steps,
                     "cycle_val_recall@20": fit.cycle_val_recall,
                     "chosen_cycle": fit.chosen_cycle,

@@ -8,7 +8,10 @@ front. :func:`fit_simplex_within_budget` turns a wall-clock (or epoch) budget in
 2. **search** (``search_fraction`` of the budget, default 30 %, probes and validation included): successive halving
    over a seeded sample of a small grid (``dim``, ``num_negatives``, ``margin``, ``negative_weight``, ``lr``). Every
    trial is a complete short run whose linear schedule decays to 0 inside its own share of the time, scored on the
-   validation split only; the better half goes on with twice the time;
+   validation split only; the better half goes on with twice the time. The halves are ranked by the validation
+   score each configuration's trials *extrapolate* to at the final fit's length (:func:`extrapolate_recall`): the
+   final fit is several doublings longer than the last trial, and a larger dimension that is behind after a short
+   schedule but gains more per doubling is the better choice for it;
 3. **fit**: the winner trains for the rest of the budget, ``max_steps`` chosen from its measured step time so that
    ``lr_schedule="linear"`` ends at 0 before the budget runs out. With ``cycles > 1`` the fit is a series of warm
    restarts (Loshchilov & Hutter, SGDR) of doubling length, each decaying to 0 and scored on validation, and the best
@@ -158,6 +161,8 @@ class Trial:
     fit_seconds: float = 0.0
     val_recall: float = float("nan")
     val_ndcg: float = float("nan")
+    #: validation Recall extrapolated to the final fit's length (``selection="extrapolate"``), set when ranked
+    predicted_recall: float = float("nan")
 
 
 @dataclass
@@ -191,6 +196,7 @@ class BudgetedFit:
     chosen_cycle: int = 0
     refit: bool = False
     train_positives: int = 0
+    selection: str = "extrapolate"
 
     def summary(self) -> dict[str, Any]:
         """JSON-friendly summary (no model)."""
@@ -199,8 +205,75 @@ class BudgetedFit:
         return out
 
 
+#: Ratio of successive gains per doubling of the schedule assumed when a configuration has only two trials (each
+#: doubling of the training length buys half the previous one's gain: a power law ``a - b t^-1``).
+DEFAULT_GAIN_RATIO = 0.5
+#: Upper bound of a measured gain ratio: gains that do not shrink would extrapolate without limit.
+MAX_GAIN_RATIO = 0.8
+
+
+def extrapolate_recall(
+    steps: Sequence[float], recall: Sequence[float], final_steps: float, default_ratio: float = DEFAULT_GAIN_RATIO
+) -> float:
+    """Validation Recall a configuration would reach with a complete schedule of ``final_steps`` steps.
+
+    The search's trials of one configuration are complete schedules of doubling length, so their scores trace its
+    learning curve. A configuration that is behind after a short trial but gains more per doubling (a larger
+    dimension, more negatives) can finish ahead after the much longer final fit; ranking on the last trial alone
+    misses that. The gain per doubling ``d`` of the two longest trials is assumed to shrink by a ratio ``q`` per
+    further doubling (measured from the last three trials when there are three, clipped to
+    ``(0, MAX_GAIN_RATIO]``; ``default_ratio`` otherwise), so after ``H = log2(final_steps / steps[-1])`` more
+    doublings the prediction is ``recall[-1] + d * q (1 - q^H) / (1 - q)``: a power-law learning curve, the shape
+    learning-curve extrapolation for hyper-parameter search assumes (Domhan et al., IJCAI 2015).
+
+    Args:
+        steps: the trials' schedule lengths, increasing.
+        recall: their validation scores.
+        final_steps: the final fit's schedule length.
+        default_ratio: ``q`` when fewer than three trials measure it. Default :data:`DEFAULT_GAIN_RATIO`.
+
+    Returns:
+        The prediction; ``recall[-1]`` itself for a single trial, when the last doubling gained nothing or when
+        ``final_steps`` is not longer.
+    """
+    if len(steps) != len(recall) or not steps:
+        raise ValueError(
+            f"extrapolate_recall: need as many steps as scores (>= 1), got {len(steps)} and {len(recall)}."
+        )
+    if any(b <= a for a, b in itertools.pairwise(steps)):
+        raise ValueError(f"extrapolate_recall: trial lengths must increase, got {list(steps)}.")
+    last = float(recall[-1])
+    if len(steps) < 2 or final_steps <= steps[-1]:
+        return last
+
+    def gain(i: int) -> float:  # gain per doubling between trials i-1 and i
+        return (recall[i] - recall[i - 1]) / math.log2(steps[i] / steps[i - 1])
+
+    d = gain(len(steps) - 1)
+    if d <= 0:  # no gain from the last doubling: nothing to extrapolate (a loss is not projected either)
+        return last
+    q = default_ratio
+    if len(steps) >= 3 and (previous := gain(len(steps) - 2)) > 0:
+        q = min(d / previous, MAX_GAIN_RATIO)
+    horizon = math.log2(final_steps / steps[-1])
+    return last + d * q * (1.0 - q**horizon) / (1.0 - q)
+
+
 def _shape_key(config: dict[str, Any]) -> str:
     return f"d{config['dim']}_n{config['num_negatives']}"
+
+
+def _predict_final(config: dict[str, Any], trials: Sequence[Trial], final_steps: float) -> float:
+    """:func:`extrapolate_recall` over ``config``'s trials so far (a shorter trial after a longer one is passed over)."""
+    steps: list[float] = []
+    recall: list[float] = []
+    for trial in sorted((t for t in trials if t.config == config), key=lambda t: t.round):
+        while steps and trial.steps <= steps[-1]:
+            steps.pop()
+            recall.pop()
+        steps.append(trial.steps)
+        recall.append(trial.val_recall)
+    return extrapolate_recall(steps, recall, final_steps)
 
 
 def sample_configs(grid: Mapping[str, Sequence[Any]], num_configs: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -395,6 +468,7 @@ def fit_simplex_within_budget(
     seed: int = 0,
     cycles: int = 1,
     refit: bool | None = None,
+    selection: str = "extrapolate",
 ) -> BudgetedFit:
     """Choose SimpleX hyper-parameters on validation and train the winner so that its schedule ends in the budget.
 
@@ -427,16 +501,22 @@ def fit_simplex_within_budget(
         refit: train the final model on the training and validation interactions together, once validation has
             chosen the configuration (nothing is scored on validation afterwards). ``None`` (default): ``True``
             unless ``cycles > 1``, whose snapshots are chosen on validation, which must then stay held out.
+        selection: how successive halving ranks its trials: ``"extrapolate"`` (default) by the validation Recall
+            each configuration's trials extrapolate to at the final fit's length (:func:`extrapolate_recall`), so a
+            configuration that learns slower but further is not cut for being behind after a short trial;
+            ``"last"`` by the last trial's validation Recall.
 
     Returns:
         A :class:`BudgetedFit` with the trained model, its settings, ``max_steps`` and every trial.
 
     Raises:
         ValueError: a missing, non-positive or doubled budget, a ``search_fraction`` outside ``[0, 1)``, or a budget
-            too short for even one training step after the probe, ``cycles < 1``, or ``refit=True`` with
-            ``cycles > 1``.
+            too short for even one training step after the probe, ``cycles < 1``, ``refit=True`` with
+            ``cycles > 1``, or an unknown ``selection``.
     """
     _check_budget(budget_seconds, budget_epochs, search_fraction)
+    if selection not in ("extrapolate", "last"):
+        raise ValueError(f"fit_simplex_within_budget: selection must be 'extrapolate' or 'last', got {selection!r}.")
     if cycles < 1:
         raise ValueError(f"fit_simplex_within_budget: cycles must be at least 1, got {cycles}.")
     if refit is None:
@@ -469,6 +549,11 @@ def fit_simplex_within_budget(
 
     def steps_for(config: dict[str, Any], seconds: float) -> int:
         return int((seconds - overhead) / step_seconds[_shape_key(config)])
+
+    def final_steps_for(config: dict[str, Any]) -> float:  # the final fit's planned length, for extrapolation
+        if budget_seconds is None:
+            return float(total_steps - search_steps)
+        return budget_seconds * (1.0 - search_fraction) / step_seconds[_shape_key(config)]
 
     trials: list[Trial] = []
     if budget_seconds is not None:
@@ -528,7 +613,9 @@ def fit_simplex_within_budget(
             trials += results
             if not results:
                 break
-            results.sort(key=lambda t: -t.val_recall)
+            for trial in results:
+                trial.predicted_recall = _predict_final(trial.config, trials, final_steps_for(trial.config))
+            results.sort(key=lambda t: -(t.predicted_recall if selection == "extrapolate" else t.val_recall))
             survivors = [t.config for t in results[: max(1, len(results) // 2)]]
             if len(results) == 1:
                 break
@@ -618,6 +705,7 @@ def fit_simplex_within_budget(
         chosen_cycle=chosen,
         refit=refit,
         train_positives=len(final_runner.pairs),
+        selection=selection,
     )
 
 
@@ -629,6 +717,7 @@ __all__ = [
     "SimpleXRunner",
     "Trial",
     "evaluate_ranking",
+    "extrapolate_recall",
     "fit_simplex_within_budget",
     "sample_configs",
 ]

@@ -11,6 +11,7 @@ pytest.importorskip("numba", reason="the fused backend needs the cpu extra (numb
 from lightning_sdp.datamodules.interactions import InteractionsDataModule
 from lightning_sdp.models.simplex_budget import (
     evaluate_ranking,
+    extrapolate_recall,
     fit_simplex_within_budget,
     sample_configs,
 )
@@ -181,3 +182,66 @@ def test_refit_trains_the_final_model_on_train_and_validation() -> None:
     assert not cycles.refit
     with pytest.raises(ValueError, match="pass refit=False"):
         fit_simplex_within_budget(dm, budget_epochs=4, grid=TINY_GRID, cycles=2, refit=True)
+
+
+def _power_law(t: float, a: float = 0.3, b: float = 0.2) -> float:
+    return a - b / t  # gains per doubling halve: the curve extrapolate_recall assumes by default
+
+
+def test_extrapolate_recall_recovers_a_power_law() -> None:
+    steps = [100.0, 200.0, 400.0]
+    recall = [_power_law(s / 100) for s in steps]
+    for final in (800.0, 6400.0, 1e6):
+        assert extrapolate_recall(steps, recall, final) == pytest.approx(_power_law(final / 100), abs=1e-9)
+        assert extrapolate_recall(steps[1:], recall[1:], final) == pytest.approx(_power_law(final / 100), abs=1e-9)
+
+
+def test_extrapolation_prefers_the_configuration_that_gains_more_per_doubling() -> None:
+    steps = [100.0, 200.0, 400.0]
+    fast_start = [0.190, 0.196, 0.199]  # ahead after the last trial, but nearly flat
+    slow_start = [0.170, 0.184, 0.193]  # behind, still gaining 0.009 a doubling
+    assert fast_start[-1] > slow_start[-1]
+    assert extrapolate_recall(steps, slow_start, 12_800) > extrapolate_recall(steps, fast_start, 12_800)
+    # with no doublings left, the ranking is the last trial's
+    assert extrapolate_recall(steps, slow_start, 400) == slow_start[-1]
+
+
+@pytest.mark.parametrize(
+    ("steps", "recall", "expected"),
+    [
+        ([100.0], [0.2], 0.2),  # one trial: no slope
+        ([100.0, 200.0], [0.2, 0.19], 0.19),  # a loss is not projected
+        ([100.0, 200.0, 400.0], [0.1, 0.1, 0.12], None),  # a flat start does not cancel a later gain
+    ],
+)
+def test_extrapolate_recall_edge_cases(steps: list, recall: list, expected: float | None) -> None:
+    got = extrapolate_recall(steps, recall, 1600.0)
+    if expected is None:
+        assert recall[-1] < got < recall[-1] + 0.02 * 2  # default ratio 0.5: at most one more gain of 0.02
+    else:
+        assert got == expected
+
+
+def test_extrapolate_recall_rejects_bad_trials() -> None:
+    with pytest.raises(ValueError, match="as many steps"):
+        extrapolate_recall([1.0, 2.0], [0.1], 8.0)
+    with pytest.raises(ValueError, match="must increase"):
+        extrapolate_recall([2.0, 2.0], [0.1, 0.2], 8.0)
+
+
+def test_selection_ranks_trials_by_extrapolation_or_last_score() -> None:
+    dm = _data()
+    grid = {**TINY_GRID, "lr": [0.1, 0.3, 1.0, 3.0]}  # 4 configurations: rounds of 4 and 2 trials
+    kwargs = dict(budget_epochs=12, search_fraction=0.5, grid=grid, num_configs=4, threads=1, batch_size=128)
+    for selection, score in (("extrapolate", "predicted_recall"), ("last", "val_recall")):
+        fit = fit_simplex_within_budget(dm, **kwargs, selection=selection)
+        assert fit.selection == selection
+        first, second = ([t for t in fit.trials if t.round == r] for r in range(2))
+        assert (len(first), len(second)) == (4, 2)
+        assert all(t.predicted_recall == t.val_recall for t in first)  # one trial each: nothing to extrapolate
+        assert all(t.predicted_recall >= t.val_recall for t in second)  # losses are not projected
+        # round 1 goes on with the best two of round 0, and the best of round 1 is the final configuration
+        assert [t.config for t in second] == [t.config for t in sorted(first, key=lambda t: -getattr(t, score))[:2]]
+        assert fit.config == max(second, key=lambda t: getattr(t, score)).config
+    with pytest.raises(ValueError, match="selection must be"):
+        fit_simplex_within_budget(dm, **kwargs, selection="best")

@@ -67,15 +67,14 @@ def _recorder(strategy: Any, every: int) -> Any:
         def _quant_error(self, step: int) -> None:
             # the weights every rank would hold under qW (quantise w directly) vs under qWD (this run's copy)
             sq = torch.zeros(3, dtype=torch.float64)
-            for buckets in strategy._buckets.values():
-                for b in buckets:
-                    w = b.full_master()
-                    fmt = QuantFormat(4, strategy.weight_group_size)
-                    wp = torch.nn.functional.pad(w, (0, (-w.numel()) % fmt.group_size))  # same groups as qW
-                    qw = q.decode(*q.encode(wp, fmt, "nearest"), fmt)[: w.numel()]
-                    sq[0] += (qw - w).double().pow(2).sum()
-                    sq[1] += (b.model_flat.float() - w).double().pow(2).sum()
-                    sq[2] += w.double().pow(2).sum()
+            for b in strategy.buckets:
+                w = b.full_master()
+                fmt = QuantFormat(4, strategy.weight_group_size)
+                wp = torch.nn.functional.pad(w, (0, (-w.numel()) % fmt.group_size))  # same groups as qW
+                qw = q.decode(*q.encode(wp, fmt, "nearest"), fmt)[: w.numel()]
+                sq[0] += (qw - w).double().pow(2).sum()
+                sq[1] += (b.model_flat.float() - w).double().pow(2).sum()
+                sq[2] += w.double().pow(2).sum()
             self.quant_error.append(
                 {"step": step, "qw": float((sq[0] / sq[2]).sqrt()), "qwd": float((sq[1] / sq[2]).sqrt())}
             )

@@ -84,3 +84,9 @@ def test_bad_arguments():
         sequence_length_sweep(seq_lens=(0,), verbose=False)
     with pytest.raises(ValueError, match="attention"):
         sequence_length_sweep(seq_lens=(8,), attentions=(), verbose=False)
+
+
+def test_sweep_markdown_prints_rates_in_a_readable_unit() -> None:
+    row = {"attention": "sdpa", "seq_len": 8, "matrix_tflops": 319.4355, "total_tflops": 0.01234}
+    table = sweep_markdown([row])
+    assert "319.4 TFLOP/s" in table and "12.34 GFLOP/s" in table

@@ -210,6 +210,11 @@ def sweep_row(report: EngineReport, attention: str, seq_len: int) -> dict[str, A
     }
 
 
+def _flops_cell(tflops: float) -> str:
+    """A rate in the unit that keeps it readable: TFLOP/s on accelerators, GFLOP/s on a CPU."""
+    return f"{tflops:.1f} TFLOP/s" if tflops >= 1.0 else f"{tflops * 1e3:.2f} GFLOP/s"
+
+
 def sweep_markdown(rows: list[dict[str, Any]]) -> str:
     """Markdown table of the sweep rows (shares as percentages)."""
     head = "| " + " | ".join(ROW_COLUMNS) + " |\n|" + "---|" * len(ROW_COLUMNS) + "\n"
@@ -232,7 +237,7 @@ def sweep_markdown(rows: list[dict[str, Any]]) -> str:
             elif c == "step_ms":
                 cells.append(f"{v:.1f}")
             elif c.endswith("tflops"):
-                cells.append(f"{v * 1e3:.2f} G")
+                cells.append(_flops_cell(v))
             else:
                 cells.append(str(v))
         lines.append("| " + " | ".join(cells) + " |")

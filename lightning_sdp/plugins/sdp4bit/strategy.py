@@ -1127,6 +1127,13 @@ class SDP4BitStrategy(DDPStrategy):
         if isinstance(self.precision_plugin, ShardedClippingPrecision):
             self.precision_plugin = self.precision_plugin.plugin  # leave the user's plugin as it was given
 
+    @property
+    def buckets(self) -> list[FlatBucket]:
+        """Every flat bucket of every sharded optimizer (empty before setup); for diagnostics such as
+        ``benchmarks/sdp4bit_convergence.py``. The buckets are live: read them, do not change them."""
+        self._wait_all_weights()
+        return [b for buckets in self._buckets.values() for b in buckets]
+
     def master_shards(self, optimizer: Optimizer) -> list[Tensor]:
         """The fp32 master shards of ``optimizer``'s param groups on this rank (what the optimizer steps)."""
         self._wait_all_weights()

@@ -142,7 +142,9 @@ def test_single_device_trains_and_warns(single_process_group):
     assert torch.all(shard[10:] == 0)
     torch.testing.assert_close(shard[:8].detach().view(2, 4), model.net.weight.detach())
     masters = strategy.master_shards(strategy.optimizers[0])
-    assert len(strategy.buckets) == len(masters) and all(b.master is m for b, m in zip(strategy.buckets, masters, strict=True))
+    assert len(strategy.buckets) == len(masters) and all(
+        b.master is m for b, m in zip(strategy.buckets, masters, strict=True)
+    )
 
 
 def test_fp16_precision_is_rejected(single_process_group):

@@ -469,6 +469,7 @@ def fit_simplex_within_budget(
     cycles: int = 1,
     refit: bool | None = None,
     selection: str = "extrapolate",
+    keep_anchor: bool = True,
 ) -> BudgetedFit:
     """Choose SimpleX hyper-parameters on validation and train the winner so that its schedule ends in the budget.
 
@@ -505,6 +506,11 @@ def fit_simplex_within_budget(
             each configuration's trials extrapolate to at the final fit's length (:func:`extrapolate_recall`), so a
             configuration that learns slower but further is not cut for being behind after a short trial;
             ``"last"`` by the last trial's validation Recall.
+        keep_anchor: the anchor configuration (the grid's first values, the documented recipe) is never cut before
+            the last round, where it competes with the others on equal terms. Successive halving's first rounds
+            are short and cut configurations that start slowly but end ahead (a larger dimension), the weakness
+            Hyperband (Li et al., JMLR 2018) hedges with a bracket of few configurations trained long; keeping
+            the prior's best guess is that hedge at the cost of at most one trial per round. Default ``True``.
 
     Returns:
         A :class:`BudgetedFit` with the trained model, its settings, ``max_steps`` and every trial.
@@ -617,6 +623,14 @@ def fit_simplex_within_budget(
                 trial.predicted_recall = _predict_final(trial.config, trials, final_steps_for(trial.config))
             results.sort(key=lambda t: -(t.predicted_recall if selection == "extrapolate" else t.val_recall))
             survivors = [t.config for t in results[: max(1, len(results) // 2)]]
+            if (
+                keep_anchor
+                and r < rounds - 1
+                and configs[0] not in survivors
+                and any(t.config == configs[0] for t in results)
+            ):
+                survivors.append(configs[0])  # the hedge: the anchor goes on to the last round whatever its rank
+                notes.append(f"round {r}: the anchor configuration was kept for the next round (keep_anchor)")
             if len(results) == 1:
                 break
     best = survivors[0] if survivors else configs[0]

@@ -234,7 +234,7 @@ def test_selection_ranks_trials_by_extrapolation_or_last_score() -> None:
     grid = {**TINY_GRID, "lr": [0.1, 0.3, 1.0, 3.0]}  # 4 configurations: rounds of 4 and 2 trials
     kwargs = dict(budget_epochs=12, search_fraction=0.5, grid=grid, num_configs=4, threads=1, batch_size=128)
     for selection, score in (("extrapolate", "predicted_recall"), ("last", "val_recall")):
-        fit = fit_simplex_within_budget(dm, **kwargs, selection=selection)
+        fit = fit_simplex_within_budget(dm, **kwargs, selection=selection, keep_anchor=False)
         assert fit.selection == selection
         first, second = ([t for t in fit.trials if t.round == r] for r in range(2))
         assert (len(first), len(second)) == (4, 2)
@@ -245,3 +245,18 @@ def test_selection_ranks_trials_by_extrapolation_or_last_score() -> None:
         assert fit.config == max(second, key=lambda t: getattr(t, score)).config
     with pytest.raises(ValueError, match="selection must be"):
         fit_simplex_within_budget(dm, **kwargs, selection="best")
+
+
+def test_keep_anchor_takes_the_anchor_to_the_last_round() -> None:
+    dm = _data()
+    # the anchor (lr 0.01) learns least in a short trial, so plain successive halving cuts it in round 0
+    grid = {**TINY_GRID, "lr": [0.01, 0.3, 1.0, 3.0]}
+    kwargs = dict(budget_epochs=12, search_fraction=0.5, grid=grid, num_configs=4, threads=1, batch_size=128)
+    anchor = {k: v[0] for k, v in grid.items()}
+    plain = fit_simplex_within_budget(dm, **kwargs, keep_anchor=False)
+    assert anchor not in [t.config for t in plain.trials if t.round == 1]
+    hedged = fit_simplex_within_budget(dm, **kwargs)
+    last_round = [t.config for t in hedged.trials if t.round == 1]
+    assert anchor in last_round and len(last_round) == 3  # the best two and the anchor
+    assert any("keep_anchor" in note for note in hedged.notes)
+    assert hedged.config == max((t for t in hedged.trials if t.round == 1), key=lambda t: t.predicted_recall).config

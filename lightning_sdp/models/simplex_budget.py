@@ -276,6 +276,11 @@ def _predict_final(config: dict[str, Any], trials: Sequence[Trial], final_steps:
     return extrapolate_recall(steps, recall, final_steps)
 
 
+def _cheapest_shape(anchor: dict[str, Any], grid: Mapping[str, Sequence[Any]]) -> dict[str, Any]:
+    """``anchor`` with the grid's smallest ``dim`` and ``num_negatives``: the most epochs a short budget can buy."""
+    return {**anchor, **{k: min(grid[k]) for k in ("dim", "num_negatives") if k in grid}}
+
+
 def sample_configs(grid: Mapping[str, Sequence[Any]], num_configs: int, seed: int = 0) -> list[dict[str, Any]]:
     """The anchor (first value of every list) followed by a seeded sample of the rest of the grid's product.
 
@@ -457,6 +462,7 @@ def fit_simplex_within_budget(
     grid: dict[str, Sequence[Any]] | None = None,
     num_configs: int = 8,
     min_trial_seconds: float = 0.5,
+    min_trial_epochs: float = 1.0,
     val: tuple[np.ndarray, np.ndarray] | None = None,
     num_items: int | None = None,
     val_fraction: float = 0.1,
@@ -485,6 +491,11 @@ def fit_simplex_within_budget(
         num_configs: configurations sampled from the grid (the anchor first); fewer are tried when the search
             budget cannot give each at least ``min_trial_seconds``. Default 8.
         min_trial_seconds: shortest first-round trial worth scoring (seconds budgets). Default 0.5.
+        min_trial_epochs: shortest first-round trial, in epochs of the anchor configuration (seconds budgets):
+            fewer configurations are tried when the search budget cannot give each this much after the Trainer's
+            set-up and the validation scoring (both measured on a short fit of the anchor). When not even two fit,
+            the search is skipped and the anchor's settings train at the grid's smallest ``dim`` and
+            ``num_negatives``. Default 1.
         val: validation CSR to use with a training CSR ``data`` (e.g. a benchmark's shared split); ``None`` carves one.
         num_items: number of items with a training CSR ``data`` (``None``: the largest id seen + 1).
         val_fraction: share of each user's items carved out for validation when there is no validation split.
@@ -541,7 +552,8 @@ def fit_simplex_within_budget(
     runner = SimpleXRunner(train, num_items, batch_size, threads, seed, dict(model_kwargs or {}))
     runner.fit(sample_configs(grid or DEFAULT_GRID, 1)[0], 1)  # compiles the kernel (once, cached on disk)
     call_start = time.perf_counter()  # the budget starts after loading and the kernel's one-time compilation
-    configs = sample_configs(grid or DEFAULT_GRID, num_configs, seed)
+    search_grid: Mapping[str, Sequence[Any]] = grid or DEFAULT_GRID
+    configs = sample_configs(search_grid, num_configs, seed)
     eval_users = np.flatnonzero(np.diff(val[0]) > 0)
     if len(eval_users) > max_eval_users:
         eval_users = np.sort(np.random.default_rng(seed).choice(eval_users, max_eval_users, replace=False))
@@ -553,8 +565,8 @@ def fit_simplex_within_budget(
     overhead = 0.5  # Trainer set-up and tear-down per fit; replaced by the measured value after the first fit
     eval_seconds = 1.0  # one validation scoring of the user sample; replaced by the measured value
 
-    def steps_for(config: dict[str, Any], seconds: float) -> int:
-        return int((seconds - overhead) / step_seconds[_shape_key(config)])
+    def steps_for(config: dict[str, Any], seconds: float) -> int:  # a trial's steps: its share less set-up and scoring
+        return int((seconds - overhead - eval_seconds) / step_seconds[_shape_key(config)])
 
     def final_steps_for(config: dict[str, Any]) -> float:  # the final fit's planned length, for extrapolation
         if budget_seconds is None:
@@ -573,15 +585,29 @@ def fit_simplex_within_budget(
     survivors = configs if search_fraction > 0 else []
     if survivors:
         rounds = max(1, math.ceil(math.log2(len(survivors))))
-        if budget_seconds is not None:
+        if budget_seconds is not None and search_budget > (time.perf_counter() - call_start):
+            # what a trial costs besides its steps (the Trainer's set-up, the validation scoring), measured once
+            model, clock, fit_wall = runner.fit(configs[0], 6)
+            step_seconds[_shape_key(configs[0])] = max(1e-6, (clock.ends[-1] - clock.ends[0]) / (len(clock.ends) - 1))
+            overhead = max(0.0, fit_wall - clock.train_seconds)
+            scored = time.perf_counter()
+            score_on_val(model, eval_users)
+            eval_seconds = time.perf_counter() - scored
             left = search_budget - (time.perf_counter() - call_start)
-            # as many configurations as can get min_trial_seconds in the first round (each round costs the same)
-            affordable = int(left / (rounds * max(min_trial_seconds, overhead + 1e-3)))
+            # a first-round trial shorter than min_trial_epochs (of the anchor's shape) says little about a
+            # configuration: try only as many configurations as can have that (each round costs the same)
+            epoch_seconds = runner.steps_per_epoch * step_seconds[_shape_key(configs[0])]
+            trial_cost = max(min_trial_seconds, overhead + eval_seconds + min_trial_epochs * epoch_seconds)
+            affordable = len(survivors)
+            while affordable >= 2 and math.ceil(math.log2(affordable)) * affordable * trial_cost > left:
+                affordable -= 1
             if affordable < len(survivors):
                 survivors = survivors[: max(0, affordable)]
                 rounds = max(1, math.ceil(math.log2(max(2, len(survivors)))))
                 notes.append(
-                    f"search budget {search_budget:.1f}s allows {len(survivors)} of {len(configs)} configurations"
+                    f"search budget {search_budget:.1f}s allows {len(survivors)} of {len(configs)} configurations "
+                    f"(a first-round trial costs ~{trial_cost:.1f}s: {min_trial_epochs:g} epoch(s) of the anchor, "
+                    "the Trainer's set-up and the validation scoring)"
                 )
         if budget_seconds is not None:
             for config in survivors:  # only the shapes that will run are probed
@@ -589,7 +615,8 @@ def fit_simplex_within_budget(
                     step_seconds[_shape_key(config)] = runner.probe(config)
         if len(survivors) < 2:
             notes.append(
-                "search skipped: the search budget is too short for two trials; the anchor configuration is used"
+                "search skipped: the search budget is too short for two trials; the anchor's settings are used at "
+                "the grid's cheapest shape (a budget that cannot compare two trials has few epochs to give)"
             )
             _log.warning("fit_simplex_within_budget: %s.", notes[-1])
             survivors = []
@@ -633,7 +660,12 @@ def fit_simplex_within_budget(
                 notes.append(f"round {r}: the anchor configuration was kept for the next round (keep_anchor)")
             if len(results) == 1:
                 break
-    best = survivors[0] if survivors else configs[0]
+    if survivors:
+        best = survivors[0]
+    elif budget_seconds is not None and search_fraction > 0:
+        best = _cheapest_shape(configs[0], search_grid)
+    else:
+        best = configs[0]
     search_seconds = time.perf_counter() - call_start
 
     # ------------------------------------------------------------------ final fit, sized to what is left

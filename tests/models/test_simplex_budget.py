@@ -260,3 +260,14 @@ def test_keep_anchor_takes_the_anchor_to_the_last_round() -> None:
     assert anchor in last_round and len(last_round) == 3  # the best two and the anchor
     assert any("keep_anchor" in note for note in hedged.notes)
     assert hedged.config == max((t for t in hedged.trials if t.round == 1), key=lambda t: t.predicted_recall).config
+
+
+def test_a_budget_too_short_to_search_trains_the_anchor_at_the_cheapest_shape() -> None:
+    grid = {"dim": [32, 16], "num_negatives": [16, 8], "lr": [0.3, 0.1], "margin": [0.9]}
+    # no first-round trial can have 10^4 epochs: the search is skipped
+    fit = fit_simplex_within_budget(
+        _data(), budget_seconds=4.0, grid=grid, threads=1, batch_size=128, min_trial_epochs=1e4
+    )
+    assert fit.trials == [] and any("search skipped" in note for note in fit.notes)
+    assert fit.config == {"dim": 16, "num_negatives": 8, "lr": 0.3, "margin": 0.9}
+    assert fit.model.item_embedding.weight.shape[1] == 16 and fit.final_lr == 0.0

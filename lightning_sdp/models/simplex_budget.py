@@ -6,7 +6,9 @@ front. :func:`fit_simplex_within_budget` turns a wall-clock (or epoch) budget in
 
 1. **probe**: a few fused steps per candidate shape (``dim`` x ``num_negatives``) measure the time per step;
 2. **search** (``search_fraction`` of the budget, default 30 %, probes and validation included): successive halving
-   over a seeded sample of a small grid (``dim``, ``num_negatives``, ``margin``, ``negative_weight``, ``lr``). Every
+   over a seeded sample of a small grid (``dim``, ``num_negatives``, ``margin``, ``negative_weight``, ``lr``), led by
+   the anchor configuration and the anchor at the grid's cheapest shape (smallest ``dim`` and ``num_negatives``),
+   so that a short search still compares a configuration for long budgets with one that can do many epochs. Every
    trial is a complete short run whose linear schedule decays to 0 inside its own share of the time, scored on the
    validation split only; the better half goes on with twice the time. The halves are ranked by the validation
    score each configuration's trials *extrapolate* to at the final fit's length (:func:`extrapolate_recall`): the
@@ -488,8 +490,9 @@ def fit_simplex_within_budget(
         search_fraction: share of the budget spent on the search; ``0`` trains the anchor configuration directly.
             Default 0.3.
         grid: :class:`SimpleXModule` argument -> candidates; default :data:`DEFAULT_GRID`.
-        num_configs: configurations sampled from the grid (the anchor first); fewer are tried when the search
-            budget cannot give each at least ``min_trial_seconds``. Default 8.
+        num_configs: configurations tried: the anchor, the anchor at the grid's smallest ``dim`` and
+            ``num_negatives``, then a seeded sample of the rest of the grid; fewer (from the front) when the search
+            budget cannot give each at least ``min_trial_seconds`` / ``min_trial_epochs``. Default 8.
         min_trial_seconds: shortest first-round trial worth scoring (seconds budgets). Default 0.5.
         min_trial_epochs: shortest first-round trial, in epochs of the anchor configuration (seconds budgets):
             fewer configurations are tried when the search budget cannot give each this much after the Trainer's
@@ -554,6 +557,9 @@ def fit_simplex_within_budget(
     call_start = time.perf_counter()  # the budget starts after loading and the kernel's one-time compilation
     search_grid: Mapping[str, Sequence[Any]] = grid or DEFAULT_GRID
     configs = sample_configs(search_grid, num_configs, seed)
+    cheap = _cheapest_shape(configs[0], search_grid)
+    if cheap != configs[0] and num_configs >= 2:  # the anchor at both ends of the grid's cost range goes first
+        configs = [configs[0], cheap] + [c for c in configs[1:] if c != cheap][: num_configs - 2]
     eval_users = np.flatnonzero(np.diff(val[0]) > 0)
     if len(eval_users) > max_eval_users:
         eval_users = np.sort(np.random.default_rng(seed).choice(eval_users, max_eval_users, replace=False))

@@ -271,3 +271,14 @@ def test_a_budget_too_short_to_search_trains_the_anchor_at_the_cheapest_shape() 
     assert fit.trials == [] and any("search skipped" in note for note in fit.notes)
     assert fit.config == {"dim": 16, "num_negatives": 8, "lr": 0.3, "margin": 0.9}
     assert fit.model.item_embedding.weight.shape[1] == 16 and fit.final_lr == 0.0
+
+
+def test_the_search_starts_with_the_anchor_at_both_ends_of_the_cost_range() -> None:
+    grid = {"dim": [32, 16], "num_negatives": [16, 8], "lr": [0.3, 0.1], "margin": [0.9]}
+    fit = fit_simplex_within_budget(_data(), budget_epochs=6, grid=grid, num_configs=3, threads=1, batch_size=128)
+    first = [t.config for t in fit.trials if t.round == 0]
+    assert first[:2] == [
+        {"dim": 32, "num_negatives": 16, "lr": 0.3, "margin": 0.9},
+        {**first[0], "dim": 16, "num_negatives": 8},
+    ]
+    assert len(first) == 3 and len({str(c) for c in first}) == 3

@@ -444,10 +444,7 @@ def run_method(method: str, split: Split, args: argparse.Namespace) -> dict[str,
         return {"method": method, "missing": why}
     if method in BUDGETED:
         points = []
-        settings = {
-            "refit": args.refit and BUDGETED[method].get("cycles", 1) == 1,
-            **BUDGETED[method],
-        }
+        settings = {"refit": args.refit and BUDGETED[method].get("cycles", 1) == 1, **BUDGETED[method]}
         for budget in budgets:
             fit = fit_simplex_within_budget(
                 split.train,

@@ -150,6 +150,11 @@ class _FitClock(Callback):
     def train_seconds(self) -> float:
         return 0.0 if self.first_start is None else self.last_end - self.first_start
 
+    @property
+    def seconds_per_step(self) -> float:
+        """Between the ends of the first and the last batch (the first one warms up); needs two batches."""
+        return max(1e-6, (self.ends[-1] - self.ends[0]) / (len(self.ends) - 1))
+
 
 @dataclass
 class Trial:
@@ -394,7 +399,7 @@ class SimpleXRunner:
         Measured between the ends of the first and the last of ``steps`` batches (the first one warms up).
         """
         _, clock, _ = self.fit(config, max(2, steps))
-        return max(1e-6, (clock.ends[-1] - clock.ends[0]) / (len(clock.ends) - 1))
+        return clock.seconds_per_step
 
 
 def _set_threads(n: int | None) -> int:
@@ -594,7 +599,7 @@ def fit_simplex_within_budget(
         if budget_seconds is not None and search_budget > (time.perf_counter() - call_start):
             # what a trial costs besides its steps (the Trainer's set-up, the validation scoring), measured once
             model, clock, fit_wall = runner.fit(configs[0], 6)
-            step_seconds[_shape_key(configs[0])] = max(1e-6, (clock.ends[-1] - clock.ends[0]) / (len(clock.ends) - 1))
+            step_seconds[_shape_key(configs[0])] = clock.seconds_per_step
             overhead = max(0.0, fit_wall - clock.train_seconds)
             scored = time.perf_counter()
             score_on_val(model, eval_users)

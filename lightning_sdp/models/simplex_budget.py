@@ -168,7 +168,8 @@ class Trial:
     fit_seconds: float = 0.0
     val_recall: float = float("nan")
     val_ndcg: float = float("nan")
-    #: validation Recall extrapolated to the final fit's length (``selection="extrapolate"``), set when ranked
+    #: validation Recall extrapolated to the final fit's length, set when the round is ranked; recorded under either
+    #: ``selection`` (with ``"last"`` it is for the record only and ranks nothing)
     predicted_recall: float = float("nan")
 
 
@@ -674,7 +675,7 @@ def fit_simplex_within_budget(
     if survivors:
         best = survivors[0]
     elif budget_seconds is not None and search_fraction > 0:
-        best = _cheapest_shape(configs[0], search_grid)
+        best = cheap
     else:
         best = configs[0]
     search_seconds = time.perf_counter() - call_start

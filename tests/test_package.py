@@ -134,20 +134,28 @@ def test_a_plugin_that_fails_to_import_is_reported_not_fatal(monkeypatch, caplog
 def test_aliases_registered_when_a_plugin_module_imports_lightning_first():
     stdout = _run_python(
         """
-        import importlib.util
+        import importlib.util, subprocess, sys
         from lightning_sdp._registry import ACCELERATOR_ALIASES, STRATEGY_ALIASES
+        by_module = {}
         for a in STRATEGY_ALIASES + ACCELERATOR_ALIASES:
-            if importlib.util.find_spec(a.module) is None:
-                continue
-            # a fresh interpreter per plugin: the plugin module is what imports lightning.pytorch
-            import subprocess, sys
+            if importlib.util.find_spec(a.module) is not None:
+                by_module.setdefault(a.module, []).append(a)
+        # a fresh interpreter per plugin module (the module is what imports lightning.pytorch), all at once
+        procs = []
+        for module, aliases in by_module.items():
             code = (
-                f"import {a.module} as m; getattr(m, {a.cls!r});"
+                f"import {module} as m;"
                 "from lightning.pytorch.accelerators import AcceleratorRegistry;"
                 "from lightning.pytorch.strategies import StrategyRegistry;"
-                f"assert {a.name!r} in StrategyRegistry or {a.name!r} in AcceleratorRegistry, {a.name!r}"
+                + "".join(
+                    f"getattr(m, {a.cls!r});"
+                    f"assert {a.name!r} in StrategyRegistry or {a.name!r} in AcceleratorRegistry, {a.name!r};"
+                    for a in aliases
+                )
             )
-            subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+            procs.append(subprocess.Popen([sys.executable, "-c", code]))
+        codes = [p.wait(timeout=120) for p in procs]
+        assert len(procs) >= 2 and codes == [0] * len(procs), codes
         print("ok")
         """
     )

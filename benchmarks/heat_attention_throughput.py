@@ -8,7 +8,8 @@ negatives from the tile sampler, batches of 16,384 positives, history capped at 
 
 * ``mean``: SimpleX with the mean aggregator (no keys), the cost floor;
 * ``user_attention`` / ``self_attention``: today's kernel;
-* ``user_attention (per-sample keys)``: the kernel of commit ``48cbb34``, loaded from git (skipped without git);
+* ``user_attention (per-sample keys)``: the kernel of commit ``48cbb34``, loaded from git (skipped without git, and
+  with ``--quick``: compiling that kernel takes ~40 s, which a smoke run need not spend);
 * ``user_attention (reference, b4096)``: plain PyTorch with autograd and Adam, batch 4,096.
 
 Run from the repo root: ``.venv/bin/python -m benchmarks.heat_attention_throughput`` (``--quick``: synthetic data).
@@ -103,7 +104,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dims", default="64,128")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny synthetic run (smoke test)")
+    parser.add_argument(
+        "--per-sample-keys",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"also measure the kernel of commit {PER_SAMPLE_KEYS_COMMIT} (default: yes, except with --quick)",
+    )
     args = parser.parse_args(argv)
+    if args.per_sample_keys is None:
+        args.per_sample_keys = not args.quick
     if args.quick:
         dm = InteractionsDataModule(num_users=300, num_items=600, batch_size=1024, seed=0)
         args.seconds, args.dims, args.negatives, batch = 0.3, "16", 16, 1024
@@ -116,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     dm.setup("fit")
     set_cpu_threads(args.threads)
     users, items = _pairs(dm)
-    old = kernel_at(PER_SAMPLE_KEYS_COMMIT)
+    old = kernel_at(PER_SAMPLE_KEYS_COMMIT) if args.per_sample_keys else None
     rows = []
     for dim in (int(x) for x in args.dims.split(",")):
         measured: dict[str, float] = {}
@@ -155,12 +164,18 @@ def main(argv: list[str] | None = None) -> None:
     ax.set_xlabel(f"positives/s ({args.threads} threads)")
     ax.invert_yaxis()
     ax.tick_params(axis="y", labelsize=7)
+    old_state = (
+        "measured"
+        if old is not None
+        else "not measured: "
+        + ("git could not show it" if args.per_sample_keys else "--no-per-sample-keys (the default with --quick)")
+    )
     md = (
         f"SimpleX g=0.8, history capped at 100, {args.negatives} negatives (tile sampler in the fused rows, uniform "
         f"in the reference), {args.threads} threads, {args.seconds:g} s per row after a warm-up. "
         f"`batched_keys_speedup` = today's user-attention kernel / the row; `epoch_s` = training positives / rate. "
         f"Per-sample keys: the kernel of commit {PER_SAMPLE_KEYS_COMMIT} "
-        f"({'measured' if old is not None else 'not measured: git could not show it'}). "
+        f"({old_state}). "
         f"Load average at the end: {os.getloadavg()[0]:.2f}.\n\n"
         + markdown_table(rows, ["dim", "variant", "positives_per_s", "batched_keys_speedup", "epoch_s"])
     )

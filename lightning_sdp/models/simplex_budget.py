@@ -218,6 +218,9 @@ class BudgetedFit:
 DEFAULT_GAIN_RATIO = 0.5
 #: Upper bound of a measured gain ratio: gains that do not shrink would extrapolate without limit.
 MAX_GAIN_RATIO = 0.8
+#: Shortest ratio of two trials' lengths that measures a gain per doubling: between closer trials (a squeezed search
+#: gives rounds of 120 and 150 steps) the difference of two noisy scores is divided by a small log2 and explodes.
+MIN_SPAN_RATIO = 1.5
 
 
 def extrapolate_recall(
@@ -230,7 +233,9 @@ def extrapolate_recall(
     dimension, more negatives) can finish ahead after the much longer final fit; ranking on the last trial alone
     misses that. The gain per doubling ``d`` of the two longest trials is assumed to shrink by a ratio ``q`` per
     further doubling (measured from the last three trials when there are three, clipped to
-    ``(0, MAX_GAIN_RATIO]``; ``default_ratio`` otherwise), so after ``H = log2(final_steps / steps[-1])`` more
+    ``(0, MAX_GAIN_RATIO]``; ``default_ratio`` otherwise). Only trials at least :data:`MIN_SPAN_RATIO` times
+    shorter than the next one used count (the others are passed over, from the longest trial down), so a gain is
+    never measured over a fraction of a doubling. After ``H = log2(final_steps / steps[-1])`` more
     doublings the prediction is ``recall[-1] + d * q (1 - q^H) / (1 - q)``: a power-law learning curve, the shape
     learning-curve extrapolation for hyper-parameter search assumes (Domhan et al., IJCAI 2015).
 
@@ -241,8 +246,8 @@ def extrapolate_recall(
         default_ratio: ``q`` when fewer than three trials measure it. Default :data:`DEFAULT_GAIN_RATIO`.
 
     Returns:
-        The prediction; ``recall[-1]`` itself for a single trial, when the last doubling gained nothing or when
-        ``final_steps`` is not longer.
+        The prediction; ``recall[-1]`` itself for a single trial, when no shorter trial is far enough from the
+        longest, when the last doubling gained nothing or when ``final_steps`` is not longer.
     """
     if len(steps) != len(recall) or not steps:
         raise ValueError(
@@ -251,6 +256,11 @@ def extrapolate_recall(
     if any(b <= a for a, b in itertools.pairwise(steps)):
         raise ValueError(f"extrapolate_recall: trial lengths must increase, got {list(steps)}.")
     last = float(recall[-1])
+    kept = [len(steps) - 1]  # from the longest trial down, each kept one MIN_SPAN_RATIO times shorter than the last
+    for i in range(len(steps) - 2, -1, -1):
+        if steps[i] * MIN_SPAN_RATIO <= steps[kept[-1]]:
+            kept.append(i)
+    steps, recall = [steps[i] for i in reversed(kept)], [recall[i] for i in reversed(kept)]
     if len(steps) < 2 or final_steps <= steps[-1]:
         return last
 
@@ -770,6 +780,7 @@ def fit_simplex_within_budget(
 __all__ = [
     "BASE_SETTINGS",
     "DEFAULT_GRID",
+    "MIN_SPAN_RATIO",
     "WIDE_GRID",
     "BudgetedFit",
     "SimpleXRunner",

@@ -10,6 +10,7 @@ pytest.importorskip("numba", reason="the fused backend needs the cpu extra (numb
 
 from lightning_sdp.datamodules.interactions import InteractionsDataModule
 from lightning_sdp.models.simplex_budget import (
+    MIN_SPAN_RATIO,
     evaluate_ranking,
     extrapolate_recall,
     fit_simplex_within_budget,
@@ -220,6 +221,20 @@ def test_extrapolate_recall_edge_cases(steps: list, recall: list, expected: floa
         assert recall[-1] < got < recall[-1] + 0.02 * 2  # default ratio 0.5: at most one more gain of 0.02
     else:
         assert got == expected
+
+
+def test_extrapolate_recall_measures_gains_only_over_a_long_enough_span() -> None:
+    # the trials of a squeezed search (the anchor on dense data at 60 s): 122 -> 151 steps is 0.3 doublings, and the
+    # noisy 0.075 between them made 0.24 per doubling and a prediction of 0.78 against 0.52 for the real winner
+    steps, recall = [74.0, 122.0, 151.0], [0.0107, 0.0628, 0.1374]
+    got = extrapolate_recall(steps, recall, 4136.0)
+    # 122 is passed over: the slope is measured over 74 -> 151 with the default ratio, as from those two trials alone
+    assert got == pytest.approx(extrapolate_recall([74.0, 151.0], [0.0107, 0.1374], 4136.0))
+    assert recall[-1] < got < 0.3
+    # no shorter trial far enough from the longest: nothing is projected
+    assert extrapolate_recall([100.0, 140.0], [0.1, 0.3], 1e4) == 0.3
+    # at exactly MIN_SPAN_RATIO the pair counts
+    assert extrapolate_recall([100.0, 100.0 * MIN_SPAN_RATIO], [0.1, 0.2], 1e4) > 0.2
 
 
 def test_extrapolate_recall_rejects_bad_trials() -> None:

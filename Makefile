@@ -37,7 +37,7 @@ bench: $(VENV)/.installed-bench
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check lightning_sdp tests benchmarks examples
-	$(BIN)/ruff format --check lightning_sdp tests benchmarks examples
+	$(BIN)/ruff format --check lightning_sdp tests benchmarks examples README.md docs
 	$(BIN)/mypy
 
 clean:

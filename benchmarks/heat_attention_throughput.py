@@ -164,12 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     ax.set_xlabel(f"positives/s ({args.threads} threads)")
     ax.invert_yaxis()
     ax.tick_params(axis="y", labelsize=7)
-    old_state = (
-        "measured"
-        if old is not None
-        else "not measured: "
-        + ("git could not show it" if args.per_sample_keys else "--no-per-sample-keys (the default with --quick)")
-    )
+    if old is not None:
+        old_state = "measured"
+    elif args.per_sample_keys:
+        old_state = "not measured: git could not show it"
+    else:
+        old_state = "not measured: --no-per-sample-keys (the default with --quick)"
     md = (
         f"SimpleX g=0.8, history capped at 100, {args.negatives} negatives (tile sampler in the fused rows, uniform "
         f"in the reference), {args.threads} threads, {args.seconds:g} s per row after a warm-up. "

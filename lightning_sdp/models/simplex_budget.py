@@ -299,21 +299,56 @@ def _cheapest_shape(anchor: dict[str, Any], grid: Mapping[str, Sequence[Any]]) -
     return {**anchor, **{k: min(grid[k]) for k in ("dim", "num_negatives") if k in grid}}
 
 
-def sample_configs(grid: Mapping[str, Sequence[Any]], num_configs: int, seed: int = 0) -> list[dict[str, Any]]:
-    """The anchor (first value of every list) followed by a seeded sample of the rest of the grid's product.
+def _round_sizes(num_configs: int, rounds: int, keep_anchor: bool) -> list[int]:
+    """Trials per round of successive halving: the better half goes on, plus the anchor when it is kept."""
+    sizes = [num_configs]
+    for _ in range(rounds - 1):
+        sizes.append(min(sizes[-1], max(1, sizes[-1] // 2) + int(keep_anchor)))
+    return sizes
+
+
+def _share_of_rest(trials_left_in_round: int, sizes_after: Sequence[int], round_index: int) -> float:
+    """A trial's share of the search time (or steps) left: trials of round ``r`` weigh ``2^r``, so every round's
+    trials are twice as long as the last round's whatever the anchor hedge adds (its trial is planned for)."""
+    weight = 2**round_index
+    rest = trials_left_in_round * weight + sum(n * 2 ** (round_index + 1 + j) for j, n in enumerate(sizes_after))
+    return weight / rest
+
+
+def sample_configs(
+    grid: Mapping[str, Sequence[Any]], num_configs: int, seed: int = 0, lead: Sequence[dict[str, Any]] = ()
+) -> list[dict[str, Any]]:
+    """The anchor (first value of every list), then ``lead``, then a seeded sample of the rest of the grid's product.
+
+    The sample is ordered to cover the grid first: each next configuration is the one (of a seeded permutation) that
+    brings the most values not yet tried, until every value of every list is in; the permutation's order after
+    that. A short search tries only the first few configurations, and a random few can all share a value that
+    suits the data badly (on a dense catalogue, the anchor's negative weight plateaus early: ``docs/heat.md``); a
+    space-filling start compares both ends of every hyper-parameter as soon as there are enough configurations to.
 
     Args:
         grid: :class:`SimpleXModule` argument -> candidate values.
         num_configs: how many configurations to return (at most the product's size).
         seed: seed of the sample.
+        lead: configurations of the grid to place right after the anchor (counted as covering their values).
     """
     if not grid or any(len(v) == 0 for v in grid.values()):
         raise ValueError(f"sample_configs: every grid entry needs at least one value, got {grid}.")
     keys = list(grid)
     product = [dict(zip(keys, values, strict=True)) for values in itertools.product(*(grid[k] for k in keys))]
-    rest = product[1:]
-    order = np.random.default_rng(seed).permutation(len(rest))
-    return [product[0]] + [rest[i] for i in order[: max(0, num_configs - 1)]]
+    for config in lead:
+        if config not in product:
+            raise ValueError(f"sample_configs: lead configuration {config} is not in the grid {dict(grid)}.")
+    chosen = [product[0]] + [c for c in lead if c != product[0]]
+    covered = {(k, repr(v)) for c in chosen for k, v in c.items()}
+    order = np.random.default_rng(seed).permutation(len(product) - 1)
+    rest = [product[1 + i] for i in order if product[1 + i] not in chosen]
+    while rest and len(chosen) < num_configs:
+        new_values = [sum((k, repr(v)) not in covered for k, v in c.items()) for c in rest]
+        pick = new_values.index(max(new_values))  # the earliest of the most covering
+        chosen.append(rest.pop(pick))
+        covered |= {(k, repr(v)) for k, v in chosen[-1].items()}
+    return chosen[: max(1, num_configs)]
 
 
 class SimpleXRunner:
@@ -572,10 +607,9 @@ def fit_simplex_within_budget(
     runner.fit(sample_configs(grid or DEFAULT_GRID, 1)[0], 1)  # compiles the kernel (once, cached on disk)
     call_start = time.perf_counter()  # the budget starts after loading and the kernel's one-time compilation
     search_grid: Mapping[str, Sequence[Any]] = grid or DEFAULT_GRID
-    configs = sample_configs(search_grid, num_configs, seed)
-    cheap = _cheapest_shape(configs[0], search_grid)
-    if cheap != configs[0] and num_configs >= 2:  # the anchor at both ends of the grid's cost range goes first
-        configs = [configs[0], cheap] + [c for c in configs[1:] if c != cheap][: num_configs - 2]
+    cheap = _cheapest_shape(sample_configs(search_grid, 1)[0], search_grid)
+    # the anchor at both ends of the grid's cost range goes first
+    configs = sample_configs(search_grid, num_configs, seed, lead=[cheap])
     eval_users = np.flatnonzero(np.diff(val[0]) > 0)
     if len(eval_users) > max_eval_users:
         eval_users = np.sort(np.random.default_rng(seed).choice(eval_users, max_eval_users, replace=False))
@@ -617,11 +651,13 @@ def fit_simplex_within_budget(
             eval_seconds = time.perf_counter() - scored
             left = search_budget - (time.perf_counter() - call_start)
             # a first-round trial shorter than min_trial_epochs (of the anchor's shape) says little about a
-            # configuration: try only as many configurations as can have that (each round costs the same)
+            # configuration: try only as many configurations as can have that
             epoch_seconds = runner.steps_per_epoch * step_seconds[_shape_key(configs[0])]
             trial_cost = max(min_trial_seconds, overhead + eval_seconds + min_trial_epochs * epoch_seconds)
             affordable = len(survivors)
-            while affordable >= 2 and math.ceil(math.log2(affordable)) * affordable * trial_cost > left:
+            while affordable >= 2 and trial_cost > left * _share_of_rest(
+                affordable, _round_sizes(affordable, math.ceil(math.log2(affordable)), keep_anchor)[1:], 0
+            ):
                 affordable -= 1
             if affordable < len(survivors):
                 survivors = survivors[: max(0, affordable)]
@@ -642,17 +678,20 @@ def fit_simplex_within_budget(
             )
             _log.warning("fit_simplex_within_budget: %s.", notes[-1])
             survivors = []
+        steps_left = 0 if budget_seconds is not None else search_steps
         for r in range(rounds if survivors else 0):
             results: list[Trial] = []
+            later = _round_sizes(len(survivors), rounds - r, keep_anchor)[1:]  # the rounds after this one, planned
             for i, config in enumerate(survivors):
+                fraction = _share_of_rest(len(survivors) - i, later, r)
                 if budget_seconds is not None:
                     left = search_budget - (time.perf_counter() - call_start)
-                    # every remaining trial of this round and of later rounds gets an equal share of the time left
-                    share = left / ((len(survivors) - i) + (rounds - r - 1) * len(survivors)) if left > 0 else 0.0
+                    share = left * fraction if left > 0 else 0.0
                     steps = steps_for(config, share)
                 else:
                     share = float("nan")
-                    steps = int(search_steps / (rounds * len(survivors)))
+                    steps = int(steps_left * fraction)
+                    steps_left -= steps
                 if steps < 1:
                     notes.append(f"round {r}: no time left for {_shape_key(config)}; the round stops early")
                     break

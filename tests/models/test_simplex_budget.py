@@ -152,6 +152,21 @@ def test_sample_configs_starts_with_the_anchor() -> None:
     assert configs[0] == {"dim": 64, "lr": 0.1} and len(configs) == 3 and len({str(c) for c in configs}) == 3
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_sample_configs_covers_every_value_as_early_as_possible(seed: int) -> None:
+    grid = {"dim": [128, 64, 256], "neg": [200, 64], "margin": [0.9, 0.8], "w": [150.0, 50.0], "lr": [0.1, 0.3]}
+    cheap = {"dim": 64, "neg": 64, "margin": 0.9, "w": 150.0, "lr": 0.1}
+    configs = sample_configs(grid, 8, seed=seed, lead=[cheap])
+    assert configs[:2] == [{k: v[0] for k, v in grid.items()}, cheap] and len({str(c) for c in configs}) == 8
+    # after the anchor and the cheap shape only dim 256, margin 0.8, w 50 and lr 0.3 are untried: the third
+    # configuration brings all four, and the rest of the sample is the seeded permutation's order
+    assert {k: configs[2][k] for k in ("dim", "margin", "w", "lr")} == {"dim": 256, "margin": 0.8, "w": 50.0, "lr": 0.3}
+    assert [str(c) for c in sample_configs(grid, 8, seed=seed, lead=[cheap])] == [str(c) for c in configs]
+    assert len({str(sample_configs(grid, 8, seed=s, lead=[cheap])) for s in range(5)}) > 1  # the seed matters
+    with pytest.raises(ValueError, match="not in the grid"):
+        sample_configs(grid, 3, lead=[{**cheap, "dim": 32}])
+
+
 def test_merge_csr_undoes_split_validation() -> None:
     from lightning_sdp.datamodules.interactions import merge_csr, split_validation, to_csr
 
@@ -266,7 +281,7 @@ def test_keep_anchor_takes_the_anchor_to_the_last_round() -> None:
     dm = _data()
     # the anchor (lr 0.01) learns least in a short trial, so plain successive halving cuts it in round 0
     grid = {**TINY_GRID, "lr": [0.01, 0.3, 1.0, 3.0]}
-    kwargs = dict(budget_epochs=12, search_fraction=0.5, grid=grid, num_configs=4, threads=1, batch_size=128)
+    kwargs = dict(budget_epochs=40, search_fraction=0.5, grid=grid, num_configs=4, threads=1, batch_size=128)
     anchor = {k: v[0] for k, v in grid.items()}
     plain = fit_simplex_within_budget(dm, **kwargs, keep_anchor=False)
     assert anchor not in [t.config for t in plain.trials if t.round == 1]
@@ -297,3 +312,26 @@ def test_the_search_starts_with_the_anchor_at_both_ends_of_the_cost_range() -> N
         {**first[0], "dim": 16, "num_negatives": 8},
     ]
     assert len(first) == 3 and len({str(c) for c in first}) == 3
+
+
+def test_round_shares_double_even_when_the_anchor_is_kept() -> None:
+    from lightning_sdp.models.simplex_budget import _round_sizes, _share_of_rest
+
+    assert _round_sizes(8, 3, keep_anchor=True) == [8, 5, 3]
+    assert _round_sizes(8, 3, keep_anchor=False) == [8, 4, 2]
+    assert _round_sizes(3, 2, keep_anchor=True) == [3, 2]
+    # 8 + 5 * 2 + 3 * 4 = 30 units: a first-round trial gets 1/30 of the search, a second-round one twice that
+    assert _share_of_rest(8, [5, 3], 0) == pytest.approx(1 / 30)
+    assert _share_of_rest(5, [3], 1) == pytest.approx(2 / 22)
+    assert _share_of_rest(1, [], 2) == 1.0  # the last trial of the search takes whatever is left
+
+
+def test_kept_anchor_does_not_shorten_the_last_round() -> None:
+    dm = _data()
+    grid = {**TINY_GRID, "lr": [0.01, 0.3, 1.0, 3.0]}  # the anchor (lr 0.01) is cut in round 0 and kept
+    fit = fit_simplex_within_budget(
+        dm, budget_epochs=40, search_fraction=0.5, grid=grid, num_configs=4, threads=1, batch_size=128
+    )
+    first, second = ([t.steps for t in fit.trials if t.round == r] for r in range(2))
+    assert len(first) == 4 and len(second) == 3
+    assert min(second) >= 2 * max(first) - 1  # twice the steps (less integer rounding), not 4/3 as before

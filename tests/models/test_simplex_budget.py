@@ -228,6 +228,10 @@ def test_extrapolation_prefers_the_configuration_that_gains_more_per_doubling() 
         ([100.0], [0.2], 0.2),  # one trial: no slope
         ([100.0, 200.0], [0.2, 0.19], 0.19),  # a loss is not projected
         ([100.0, 200.0, 400.0], [0.1, 0.1, 0.12], None),  # a flat start does not cancel a later gain
+        # gains that grow (an S-curve taking off: the anchor's trials on dense data at 60 s, which had levelled off
+        # at 0.36 and were projected to 0.79) and gains that stay equal are not projected
+        ([70.0, 144.0, 339.0], [0.0092, 0.1149, 0.3583], 0.3583),
+        ([100.0, 200.0, 400.0], [0.1, 0.15, 0.2], 0.2),
     ],
 )
 def test_extrapolate_recall_edge_cases(steps: list, recall: list, expected: float | None) -> None:

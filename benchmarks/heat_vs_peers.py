@@ -11,7 +11,8 @@ Protocol, the same for every method:
    (``--val-fraction``, seed 0); every model trains on train minus validation, except with ``--refit`` the final
    (test-scored) models, which train on the whole training split once validation has chosen their settings;
 2. tuning: ``--configs`` configurations from the method's stated grid (``GRIDS``; the first is the library's default,
-   the rest a seeded sample), each trained for ``--trial-seconds`` of training time and scored on validation;
+   the rest a seeded sample that covers every value of the grid first, ``sample_configs``), each trained for
+   ``--trial-seconds`` of training time and scored on validation;
    the best one is kept. HEAT's recipe does its own search inside each budget instead (stricter: its search time
    counts against the budget);
 3. test: iterative methods (ALS, BPR, WARP, cornac BPR, reference) train once up to the largest budget and are

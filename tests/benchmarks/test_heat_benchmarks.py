@@ -72,3 +72,16 @@ def test_attention_throughput_quick_compares_the_aggregators_and_the_reference()
     assert all(r["batched_keys_speedup"] == pytest.approx(base / r["positives_per_s"]) for r in rows.values())
     positives = {round(r["epoch_s"] * r["positives_per_s"]) for r in rows.values()}
     assert len(positives) == 1 and positives.pop() > 0  # one epoch of the same training positives in every row
+
+
+def test_budget_curves_quick_scores_each_configuration_on_validation_only() -> None:
+    pytest.importorskip("threadpoolctl", reason="the benchmark limits BLAS threads with threadpoolctl")
+    from benchmarks import heat_budget_curves
+
+    results = heat_budget_curves.main(["--quick"])
+    rows = results["rows"]
+    assert [r["config"] for r in rows] == [heat_budget_curves._label(c) for c in results["configs"]]
+    assert len(rows) == 2 and results["configs"][1]["dim"] == 64  # the anchor, then the cheap anchor
+    for row in rows:
+        assert all(0.0 <= row[key] <= 1.0 for key in ("val@5", "val@10", "val_final"))
+        assert row["final_steps"] >= 1

@@ -19,11 +19,15 @@ import argparse
 import os
 from typing import Any
 
-import numpy as np
-
 from benchmarks._common import SHARED_DATA, markdown_table, write_results
 from benchmarks.heat_vs_peers import DATASETS, load_split, set_threads
-from lightning_sdp.models.simplex_budget import DEFAULT_GRID, SimpleXRunner, evaluate_ranking, sample_configs
+from lightning_sdp.models.simplex_budget import (
+    DEFAULT_GRID,
+    SimpleXRunner,
+    default_batch_size,
+    evaluate_ranking,
+    recipe_configs,
+)
 
 NAME = "heat_budget_curves"
 
@@ -57,11 +61,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if split is None:
         raise SystemExit(1)
     train, val, num_items = split.train, split.val, split.num_items
-    batch_size = int(np.clip(len(train[1]) // 64, 1024, 16384))
+    batch_size = default_batch_size(len(train[1]))
     runner = SimpleXRunner(train, num_items, batch_size, args.threads, args.seed, {})
-    anchor = sample_configs(DEFAULT_GRID, 1)[0]
-    cheap = {**anchor, "dim": min(DEFAULT_GRID["dim"]), "num_negatives": min(DEFAULT_GRID["num_negatives"])}
-    configs = sample_configs(DEFAULT_GRID, args.configs, args.seed, lead=[cheap])  # the recipe's order
+    configs = recipe_configs(DEFAULT_GRID, args.configs, args.seed)
     runner.fit(configs[0], 1)  # compiles the kernel
     rows: list[dict[str, Any]] = []
     for config in configs:

@@ -358,6 +358,18 @@ def sample_configs(
     return chosen[: max(1, num_configs)]
 
 
+def recipe_configs(grid: Mapping[str, Sequence[Any]], num_configs: int, seed: int = 0) -> list[dict[str, Any]]:
+    """The configurations :func:`fit_simplex_within_budget` searches, in its order: the anchor, the anchor at the
+    grid's cheapest shape (the two ends of the cost range), then :func:`sample_configs`' covering sample."""
+    cheap = _cheapest_shape(sample_configs(grid, 1)[0], grid)
+    return sample_configs(grid, num_configs, seed, lead=[cheap])
+
+
+def default_batch_size(num_positives: int) -> int:
+    """Positives per step when none is given: ``clip(num_positives // 64, 1024, 16384)``."""
+    return int(np.clip(num_positives // 64, 1024, 16384))
+
+
 class SimpleXRunner:
     """Builds and trains fused SimpleX models on one training CSR with a fixed batch size and thread count.
 
@@ -610,14 +622,13 @@ def fit_simplex_within_budget(
     num_items = num_items if num_items is not None else found_items
     num_positives = len(train[1])
     if batch_size is None:
-        batch_size = int(np.clip(num_positives // 64, 1024, 16384))
+        batch_size = default_batch_size(num_positives)
     runner = SimpleXRunner(train, num_items, batch_size, threads, seed, dict(model_kwargs or {}))
     runner.fit(sample_configs(grid or DEFAULT_GRID, 1)[0], 1)  # compiles the kernel (once, cached on disk)
     call_start = time.perf_counter()  # the budget starts after loading and the kernel's one-time compilation
     search_grid: Mapping[str, Sequence[Any]] = grid or DEFAULT_GRID
-    cheap = _cheapest_shape(sample_configs(search_grid, 1)[0], search_grid)
-    # the anchor at both ends of the grid's cost range goes first
-    configs = sample_configs(search_grid, num_configs, seed, lead=[cheap])
+    configs = recipe_configs(search_grid, num_configs, seed)
+    cheap = _cheapest_shape(configs[0], search_grid)  # the fallback when the search is skipped
     eval_users = np.flatnonzero(np.diff(val[0]) > 0)
     if len(eval_users) > max_eval_users:
         eval_users = np.sort(np.random.default_rng(seed).choice(eval_users, max_eval_users, replace=False))
@@ -834,6 +845,8 @@ __all__ = [
     "Trial",
     "evaluate_ranking",
     "extrapolate_recall",
+    "default_batch_size",
     "fit_simplex_within_budget",
+    "recipe_configs",
     "sample_configs",
 ]

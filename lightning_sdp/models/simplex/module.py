@@ -28,6 +28,7 @@ from lightning_sdp.models.simplex.backends import make_backend
 from lightning_sdp.models.simplex.config import Aggregator, Backend, Optimizer, SimpleXConfig
 from lightning_sdp.models.simplex.evaluation import batch_csr, rank_and_score
 from lightning_sdp.models.simplex.history import UserHistories
+from lightning_sdp.models.simplex.step_log import StepLogWindow, is_log_step
 from lightning_sdp.schedules import LinearDecay
 
 
@@ -174,6 +175,7 @@ class SimpleXModule(LightningModule):
         self._histories: UserHistories | None = None
         self._item_normalized: Tensor | None = None
         self._batch_start = 0.0
+        self.log_window = StepLogWindow()  # the fused backend's statistics between two logged steps
         self.val_recall, self.val_ndcg = RecallAtK(k), NDCGAtK(k)
         self.test_recall, self.test_ndcg = RecallAtK(k), NDCGAtK(k)
 
@@ -395,9 +397,13 @@ class SimpleXModule(LightningModule):
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.config.row_norm is not None:  # after the update of both backends (automatic: after optimizer.step)
             self.project_rows(self.config.row_norm)
-        elapsed = time.perf_counter() - self._batch_start
-        if elapsed > 0:
-            self.log("train/positives_per_sec", float(len(batch[0]) / elapsed))
+        self.log_window.add_batch(len(batch[0]), time.perf_counter() - self._batch_start)
+        if is_log_step(self.trainer):
+            stats = self.log_window.flush()
+            if "train/loss" in stats:
+                self.log("train/loss", stats.pop("train/loss"), prog_bar=True)
+            for name, value in stats.items():
+                self.log(name, value)
 
     @torch.no_grad()
     def project_rows(self, norm: float) -> None:

@@ -29,17 +29,34 @@ def csr_rows_mask(indptr: np.ndarray, indices: np.ndarray, rows: np.ndarray | Te
     Returns:
         ``mask[i, j]`` is ``True`` where user ``rows[i]`` has item ``j``.
     """
+    row_ids, cols = csr_rows_coo(indptr, indices, rows)
+    mask = torch.zeros(len(rows), int(num_items), dtype=torch.bool)
+    mask[row_ids, cols] = True
+    return mask
+
+
+def csr_rows_coo(indptr: np.ndarray, indices: np.ndarray, rows: np.ndarray | Tensor) -> tuple[Tensor, Tensor]:
+    """The entries of CSR rows ``rows`` as ``(row, item)`` pairs, ``row`` numbering ``rows`` from 0.
+
+    Args:
+        indptr: ``(num_users + 1,)`` CSR offsets.
+        indices: CSR item ids.
+        rows: the users whose rows to take.
+
+    Returns:
+        ``(row_ids, cols)``: int64 tensors of equal length, in the order of ``rows``.
+    """
     rows = np.asarray(rows.cpu() if isinstance(rows, Tensor) else rows, dtype=np.int64)
     starts, stops = indptr[rows], indptr[rows + 1]
     counts = (stops - starts).astype(np.int64)
     row_ids = np.repeat(np.arange(len(rows)), counts)
     cols = indices[np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())]
-    mask = torch.zeros(len(rows), int(num_items), dtype=torch.bool)
-    mask[torch.from_numpy(row_ids), torch.from_numpy(cols.astype(np.int64))] = True
-    return mask
+    return torch.from_numpy(row_ids), torch.from_numpy(cols.astype(np.int64))
 
 
-def topk_hits(preds: Tensor, target: Tensor, k: int, exclude: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def topk_hits(
+    preds: Tensor, target: Tensor, k: int, exclude: Tensor | None = None, num_relevant: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Top-K hit matrix and number of relevant items per user, from dense scores.
 
     Args:
@@ -47,6 +64,9 @@ def topk_hits(preds: Tensor, target: Tensor, k: int, exclude: Tensor | None = No
         target: ``(B, num_items)`` bool, the relevant (test) items.
         k: cut-off.
         exclude: ``(B, num_items)`` bool, items never ranked (the training items), or ``None``.
+        num_relevant: ``(B,)`` relevant items per user that ``exclude`` leaves, when the caller has them (from
+            sparse rows: counting them in the dense ``target`` is a third of a full-ranking batch's time), or
+            ``None`` to count them here.
 
     Returns:
         ``(hits, num_relevant)``: ``(B, min(k, num_items))`` bool, whether the item at each rank is relevant, and
@@ -66,7 +86,11 @@ def topk_hits(preds: Tensor, target: Tensor, k: int, exclude: Tensor | None = No
     k = min(k, preds.shape[1])
     values, top = preds.float().topk(k, dim=1)
     hits = target.gather(1, top) & (values > float("-inf"))
-    return hits, torch.count_nonzero(target, dim=1)
+    if num_relevant is None:
+        num_relevant = torch.count_nonzero(target, dim=1)
+    elif num_relevant.shape != (preds.shape[0],):
+        raise ValueError(f"num_relevant must have shape ({preds.shape[0]},), got {tuple(num_relevant.shape)}.")
+    return hits, num_relevant
 
 
 def _resolve(

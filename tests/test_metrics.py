@@ -135,3 +135,16 @@ def test_csr_rows_mask_matches_a_python_loop():
         for j in indices[indptr[u] : indptr[u + 1]]:
             expected[i, j] = True
     assert torch.equal(csr_rows_mask(indptr, indices, rows, 40), expected)
+
+
+def test_topk_hits_takes_counts_from_the_caller_and_checks_their_shape():
+    from lightning_sdp.metrics import topk_hits
+
+    gen = torch.Generator().manual_seed(0)
+    preds, target = torch.rand(6, 30, generator=gen), torch.rand(6, 30, generator=gen) < 0.2
+    hits, counted = topk_hits(preds, target, 5)
+    given = torch.arange(6)
+    same_hits, passed = topk_hits(preds, target, 5, num_relevant=given)
+    assert torch.equal(hits, same_hits) and passed is given
+    with pytest.raises(ValueError, match="num_relevant"):
+        topk_hits(preds, target, 5, num_relevant=counted[:3])

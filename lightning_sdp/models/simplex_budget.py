@@ -14,8 +14,10 @@ front. :func:`fit_simplex_within_budget` turns a wall-clock (or epoch) budget in
    score each configuration's trials *extrapolate* to at the final fit's length (:func:`extrapolate_recall`): the
    final fit is several doublings longer than the last trial, and a larger dimension that is behind after a short
    schedule but gains more per doubling is the better choice for it;
-3. **fit**: the winner trains for the rest of the budget, ``max_steps`` chosen from its measured step time so that
-   ``lr_schedule="linear"`` ends at 0 before the budget runs out. With ``cycles > 1`` the fit is a series of warm
+3. **fit**: the winner trains for the rest of the budget with a rate that decays linearly to 0 *on the clock*
+   (:class:`_WallClockLinearDecay`: a step's rate is set from the training time elapsed, and the fit stops when
+   it reaches 0), so the schedule ends with the budget however the step time drifts (an epoch budget counts steps
+   instead). With ``cycles > 1`` the fit is a series of warm
    restarts (Loshchilov & Hutter, SGDR) of doubling length, each decaying to 0 and scored on validation, and the best
    snapshot is kept: so the training length is chosen on validation too (a longer schedule is not always better).
    Without restarts the final fit trains on the training *and* validation interactions (``refit``): validation has
@@ -34,7 +36,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -43,7 +45,7 @@ from torch.utils.data import DataLoader
 
 from lightning_sdp.datamodules.interactions import PositivePairs, merge_csr, split_validation
 from lightning_sdp.datamodules.sampling import EpochSeededBatchSampler
-from lightning_sdp.metrics import NDCGAtK, RecallAtK, csr_rows_mask, topk_hits
+from lightning_sdp.metrics import NDCGAtK, RecallAtK, csr_rows_coo, csr_rows_mask, topk_hits
 from lightning_sdp.models.simplex import SimpleXModule
 from lightning_sdp.plugins.heat import HEATAccelerator, set_cpu_threads
 
@@ -119,9 +121,15 @@ def evaluate_ranking(
             raise ValueError(
                 f"evaluate_ranking: score() returned {tuple(preds.shape)}, expected {(len(rows), num_items)}."
             )
-        hits, relevant = topk_hits(
-            preds, csr_rows_mask(*target, rows, num_items), k, csr_rows_mask(*known, rows, num_items)
-        )
+        known_mask = csr_rows_mask(*known, rows, num_items)
+        target_rows, target_items = csr_rows_coo(*target, rows)
+        target_mask = torch.zeros_like(known_mask)
+        target_mask[target_rows, target_items] = True
+        # counted on the sparse rows (each item once): the relevant items are the target items that are not known
+        fresh = ~known_mask[target_rows, target_items]
+        pairs = torch.unique(target_rows[fresh] * num_items + target_items[fresh])
+        relevant = torch.bincount(pairs // num_items, minlength=len(rows))
+        hits, relevant = topk_hits(preds, target_mask, k, known_mask, num_relevant=relevant)
         recall.update(topk_hits=hits, num_relevant=relevant)
         ndcg.update(topk_hits=hits, num_relevant=relevant)
     return float(recall.compute()), float(ndcg.compute())
@@ -156,6 +164,55 @@ class _FitClock(Callback):
         return max(1e-6, (self.ends[-1] - self.ends[0]) / (len(self.ends) - 1))
 
 
+class _WallClockLinearDecay(Callback):
+    """Decays every parameter group's rate linearly from its initial value to 0 over ``seconds`` of training.
+
+    A step-counted schedule sized from a probe's step time misses the budget when the step time changes: a fused
+    step costs more as training goes on (more negatives pass the margin and get updated; a fresh model's probe
+    steps are the cheapest), and one slow interval in a short probe can double its estimate. A schedule on the
+    clock ends at ``seconds`` however the step time moves: the rate of each step is set from the time elapsed since
+    the first batch started, and the fit stops after the step that reaches ``seconds`` (the last step's rate is
+    then within one step of 0).
+
+    Args:
+        seconds: training time (first batch start to last batch end) over which the rate decays.
+        clock: the time source (tests pass a fake one).
+    """
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.perf_counter) -> None:
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"_WallClockLinearDecay: seconds must be a positive number, got {seconds}.")
+        self.seconds, self.clock = float(seconds), clock
+        self.start: float | None = None
+        self.base: list[list[float]] = []
+        self.steps = 0
+
+    def _fraction_left(self) -> float:
+        assert self.start is not None  # set at the first batch start
+        return max(0.0, 1.0 - (self.clock() - self.start) / self.seconds)
+
+    def _set(self, trainer: Trainer, fraction: float) -> None:
+        for optimizer, base in zip(trainer.optimizers, self.base, strict=True):
+            for group, lr in zip(optimizer.param_groups, base, strict=True):
+                group["lr"] = lr * fraction
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        self.base = [[float(g["lr"]) for g in opt.param_groups] for opt in trainer.optimizers]
+        self.start, self.steps = None, 0
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.start is None:
+            self.start = self.clock()
+        self._set(trainer, self._fraction_left())
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.steps += 1
+        left = self._fraction_left()
+        if left <= 0.0:
+            trainer.should_stop = True
+        self._set(trainer, left)  # the rate the next step would use: 0 once the time is up
+
+
 @dataclass
 class Trial:
     """One configuration trained for ``steps`` steps (a complete linear schedule) and scored on validation."""
@@ -181,7 +238,9 @@ class BudgetedFit:
     search's user sample; without restarts, one entry: the final validation recall), ``chosen_cycle`` the snapshot
     returned. With ``refit`` the final model trained on validation too (``train_positives`` counts what it trained
     on), so ``val_recall`` / ``val_ndcg`` are the chosen configuration's last search trial's instead of its own
-    (NaN when there was no search).
+    (NaN when there was no search). ``max_steps`` and ``cycle_steps`` count the final fit's steps: planned for an
+    epoch budget, counted for a seconds budget (whose schedule runs on the clock). The final model's
+    ``hparams.lr_schedule`` is then ``"constant"``: the decay was applied by the fit's callback, not the module.
     """
 
     model: SimpleXModule
@@ -397,12 +456,12 @@ class SimpleXRunner:
         self.pairs = PositivePairs.from_csr(*train)
         self.steps_per_epoch = math.ceil(len(self.pairs) / batch_size)
 
-    def model(self, config: dict[str, Any]) -> SimpleXModule:
+    def model(self, config: dict[str, Any], lr_schedule: Literal["constant", "linear"] = "linear") -> SimpleXModule:
         settings = {**BASE_SETTINGS, **self.model_kwargs, **config}
         if settings.get("sampler") is None:  # HEAT's tile sampler pays off only when the tile is a small share
             settings["sampler"] = "tile" if self.num_items >= 8 * 512 else "uniform"
         model = SimpleXModule(
-            self.num_users, self.num_items, backend="fused", lr_schedule="linear", seed=self.seed, **settings
+            self.num_users, self.num_items, backend="fused", lr_schedule=lr_schedule, seed=self.seed, **settings
         )
         model.set_interactions(*self.train)
         return model
@@ -414,18 +473,23 @@ class SimpleXRunner:
         max_seconds: float | None = None,
         init: SimpleXModule | None = None,
         cycle: int = 0,
+        seconds: float | None = None,
     ) -> tuple[SimpleXModule, _FitClock, float]:
-        """Train ``config`` for ``steps`` steps (the linear decay reaches 0 at the last one).
+        """Train ``config`` for ``steps`` steps (the linear decay reaches 0 at the last one), or for ``seconds``.
 
         ``max_seconds`` is a guard (Lightning's ``max_time``) against a step-time estimate gone wrong; a fit it cuts
         ends before its schedule does, which the returned clock's ``final_lr`` shows. ``init`` warm-starts the new
         model from another one's weights and sampler state (a warm restart, ``init`` is left unchanged); ``cycle``
-        numbers the restart so that it sees a new data order.
+        numbers the restart so that it sees a new data order. With ``seconds`` the rate decays linearly with the
+        training time instead of the step count (:class:`_WallClockLinearDecay`) and the fit stops when it reaches
+        0; ``steps`` is then only a cap.
         """
-        model = self.model(config)
+        model = self.model(config, lr_schedule="linear" if seconds is None else "constant")
         if init is not None:
             model.load_state_dict(init.state_dict())
         clock = _FitClock()
+        # the decay sets the rate before the clock reads it, so the clock's final_lr is the rate after the last step
+        callbacks: list[Callback] = [clock] if seconds is None else [_WallClockLinearDecay(seconds), clock]
         order = EpochSeededBatchSampler(len(self.pairs), self.batch_size, self.seed + 1_000_003 * cycle)
         loader = DataLoader(self.pairs, batch_size=None, sampler=order)
         trainer = Trainer(
@@ -439,7 +503,7 @@ class SimpleXRunner:
             enable_model_summary=False,
             num_sanity_val_steps=0,
             limit_val_batches=0,
-            callbacks=[clock],
+            callbacks=callbacks,
             max_time=None if max_seconds is None else timedelta(seconds=max(1.0, max_seconds)),
         )
         start = time.perf_counter()
@@ -755,39 +819,44 @@ def fit_simplex_within_budget(
         if refit
         else runner
     )
+    weights = [2**i for i in range(cycles)]
+    cycle_seconds: list[float | None] = [None] * cycles
     if budget_seconds is not None:
         left = budget_seconds - (time.perf_counter() - call_start)
         if _shape_key(best) not in step_seconds:
             step_seconds[_shape_key(best)] = runner.probe(best)
             left = budget_seconds - (time.perf_counter() - call_start)
-        # 5 % margin for the measured step time drifting under load; every restart cycle pays a set-up and a scoring
-        max_steps = int(
-            (left - cycles * overhead - (cycles - 1) * eval_seconds) * 0.95 / step_seconds[_shape_key(best)]
-        )
-        if max_steps < 1:
+        # the schedule runs on the clock (the step time drifts as training goes on), so the margin only covers the
+        # Trainer's set-up, one step past the end and a scoring per restart cycle
+        train_time = (left - cycles * overhead - (cycles - 1) * eval_seconds) * 0.98 - step_seconds[_shape_key(best)]
+        if train_time <= step_seconds[_shape_key(best)] * cycles:
             raise ValueError(
                 f"fit_simplex_within_budget: the budget of {budget_seconds:g}s leaves {left:.2f}s after the probe "
                 f"and search, less than one step ({step_seconds[_shape_key(best)]:.3f}s) plus the Trainer's set-up "
                 f"({overhead:.2f}s); raise budget_seconds, lower search_fraction or lower batch_size."
             )
+        cycle_seconds = [train_time * w / sum(weights) for w in weights]
+        cycle_steps = [-1] * cycles  # set by the clock, counted below
     else:
         max_steps = total_steps - search_steps
-    weights = [2**i for i in range(cycles)]
-    cycle_steps = [max_steps * w // sum(weights) for w in weights]
-    cycle_steps[-1] += max_steps - sum(cycle_steps)
-    if min(cycle_steps) < 1:
-        raise ValueError(
-            f"fit_simplex_within_budget: {max_steps} steps cannot make {cycles} restart cycles; lower cycles or "
-            "raise the budget."
-        )
+        cycle_steps = [max_steps * w // sum(weights) for w in weights]
+        cycle_steps[-1] += max_steps - sum(cycle_steps)
+        if min(cycle_steps) < 1:
+            raise ValueError(
+                f"fit_simplex_within_budget: {max_steps} steps cannot make {cycles} restart cycles; lower cycles or "
+                "raise the budget."
+            )
     snapshots: list[tuple[SimpleXModule, _FitClock]] = []
     cycle_val: list[float] = []
     fit_wall = 0.0
-    for i, steps in enumerate(cycle_steps):
+    for i, (steps, seconds) in enumerate(zip(cycle_steps, cycle_seconds, strict=True)):
         guard = None
         if budget_seconds is not None:
             guard = 2.0 * max(1.0, budget_seconds - (time.perf_counter() - call_start))
-        model, clock, wall = final_runner.fit(best, steps, guard, init=snapshots[-1][0] if snapshots else None, cycle=i)
+        model, clock, wall = final_runner.fit(
+            best, steps, guard, init=snapshots[-1][0] if snapshots else None, cycle=i, seconds=seconds
+        )
+        cycle_steps[i] = len(clock.ends)
         fit_wall += wall
         if clock.final_lr > 0:
             notes.append(f"cycle {i} was cut at {guard:.0f}s before its schedule ended (the step time rose under load)")
@@ -795,6 +864,7 @@ def fit_simplex_within_budget(
         snapshots.append((model, clock))
         if cycles > 1:
             cycle_val.append(score_on_val(model, eval_users)[0])
+    max_steps = sum(cycle_steps)
     chosen = int(np.argmax(cycle_val)) if cycles > 1 else 0
     model, clock = snapshots[chosen]
     if refit:  # the model has seen validation: report what the search measured for its configuration

@@ -147,6 +147,31 @@ def test_evaluate_ranking_of_a_perfect_scorer_is_one() -> None:
     assert recall == 0.0
 
 
+def _random_csr(rng: np.random.Generator, users: int, items: int, per_user: int) -> tuple[np.ndarray, np.ndarray]:
+    counts = rng.integers(0, per_user, users)
+    indptr = np.concatenate([[0], np.cumsum(counts)])
+    return indptr, rng.integers(0, items, int(indptr[-1]))  # duplicates and overlaps with other CSRs included
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_evaluate_ranking_equals_the_dense_metrics(seed: int) -> None:
+    from lightning_sdp.metrics import NDCGAtK, RecallAtK, csr_rows_mask
+
+    rng = np.random.default_rng(seed)
+    users, items = 70, 50
+    known, target = _random_csr(rng, users, items, 12), _random_csr(rng, users, items, 6)
+    scores = torch.from_numpy(rng.standard_normal((users, items)).astype(np.float32))
+    recall, ndcg = evaluate_ranking(lambda u: scores[u], known, target, items, k=5, batch_size=16)
+    all_users = np.arange(users)
+    exclude, relevant = csr_rows_mask(*known, all_users, items), csr_rows_mask(*target, all_users, items)
+    keep = torch.from_numpy(np.diff(target[0]) > 0)  # users with a target item, as evaluate_ranking scores
+    reference_recall, reference_ndcg = RecallAtK(5), NDCGAtK(5)
+    for metric in (reference_recall, reference_ndcg):
+        metric.update(scores[keep], relevant[keep], exclude=exclude[keep])
+    assert recall == pytest.approx(float(reference_recall.compute()), rel=1e-6)
+    assert ndcg == pytest.approx(float(reference_ndcg.compute()), rel=1e-6)
+
+
 def test_sample_configs_starts_with_the_anchor() -> None:
     configs = sample_configs({"dim": [64, 128], "lr": [0.1, 0.3]}, 3, seed=0)
     assert configs[0] == {"dim": 64, "lr": 0.1} and len(configs) == 3 and len({str(c) for c in configs}) == 3
@@ -339,3 +364,43 @@ def test_kept_anchor_does_not_shorten_the_last_round() -> None:
     first, second = ([t.steps for t in fit.trials if t.round == r] for r in range(2))
     assert len(first) == 4 and len(second) == 3
     assert min(second) >= 2 * max(first) - 1  # twice the steps (less integer rounding), not 4/3 as before
+
+
+def test_wall_clock_decay_sets_each_rate_from_the_time_elapsed_and_stops_at_zero() -> None:
+    from lightning_sdp.models.simplex_budget import _WallClockLinearDecay
+
+    class _Trainer:
+        def __init__(self) -> None:
+            self.optimizers = [torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.4)]
+            self.optimizers[0].add_param_group({"params": [torch.zeros(1, requires_grad=True)], "lr": 0.04})
+            self.should_stop = False
+
+    now = [100.0]
+    decay = _WallClockLinearDecay(10.0, clock=lambda: now[0])
+    trainer = _Trainer()
+    decay.on_train_start(trainer, None)
+    used = []
+    for _ in range(20):
+        decay.on_train_batch_start(trainer, None, None, 0)
+        used.append([g["lr"] for g in trainer.optimizers[0].param_groups])
+        now[0] += 3.0  # each step takes 3 s: steps start at 0, 3, 6 and 9 s of a 10-s schedule
+        decay.on_train_batch_end(trainer, None, None, None, 0)
+        if trainer.should_stop:
+            break
+    np.testing.assert_allclose(used, [[0.4 * f, 0.04 * f] for f in (1.0, 0.7, 0.4, 0.1)])
+    assert decay.steps == 4 and trainer.should_stop  # the step that passed 10 s was the last
+    assert [g["lr"] for g in trainer.optimizers[0].param_groups] == [0.0, 0.0]  # what a next step would use
+    with pytest.raises(ValueError, match="positive"):
+        _WallClockLinearDecay(0.0)
+
+
+def test_seconds_budget_schedule_runs_on_the_clock() -> None:
+    from lightning_sdp.models.simplex_budget import SimpleXRunner
+
+    dm = _data()
+    runner = SimpleXRunner(tuple(np.asarray(a) for a in dm.train_csr), dm.num_items, 16, 1, 0, {})
+    config = {k: v[0] for k, v in TINY_GRID.items()}
+    model, clock, _ = runner.fit(config, -1, seconds=0.6)
+    assert clock.final_lr == 0.0 and len(clock.ends) > 2  # stopped by the decay, not by a step count
+    assert 0.6 <= clock.train_seconds < 0.6 + 10 * clock.seconds_per_step + 0.5
+    assert model.hparams.lr_schedule == "constant"  # the decay came from the fit's callback

@@ -56,8 +56,10 @@ class PositivePairs(Dataset):
         return len(self.users)
 
     def __getitem__(self, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = torch.from_numpy(np.asarray(index, dtype=np.int64))
-        return self.users[idx], self.items[idx]
+        # numpy's single-threaded gather: torch's competes with the kernel's still-spinning OpenMP threads for the
+        # cores (0.7 ms a Gowalla batch between two fused steps, against 0.04 ms for np.take)
+        idx = np.asarray(index, dtype=np.int64)
+        return torch.from_numpy(self.users.numpy().take(idx)), torch.from_numpy(self.items.numpy().take(idx))
 
 
 class _EvalBatches(Dataset):

@@ -481,6 +481,7 @@ class SimpleXRunner:
         init: SimpleXModule | None = None,
         cycle: int = 0,
         seconds: float | None = None,
+        callbacks: Sequence[Callback] = (),
     ) -> tuple[SimpleXModule, _FitClock, float]:
         """Train ``config`` for ``steps`` steps (the linear decay reaches 0 at the last one), or for ``seconds``.
 
@@ -489,14 +490,14 @@ class SimpleXRunner:
         model from another one's weights and sampler state (a warm restart, ``init`` is left unchanged); ``cycle``
         numbers the restart so that it sees a new data order. With ``seconds`` the rate decays linearly with the
         training time instead of the step count (:class:`_WallClockLinearDecay`) and the fit stops when it reaches
-        0; ``steps`` is then only a cap.
+        0; ``steps`` is then only a cap. ``callbacks`` are added to the fit's own.
         """
         model = self.model(config, lr_schedule="linear" if seconds is None else "constant")
         if init is not None:
             model.load_state_dict(init.state_dict())
         clock = _FitClock()
         # the decay sets the rate before the clock reads it, so the clock's final_lr is the rate after the last step
-        callbacks: list[Callback] = [clock] if seconds is None else [_WallClockLinearDecay(seconds), clock]
+        own: list[Callback] = [clock] if seconds is None else [_WallClockLinearDecay(seconds), clock]
         order = EpochSeededBatchSampler(len(self.pairs), self.batch_size, self.seed + 1_000_003 * cycle)
         loader = DataLoader(self.pairs, batch_size=None, sampler=order)
         trainer = Trainer(
@@ -510,7 +511,7 @@ class SimpleXRunner:
             enable_model_summary=False,
             num_sanity_val_steps=0,
             limit_val_batches=0,
-            callbacks=callbacks,
+            callbacks=[*own, *callbacks],
             max_time=None if max_seconds is None else timedelta(seconds=max(1.0, max_seconds)),
         )
         start = time.perf_counter()
@@ -605,7 +606,7 @@ def fit_simplex_within_budget(
     grid: dict[str, Sequence[Any]] | None = None,
     num_configs: int = 8,
     min_trial_seconds: float = 0.5,
-    min_trial_epochs: float = 1.0,
+    min_trial_epochs: float = 3.0,
     val: tuple[np.ndarray, np.ndarray] | None = None,
     num_items: int | None = None,
     val_fraction: float = 0.1,
@@ -640,7 +641,10 @@ def fit_simplex_within_budget(
             fewer configurations are tried when the search budget cannot give each this much after the Trainer's
             set-up and the validation scoring (both measured on a short fit of the anchor). When not even two fit,
             the search is skipped and the anchor's settings train at the grid's smallest ``dim`` and
-            ``num_negatives``. Default 1.
+            ``num_negatives``. Default 3: on Gowalla the anchor and the cheap anchor (lr 0.1) scored 0.015 and
+            0.011 on validation after trials of 1.3 and 1.5 epochs (a trained model: 0.16-0.19), noise that chose
+            the slower one at a 30-s budget; after 3.4 and 8.5 epochs they scored 0.083 and 0.146, the order of
+            their longer trials (``benchmarks/results/heat_vs_peers_refit_clock.json``, run 0).
         val: validation CSR to use with a training CSR ``data`` (e.g. a benchmark's shared split); ``None`` carves one.
         num_items: number of items with a training CSR ``data`` (``None``: the largest id seen + 1).
         val_fraction: share of each user's items carved out for validation when there is no validation split.

@@ -644,7 +644,7 @@ def fit_simplex_within_budget(
             ``num_negatives``. Default 3: on Gowalla the anchor and the cheap anchor (lr 0.1) scored 0.015 and
             0.011 on validation after trials of 1.3 and 1.5 epochs (a trained model: 0.16-0.19), noise that chose
             the slower one at a 30-s budget; after 3.4 and 8.5 epochs they scored 0.083 and 0.146, the order of
-            their longer trials (``benchmarks/results/heat_vs_peers_refit_clock.json``, run 0).
+            their longer trials (``benchmarks/results/heat_vs_peers_refit_clock_trial1ep.json``).
         val: validation CSR to use with a training CSR ``data`` (e.g. a benchmark's shared split); ``None`` carves one.
         num_items: number of items with a training CSR ``data`` (``None``: the largest id seen + 1).
         val_fraction: share of each user's items carved out for validation when there is no validation split.

@@ -10,7 +10,8 @@ step spends outside the kernel costs throughput. One run measures, on the same d
 * ``trainer_log_every_step``: the same fit with the three training statistics logged at every step, as the module
   did before 2026-12-02 (``self.log`` costs ~1 ms a call);
 * ``trainer_torch_gather``: the same fit with the batches gathered by torch indexing, as the data set did before
-  2026-12-02 (torch's gather competes for the cores with the kernel's still-spinning OpenMP threads).
+  2026-12-02 (torch's gather competes for the cores with the kernel's still-spinning OpenMP threads);
+* ``trainer_before``: both of the above, the fit as it was before 2026-12-02.
 
 Writes ``benchmarks/results/heat_trainer_overhead.{json,md}``. Run from the repo root:
 ``.venv/bin/python -m benchmarks.heat_trainer_overhead`` (``--quick``: small synthetic data, seconds).
@@ -69,9 +70,9 @@ def _kernel_rate(runner: SimpleXRunner, steps: int) -> float:
 
 def _trainer_rate(runner: SimpleXRunner, steps: int, variant: str) -> float:
     saved = runner.pairs
-    if variant == "trainer_torch_gather":
+    if variant in ("trainer_torch_gather", "trainer_before"):
         runner.pairs = _TorchGatherPairs(saved.users.numpy(), saved.items.numpy())
-    callbacks = [_LogEveryStep()] if variant == "trainer_log_every_step" else []
+    callbacks = [_LogEveryStep()] if variant in ("trainer_log_every_step", "trainer_before") else []
     try:
         _, clock, _ = runner.fit(CONFIG, steps, callbacks=callbacks)
     finally:
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     batch = default_batch_size(len(train[1]))
     runner = SimpleXRunner(train, dm.num_items, batch, args.threads, 0, {})
     runner.fit(CONFIG, 2)  # compiles the kernel
-    variants = ["kernel", "trainer", "trainer_log_every_step", "trainer_torch_gather"]
+    _kernel_rate(runner, min(args.steps, 50))  # warms the allocator and the thread pools up for every variant
+    variants = ["kernel", "trainer", "trainer_log_every_step", "trainer_torch_gather", "trainer_before"]
     rates: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.repeats):
         for v in variants:  # interleaved, so a drift of the host touches every variant alike
@@ -134,7 +136,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"batches of {batch:,} positives, {args.threads} threads, {args.steps} steps per measurement, median of "
         f"{args.repeats} interleaved measurements; load average {load_start:.2f} at the start, {load_end:.2f} at the "
         "end. `kernel` = fused_step + row projection in a plain loop; `trainer` = the recipe's Trainer fit today; "
-        "the last two rows restore one earlier behaviour each.\n\n" + markdown_table(rows)
+        "`trainer_log_every_step` and `trainer_torch_gather` restore one earlier behaviour each, `trainer_before` both.\n\n"
+        + markdown_table(rows)
     )
     name = "heat_trainer_overhead_quick" if args.quick else "heat_trainer_overhead"
     write_results(name, payload, md)

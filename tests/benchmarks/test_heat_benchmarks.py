@@ -14,6 +14,7 @@ from benchmarks import (
     heat_gowalla_tuning,
     heat_refit,
     heat_throughput,
+    heat_trainer_overhead,
 )
 from benchmarks._common import RESULTS_DIR
 
@@ -85,3 +86,15 @@ def test_budget_curves_quick_scores_each_configuration_on_validation_only() -> N
     for row in rows:
         assert all(0.0 <= row[key] <= 1.0 for key in ("val@5", "val@10", "val_final"))
         assert row["final_steps"] >= 1
+
+
+def test_trainer_overhead_quick_measures_the_kernel_and_each_fit_variant() -> None:
+    heat_trainer_overhead.main(["--quick"])
+    payload = _quick_results("heat_trainer_overhead")
+    rows = {r["variant"]: r for r in payload["rows"]}
+    assert set(rows) == {"kernel", "trainer", "trainer_log_every_step", "trainer_torch_gather", "trainer_before"}
+    assert all(r["positives_per_s"] > 0 for r in rows.values())
+    assert rows["trainer"]["vs_trainer"] == 1.0
+    assert all(
+        r["ms_per_step"] == pytest.approx(1e3 * payload["batch_size"] / r["positives_per_s"]) for r in rows.values()
+    )

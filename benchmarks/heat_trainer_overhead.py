@@ -11,7 +11,10 @@ step spends outside the kernel costs throughput. One run measures, on the same d
   did before 2026-12-02 (``self.log`` costs ~1 ms a call);
 * ``trainer_torch_gather``: the same fit with the batches gathered by torch indexing, as the data set did before
   2026-12-02 (torch's gather competes for the cores with the kernel's still-spinning OpenMP threads);
-* ``trainer_before``: both of the above, the fit as it was before 2026-12-02.
+* ``trainer_before``: both of the above, the fit as it was before 2026-12-02;
+
+and the recipe's validation scoring (:func:`evaluate_ranking`, 5,000 users) with its default batches (~16 MB of
+scores) against the 1,024-user batches it used before 2026-12-02.
 
 Writes ``benchmarks/results/heat_trainer_overhead.{json,md}``. Run from the repo root:
 ``.venv/bin/python -m benchmarks.heat_trainer_overhead`` (``--quick``: small synthetic data, seconds).
@@ -30,7 +33,7 @@ from lightning.pytorch import Callback
 
 from benchmarks._common import SHARED_DATA, markdown_table, write_results
 from lightning_sdp.datamodules.interactions import InteractionsDataModule, PositivePairs
-from lightning_sdp.models.simplex_budget import SimpleXRunner, default_batch_size
+from lightning_sdp.models.simplex_budget import SimpleXRunner, default_batch_size, evaluate_ranking
 from lightning_sdp.plugins.heat import set_cpu_threads
 
 CONFIG = {"dim": 64, "num_negatives": 64, "margin": 0.9, "negative_weight": 150.0, "lr": 0.1}
@@ -80,6 +83,13 @@ def _trainer_rate(runner: SimpleXRunner, steps: int, variant: str) -> float:
     return runner.batch_size * (len(clock.ends) - 1) / (clock.ends[-1] - clock.ends[0])
 
 
+def _scoring_seconds(model: Any, train: tuple, val: tuple, num_items: int, batch_size: int | None) -> float:
+    users = np.flatnonzero(np.diff(val[0]) > 0)[:5000]
+    start = time.perf_counter()
+    evaluate_ranking(model.score, train, val, num_items, 20, users, batch_size=batch_size)
+    return time.perf_counter() - start
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", default=str(SHARED_DATA / "gowalla"))
@@ -110,6 +120,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for v in variants:  # interleaved, so a drift of the host touches every variant alike
             rate = _kernel_rate(runner, args.steps) if v == "kernel" else _trainer_rate(runner, args.steps, v)
             rates[v].append(rate)
+    scored, _, _ = runner.fit(CONFIG, 2)
+    val = (np.asarray(dm.val_csr[0], np.int64), np.asarray(dm.val_csr[1], np.int64))
+    scoring: dict[str, list[float]] = {"batch_1024": [], "batch_default": []}
+    for _ in range(args.repeats):
+        scoring["batch_1024"].append(_scoring_seconds(scored, train, val, dm.num_items, 1024))
+        scoring["batch_default"].append(_scoring_seconds(scored, train, val, dm.num_items, None))
+    scoring_rows = [
+        {"scoring": name, "seconds": float(np.median(t)), "runs": ", ".join(f"{x:.3g}" for x in t)}
+        for name, t in scoring.items()
+    ]
     median = {v: float(np.median(r)) for v, r in rates.items()}
     rows = [
         {
@@ -128,6 +148,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "batch_size": batch,
         "config": CONFIG,
         "rows": rows,
+        "scoring": scoring_rows,
         "load_avg_start": load_start,
         "load_avg_end": load_end,
     }
@@ -138,6 +159,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "end. `kernel` = fused_step + row projection in a plain loop; `trainer` = the recipe's Trainer fit today; "
         "`trainer_log_every_step` and `trainer_torch_gather` restore one earlier behaviour each, `trainer_before` both.\n\n"
         + markdown_table(rows)
+        + "\n\nValidation scoring of up to 5,000 users (`evaluate_ranking`), seconds, median of the same repeats:\n\n"
+        + markdown_table(scoring_rows)
     )
     name = "heat_trainer_overhead_quick" if args.quick else "heat_trainer_overhead"
     write_results(name, payload, md)

@@ -82,7 +82,8 @@ def topk_hits(
             raise ValueError(f"exclude must have the shape of preds {tuple(preds.shape)}, got {tuple(exclude.shape)}.")
         exclude = exclude.bool()
         preds = preds.masked_fill(exclude, float("-inf"))
-        target = target & ~exclude
+        if num_relevant is None:  # excluded items score -inf, so only the count needs them out of the target
+            target = target & ~exclude
     k = min(k, preds.shape[1])
     values, top = preds.float().topk(k, dim=1)
     hits = target.gather(1, top) & (values > float("-inf"))

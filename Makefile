@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench venv lint clean
+.PHONY: demo test test-fast bench venv lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ demo: $(VENV)/.installed-all
 # The suite runs the linters first (a few seconds), so CI (`.ci/run` = `make test`) keeps the tree lint-clean.
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The edit loop: lint, then the suite without the slow, benchmark and GPU tests.
+test-fast: lint
+	$(BIN)/python -m pytest -q -m "not slow and not bench and not gpu and not cuda" $(PYTEST_ARGS)
 
 $(VENV)/.installed-bench: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[all,bench]'

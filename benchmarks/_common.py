@@ -18,7 +18,8 @@ from typing import Any
 
 from lightning.pytorch import Callback
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# Smoke tests point this at a temporary folder (tests/benchmarks/conftest.py) so they never touch the committed results.
+RESULTS_DIR = Path(os.environ.get("LIGHTNING_SDP_RESULTS_DIR") or Path(__file__).resolve().parent / "results")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 

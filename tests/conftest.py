@@ -38,6 +38,7 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 _MARKER_CHECKS = {
     "cuda": (lambda: torch.cuda.is_available(), "needs a CUDA device"),
+    "gpu": (lambda: torch.cuda.is_available(), "needs a GPU"),
     "triton": (lambda: bool(_TRITON_AVAILABLE), "needs triton (pip install 'lightning-sdp[triton]')"),
     "open_clip": (lambda: bool(_OPEN_CLIP_AVAILABLE), "needs open_clip_torch (pip install 'lightning-sdp[clip]')"),
     "numba": (lambda: bool(_NUMBA_AVAILABLE), "needs numba (pip install 'lightning-sdp[cpu]')"),

@@ -81,7 +81,8 @@ def check_root() -> None:
     if os.geteuid() != 0:
         raise PermissionError(
             "throttled storage needs root (loop device, mount, blkio cgroup); run the benchmark as root, or use "
-            "the in-process throttle (SolarDataModule(storage_latency_s=..., storage_bandwidth=...)) instead"
+            "the in-process throttle (HDF5Reader(..., throttle=StorageThrottle(latency_s, bandwidth_bytes_per_s)), "
+            "as benchmarks/solar_loading.py does) instead"
         )
     if not (BLKIO_ROOT / "blkio.throttle.read_bps_device").exists():
         raise PermissionError(f"no cgroup-v1 blkio hierarchy at {BLKIO_ROOT}; throttled storage needs one")
@@ -166,6 +167,19 @@ class ThrottleGroup:
     def memory_usage(self) -> int:
         """Bytes charged to the group now (anonymous memory plus page cache)."""
         return int((self.memcg / "memory.usage_in_bytes").read_text()) if self.memcg is not None else 0
+
+
+def _remove_cgroup(group: Path, root: Path) -> None:
+    """Move the processes of cgroup ``group`` to the hierarchy's ``root`` and remove it (retried for 5 s)."""
+    for _ in range(50):
+        try:
+            for pid in (group / "cgroup.procs").read_text().split():
+                with contextlib.suppress(OSError):
+                    (root / "cgroup.procs").write_text(pid)
+            group.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
 
 
 class ThrottledStorage:
@@ -266,31 +280,24 @@ class ThrottledStorage:
         return Path("/sys/block") / Path(self.loop).name / "queue" / name
 
     def cleanup(self) -> None:
-        """Move our processes out, remove the cgroup, unmount, detach and delete the image (idempotent)."""
+        """Move our processes out, remove the cgroups, unmount, detach and delete the image (idempotent)."""
         if self.cgroup is not None and self.cgroup.exists():
             with contextlib.suppress(OSError):
                 (BLKIO_ROOT / "cgroup.procs").write_text(str(os.getpid()))
-            for _ in range(50):
-                try:
-                    for pid in (self.cgroup / "cgroup.procs").read_text().split():
-                        with contextlib.suppress(OSError):
-                            (BLKIO_ROOT / "cgroup.procs").write_text(pid)
-                    self.cgroup.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+            _remove_cgroup(self.cgroup, BLKIO_ROOT)
             self.cgroup = None
         if self.memcg is not None and self.memcg.exists():
-            for _ in range(50):
-                try:
-                    for pid in (self.memcg / "cgroup.procs").read_text().split():
-                        with contextlib.suppress(OSError):
-                            (MEMORY_ROOT / "cgroup.procs").write_text(pid)
-                    self.memcg.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+            _remove_cgroup(self.memcg, MEMORY_ROOT)
             self.memcg = None
+        self._unmount_and_detach()
+        self._remove_files()
+        for sig, handler in self._old_handlers.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(sig, handler)
+        self._old_handlers = {}
+
+    def _unmount_and_detach(self) -> None:
+        """Unmount (lazily after 5 s of a busy mount) and detach the loop device."""
         if self.mount is not None and os.path.ismount(self.mount):
             for _ in range(20):
                 if subprocess.run(["umount", str(self.mount)], capture_output=True).returncode == 0:
@@ -301,17 +308,17 @@ class ThrottledStorage:
         if self.loop is not None:
             subprocess.run(["losetup", "-d", self.loop], capture_output=True)
             self.loop = None
-        if self.workdir is not None:
-            if self._own_workdir:
-                shutil.rmtree(self.workdir, ignore_errors=True)
-            elif self.image is not None:
-                with contextlib.suppress(OSError):
-                    self.image.unlink()
-            self.workdir = None
-        for sig, handler in self._old_handlers.items():
-            with contextlib.suppress(ValueError, TypeError):
-                signal.signal(sig, handler)
-        self._old_handlers = {}
+
+    def _remove_files(self) -> None:
+        """Delete the working folder if this object made it, else only the image in it."""
+        if self.workdir is None:
+            return
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        elif self.image is not None:
+            with contextlib.suppress(OSError):
+                self.image.unlink()
+        self.workdir = None
 
     # ------------------------------------------------------------------ use
     @property

@@ -1,4 +1,4 @@
-"""SOLAR loading benchmark: PyTorch DataLoader + h5py baseline vs LRU, artifact-style SOLAR and our default.
+"""SOLAR loading benchmark: PyTorch DataLoader + h5py baseline vs LRU, consumed-first FIFO and our default.
 
 An HDF5 file of PtychoNN-like samples (64x64 float32 input, two 64x64 targets: 48 KiB per sample) at least four
 times larger than the buffer (C/N = 0.25). Before every epoch of every rank the file is evicted from the page
@@ -9,11 +9,12 @@ real readers: each rank's loader runs its epoch alone on this machine (its own w
 distributed epoch time is the slowest rank's. Only loading is timed (no model).
 
 Modes (same ``--workers`` reader processes per rank everywhere):
-    baseline      torch DataLoader + DistributedSampler(shuffle) + per-sample h5py reads (``dset[i]`` per key).
-    lru           per-rank LRU cache of C/P samples over the same shuffled order (no re-routing/balancing).
-    artifact      SOLAR with the artifact-style eviction ("solar": FIFO, consumed samples first), re-routing on.
-    solar_serial  our default schedule (Belady + re-routing + balancing), hyperslab reads one after another.
-    solar         our default (as solar_serial, plus ``io_threads`` concurrent positional reads per step).
+    baseline        torch DataLoader + DistributedSampler(shuffle) + per-sample h5py reads (``dset[i]`` per key).
+    lru             per-rank LRU cache of C/P samples over the same shuffled order (no re-routing/balancing).
+    consumed_first  eviction "solar" (FIFO, consumed samples first), re-routing on: an early reading of the SOLAR
+                    artifact's rule that the artifact does not follow (its own rule is eviction "artifact_fifo").
+    solar_serial    our default schedule (Belady + re-routing + balancing), hyperslab reads one after another.
+    solar           our default (as solar_serial, plus ``io_threads`` concurrent positional reads per step).
 
 Run: ``.venv/bin/python -m benchmarks.solar_loading`` (about 10 minutes on 2 busy cores), ``--quick`` for a smoke run.
 """
@@ -25,6 +26,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,9 +44,16 @@ from lightning_sdp.datamodules.solar import (
 from lightning_sdp.datamodules.solar.ptycho import INPUT_KEY, TARGET_KEYS, make_ptycho_h5
 
 KEYS = [INPUT_KEY, *TARGET_KEYS]
+MODE_NOTES = {
+    "baseline": "DataLoader + DistributedSampler + per-sample h5py reads",
+    "lru": "per-rank LRU cache, no re-routing or balancing",
+    "consumed_first": 'eviction="solar" (FIFO, consumed samples first), re-routing and balancing',
+    "solar_serial": "Belady + re-routing + balancing, reads one after another",
+    "solar": "Belady + re-routing + balancing, 4 concurrent reads per step",
+}
 MODES = {
     "lru": dict(eviction="lru", reroute=False, balance=False, io_threads=4),
-    "artifact": dict(eviction="solar", reroute=True, balance=True, io_threads=4),
+    "consumed_first": dict(eviction="solar", reroute=True, balance=True, io_threads=4),
     "solar_serial": dict(eviction="belady", reroute=True, balance=True, io_threads=1),
     "solar": dict(eviction="belady", reroute=True, balance=True, io_threads=4),
 }
@@ -104,7 +113,7 @@ def run_solar(path, n, ranks, batch, epochs, workers, throttle, seed, buffer, mo
     return rows
 
 
-def main(argv=None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--size", type=int, default=64)
@@ -122,37 +131,26 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny smoke run")
     parser.add_argument("--name", default="solar_loading")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
     if args.quick:
         args.samples, args.epochs, args.ranks, args.batch, args.workers = 256, 2, [1, 2], 16, 1
         args.name = args.name + "_quick"
-    tmp = tempfile.TemporaryDirectory()
-    path = Path(args.data) if args.data else Path(tmp.name) / "ptycho.h5"
-    if not path.exists():
-        t0 = time.perf_counter()
-        make_ptycho_h5(path, args.samples, args.size, seed=args.seed)
-        print(f"generated {path} in {time.perf_counter() - t0:.1f}s")
-    path = str(path)
-    n = args.samples
-    sample_bytes = 3 * args.size * args.size * 4
-    buffer = int(round(args.buffer_fraction * n))
-    file_mib = os.path.getsize(path) / 2**20
-    print(f"file {file_mib:.0f} MiB, {n} samples, buffer {buffer} samples ({buffer * sample_bytes / 2**20:.0f} MiB)")
-    results = []
-    start = time.perf_counter()
+    return args
+
+
+def _measure(args: argparse.Namespace, path: str, buffer: int, sample_bytes: int) -> list[dict]:
+    """One row per (storage, ranks, mode, epoch): the slowest rank's epoch time, hit rate and storage bytes."""
+    results: list[dict] = []
     for storage in args.storage:
         throttle = StorageThrottle(args.latency, args.bandwidth) if storage == "throttled" else None
         for ranks in args.ranks:
-            common = (path, n, ranks, args.batch, args.epochs, args.workers, throttle, args.seed)
+            common = (path, args.samples, ranks, args.batch, args.epochs, args.workers, throttle, args.seed)
             for mode in args.modes:
                 t0 = time.perf_counter()
-                if mode == "baseline":
-                    rows = run_baseline(*common, sample_bytes)
-                else:
-                    rows = run_solar(*common, buffer, mode)
+                rows = run_baseline(*common, sample_bytes) if mode == "baseline" else run_solar(*common, buffer, mode)
+                last = []
                 for row in rows:
                     epoch_s = max(row["rank_s"])
-                    results.append(
+                    last.append(
                         {
                             "storage": storage,
                             "ranks": ranks,
@@ -165,13 +163,19 @@ def main(argv=None) -> int:
                             "rank_s": [round(t, 3) for t in row["rank_s"]],
                         }
                     )
-                last = [r for r in results if r["storage"] == storage and r["ranks"] == ranks and r["mode"] == mode]
+                results += last
                 print(
                     f"{storage:9s} P={ranks} {mode:12s} "
                     + " ".join(f"e{r['epoch']}:{r['samples_per_s']:.0f}/s,h={r['hit_rate']:.3f}" for r in last)
                     + f"  ({time.perf_counter() - t0:.0f}s)",
                     flush=True,
                 )
+    return results
+
+
+def _summarize(args: argparse.Namespace, results: list[dict], buffer: int) -> list[dict]:
+    """Per (storage, ranks, mode): the first epoch, the mean of the later ones, the speed-up over the baseline."""
+    n = args.samples
     summary = []
     for storage in args.storage:
         for ranks in args.ranks:
@@ -194,18 +198,11 @@ def main(argv=None) -> int:
                         "storage MiB/epoch (later)": float(np.mean([r["storage_mib"] for r in later])),
                     }
                 )
-    md = (
-        f"File: {n} samples x {sample_bytes // 1024} KiB = {file_mib:.0f} MiB; buffer {buffer} samples "
-        f"(C/N = {buffer / n:.2f}); {args.epochs} epochs; local batch {args.batch}; {args.workers} reader processes "
-        f"per rank in every mode; page cache dropped before each rank's epoch. Throttled storage: "
-        f"{args.latency * 1e3:g} ms + bytes / {args.bandwidth / 1e6:g} MB/s per request. Ranks are simulated one "
-        "after another (real schedule, real readers); an epoch takes as long as its slowest rank. 'later' = mean "
-        "over the epochs after the first.\n\n"
-        + markdown_table(summary)
-        + f"\n\nTotal benchmark wall time: {time.perf_counter() - start:.0f} s.\n"
-    )
-    print(md)
-    fig = None
+    return summary
+
+
+def _figure(args: argparse.Namespace, summary: list[dict], results: list[dict], bound: float) -> Any:
+    """Samples/s against ranks per storage mode, and the hit rate per epoch; ``None`` if it cannot be drawn."""
     try:
         import matplotlib
 
@@ -223,25 +220,54 @@ def main(argv=None) -> int:
             ax.set_ylabel("samples/s (slowest rank)")
             ax.legend()
         ax = axes[-1]
+        first = args.storage[0]
         for mode in args.modes:
             for ranks in args.ranks:
-                rs = [
-                    r for r in results if r["storage"] == args.storage[0] and r["ranks"] == ranks and r["mode"] == mode
-                ]
-                ax.plot(
-                    [r["epoch"] for r in rs],
-                    [r["hit_rate"] for r in rs],
-                    marker=".",
-                    alpha=0.7,
-                    label=f"{mode} P={ranks}",
-                )
-        ax.axhline(buffer / n, color="k", ls="--", label="bound C/N")
+                rs = [r for r in results if (r["storage"], r["ranks"], r["mode"]) == (first, ranks, mode)]
+                label = f"{mode} P={ranks}"
+                ax.plot([r["epoch"] for r in rs], [r["hit_rate"] for r in rs], marker=".", alpha=0.7, label=label)
+        ax.axhline(bound, color="k", ls="--", label="bound C/N")
         ax.set_title("buffer hit rate per epoch")
         ax.set_xlabel("epoch")
         ax.legend(fontsize=6, ncol=2)
         fig.tight_layout()
     except Exception as err:
         print(f"no figure: {err}")
+        return None
+    return fig
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    torch.set_num_threads(1)
+    tmp = tempfile.TemporaryDirectory()
+    path = Path(args.data) if args.data else Path(tmp.name) / "ptycho.h5"
+    if not path.exists():
+        t0 = time.perf_counter()
+        make_ptycho_h5(path, args.samples, args.size, seed=args.seed)
+        print(f"generated {path} in {time.perf_counter() - t0:.1f}s")
+    n = args.samples
+    sample_bytes = 3 * args.size * args.size * 4
+    buffer = int(round(args.buffer_fraction * n))
+    file_mib = os.path.getsize(path) / 2**20
+    print(f"file {file_mib:.0f} MiB, {n} samples, buffer {buffer} samples ({buffer * sample_bytes / 2**20:.0f} MiB)")
+    start = time.perf_counter()
+    results = _measure(args, str(path), buffer, sample_bytes)
+    summary = _summarize(args, results, buffer)
+    md = (
+        f"File: {n} samples x {sample_bytes // 1024} KiB = {file_mib:.0f} MiB; buffer {buffer} samples "
+        f"(C/N = {buffer / n:.2f}); {args.epochs} epochs; local batch {args.batch}; {args.workers} reader processes "
+        f"per rank in every mode; page cache dropped before each rank's epoch. Throttled storage: "
+        f"{args.latency * 1e3:g} ms + bytes / {args.bandwidth / 1e6:g} MB/s per request. Ranks are simulated one "
+        "after another (real schedule, real readers); an epoch takes as long as its slowest rank. 'later' = mean "
+        "over the epochs after the first. Modes: "
+        + "; ".join(f"`{m}` {MODE_NOTES.get(m, '')}".strip() for m in args.modes)
+        + ".\n\n"
+        + markdown_table(summary)
+        + f"\n\nTotal benchmark wall time: {time.perf_counter() - start:.0f} s.\n"
+    )
+    print(md)
+    fig = _figure(args, summary, results, buffer / n)
     payload = {"args": vars(args), "summary": summary, "epochs": results, "sample_bytes": sample_bytes}
     write_results(args.name, payload, md, fig)
     tmp.cleanup()

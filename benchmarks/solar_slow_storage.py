@@ -2,8 +2,8 @@
 
 Every configuration runs in its own child process inside the blkio (and memory) cgroup of
 :mod:`benchmarks._throttled_storage`; the page cache is dropped before every epoch; bytes and requests come from the
-cgroup's ``blkio.throttle.io_service_bytes`` / ``io_serviced``, not from the plan. Loading only, one rank (the
-peers, DDP ranks and training in the loop of issue 16 items 2-3 are not built yet).
+cgroup's ``blkio.throttle.io_service_bytes`` / ``io_serviced``, not from the plan. Loading only, one rank (peers,
+DDP ranks and training in the loop: :mod:`benchmarks.solar_vs_loaders`).
 
 Modes: ``dl<W>`` = DataLoader + h5py, per-sample reads, shuffled, W workers; ``solar:<window>:<gap>[:opts]`` =
 SolarLoader with a read window of ``window`` steps and ``max_gap``; opts ``ra`` (kernel readahead on, the old
@@ -11,6 +11,9 @@ behaviour), ``nobuf`` (buffer 0: coalesced reads alone), ``serial`` (one read at
 
     sudo .venv/bin/python -m benchmarks.solar_slow_storage            # full run
     sudo .venv/bin/python -m benchmarks.solar_slow_storage --quick    # smoke run (under a minute)
+
+The current result is two runs, the page cache uncapped and capped (``--headroom-mib 128``, 4096 samples: data
+larger than memory), merged into ``results/solar_slow_storage.*`` with ``--merge <stored run> <stored run>``.
 """
 
 from __future__ import annotations
@@ -100,6 +103,60 @@ def _child(mode: str, path: str, samples: int, epochs: int, batch: int, buffer: 
         )
 
 
+def _run_setting(args: dict) -> str:
+    """The setting that tells stored runs apart: file size and page-cache cap."""
+    headroom = args.get("headroom_mib") or 0
+    cache = f"page cache capped at use + {headroom} MiB" if headroom else "page cache uncapped"
+    return f"{args['samples']} samples of {args['size']}x{args['size']}, {cache}"
+
+
+def merge_runs(runs: dict[str, tuple[dict, str]]) -> tuple[dict, str]:
+    """One results set from stored runs of this benchmark; every number is kept as recorded.
+
+    Args:
+        runs: ``{run name: (its results JSON, its results markdown)}``; a run that is itself a merge contributes
+            the runs it holds.
+
+    Returns:
+        ``(payload, markdown)``: ``payload["runs"]`` lists every run's JSON (with its name and markdown body);
+        the markdown has one section per run (its machine line, description and table, verbatim) after a line
+        naming the runs it came from.
+    """
+    flat: list[dict] = []
+    for name, (payload, markdown) in runs.items():
+        if "runs" in payload:
+            flat += payload["runs"]
+            continue
+        body = markdown.split("\n\n", 1)[1] if markdown.startswith("# ") else markdown  # drop the "# name" title
+        flat.append({"name": name, **payload, "markdown": body.strip()})
+    names = [r["name"] for r in flat]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--merge: a run is listed twice ({names}); name each stored run once")
+    sections = [f"## {_run_setting(r['args'])} (run `{r['name']}`)\n\n{r['markdown']}" for r in flat]
+    markdown = (
+        "Merged from the stored runs "
+        + ", ".join(f"`{n}`" for n in names)
+        + " (numbers as recorded).\n\n"
+        + "\n\n".join(sections)
+    )
+    return {"merged_from": names, "runs": flat}, markdown
+
+
+def write_merged(name: str, run_names: list[str]) -> None:
+    """Read ``results/<run>.{json,md}`` of every run, then write their merge to ``results/<name>.{json,md}``."""
+    from benchmarks import _common
+
+    runs = {}
+    for run in run_names:
+        stem = _common.RESULTS_DIR / run
+        runs[run] = (json.loads(stem.with_suffix(".json").read_text()), stem.with_suffix(".md").read_text())
+    payload, markdown = merge_runs(runs)
+    out = _common.RESULTS_DIR / name
+    out.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
+    out.with_suffix(".md").write_text(f"# {name}\n\n{markdown.strip()}\n")
+    print(f"wrote {out}.json and {out}.md from {', '.join(run_names)}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=2048)
@@ -119,8 +176,17 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--name", default="solar_slow_storage")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="RUN",
+        help="write results/<name>.* from these stored runs (results/<RUN>.json + .md), numbers unchanged; no run",
+    )
     parser.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.merge:
+        write_merged(args.name, args.merge)
+        return 0
     if args.child:
         m, p, s, e, b, c, h = args.child
         _child(m, p, int(s), int(e), int(b), int(c), int(h))

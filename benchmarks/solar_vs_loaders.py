@@ -1,6 +1,6 @@
 """SOLAR against the loaders users pick, training PtychoNN through ``Trainer`` with real DDP ranks on slow storage.
 
-Issue 16 items 2, 3 and 5. One HDF5 file (and its litdata / webdataset conversions) lies on a throttled loop device
+One HDF5 file (and its litdata / webdataset conversions) lies on a throttled loop device
 (:mod:`benchmarks._throttled_storage`: blkio ``read_bps`` + ``read_iops`` limits, page cache dropped before every
 epoch). For every rank count P and loader, one child process inside the cgroups runs
 ``Trainer(accelerator="cpu", devices=P, strategy="ddp")`` (P real processes) fitting the PtychoNN-like surrogate
@@ -44,6 +44,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch import Callback, LightningDataModule, Trainer
+
 KEYS = ["diffraction", "amplitude", "phase"]
 LOADERS = ["memory", "dl0", "dl2", "dl4", "torchdata", "litdata", "webdataset", "solar", "solar_exact"]
 
@@ -57,151 +59,204 @@ def _peak_rss_mib() -> float:
     return 0.0
 
 
-def _train(cfg: dict[str, Any]) -> None:
-    import numpy as np
+def _val_loader(cfg: dict[str, Any]) -> Any:
+    """The held-out file, read unthrottled by a plain DataLoader: the same validation pass for every loader."""
+    from torch.utils.data import DataLoader
+
+    from lightning_sdp.datamodules.solar import PerSampleHDF5Dataset
+
+    return DataLoader(PerSampleHDF5Dataset(cfg["val"], KEYS[0], KEYS[1:]), batch_size=64, num_workers=0)
+
+
+def _memory_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
+    """The ceiling: the whole file read into memory first, then a DataLoader over tensors."""
     import torch
-    from lightning.pytorch import Callback, LightningDataModule, Trainer
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+    from lightning_sdp.datamodules.solar import PerSampleHDF5Dataset
+
+    ds = PerSampleHDF5Dataset(cfg["h5"], KEYS[0], KEYS[1:])
+    tensors = [torch.stack(t) for t in zip(*(ds[i] for i in range(len(ds))), strict=True)]
+    ram = TensorDataset(*tensors)
+    sampler = DistributedSampler(ram, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
+    return DataLoader(ram, batch_size=cfg["batch"], sampler=sampler, num_workers=0)
+
+
+def _h5py_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
+    """``dl<W>`` (torch DataLoader with W workers) or ``torchdata`` (StatefulDataLoader, 2 workers): h5py reads."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from lightning_sdp.datamodules.solar import PerSampleHDF5Dataset
+
+    loader = cfg["loader"]
+    ds = PerSampleHDF5Dataset(cfg["h5"], KEYS[0], KEYS[1:])
+    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
+    workers = int(loader[2:]) if loader.startswith("dl") else 2
+    extra = {"persistent_workers": True} if workers else {}
+    if loader == "torchdata":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader(ds, batch_size=cfg["batch"], sampler=sampler, num_workers=workers, **extra)
+    return DataLoader(ds, batch_size=cfg["batch"], sampler=sampler, num_workers=workers, **extra)
+
+
+def _litdata_loader(cfg: dict[str, Any]) -> Any:
+    from litdata import StreamingDataLoader, StreamingDataset
+
+    # litdata copies chunks into cache_dir; keep that on the throttled device too, or later epochs would read the
+    # copies from the unthrottled disk
+    ds = StreamingDataset(
+        cfg["litdata"], cache_dir=cfg["litdata_cache"], shuffle=True, drop_last=True, seed=0, max_cache_size="64MB"
+    )
+    return StreamingDataLoader(ds, batch_size=cfg["batch"], num_workers=2, collate_fn=_lit_collate)
+
+
+def _webdataset_loader(cfg: dict[str, Any], world: int) -> Any:
+    import torch
+    import webdataset as wds
+
+    batch = cfg["batch"]
+    steps = cfg["train_samples"] // (world * batch)
+    pipe = (
+        wds.WebDataset(
+            cfg["wds"],
+            shardshuffle=len(cfg["wds"]),
+            nodesplitter=wds.split_by_node,
+            workersplitter=wds.split_by_worker,
+            empty_check=False,
+            seed=0,
+        )
+        .repeat()
+        .shuffle(256)
+        .decode()
+        .to_tuple("x.npy", "y.npy")
+        .map(lambda s: (torch.from_numpy(s[0]), torch.from_numpy(s[1])))
+        .batched(batch, partial=False)
+    )
+    return wds.WebLoader(pipe, batch_size=None, num_workers=2).with_epoch(steps).with_length(steps)
+
+
+def _peer_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
+    """This rank's training loader for every ``--loaders`` entry except SOLAR's."""
+    loader = cfg["loader"]
+    if loader == "memory":
+        return _memory_loader(cfg, rank, world)
+    if loader.startswith("dl") or loader == "torchdata":
+        return _h5py_loader(cfg, rank, world)
+    if loader == "litdata":
+        return _litdata_loader(cfg)
+    if loader == "webdataset":
+        return _webdataset_loader(cfg, world)
+    raise ValueError(f"unknown loader {loader!r}; choose from {LOADERS}")
+
+
+class _Peers(LightningDataModule):
+    """A peer loader (see :func:`_peer_loader`) with the shared validation set."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        self.cfg = cfg
+
+    def train_dataloader(self) -> Any:
+        return _peer_loader(self.cfg, self.trainer.global_rank, self.trainer.world_size)
+
+    def val_dataloader(self) -> Any:
+        return _val_loader(self.cfg)
+
+
+def _solar_datamodule(cfg: dict[str, Any]) -> Any:
+    """``SolarDataModule`` with its defaults (``solar``) or the exact plan (``solar_exact``), shared validation set."""
+    from lightning_sdp.datamodules.solar import SolarDataModule
+
+    window = {"read_window": 1, "max_gap": 0} if cfg["loader"] == "solar_exact" else {}
+    dm = SolarDataModule(
+        cfg["h5"],
+        KEYS[0],
+        KEYS[1:],
+        batch_size=cfg["batch"],
+        buffer_size=cfg["buffer"],
+        num_workers=cfg["solar_workers"],
+        seed=0,
+        log_metrics=False,
+        **window,
+    )
+    dm.val_dataloader = lambda: _val_loader(cfg)  # the same held-out set for every loader
+    return dm
+
+
+class _Probe(Callback):
+    """Rank 0 records, per epoch: wall time, samples trained by all ranks, device bytes and requests, peak RSS.
+
+    Args:
+        group: the throttled device's cgroups (``None`` outside one: nothing is recorded).
+        out: JSON file the epochs and the final validation loss are written to at the end of ``fit``.
+    """
+
+    def __init__(self, group: Any, out: str) -> None:
+        self.group, self.out = group, out
+        self.t0 = 0.0
+        self.b0 = self.r0 = 0
+        self.samples = 0  # trained this epoch by this rank: counted, since a loader may yield fewer than planned
+        self.rows: list[dict[str, Any]] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        self.samples += len(batch["input"] if isinstance(batch, dict) else batch[0])
+
+    def _drop_and_start(self, trainer: Trainer) -> None:
+        """Drop the page cache, then start the clock and the device counters (all ranks wait for it)."""
+        trainer.strategy.barrier()
+        if trainer.global_rank == 0 and self.group is not None:
+            self.group.drop_caches()
+            self.b0, self.r0 = self.group.device_read_bytes(), self.group.device_read_requests()
+        trainer.strategy.barrier()
+        self.t0 = time.perf_counter()
+        self.samples = 0
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        self._drop_and_start(trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
+        # Loader workers start reading when the epoch's iterator is made, before on_train_epoch_start, so an epoch
+        # is measured from the previous epoch's end (after its cache drop) to this one's end; it includes the
+        # validation pass, which is the same unthrottled file for every loader.
+        import torch
+
+        trainer.strategy.barrier()
+        dt = time.perf_counter() - self.t0
+        samples = int(trainer.strategy.reduce(torch.tensor(float(self.samples)), reduce_op="sum"))
+        if trainer.global_rank == 0 and self.group is not None:
+            self.rows.append(
+                {
+                    "epoch": trainer.current_epoch,
+                    "seconds": dt,
+                    "samples": samples,
+                    "samples_per_s": samples / dt,
+                    "device_mib": (self.group.device_read_bytes() - self.b0) / 2**20,
+                    "device_requests": self.group.device_read_requests() - self.r0,
+                    "peak_rss_mib_rank0": _peak_rss_mib(),
+                }
+            )
+        self._drop_and_start(trainer)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: Any) -> None:
+        if trainer.global_rank == 0:
+            val = trainer.callback_metrics.get("val/loss")
+            with open(self.out, "w") as fh:
+                json.dump({"epochs": self.rows, "val_loss": float(val) if val is not None else None}, fh)
+
+
+def _train(cfg: dict[str, Any]) -> None:
+    """Child process: fit PtychoNN with one loader on ``cfg["ranks"]`` DDP ranks, recording through :class:`_Probe`."""
+    import torch
+
     from benchmarks._throttled_storage import ThrottleGroup
-    from lightning_sdp.datamodules.solar import PerSampleHDF5Dataset, SolarDataModule
     from lightning_sdp.models.ptychonn import PtychoNN
 
     torch.set_num_threads(1)
-    group = ThrottleGroup.from_env()
-    loader, batch, ranks, out = cfg["loader"], cfg["batch"], cfg["ranks"], cfg["out"]
-
-    def _val_loader() -> DataLoader:
-        return DataLoader(PerSampleHDF5Dataset(cfg["val"], KEYS[0], KEYS[1:]), batch_size=64, num_workers=0)
-
-    class Peers(LightningDataModule):
-        def train_dataloader(self) -> Any:
-            t = self.trainer
-            rank, world = t.global_rank, t.world_size
-            if loader == "memory":
-                ds = PerSampleHDF5Dataset(cfg["h5"], KEYS[0], KEYS[1:])
-                tensors = [torch.stack(t) for t in zip(*(ds[i] for i in range(len(ds))), strict=True)]
-                ram = TensorDataset(*tensors)
-                sampler = DistributedSampler(ram, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
-                return DataLoader(ram, batch_size=batch, sampler=sampler, num_workers=0)
-            if loader.startswith("dl") or loader == "torchdata":
-                ds = PerSampleHDF5Dataset(cfg["h5"], KEYS[0], KEYS[1:])
-                sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
-                workers = int(loader[2:]) if loader.startswith("dl") else 2
-                extra = {"persistent_workers": True} if workers else {}
-                if loader == "torchdata":
-                    from torchdata.stateful_dataloader import StatefulDataLoader
-
-                    return StatefulDataLoader(ds, batch_size=batch, sampler=sampler, num_workers=workers, **extra)
-                return DataLoader(ds, batch_size=batch, sampler=sampler, num_workers=workers, **extra)
-            if loader == "litdata":
-                from litdata import StreamingDataLoader, StreamingDataset
-
-                # litdata copies chunks into cache_dir; keep that on the throttled device too, or later epochs
-                # would read the copies from the unthrottled disk
-                ds = StreamingDataset(
-                    cfg["litdata"],
-                    cache_dir=cfg["litdata_cache"],
-                    shuffle=True,
-                    drop_last=True,
-                    seed=0,
-                    max_cache_size="64MB",
-                )
-                return StreamingDataLoader(ds, batch_size=batch, num_workers=2, collate_fn=_lit_collate)
-            if loader == "webdataset":
-                import webdataset as wds
-
-                steps = cfg["train_samples"] // (world * batch)
-                pipe = (
-                    wds.WebDataset(
-                        cfg["wds"],
-                        shardshuffle=len(cfg["wds"]),
-                        nodesplitter=wds.split_by_node,
-                        workersplitter=wds.split_by_worker,
-                        empty_check=False,
-                        seed=0,
-                    )
-                    .repeat()
-                    .shuffle(256)
-                    .decode()
-                    .to_tuple("x.npy", "y.npy")
-                    .map(lambda s: (torch.from_numpy(s[0]), torch.from_numpy(s[1])))
-                    .batched(batch, partial=False)
-                )
-                return wds.WebLoader(pipe, batch_size=None, num_workers=2).with_epoch(steps).with_length(steps)
-            raise ValueError(loader)
-
-        def val_dataloader(self) -> DataLoader:
-            return _val_loader()
-
-    class Probe(Callback):
-        def __init__(self) -> None:
-            self.t0 = 0.0
-            self.b0 = self.r0 = 0
-            self.samples = 0  # trained this epoch by this rank: counted, since a loader may yield fewer than planned
-            self.rows: list[dict[str, Any]] = []
-
-        def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
-            self.samples += len(batch["input"] if isinstance(batch, dict) else batch[0])
-
-        def _drop_and_start(self, trainer: Trainer) -> None:
-            """Drop the page cache, then start the clock and the device counters (all ranks wait for it)."""
-            trainer.strategy.barrier()
-            if trainer.global_rank == 0 and group is not None:
-                group.drop_caches()
-                self.b0, self.r0 = group.device_read_bytes(), group.device_read_requests()
-            trainer.strategy.barrier()
-            self.t0 = time.perf_counter()
-            self.samples = 0
-
-        def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
-            self._drop_and_start(trainer)
-
-        def on_train_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
-            # Loader workers start reading when the epoch's iterator is made, before on_train_epoch_start, so an
-            # epoch is measured from the previous epoch's end (after its cache drop) to this one's end; it includes
-            # the validation pass, which is the same unthrottled file for every loader.
-            trainer.strategy.barrier()
-            dt = time.perf_counter() - self.t0
-            samples = int(trainer.strategy.reduce(torch.tensor(float(self.samples)), reduce_op="sum"))
-            if trainer.global_rank == 0 and group is not None:
-                self.rows.append(
-                    {
-                        "epoch": trainer.current_epoch,
-                        "seconds": dt,
-                        "samples": samples,
-                        "samples_per_s": samples / dt,
-                        "device_mib": (group.device_read_bytes() - self.b0) / 2**20,
-                        "device_requests": group.device_read_requests() - self.r0,
-                        "peak_rss_mib_rank0": _peak_rss_mib(),
-                    }
-                )
-            self._drop_and_start(trainer)
-
-        def on_fit_end(self, trainer: Trainer, pl_module: Any) -> None:
-            if trainer.global_rank == 0:
-                val = trainer.callback_metrics.get("val/loss")
-                with open(out, "w") as fh:
-                    json.dump({"epochs": self.rows, "val_loss": float(val) if val is not None else None}, fh)
-
-    if loader.startswith("solar"):
-        window = {"read_window": 1, "max_gap": 0} if loader == "solar_exact" else {}
-        dm: Any = SolarDataModule(
-            cfg["h5"],
-            KEYS[0],
-            KEYS[1:],
-            batch_size=batch,
-            buffer_size=cfg["buffer"],
-            num_workers=cfg["solar_workers"],
-            seed=0,
-            log_metrics=False,
-            **window,
-        )
-        dm.val_dataloader = _val_loader  # the same held-out set for every loader
-    else:
-        dm = Peers()
+    dm = _solar_datamodule(cfg) if cfg["loader"].startswith("solar") else _Peers(cfg)
     torch.manual_seed(0)
     model = PtychoNN(image_size=cfg["size"], base_channels=cfg["channels"], depth=2)
+    ranks = cfg["ranks"]
     trainer = Trainer(
         accelerator="cpu",
         devices=ranks,
@@ -212,11 +267,10 @@ def _train(cfg: dict[str, Any]) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[Probe()],
+        callbacks=[_Probe(ThrottleGroup.from_env(), cfg["out"])],
         num_sanity_val_steps=0,
     )
     trainer.fit(model, dm)
-    np.asarray(0)
 
 
 def _lit_collate(items: list[dict[str, Any]]):

@@ -40,8 +40,9 @@ def run(out: Path, quick: bool) -> dict[str, Any]:
 
     dm = SolarDataModule(
         str(path), input_key=INPUT_KEY, target_key=list(TARGET_KEYS), batch_size=batch, buffer_size=buffer,
-        num_workers=0, max_epochs=epochs, storage_latency_s=latency, storage_bandwidth=bandwidth,
+        num_workers=0, max_epochs=epochs,
     )  # fmt: skip
+    dm._storage_throttle = StorageThrottle(latency, bandwidth)  # the same emulated storage as the baseline's
     dm.setup("fit")
     solar_loader = dm.train_dataloader()
     solar_rates, hit_rates, mib = [], [], []

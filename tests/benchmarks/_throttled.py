@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks._common import RESULTS_DIR
 from benchmarks._throttled_storage import check_root
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,7 +25,8 @@ def _storage_unavailable() -> str | None:
 def run_quick(name: str, timeout: int) -> dict[str, Any] | None:
     """``python -m benchmarks.<name> --quick``: its quick results, or ``None`` after checking that it refused clearly.
 
-    Where the device cannot be built the benchmark must exit with code 2 and say why on stderr.
+    Where the device cannot be built the benchmark must exit with code 2 and say why on stderr. The results are
+    read from ``RESULTS_DIR`` (a temporary folder under pytest: ``tests/benchmarks/conftest.py``).
     """
     res = subprocess.run(
         [sys.executable, "-m", f"benchmarks.{name}", "--quick"], cwd=REPO, capture_output=True, text=True,
@@ -35,4 +37,4 @@ def run_quick(name: str, timeout: int) -> dict[str, Any] | None:
         assert res.returncode == 2 and reason in res.stderr
         return None
     assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads((REPO / "benchmarks" / "results" / f"{name}_quick.json").read_text())
+    return json.loads((RESULTS_DIR / f"{name}_quick.json").read_text())

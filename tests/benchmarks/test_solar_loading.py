@@ -7,18 +7,24 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from benchmarks._common import RESULTS_DIR
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
+@pytest.mark.bench
 def test_quick_run_writes_results_with_solar_at_its_hit_rate_bound():
     res = subprocess.run(
         [sys.executable, "-m", "benchmarks.solar_loading", "--quick", "--storage", "throttled"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
-    payload = json.loads((REPO / "benchmarks" / "results" / "solar_loading_quick.json").read_text())
+    payload = json.loads((RESULTS_DIR / "solar_loading_quick.json").read_text())
     rows = {(r["P"], r["mode"]): r for r in payload["summary"]}
-    assert {mode for _, mode in rows} == {"baseline", "lru", "artifact", "solar_serial", "solar"}
+    assert {mode for _, mode in rows} == {"baseline", "lru", "consumed_first", "solar_serial", "solar"}
     for ranks in (1, 2):
         assert rows[ranks, "baseline"]["hit rate (later)"] == 0.0
         # Belady + re-routing reaches C/N after the first epoch, and reads only the rest of the file

@@ -65,6 +65,34 @@ def test_throttle_costs_every_read_request(ptycho, monkeypatch):
     assert not PerSampleHDF5Dataset(ptycho, KEYS[0], KEYS[1:]).throttle  # plain file by default
 
 
+def test_the_demo_throttles_the_datamodules_reads_through_a_private_hook(ptycho, monkeypatch):
+    requests = []
+
+    def cost(self, nbytes):
+        requests.append(nbytes)
+        return 0.0
+
+    monkeypatch.setattr(StorageThrottle, "cost", cost)
+
+    def epoch(throttle):
+        dm = SolarDataModule(str(ptycho), KEYS[0], KEYS[1:], batch_size=4, buffer_size=6, max_epochs=1, val_split=0.25)
+        if throttle is not None:
+            dm._storage_throttle = throttle
+        dm.setup("fit")
+        loader = dm.train_dataloader()
+        assert sum(len(b["index"]) for b in loader) == 18
+        return dm, loader
+
+    epoch(None)
+    assert requests == [], "plain files unless a benchmark or the demo sets the hook"
+    dm, loader = epoch(StorageThrottle(latency_s=1e-3))
+    # every planned read is costed (plus h5py's metadata reads when it opens the file)
+    assert len(requests) >= loader.reader.requests > 0
+    before = len(requests)
+    next(iter(dm.val_dataloader()))
+    assert len(requests) > before, "validation reads too"
+
+
 def test_missing_dataset_is_named(ptycho):
     with pytest.raises(KeyError, match=r"no dataset \['labels'\].*amplitude"):
         PerSampleHDF5Dataset(ptycho, KEYS[0], ["labels"])

@@ -224,7 +224,7 @@ def test_buffer_zero_or_larger_than_data(ptycho, buffer, expected):
 
 
 def test_bad_inputs(ptycho, tmp_path):
-    with pytest.raises(FileNotFoundError, match="generate_if_missing"):
+    with pytest.raises(FileNotFoundError, match=r"does not exist.*ptycho-generate --out .*missing\.h5.*make_ptycho_h5"):
         _dm(tmp_path / "missing.h5").setup("fit")
     with pytest.raises(ValueError, match="no dataset 'x'"):
         _dm(ptycho, input_key="x").setup("fit")
@@ -250,20 +250,28 @@ def test_bad_inputs(ptycho, tmp_path):
         trainer.fit(PtychoNN(image_size=32, base_channels=4, depth=2), _dm(ptycho))
 
 
-def test_generate_if_missing_and_val_path(tmp_path):
-    path = tmp_path / "gen" / "train.h5"
+def test_separate_validation_file(tmp_path):
+    path = make_ptycho_h5(tmp_path / "train.h5", num_samples=40, size=16, seed=0)
     val = make_ptycho_h5(tmp_path / "val.h5", num_samples=12, size=16, seed=9)
-    dm = _dm(path, generate_if_missing=True, synthetic_samples=40, synthetic_size=16, val_path=str(val))
+    dm = _dm(path, val_path=str(val))
     trainer = _trainer(max_epochs=1, limit_train_batches=2)
     trainer.fit(_model(), dm)
-    assert path.exists() and dm.num_train == 40
-    assert "val/loss" in trainer.callback_metrics
+    assert dm.num_train == 40  # all of the training file trains
+    assert len(dm._val_ids) == 12 and "val/loss" in trainer.callback_metrics
 
 
+def test_lab_knobs_are_not_constructor_arguments(ptycho):
+    # storage emulation and data generation are tools (benchmarks, make_ptycho_h5), not loading options
+    for knob in ("storage_latency_s", "storage_bandwidth", "generate_if_missing", "synthetic_samples"):
+        with pytest.raises(TypeError, match=knob):
+            _dm(ptycho, **{knob: 1})
+
+
+@pytest.mark.slow  # a 64x64 PtychoNN through the CLI
 def test_yaml_config_trains_two_steps(tmp_path):
     from lightning_sdp.cli import main
 
-    data = tmp_path / "ptycho.h5"
+    data = make_ptycho_h5(tmp_path / "ptycho.h5", num_samples=80, size=64)  # the config's sample shape
     main(
         [
             "fit",
@@ -274,13 +282,11 @@ def test_yaml_config_trains_two_steps(tmp_path):
             "--trainer.enable_progress_bar=false",
             f"--trainer.default_root_dir={tmp_path}",
             f"--data.init_args.path={data}",
-            "--data.init_args.synthetic_samples=80",
             "--data.init_args.batch_size=4",
             "--data.init_args.num_workers=0",
             "--model.init_args.base_channels=4",
         ]
     )
-    assert data.exists()
     assert list(tmp_path.rglob("*.ckpt")), "fit should have written a checkpoint"
 
 

@@ -70,6 +70,7 @@ def _ddp_gradient(rank, world_size, path):
     return {"digests": digests, "indices": batch["index"].tolist(), "grad": grad.numpy(), "step": target}
 
 
+@pytest.mark.slow  # two spawned processes
 def test_ddp_gradient_with_unequal_local_batches_equals_global_mean(ptycho):
     out = run_distributed(_ddp_gradient, 2, ptycho)
     assert out[0]["digests"][0] == out[0]["digests"][1]  # the schedule is identical on both ranks
@@ -137,6 +138,7 @@ def _lightning_ddp(rank, world_size, path):
     return {"seen": rec.seen, "weights": [p.detach().numpy().copy() for p in model.parameters()]}
 
 
+@pytest.mark.slow  # two spawned processes
 def test_lightning_ddp_matches_single_process_training(ptycho):
     out = run_distributed(_lightning_ddp, 2, ptycho, init_group=False)
     trainer, model, rec = _fit(1, 16, "auto")

@@ -1,4 +1,6 @@
+import os
 import pickle
+import stat
 import time
 
 import h5py
@@ -154,6 +156,46 @@ def test_ptycho_cli(tmp_path, capsys):
     assert "8 samples" in capsys.readouterr().out
     with h5py.File(out, "r") as f:
         assert f["diffraction"].shape == (8, 1, 16, 16)
+    # an existing file is refused with a message, not a traceback
+    assert main(["--out", str(out), "--num-samples", "8"]) == 2
+    assert "exists" in capsys.readouterr().err
+
+
+def test_ptycho_write_leaves_only_the_file_with_the_usual_mode(tmp_path):
+    path = make_ptycho_h5(tmp_path / "sub" / "p.h5", num_samples=20, size=8, block=8)
+    assert [p.name for p in path.parent.iterdir()] == ["p.h5"]
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask  # not mkstemp's 0600
+    first_block = simulate_ptycho(8, 8, seed=int(np.random.SeedSequence(0).spawn(3)[0].generate_state(1)[0]))
+    with h5py.File(path, "r") as f:
+        assert f["phase"].shape == (20, 1, 8, 8)
+        assert np.array_equal(f["phase"][:8], first_block["phase"])
+
+
+def test_a_failed_ptycho_write_leaves_no_temporary_file_and_keeps_the_old_one(tmp_path, monkeypatch):
+    from lightning_sdp.datamodules.solar import ptycho
+
+    blocks = []
+
+    def fail_on_second_block(*args, **kwargs):
+        blocks.append(args)
+        if len(blocks) == 2:
+            raise MemoryError("injected")
+        return simulate_ptycho(*args, **kwargs)
+
+    monkeypatch.setattr(ptycho, "simulate_ptycho", fail_on_second_block)
+    with pytest.raises(MemoryError, match="injected"):
+        make_ptycho_h5(tmp_path / "new.h5", num_samples=20, size=8, block=8)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    old = make_ptycho_h5(tmp_path / "old.h5", num_samples=4, size=8)
+    before = old.read_bytes()
+    blocks.clear()
+    monkeypatch.setattr(ptycho, "simulate_ptycho", fail_on_second_block)
+    with pytest.raises(MemoryError):
+        make_ptycho_h5(old, num_samples=20, size=8, block=8, overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["old.h5"] and old.read_bytes() == before
 
 
 @pytest.mark.parametrize("max_gap", [0, 2])

@@ -70,7 +70,9 @@ class SolarDataModule(LightningDataModule):
     ``trainer.test`` / ``trainer.predict`` read the test split (``test_path`` or ``test_split``) when one is
     configured, else the validation split; with neither they raise an error that says what to set.
 
-    Needs ``Trainer(use_distributed_sampler=False)``.
+    Needs ``Trainer(use_distributed_sampler=False)``. To try it without data of your own, write the synthetic
+    PtychoNN-like set first with :func:`~lightning_sdp.datamodules.solar.make_ptycho_h5` (keys ``diffraction`` ->
+    ``amplitude``, ``phase``).
 
     Args:
         path: training HDF5 file.
@@ -111,9 +113,8 @@ class SolarDataModule(LightningDataModule):
             holding ``read_window`` steps of samples per request in flight. Default ``"auto"``: as many steps as
             fit in 32 MiB of samples, at most 16 (16 steps of 32 samples of 48 KiB). ``read_window=1,
             max_gap=0`` reads exactly the planned misses (the fewest bytes: ``1 - C/N`` of the file per epoch) in
-            more, shorter requests; the auto plan reads more bytes in far fewer requests, which was 4.6x faster
-            loading only and 2.2-2.7x faster training end to end on a device limited to 400 read IOPS
-            (docs/solar.md, "Real slow storage").
+            more, shorter requests; the auto plan reads more bytes in far fewer requests, which is faster where a
+            request has a fixed cost (a device limited in read IOPS, a parallel file system).
         readahead: let the kernel's readahead act on the training reads. Default False: reads are positional
             reads advised ``POSIX_FADV_RANDOM``, so the device serves the planned bytes only (with readahead the
             device read the whole file every epoch and the buffer saved nothing).
@@ -121,13 +122,6 @@ class SolarDataModule(LightningDataModule):
             float samples are finite as they are read. HDF5 checksums are verified by HDF5 where datasets have them.
         prefetch_factor: read requests in flight per worker. Default 2.
         drop_last: drop the smaller last global batch of each epoch. Default False.
-        storage_latency_s: emulate shared storage: seconds added per read request. Default 0 (off).
-        storage_bandwidth: emulate shared storage: bytes/s per request (0: unlimited). Default 0.
-        generate_if_missing: when ``path`` does not exist, write the synthetic PtychoNN-like set there first
-            (``lightning_sdp.datamodules.solar.ptycho``; keys ``diffraction`` -> ``amplitude``, ``phase``).
-            Default False.
-        synthetic_samples: samples of the generated set. Default 2048.
-        synthetic_size: patch side of the generated set. Default 64.
         log_metrics: expect a :class:`lightning_sdp.callbacks.SolarMetrics` callback on the Trainer (it logs the
             ``solar/*`` metrics) and warn once in ``setup`` when there is none; ``False`` trains without those
             metrics and without the warning. The DataModule cannot add the callback itself: nothing under
@@ -162,11 +156,6 @@ class SolarDataModule(LightningDataModule):
         validate: Literal["warn", "raise", "off"] = "warn",
         prefetch_factor: int = 2,
         drop_last: bool = False,
-        storage_latency_s: float = 0.0,
-        storage_bandwidth: float = 0.0,
-        generate_if_missing: bool = False,
-        synthetic_samples: int = 2048,
-        synthetic_size: int = 64,
         log_metrics: bool = True,
     ) -> None:
         super().__init__()
@@ -207,11 +196,6 @@ class SolarDataModule(LightningDataModule):
         if validate not in ("warn", "raise", "off"):
             raise ValueError(f"validate must be 'warn', 'raise' or 'off', got {validate!r}")
         self.read_window, self.readahead, self.validate = read_window, readahead, validate
-        self.throttle = (
-            StorageThrottle(storage_latency_s, storage_bandwidth) if storage_latency_s or storage_bandwidth else None
-        )
-        self.generate_if_missing = generate_if_missing
-        self.synthetic_samples, self.synthetic_size = synthetic_samples, synthetic_size
         self.log_metrics = log_metrics
         self.schedule: SolarSchedule | None = None
         self.info: DatasetInfo | None = None
@@ -222,16 +206,12 @@ class SolarDataModule(LightningDataModule):
         self._test_ids: np.ndarray | None = None
         self._pending_state: dict[str, Any] | None = None
 
-    # ------------------------------------------------------------------ data preparation
-    @override
-    def prepare_data(self) -> None:
-        """Write the synthetic set when ``generate_if_missing`` and the file is missing (local rank 0 only)."""
-        if self.generate_if_missing and not Path(self.path).exists():
-            from lightning_sdp.datamodules.solar.ptycho import make_ptycho_h5
+    # Emulated slow storage for the demo and benchmarks: every read request of the readers built here then costs the
+    # throttle's latency + bytes / bandwidth. Set on an instance before ``train_dataloader``; not a constructor
+    # argument because it measures the loader rather than configuring it.
+    _storage_throttle: StorageThrottle | None = None
 
-            _log.warning("SolarDataModule: %s is missing; generating the synthetic PtychoNN-like set", self.path)
-            make_ptycho_h5(self.path, self.synthetic_samples, self.synthetic_size, seed=self.seed)
-
+    # ------------------------------------------------------------------ schedule
     def _num_epochs(self, trainer: Trainer | None, steps_per_epoch: int) -> int:
         if self.max_epochs is not None:
             return self.max_epochs
@@ -270,8 +250,11 @@ class SolarDataModule(LightningDataModule):
         if self.schedule is not None and self.schedule.world_size == self.world_size:
             return
         if not Path(self.path).exists():
-            hint = " (or set generate_if_missing=True to write the synthetic PtychoNN-like set)"
-            raise FileNotFoundError(f"SOLAR training file {self.path!r} does not exist{hint}")
+            raise FileNotFoundError(
+                f"SOLAR training file {self.path!r} does not exist. Point path= at your HDF5 file, or write the "
+                f"synthetic PtychoNN-like set there first: `lightning-sdp ptycho-generate --out {self.path}` (in "
+                "Python: lightning_sdp.datamodules.solar.make_ptycho_h5(path))."
+            )
         self.info = inspect_h5(self.path, [self.input_key, *self.target_keys])
         n = self.info.num_samples
         # the file's layout: [training | validation share | test share]
@@ -366,7 +349,7 @@ class SolarDataModule(LightningDataModule):
             path,
             [self.input_key, *self.target_keys],
             max_gap=self.resolved_max_gap,
-            throttle=self.throttle,
+            throttle=self._storage_throttle,
             io_threads=self.io_threads,
             readahead=self.readahead,
             validate=self.validate,

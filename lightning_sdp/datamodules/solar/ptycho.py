@@ -15,9 +15,13 @@ Run ``python -m lightning_sdp.datamodules.solar.ptycho --out ptycho.h5 --num-sam
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -96,6 +100,10 @@ def make_ptycho_h5(
 ) -> Path:
     """Write a PtychoNN-like HDF5 set to ``path``; the content depends only on the arguments.
 
+    The file appears whole or not at all: it is written under a temporary name in the same folder and renamed to
+    ``path`` at the end (an error or interruption removes the temporary file and leaves an existing ``path`` as
+    it was).
+
     Args:
         path: output file (parent folders are created).
         num_samples: samples. Default 2048.
@@ -110,17 +118,35 @@ def make_ptycho_h5(
     Returns:
         The path written.
     """
-    import h5py
-
     path = Path(path)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True (CLI: --overwrite) to replace it")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    # Written through the descriptor of a fresh, unpredictable name in the target folder, then renamed over
+    # ``path`` in one step: a reader never sees half a file, and no file or link planted beforehand is written to.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w+b") as fh:
+            _write_ptycho(fh, num_samples, size, seed, chunk_samples, block, physics)
+            os.fchmod(fh.fileno(), 0o666 & ~_umask())  # mkstemp makes the file 0600; give it open()'s mode
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _write_ptycho(
+    fh: BinaryIO, num_samples: int, size: int, seed: int, chunk_samples: int | None, block: int, physics: dict[str, Any]
+) -> None:
+    """Write the datasets of :func:`make_ptycho_h5` into the open file ``fh``, one block of samples at a time."""
+    import h5py
+
     shape = (num_samples, 1, size, size)
     chunks = (min(chunk_samples, num_samples), 1, size, size) if chunk_samples else None
     seeds = np.random.SeedSequence(seed).spawn(-(-num_samples // block))
-    with h5py.File(tmp, "w") as f:
+    with h5py.File(fh, "w") as f:
         dsets = {k: f.create_dataset(k, shape=shape, dtype="float32", chunks=chunks) for k in (INPUT_KEY, *TARGET_KEYS)}
         for b, ss in enumerate(seeds):
             lo, hi = b * block, min((b + 1) * block, num_samples)
@@ -130,8 +156,19 @@ def make_ptycho_h5(
         f.attrs["generator"] = "lightning_sdp.datamodules.solar.ptycho"
         f.attrs["seed"] = seed
         f.attrs["input_formula"] = "log1p(Poisson(photons * |FFT(probe * A * exp(i*phi))|^2 / sum)) / log1p(photons)"
-    os.replace(tmp, path)
-    return path
+
+
+def _umask() -> int:
+    """The process umask, read from ``/proc`` where it can be (``os.umask`` reads it only by setting it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -148,15 +185,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--photons", type=float, default=1e6, help="expected photons per pattern (0: no noise)")
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
-    path = make_ptycho_h5(
-        args.out,
-        num_samples=args.num_samples,
-        size=args.size,
-        seed=args.seed,
-        chunk_samples=args.chunk_samples,
-        overwrite=args.overwrite,
-        photons=args.photons,
-    )
+    try:
+        path = make_ptycho_h5(
+            args.out,
+            num_samples=args.num_samples,
+            size=args.size,
+            seed=args.seed,
+            chunk_samples=args.chunk_samples,
+            overwrite=args.overwrite,
+            photons=args.photons,
+        )
+    except FileExistsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     mib = path.stat().st_size / 2**20
     print(f"wrote {path} ({args.num_samples} samples of {args.size}x{args.size}, {mib:.1f} MiB)")
     return 0

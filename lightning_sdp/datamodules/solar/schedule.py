@@ -501,54 +501,73 @@ def order_epochs(weight: np.ndarray) -> list[int]:
     Ties keep the identity order.
     """
     n = len(weight)
+    identity = list(range(n))
     if n <= 2 or not weight.any():
-        return list(range(n))
+        return identity
+    path = _held_karp_path(weight) if n <= 10 else _two_opt(weight, _best_nearest_neighbour_path(weight))
+    return path if _path_value(weight, path) > _path_value(weight, identity) else identity
 
-    def value(path: list[int]) -> int:
-        return int(sum(weight[a, b] for a, b in itertools.pairwise(path)))
 
-    if n <= 10:
-        full = 1 << n
-        best = np.full((full, n), -1, dtype=np.int64)
-        parent = np.full((full, n), -1, dtype=np.int64)
+def _path_value(weight: np.ndarray, path: list[int]) -> int:
+    """Summed ``weight[a, b]`` over consecutive epochs ``a, b`` of ``path``."""
+    return int(sum(weight[a, b] for a, b in itertools.pairwise(path)))
+
+
+def _held_karp_path(weight: np.ndarray) -> list[int]:
+    """The best open path, exactly: ``best[mask, v]`` is the best path visiting ``mask`` and ending at ``v``."""
+    n = len(weight)
+    full = 1 << n
+    best = np.full((full, n), -1, dtype=np.int64)
+    parent = np.full((full, n), -1, dtype=np.int64)
+    for v in range(n):
+        best[1 << v, v] = 0
+    for mask in range(full):
         for v in range(n):
-            best[1 << v, v] = 0
-        for mask in range(full):
-            for v in range(n):
-                cur = best[mask, v]
-                if cur < 0 or not mask >> v & 1:
+            cur = best[mask, v]
+            if cur < 0 or not mask >> v & 1:
+                continue
+            for u in range(n):
+                if mask >> u & 1:
                     continue
-                for u in range(n):
-                    if mask >> u & 1:
-                        continue
-                    nm = mask | 1 << u
-                    cand = cur + weight[v, u]
-                    if cand > best[nm, u]:
-                        best[nm, u] = cand
-                        parent[nm, u] = v
-        end = int(np.argmax(best[full - 1]))
-        path, mask = [end], full - 1
-        while parent[mask, path[-1]] >= 0:
-            prev = int(parent[mask, path[-1]])
-            mask ^= 1 << path[-1]
-            path.append(prev)
-        path.reverse()
-    else:
-        path = list(range(n))
-        for start in range(n):
-            cand, left = [start], set(range(n)) - {start}
-            while left:
-                nxt = max(sorted(left), key=lambda u: weight[cand[-1], u])
-                cand.append(nxt)
-                left.remove(nxt)
-            if value(cand) > value(path):
-                path = cand
-        improved = True
-        while improved:
-            improved = False
-            for i in range(n - 1):
-                for j in range(i + 1, n):
-                    cand = path[:i] + path[i : j + 1][::-1] + path[j + 1 :]
-                    if value(cand) > value(path):
-                        path, improved = cand, True
-    return path if value(path) > value(list(range(n))) else list(range(n))
+                nm = mask | 1 << u
+                cand = cur + weight[v, u]
+                if cand > best[nm, u]:
+                    best[nm, u] = cand
+                    parent[nm, u] = v
+    end = int(np.argmax(best[full - 1]))
+    path, mask = [end], full - 1
+    while parent[mask, path[-1]] >= 0:
+        prev = int(parent[mask, path[-1]])
+        mask ^= 1 << path[-1]
+        path.append(prev)
+    path.reverse()
+    return path
+
+
+def _best_nearest_neighbour_path(weight: np.ndarray) -> list[int]:
+    """The best of the greedy paths from every start (each step to the unvisited epoch of largest overlap)."""
+    n = len(weight)
+    path = list(range(n))
+    for start in range(n):
+        cand, left = [start], set(range(n)) - {start}
+        while left:
+            nxt = max(sorted(left), key=lambda u: weight[cand[-1], u])
+            cand.append(nxt)
+            left.remove(nxt)
+        if _path_value(weight, cand) > _path_value(weight, path):
+            path = cand
+    return path
+
+
+def _two_opt(weight: np.ndarray, path: list[int]) -> list[int]:
+    """Reverse sub-paths of ``path`` while that raises its value (2-opt local search)."""
+    n = len(path)
+    improved = True
+    while improved:
+        improved = False
+        for i in range(n - 1):
+            for j in range(i + 1, n):
+                cand = path[:i] + path[i : j + 1][::-1] + path[j + 1 :]
+                if _path_value(weight, cand) > _path_value(weight, path):
+                    path, improved = cand, True
+    return path

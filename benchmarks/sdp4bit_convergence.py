@@ -9,8 +9,18 @@ weight quantisation (qW) on the real weights of the run. Writes
 
 Run from the repository root::
 
-    .venv/bin/python -m benchmarks.sdp4bit_convergence            # 7 configurations x 300 steps
-    .venv/bin/python -m benchmarks.sdp4bit_convergence --quick    # smoke run (a few steps)
+    .venv/bin/python -m benchmarks.sdp4bit_convergence --noise-seeds 2       # 7 configurations x 300 steps
+    .venv/bin/python -m benchmarks.sdp4bit_convergence --quick                # smoke run (a few steps)
+
+The current result merges three stored runs (the one above, two more seeds, a longer run) into
+``sdp4bit_convergence.*`` without rerunning them::
+
+    .venv/bin/python -m benchmarks.sdp4bit_convergence --seed 1339 --noise-seeds 2 \\
+        --modes none/none qwd/tlq_hs --name sdp4bit_convergence_seeds
+    .venv/bin/python -m benchmarks.sdp4bit_convergence --steps 900 --warmup 60 --val-every 300 \\
+        --modes none/none qwd/tlq_hs --name sdp4bit_convergence_long
+    .venv/bin/python -m benchmarks.sdp4bit_convergence --name sdp4bit_convergence \\
+        --merge sdp4bit_convergence sdp4bit_convergence_seeds sdp4bit_convergence_long
 
 All configurations run inside one launch of 4 processes (process start-up is slow on a loaded 2-core machine).
 """
@@ -18,6 +28,7 @@ All configurations run inside one launch of 4 processes (process start-up is slo
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import time
@@ -26,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import SHARED_DATA, free_port, markdown_table, write_results
+from benchmarks._common import RESULTS_DIR, SHARED_DATA, free_port, markdown_table, write_results
 
 CONFIGS = [
     ("none", "none"),
@@ -69,7 +80,7 @@ def _recorder(strategy: Any, every: int) -> Any:
             sq = torch.zeros(3, dtype=torch.float64)
             for b in strategy.buckets:
                 w = b.full_master()
-                fmt = QuantFormat(4, strategy.weight_group_size)
+                fmt = QuantFormat(4, strategy.config.weight_group_size)
                 wp = torch.nn.functional.pad(w, (0, (-w.numel()) % fmt.group_size))  # same groups as qW
                 qw = q.decode(*q.encode(wp, fmt, "nearest"), fmt)[: w.numel()]
                 sq[0] += (qw - w).double().pow(2).sum()
@@ -179,12 +190,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
-def summarise(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dict, str, Any]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One table row per configuration and seed: final losses, the gap to none/none, bits, bytes, drift, wall time."""
     base = {r["seed"]: r["val"][-1][1] for r in results if (r["weights"], r["grads"]) == ("none", "none")}
     rows = []
     for r in results:
@@ -199,13 +206,20 @@ def summarise(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[
             "grad bits/elt inter": r["bits"]["grad_inter"], "bytes/step/rank": r["bytes_per_step"],
             "max w drift": max(drift) if drift else float("nan"), "wall s": r["wall_s"],
         })  # fmt: skip
-    columns = list(rows[0])
+    return rows
+
+
+def _quant_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The qW vs qWD relative error over the qwd/tlq_hs run."""
     qerr = next((r["quant_error"] for r in results if (r["weights"], r["grads"]) == ("qwd", "tlq_hs")), [])
-    qrows = [{"step": e["step"], "qW rel. error": e["qw"], "qWD rel. error": e["qwd"], "qW / qWD": e["qw"] / e["qwd"]}
-             for e in qerr if e["qwd"] > 0]  # fmt: skip
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    return [{"step": e["step"], "qW rel. error": e["qw"], "qWD rel. error": e["qwd"], "qW / qWD": e["qw"] / e["qwd"]}
+            for e in qerr if e["qwd"] > 0]  # fmt: skip
+
+
+def _plot(axes: Any, results: list[dict[str, Any]], base_seed: int, suffix: str = "") -> None:
+    """Train loss (10-step mean), validation loss and the qWD drift of every run on three axes."""
     for r in results:
-        label = f"{r['weights']}/{r['grads']}" + (f" (seed {r['seed']})" if r["seed"] != args.seed else "")
+        label = f"{r['weights']}/{r['grads']}" + (f" (seed {r['seed']})" if r["seed"] != base_seed else "")
         steps = [s for s, _ in r["train"]]
         vals = [v for _, v in r["train"]]
         k = 10
@@ -214,34 +228,113 @@ def summarise(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[
         axes[1].plot([s for s, _ in r["val"]], [v for _, v in r["val"]], marker="o", label=label, lw=1)
         if r["weights"] != "none":
             axes[2].plot([s for s, _ in r["drift"]], [d for _, d in r["drift"]], label=label, lw=1)
-    axes[0].set(title="train loss (4 ranks, 10-step mean)", xlabel="step", ylabel="loss")
-    axes[1].set(title="validation loss", xlabel="step")
-    axes[2].set(title="||w_master - w_model|| / ||w_master||", xlabel="step", yscale="log")
+    axes[0].set(title=f"train loss (4 ranks, 10-step mean){suffix}", xlabel="step", ylabel="loss")
+    axes[1].set(title=f"validation loss{suffix}", xlabel="step")
+    axes[2].set(title=f"||w_master - w_model|| / ||w_master||{suffix}", xlabel="step", yscale="log")
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7)
     axes[2].legend(fontsize=7)
+
+
+def _describe(args: dict[str, Any], params: Any, seeds: str | None = None) -> str:
+    """The paragraph that says what was trained (``args``: the run's arguments as a dict)."""
+    world = args["world"]
+    seed_note = f" Seeds {seeds}." if seeds else ""
+    return (
+        f"Char GPT: n_layer={args['n_layer']}, n_head={args['n_head']}, n_embd={args['n_embd']}, "
+        f"block={args['block']}, {params} parameters; batch {args['batch']} per rank (global {args['batch'] * world}), "
+        f"{args['steps']} steps, AdamW lr {args['lr']} (warm-up {args['warmup']}, cosine), clip 1.0; data "
+        f"`{args['data']}`; validation on {args['val_batches']} batches per rank every {args['val_every']} steps. "
+        f"Same seed, initial weights and data order for every configuration.{seed_note}"
+    )
+
+
+_QUANT_NOTE = (
+    "Relative quantisation error of the weights every rank holds, on the real weights of the qwd/tlq_hs run "
+    "(qW: 4-bit, group 2048, round-to-nearest, applied to the weights themselves; qWD: this run's model copy):"
+)
+
+
+def summarise(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dict, str, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, qrows = _rows(results), _quant_rows(results)
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    _plot(axes, results, args.seed)
     fig.tight_layout()
-    params = results[0].get("params")
     md = [
         "# SDP4Bit convergence (CPU, gloo, 4 processes as 2 nodes x 2)",
         "",
-        f"Char GPT: n_layer={args.n_layer}, n_head={args.n_head}, n_embd={args.n_embd}, block={args.block}, "
-        f"{params} parameters; batch {args.batch} per rank (global {args.batch * args.world}), {args.steps} steps, "
-        f"AdamW lr {args.lr} (warm-up {args.warmup}, cosine), clip 1.0; data `{args.data}`; validation on "
-        f"{args.val_batches} batches per rank every {args.val_every} steps. Same seed, initial weights and data order "
-        "for every configuration.",
+        _describe(vars(args), results[0].get("params")),
         "",
-        markdown_table(rows, columns),
+        markdown_table(rows, list(rows[0])),
         "",
-        "Relative quantisation error of the weights every rank holds, on the real weights of the qwd/tlq_hs run "
-        "(qW: 4-bit, group 2048, round-to-nearest, applied to the weights themselves; qWD: this run's model copy):",
+        _QUANT_NOTE,
         "",
         markdown_table(qrows) if qrows else "(none recorded)",
         "",
     ]
     payload = {"args": vars(args), "results": results, "table": rows, "quant_error": qrows}
     return payload, "\n".join(md), fig
+
+
+def merge(names: Sequence[str], out: str = "sdp4bit_convergence") -> dict[str, Path]:
+    """Merge stored runs ``results/<name>.json`` into ``results/<out>.{json,md,png}``, numbers unchanged.
+
+    The current result of this benchmark is several runs (more seeds, a longer run). The merged files hold one
+    section per run length: the runs' stored table rows one after the other, the qW/qWD error of the first run of
+    that length, and the runs they came from (name, steps, seeds, machine).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [(name, json.loads((RESULTS_DIR / f"{name}.json").read_text())) for name in names]
+    for name, run in runs:
+        if "args" not in run:
+            raise ValueError(f"results/{name}.json is not a stored run (already merged?): merge the runs themselves.")
+    lengths = sorted({run["args"]["steps"] for _, run in runs})
+    fig, axes = plt.subplots(len(lengths), 3, figsize=(17, 4.8 * len(lengths)), squeeze=False)
+    md = [
+        "# SDP4Bit convergence (CPU, gloo, 4 processes as 2 nodes x 2)",
+        "",
+        f"Merged from {len(runs)} stored runs (numbers unchanged):",
+        "",
+        markdown_table([_source(name, run) for name, run in runs]),
+        "",
+    ]
+    for row, steps in enumerate(lengths):
+        same = [(name, run) for name, run in runs if run["args"]["steps"] == steps]
+        results = [r for _, run in same for r in run["results"]]
+        seeds = ", ".join(str(s) for s in sorted({r["seed"] for r in results}))
+        first = same[0][1]
+        md += [f"## {steps} steps", "", _describe(first["args"], results[0].get("params"), seeds), ""]
+        md += [markdown_table([r for _, run in same for r in run["table"]]), "", _QUANT_NOTE, ""]
+        md += [markdown_table(first["quant_error"]) if first["quant_error"] else "(none recorded)", ""]
+        _plot(axes[row], results, first["args"]["seed"], suffix=f", {steps} steps")
+    fig.tight_layout()
+    payload = {
+        "merged_from": [_source(name, run) for name, run in runs],
+        "runs": {name: run for name, run in runs},
+        "machine": runs[0][1]["machine"],
+    }
+    return write_results(out, payload, "\n".join(md), fig)
+
+
+def _source(name: str, run: dict[str, Any]) -> dict[str, Any]:
+    seeds = sorted({r["seed"] for r in run["results"]})
+    configs = sorted({f"{r['weights']}/{r['grads']}" for r in run["results"]})
+    machine = run.get("machine", {})
+    return {
+        "run": name, "steps": run["args"]["steps"], "seeds": ", ".join(map(str, seeds)),
+        "configurations": len(configs), "machine": f"{machine.get('cpu')}, {machine.get('cores')} cores",
+        "date": str(machine.get("date", ""))[:10],
+    }  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -264,7 +357,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--modes", nargs="*", default=[f"{w}/{g}" for w, g in CONFIGS])
     parser.add_argument("--name", default="sdp4bit_convergence", help="stem of the files in benchmarks/results/")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run; writes <name>_quick.*")
+    parser.add_argument(
+        "--merge", nargs="+", metavar="RUN", help="merge stored results/<RUN>.json files into results/<name>.* (no run)"
+    )
     args = parser.parse_args(argv)
+    if args.merge:
+        print(merge(args.merge, args.name))
+        return
     if args.quick:
         args.steps, args.val_every, args.val_batches, args.n_embd, args.n_layer = 12, 6, 2, 32, 1
         args.warmup = 2

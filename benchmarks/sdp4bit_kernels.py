@@ -4,7 +4,7 @@ For each fused kernel the script checks the result against the plain-torch refer
 rounding offsets; dequantise-sum-Hadamard to float tolerance), then times it at ``--numel`` elements (64M by
 default) and reports the achieved bandwidth, counted as bytes read + written, next to the card's measured copy
 bandwidth (``torch.Tensor.copy_`` of an fp32 buffer) and beside the plain-torch reference codec doing the same work
-on the same device. The issue's target: at least half of the copy bandwidth.
+on the same device. The target: at least half of the copy bandwidth.
 Writes ``benchmarks/results/sdp4bit_kernels.{json,md}``.
 
     .venv/bin/python -m benchmarks.sdp4bit_kernels                 # on a GPU

@@ -92,7 +92,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
                 model = _model(n_embd, args.steps)
                 init = model.transformer.wte.weight.detach().clone()
                 strategy = SDP4BitStrategy(weights, grads, weight_group_size=256, seed=1)
-                strategy.align_hadamard_blocks = aligned
+                strategy._align_hadamard_blocks = aligned  # a measurement knob, not an option
                 sampler = DistributedSampler(data, num_replicas=WORLD, rank=rank, shuffle=False)
                 trainer = pl.Trainer(
                     strategy=strategy, devices=WORLD, accelerator="cpu", max_steps=args.steps, logger=False,

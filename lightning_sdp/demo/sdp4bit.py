@@ -58,7 +58,7 @@ def run(out: Path, quick: bool) -> dict[str, Any]:
         f"({b0 / b1:.1f}x less); train loss {q.get('train/loss', float('nan')):.3f} vs "
         f"{base.get('train/loss', float('nan')):.3f} after {steps} steps",
         "note": "Bytes this rank sends per step in the weight all-gather and gradient reduce-scatter. Longer "
-        "runs (benchmarks/results/sdp4bit_convergence*.md) show the loss staying within about 1% of uncompressed.",
+        "runs (benchmarks/results/sdp4bit_convergence.md) compare the validation loss with uncompressed training.",
         "bytes_per_step_uncompressed": b0,
         "bytes_per_step_sdp4bit": b1,
         "reduction": b0 / b1,

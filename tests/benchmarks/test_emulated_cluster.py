@@ -54,6 +54,7 @@ def _netns_unusable() -> str | None:
 
 _SKIP = _netns_unusable()
 needs_netns = pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
+pytestmark = pytest.mark.bench
 
 
 def _namespaces(prefix: str) -> list[str]:

@@ -7,9 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from benchmarks._common import RESULTS_DIR
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
+@pytest.mark.bench
 def test_quick_run_writes_a_falling_curve_and_three_attention_rows():
     res = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpt_char_cpu", "--quick", "--data", "/nonexistent/input.txt"],
@@ -17,7 +23,7 @@ def test_quick_run_writes_a_falling_curve_and_three_attention_rows():
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     assert "using the built-in corpus" in res.stdout
-    payload = json.loads((REPO / "benchmarks" / "results" / "gpt_char_cpu_quick.json").read_text())
+    payload = json.loads((RESULTS_DIR / "gpt_char_cpu_quick.json").read_text())
     curve = payload["curve"]
     assert [r["step"] for r in curve] == [10, 20]
     assert curve[-1]["val_loss"] < curve[0]["val_loss"]

@@ -7,7 +7,7 @@ import pytest
 from benchmarks import sdp4bit_kernels
 from benchmarks._common import RESULTS_DIR
 
-pytestmark = pytest.mark.triton
+pytestmark = [pytest.mark.triton, pytest.mark.bench]
 
 
 def test_quick_mode_checks_every_kernel_against_the_reference() -> None:

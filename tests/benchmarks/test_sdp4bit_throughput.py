@@ -11,8 +11,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from benchmarks.sdp4bit_throughput import _expected_node_egress, _hooked_ddp_strategy, _parser, _run_method
 from tests._distributed import run_distributed
+
+pytestmark = pytest.mark.bench
 
 _CALLS: list[str] = []
 
@@ -45,6 +49,7 @@ def _fit_with_hooks(rank: int, world: int) -> dict[str, int]:
     return calls
 
 
+@pytest.mark.slow
 def test_ddp_comm_hook_runs_on_cpu_gloo() -> None:
     # Lightning's DDPStrategy(ddp_comm_hook=...) registers the hook only on CUDA: on a CPU it is silently skipped.
     # The benchmark's DDP peers register it themselves, so fp16/bf16/PowerSGD act on gloo too.
@@ -92,6 +97,7 @@ def _run_methods(rank: int, world: int, data: str, methods: list[str]) -> list[d
     return rows
 
 
+@pytest.mark.slow
 def test_worker_runs_zero_and_sdp4bit_and_accounts_sdp4bit_bytes(tmp_path: Path) -> None:
     data = tmp_path / "input.txt"
     data.write_text("".join(chr(97 + (i * 7) % 26) + (" " if i % 5 == 0 else "") for i in range(4000)))

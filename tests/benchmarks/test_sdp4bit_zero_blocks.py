@@ -2,8 +2,12 @@
 
 import json
 
+import pytest
+
 from benchmarks import sdp4bit_zero_blocks
 from benchmarks._common import RESULTS_DIR
+
+pytestmark = [pytest.mark.bench, pytest.mark.slow]
 
 
 def test_quick_mode_aligned_blocks_leave_zero_gradient_rows_alone() -> None:

@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from tests._distributed import run_distributed
 
+pytestmark = pytest.mark.slow  # every test reads the results of one launch of 4 gloo processes
+
 N_SAMPLES, BATCH, WORLD = 64, 4, 4
 ACCUM, CLIP, LR = 2, 0.05, 0.05
 

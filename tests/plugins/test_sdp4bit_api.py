@@ -55,9 +55,10 @@ def _tiny(optimizer: str = "adamw"):
 def _trainer(strategy, **kwargs):
     from lightning.pytorch import Trainer
 
+    kwargs = {"max_steps": 3, "logger": False, **kwargs}
     return Trainer(
-        strategy=strategy, devices=1, accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, **kwargs,
+        strategy=strategy, devices=1, accelerator="cpu", enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, **kwargs,
     )  # fmt: skip
 
 
@@ -80,7 +81,11 @@ def test_yaml_config_builds_the_strategy(tmp_path):
     cli = cli_main(["--config", str(config), f"--trainer.default_root_dir={tmp_path}"], run=False)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, SDP4BitStrategy)
-    assert (strategy.weight_compression, strategy.gradient_compression, strategy.intra_node_size) == (
+    assert (
+        strategy.config.weight_compression,
+        strategy.config.gradient_compression,
+        strategy.config.intra_node_size,
+    ) == (
         "qwd",
         "tlq_hs",
         2,
@@ -245,3 +250,104 @@ def test_clipping_wrapper_forwards_and_falls_back_for_optimizers_it_does_not_sha
     assert wrapper.precision == "32-true" and wrapper.extra == user.extra and wrapper.state_dict() == {"kept": 1}
     with pytest.raises(TypeError, match="must not wrap itself"):
         ShardedClippingPrecision(wrapper, clip_shards)
+
+
+def test_config_holds_the_checked_options():
+    import dataclasses
+
+    from lightning_sdp.plugins.sdp4bit import GradientFormat, SDP4BitConfig, WeightFormat
+
+    strategy = SDP4BitStrategy("qw", "tlq", weight_bits=8, weight_group_size=256, log_metrics=False)
+    assert strategy.config == SDP4BitConfig("qw", "tlq", weight_bits=8, weight_group_size=256, log_metrics=False)
+    assert strategy.config.weight_format == WeightFormat("qw", 8, 256)
+    assert strategy.config.gradient_format == GradientFormat(8, 4, None)
+    assert strategy.config.weight_format.quantized and not strategy.config.weight_format.differences
+    assert SDP4BitConfig(weight_compression="none").weight_format.quantized is False
+    assert strategy.alignment == strategy.config.alignment == 256
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        strategy.config.weight_bits = 4  # type: ignore[misc]
+    with pytest.raises(ValueError, match="weight_bits must be 4 or 8"):
+        SDP4BitConfig(weight_bits=2)
+    with pytest.raises(TypeError, match="log_metrics must be a bool"):
+        SDP4BitStrategy(log_metrics="no")  # type: ignore[arg-type]
+
+
+def test_the_measurement_knob_is_not_an_option():
+    import inspect
+
+    params = inspect.signature(SDP4BitStrategy).parameters
+    assert "align_hadamard_blocks" not in params and "log_metrics" in params
+    with pytest.raises(TypeError, match="align_hadamard_blocks"):
+        SDP4BitStrategy(align_hadamard_blocks=False)  # type: ignore[call-arg]
+
+
+def _logging_tiny():
+    class Logging(type(_tiny())):  # type: ignore[misc]
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("train/loss", loss)
+            return loss
+
+    return Logging()
+
+
+@pytest.mark.parametrize("log_metrics", [True, False])
+def test_metrics_reach_the_logger_at_its_cadence_or_not_at_all(single_process_group, tmp_path, log_metrics):
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path)
+    trainer = _trainer(SDP4BitStrategy(log_metrics=log_metrics), max_steps=6, log_every_n_steps=2, logger=logger)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(_logging_tiny())
+    with open(logger.experiment.metrics_file_path) as f:
+        rows = list(csv.DictReader(f))
+    columns = sorted(c for c in rows[0] if c.startswith("sdp4bit/"))
+    assert [int(r["step"]) for r in rows if r["train/loss"]] == [1, 3, 5]  # the user's own metric: every 2nd step
+    if not log_metrics:
+        assert columns == [] and not any(k.startswith("sdp4bit/") for k in trainer.callback_metrics)
+        return
+    assert [c.removeprefix("sdp4bit/") for c in columns] == [
+        "bytes_per_step", "codec_ms", "grad_bits_per_element_inter", "grad_bits_per_element_intra", "skipped_steps",
+        "weight_bits_per_element", "weight_drift",
+    ]  # fmt: skip
+    for column in columns:  # written with the user's metrics, not every step
+        assert [int(r["step"]) for r in rows if r[column]] == [1, 3, 5], column
+
+
+@pytest.mark.parametrize(
+    "manual,allow_any", [(False, False), (False, True), (True, False)], ids=["automatic", "allow_any", "manual"]
+)
+def test_a_module_without_an_optimizer_is_a_clear_error(single_process_group, manual, allow_any):
+    # Lightning trains with a placeholder optimizer when configure_optimizers returns None; SDP4Bit cannot
+    class NoOptimizer(type(_tiny())):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = not manual
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            if manual:
+                self.manual_backward(loss)
+            return loss
+
+        def configure_optimizers(self):
+            return None
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=r"needs an optimizer: `configure_optimizers` returned None.*Return an"):
+            _trainer(SDP4BitStrategy(allow_any_optimizer=allow_any)).fit(NoOptimizer())
+
+
+def test_a_module_without_configure_optimizers_gets_lightnings_error(single_process_group):
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+    from lightning.pytorch import LightningModule
+
+    class NoMethod(type(_tiny())):  # type: ignore[misc]
+        configure_optimizers = LightningModule.configure_optimizers  # not overridden
+
+    with pytest.raises(MisconfigurationException, match=r"No `configure_optimizers\(\)` method defined"):
+        _trainer(SDP4BitStrategy()).fit(NoMethod())

@@ -1,4 +1,4 @@
-"""SDP4BitStrategy as a drop-in for ``strategy="ddp"`` (issue 19, items 1-7).
+"""SDP4BitStrategy as a drop-in for ``strategy="ddp"``.
 
 One launch of 2 gloo processes runs every multi-process scenario next to Lightning's ``ddp`` on the same model and
 data: frozen and unused parameters, zero gradients next to non-zero ones, manual optimization with
@@ -194,6 +194,7 @@ def two():
 TRAINED = ("l1.weight", "l1.bias", "l2.weight", "l2.bias")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("opt", ["adamw", "sgd"])
 def test_frozen_and_unused_parameters_are_left_alone(two, opt):
     for res in two:
@@ -206,6 +207,7 @@ def test_frozen_and_unused_parameters_are_left_alone(two, opt):
             np.testing.assert_allclose(res[f"{opt}/none"][name], res[f"{opt}/ddp"][name], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_zero_gradient_next_to_nonzero_ones_stays_exactly_zero(two):
     for res in two:
         # Adam turns any noise into full-size steps; the zero-gradient parameter shares no Hadamard block now
@@ -213,12 +215,14 @@ def test_zero_gradient_next_to_nonzero_ones_stays_exactly_zero(two):
         assert not np.array_equal(res["adam_zero/sdp"]["l1.weight"], res["init"]["l1.weight"])
 
 
+@pytest.mark.slow
 def test_manual_optimization_clips_the_reduced_gradient(two):
     for res in two:
         for name in TRAINED:
             np.testing.assert_allclose(res["manual/none"][name], res["manual/ddp"][name], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_grad_norm_at_on_before_optimizer_step_matches_ddp(two):
     for res in two:
         ddp, ours = res["adamw/ddp/norms"], res["adamw/none/norms"]
@@ -231,6 +235,7 @@ def test_grad_norm_at_on_before_optimizer_step_matches_ddp(two):
         assert set(res["adamw/sdp/norms"][0]) == set(ddp[0])
 
 
+@pytest.mark.slow
 def test_backbone_finetuning_adds_a_param_group(two):
     for res in two:
         assert res["finetune/single/groups"] == res["finetune/none/groups"] == 2
@@ -239,6 +244,7 @@ def test_backbone_finetuning_adds_a_param_group(two):
             np.testing.assert_allclose(res["finetune/none"][name], value, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_gradients_too_large_to_quantise_are_caught(two):
     for res in two:
         assert res["huge/sdp/skipped"] == 1
@@ -247,6 +253,7 @@ def test_gradients_too_large_to_quantise_are_caught(two):
         assert res["huge/none/skipped"] == 0
 
 
+@pytest.mark.slow
 def test_fits_do_not_leak_process_groups(two):
     for res in two:
         assert res["pg_after_all_fits"] == res["pg_after_first_fits"]

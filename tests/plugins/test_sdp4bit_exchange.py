@@ -15,10 +15,10 @@ from lightning_sdp.plugins.sdp4bit.exchange import (
     TorchOps,
     all_gather_weights,
     derive_seed,
-    gradient_format,
     padded_shard_size,
     reduce_scatter_gradients,
 )
+from lightning_sdp.plugins.sdp4bit.formats import gradient_format
 from lightning_sdp.plugins.sdp4bit.topology import build_topology
 from tests._distributed import run_distributed
 
@@ -162,6 +162,7 @@ def grad_results(results):
     return [r["2x2"] for r in results]
 
 
+@pytest.mark.slow
 def test_two_level_topology_and_routing(grad_results):
     for rank, res in enumerate(grad_results):
         assert (res["intra"], res["inter"]) == (2, 2)
@@ -171,6 +172,7 @@ def test_two_level_topology_and_routing(grad_results):
         assert res["none"]["rel_err"] < 1e-6
 
 
+@pytest.mark.slow
 def test_gradient_error_and_hadamard(grad_results):
     for res in grad_results:
         # within the quantisation bound of an 8-bit + 4-bit pipeline (a routing bug gives ~1.4)
@@ -181,6 +183,7 @@ def test_gradient_error_and_hadamard(grad_results):
         assert res["reproducible"]
 
 
+@pytest.mark.slow
 def test_gradient_bits_per_element(grad_results):
     for res in grad_results:
         assert res["tlq_hs"]["bits_intra"] == pytest.approx(QuantFormat(8, 128).bits_per_value) == pytest.approx(8.25)
@@ -189,6 +192,7 @@ def test_gradient_bits_per_element(grad_results):
         assert res["none"]["bits_intra"] == res["none"]["bits_inter"] == 32.0
 
 
+@pytest.mark.slow
 def test_single_level_topologies(results):
     for res in (r["intra_only"] for r in results):
         assert (res["intra"], res["inter"]) == (4, 1)
@@ -200,6 +204,7 @@ def test_single_level_topologies(results):
         assert res["tlq_hs"]["sim_diff"] < 1e-5
 
 
+@pytest.mark.slow
 def test_weight_exchange_qwd_vs_qw(results):
     for res in (r["weights"] for r in results):
         for mode in ("qwd", "qw", "none"):
@@ -277,7 +282,7 @@ def test_rounding_streams_differ_across_buckets_ranks_steps_and_repeat():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_one_pass_finiteness_check_matches_isfinite(dtype):
-    from lightning_sdp.plugins.sdp4bit.strategy import _all_finite
+    from lightning_sdp.plugins.sdp4bit.overlap import _all_finite
 
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     for trial in range(40):

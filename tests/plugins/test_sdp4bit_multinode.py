@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "sdp4bit_two_nodes.py"
 
 
+@pytest.mark.slow
 def test_torchrun_two_nodes_on_loopback_detects_topology():
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--launch", "--steps", "2"], capture_output=True, text=True, timeout=400

@@ -1,4 +1,4 @@
-"""SDP4Bit's overlap and pipelining (issue 14, item 1): several buckets, exchanged during backward on worker threads.
+"""SDP4Bit's overlap and pipelining: several buckets, exchanged during backward on worker threads.
 
 One launch of 4 gloo processes (2 emulated nodes x 2, so both all-to-all levels are pipelined) trains a small net
 with every feature that touches the exchange (gradient accumulation, clipping by the global norm, a NaN step
@@ -129,6 +129,7 @@ def four(tmp_path_factory):
     return run_distributed(_run, WORLD, str(tmp_path_factory.mktemp("overlap")), timeout=600, init_group=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["plain", "nan", "edit"])
 def test_overlapped_exchange_is_bit_identical_to_the_sequential_one(four, name):
     for res in four:
@@ -146,17 +147,20 @@ def test_overlapped_exchange_is_bit_identical_to_the_sequential_one(four, name):
     assert all(np.array_equal(r[f"{name}/True"], four[0][f"{name}/True"]) for r in four)
 
 
+@pytest.mark.slow
 def test_buckets_leave_during_backward_only_when_overlapping(four):
     for res in four:
         assert res["plain/True/launched_in_backward"] > 0
         assert res["plain/False/launched_in_backward"] == 0
 
 
+@pytest.mark.slow
 def test_edited_gradients_are_exchanged_again(four):
     for res in four:  # the edit changed the result (it was not lost in the bucket sent during backward)
         assert not np.array_equal(res["edit/True"], res["plain/True"])
 
 
+@pytest.mark.slow
 def test_fp32_exchange_is_unchanged_by_buckets_and_overlap(four):
     for res in four:
         assert np.array_equal(res["exact/True"], res["exact/False"])
@@ -164,6 +168,7 @@ def test_fp32_exchange_is_unchanged_by_buckets_and_overlap(four):
         np.testing.assert_allclose(res["exact/True"], res["exact/one_bucket"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_checkpoint_does_not_depend_on_bucket_size(four):
     for res in four:
         assert res["ckpt_same"]

@@ -26,7 +26,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,12 +35,8 @@ from torch import Tensor
 
 from lightning_sdp.kernels import quantization as ref
 from lightning_sdp.kernels.quantization import QuantFormat, Rounding, RoundingSource
+from lightning_sdp.plugins.sdp4bit.formats import WEIGHT_MODES, GradientFormat
 from lightning_sdp.plugins.sdp4bit.topology import Topology
-
-WeightCompression = Literal["qwd", "qw", "none"]
-GradientCompression = Literal["tlq_hs", "tlq", "ulq", "none"]
-WEIGHT_MODES = ("qwd", "qw", "none")
-GRADIENT_MODES = ("tlq_hs", "tlq", "ulq", "none")
 
 # ``all_gather_into_tensor(output, input, group=None)``: every rank's ``input`` laid end to end in ``output``. Newer
 # torch releases name it ``all_gather_single`` (beside ``all_to_all_single``); older ones only have the long name.
@@ -327,42 +323,6 @@ class TritonOps(TorchOps):
         self._k.dequantize_add_(target, payload, scales, QuantFormat(bits, group))
 
 
-@dataclass(frozen=True)
-class GradientFormat:
-    """Bit widths and transform of one gradient mode.
-
-    Attributes:
-        intra_bits: bits inside a node (``None``: fp32).
-        inter_bits: bits between nodes (``None``: fp32).
-        hadamard: Hadamard block size, or ``None``.
-    """
-
-    intra_bits: int | None
-    inter_bits: int | None
-    hadamard: int | None
-
-    @property
-    def quantized(self) -> bool:
-        """Whether any level is quantised."""
-        return self.intra_bits is not None
-
-
-def gradient_format(mode: str, intra_bits: int, inter_bits: int, hadamard_size: int) -> GradientFormat:
-    """The :class:`GradientFormat` of ``gradient_compression=mode``.
-
-    ``"ulq"`` uses 4 bits at every level and no transform (the uniform baseline the paper compares against).
-    """
-    if mode == "tlq_hs":
-        return GradientFormat(intra_bits, inter_bits, hadamard_size)
-    if mode == "tlq":
-        return GradientFormat(intra_bits, inter_bits, None)
-    if mode == "ulq":
-        return GradientFormat(4, 4, None)
-    if mode == "none":
-        return GradientFormat(None, None, None)
-    raise ValueError(f"gradient_compression must be one of {GRADIENT_MODES}, got {mode!r}.")
-
-
 def _all_to_all(out: Tensor, inp: Tensor, group: Any) -> None:
     dist.all_to_all_single(out, inp, group=group)
 
@@ -446,7 +406,7 @@ class GradientExchange:
     Args:
         flat: fp32 buffer of ``world_size * S`` values, identical layout on every rank (already divided by W).
         topo: process topology.
-        fmt: bit widths / transform (see :func:`gradient_format`).
+        fmt: bit widths / transform (see :func:`~lightning_sdp.plugins.sdp4bit.formats.gradient_format`).
         group_size: quantisation group (``S`` must be a multiple of it when quantising).
         rounding: ``"stochastic"`` or ``"nearest"``.
         rng: rounding randomness of this buffer.
@@ -594,7 +554,7 @@ def reduce_scatter_gradients(
     Args:
         flat: fp32 buffer of ``world_size * S`` values, identical layout on every rank.
         topo: process topology.
-        fmt: bit widths / transform (see :func:`gradient_format`).
+        fmt: bit widths / transform (see :func:`~lightning_sdp.plugins.sdp4bit.formats.gradient_format`).
         group_size: quantisation group (``S`` must be a multiple of it when quantising).
         rounding: ``"stochastic"`` or ``"nearest"``.
         rng: per-step rounding randomness.

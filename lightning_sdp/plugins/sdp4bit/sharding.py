@@ -10,11 +10,13 @@ again for the world size that loads it.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_sdp.plugins.sdp4bit.exchange import all_gather_into_tensor, padded_shard_size
@@ -334,6 +336,42 @@ def shard_optimizer(
     return buckets
 
 
+def shard_new_groups(
+    optimizer: Optimizer,
+    buckets: list[FlatBucket],
+    names: dict[int, str],
+    world_size: int,
+    rank: int,
+    alignment: int,
+    param_alignment: int = 1,
+    bucket_numel: int | None = None,
+) -> bool:
+    """Shard the param groups added since :func:`shard_optimizer` (``add_param_group``, e.g. by
+    ``BackboneFinetuning``), appending their buckets to ``buckets``. Returns whether there were any.
+
+    Removing param groups or editing a group's ``"params"`` after sharding is refused with a ``ValueError``. The
+    other arguments are those of :func:`shard_optimizer`.
+    """
+    groups = optimizer.param_groups
+    n_known = len({b.group_index for b in buckets})
+    if len(groups) < n_known:
+        raise ValueError(
+            f"The optimizer had {n_known} param groups when SDP4BitStrategy sharded it and now has "
+            f"{len(groups)}: removing param groups during training is not supported (adding them is)."
+        )
+    for i, group in enumerate(groups[:n_known]):
+        params, known = group["params"], group_params(buckets, i)
+        if len(params) != len(known) or any(p is not q for p, q in zip(params, known, strict=True)):
+            raise ValueError(
+                f"The parameters of optimizer param group {i} changed after SDP4BitStrategy sharded it: editing "
+                "a group's 'params' during training is not supported. Add new parameters with "
+                "`optimizer.add_param_group(...)` instead."
+            )
+    for i in range(n_known, len(groups)):
+        buckets.extend(shard_group(groups[i], names, world_size, rank, alignment, param_alignment, i, bucket_numel))
+    return len(groups) > n_known
+
+
 class use_shards:  # lower case: used like a function: ``with use_shards(optimizer, buckets): ...``
     """Context manager: the optimizer's param groups hold the fp32 master shards inside, the model parameters outside.
 
@@ -450,6 +488,23 @@ def load_consolidated_state(optimizer: Optimizer, buckets: list[FlatBucket], sav
                 group[k] = v
 
 
+def put_master_weights(state: dict[str, Any], module: Module, buckets: list[FlatBucket]) -> dict[str, Any]:
+    """Replace the parameters in ``module``'s ``state`` dict by the exact master weights (a collective).
+
+    Every name of a parameter is replaced (tied weights appear under several names), in the state's dtype.
+    """
+    aliases: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    for bucket in buckets:
+        full = bucket.full_master()
+        for p, view in zip(bucket.params, bucket.views(full), strict=True):
+            for name in aliases.get(id(p), []):
+                if name in state:
+                    state[name] = view.to(state[name].dtype).clone()
+    return state
+
+
 def _load_bucket(optimizer: Optimizer, bucket: FlatBucket, ids: list[int], saved_state: dict, masters: dict) -> None:
     """Cut the consolidated state of parameters ``ids`` for this rank's shard of ``bucket``."""
     entries = [saved_state.get(i, {}) for i in ids]
@@ -490,6 +545,119 @@ def _load_bucket(optimizer: Optimizer, bucket: FlatBucket, ids: list[int], saved
         with torch.no_grad():
             bucket.load_from_params()
             bucket.master.copy_(bucket.model_flat[bucket.lo : bucket.lo + bucket.shard_size].float())
+
+
+# Value of a fresh optimizer state entry where it is not zero (Rprop starts every step size at the learning rate).
+_FRESH_STATE_FROM_GROUP = {"step_size": "lr"}
+# What :func:`snapshot_absent` saves for one bucket: its group index, the bucket, the shard ranges of the absent
+# parameters, their master values and their optimizer state (``{"": None}``: no state yet, reset to fresh values).
+AbsentSnapshot = tuple[int, FlatBucket, list[tuple[int, int]], Tensor, dict[str, Tensor | None]]
+
+
+def _is_shard_state(value: Any, bucket: FlatBucket) -> bool:
+    return isinstance(value, Tensor) and value.dim() == 1 and value.numel() == bucket.shard_size
+
+
+def _range_index(bucket: FlatBucket, ranges: list[tuple[int, int]]) -> Tensor:
+    return torch.cat([torch.arange(a, b, device=bucket.master.device) for a, b in ranges])
+
+
+def snapshot_absent(
+    optimizer: Optimizer, buckets: list[FlatBucket], absent: dict[int, list[int]]
+) -> list[AbsentSnapshot]:
+    """Save the master values and optimizer state of parameters without a gradient on any rank.
+
+    torch's optimizers leave a parameter whose ``.grad`` is ``None`` alone; on a flat shard its values would still
+    be stepped (weight decay, momentum). :func:`restore_absent` puts them back after the step.
+
+    Args:
+        optimizer: the sharded optimizer.
+        buckets: its buckets.
+        absent: per bucket (``id(bucket)``), the indices of its parameters that no rank has a gradient for.
+    """
+    saved_all: list[AbsentSnapshot] = []
+    for bucket in buckets:
+        indices = absent.get(id(bucket))
+        if not indices or bucket.master.grad is None:
+            continue
+        ranges = bucket.shard_ranges(indices)
+        if not ranges:
+            continue
+        idx = _range_index(bucket, ranges)
+        state = optimizer.state.get(bucket.master, {})
+        saved: dict[str, Tensor | None] = {k: v[idx].clone() for k, v in state.items() if _is_shard_state(v, bucket)}
+        if not state:
+            saved = {"": None}  # the state does not exist yet: reset to fresh values after the step
+        saved_all.append((bucket.group_index, bucket, ranges, bucket.master.detach()[idx].clone(), saved))
+    return saved_all
+
+
+@torch.no_grad()
+def restore_absent(optimizer: Optimizer, snapshots: list[AbsentSnapshot]) -> None:
+    """Undo the optimizer step on what :func:`snapshot_absent` saved."""
+    for index, bucket, ranges, master, saved in snapshots:
+        idx = _range_index(bucket, ranges)
+        bucket.master.index_copy_(0, idx, master)
+        state = optimizer.state.get(bucket.master, {})
+        for k, v in state.items():
+            if not _is_shard_state(v, bucket):
+                continue
+            if k in saved and saved[k] is not None:
+                v.index_copy_(0, idx, saved[k])
+            elif "" in saved:
+                fresh = _FRESH_STATE_FROM_GROUP.get(k)
+                v.index_fill_(0, idx, float(optimizer.param_groups[index][fresh]) if fresh else 0.0)
+
+
+def clip_shard_grads(buckets: list[FlatBucket], kind: str, clip_val: float, device: torch.device) -> None:
+    """Clip the reduced shard gradients of ``buckets`` in place, as if the whole model's gradients were clipped.
+
+    ``"norm"`` is ``clip_grad_norm_`` (the norm of all shards, all-reduced across ranks), ``"value"`` is
+    ``clip_grad_value_``.
+    """
+    grads = [b.master.grad for b in buckets if b.master.grad is not None]
+    if kind == "value":
+        for g in grads:
+            g.clamp_(-clip_val, clip_val)
+        return
+    sq = torch.zeros(1, dtype=torch.float32, device=device)
+    for g in grads:
+        sq += g.pow(2).sum()
+    total = all_reduce_sum(sq).sqrt()
+    coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+
+
+def shard_grad_norms(
+    buckets: list[FlatBucket], absent: dict[int, list[int]], names: dict[int, str], norm_type: float
+) -> tuple[list[str], Tensor | None]:
+    """Per parameter, this rank's part of the p-norm of its reduced gradient (sum of ``|g|^p``, or max for inf).
+
+    Parameters not in ``names`` (``id -> name``) or without a gradient on any rank (``absent``) are left out. Sum
+    (or max) the parts over ranks and take the p-th root for the norms.
+
+    Returns:
+        The parameter names and their parts (``None`` when there is none).
+    """
+    out: list[str] = []
+    parts: list[Tensor] = []
+    for bucket in buckets:
+        grad = bucket.master.grad
+        if grad is None:
+            continue
+        skip = set(absent.get(id(bucket), []))
+        for i, p in enumerate(bucket.params):
+            if i in skip or id(p) not in names:
+                continue
+            out.append(names[id(p)])
+            ranges = bucket.shard_ranges([i])
+            values = grad[ranges[0][0] : ranges[0][1]].double().abs() if ranges else grad.new_zeros(0).double()
+            if math.isinf(norm_type):
+                parts.append(values.max() if values.numel() else values.new_zeros(()))
+            else:
+                parts.append(values.pow(norm_type).sum())
+    return out, (torch.stack(parts) if parts else None)
 
 
 def all_reduce_sum(values: Tensor) -> Tensor:

@@ -1,0 +1,161 @@
+"""The options of :class:`~lightning_sdp.plugins.sdp4bit.SDP4BitStrategy`, checked once when they are set."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from lightning_sdp.kernels.quantization import Rounding
+from lightning_sdp.plugins.sdp4bit.formats import (
+    GRADIENT_MODES,
+    WEIGHT_MODES,
+    GradientCompression,
+    GradientFormat,
+    WeightCompression,
+    WeightFormat,
+    gradient_format,
+)
+
+# Every param group is padded to a whole number of groups per rank: a huge group pads a small model to gigabytes.
+MAX_GROUP_SIZE = 2**16
+# The Hadamard transform builds a dense n x n matrix.
+MAX_HADAMARD_SIZE = 1024
+_INTS = (
+    "weight_bits", "weight_group_size", "gradient_intra_bits", "gradient_inter_bits", "gradient_group_size",
+    "hadamard_size", "seed",
+)  # fmt: skip
+_FLAGS = ("track_drift", "allow_any_optimizer", "overlap", "overlap_param_gather", "log_metrics")
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "weight_compression": WEIGHT_MODES,
+    "gradient_compression": GRADIENT_MODES,
+    "rounding": ("stochastic", "nearest"),
+    "nonfinite_gradients": ("raise", "skip"),
+    "kernel_backend": ("auto", "torch", "triton"),
+}
+
+
+@dataclass(frozen=True)
+class SDP4BitConfig:
+    """What SDP4Bit compresses and how it overlaps; the arguments of :class:`SDP4BitStrategy` of the same names.
+
+    Construction checks every value once: a wrong type raises ``TypeError``, a wrong value ``ValueError``, each
+    naming the argument and what to pass instead. :attr:`weight_format`, :attr:`gradient_format` and
+    :attr:`alignment` are derived from the options.
+    """
+
+    weight_compression: WeightCompression = "qwd"
+    gradient_compression: GradientCompression = "tlq_hs"
+    weight_bits: int = 4
+    weight_group_size: int = 2048
+    gradient_intra_bits: int = 8
+    gradient_inter_bits: int = 4
+    gradient_group_size: int = 128
+    hadamard_size: int = 32
+    rounding: Rounding = "stochastic"
+    intra_node_size: int | None = None
+    nonfinite_gradients: Literal["raise", "skip"] = "raise"
+    seed: int = 0
+    kernel_backend: Literal["auto", "torch", "triton"] = "auto"
+    track_drift: bool = True
+    allow_any_optimizer: bool = False
+    bucket_size_mb: float | None = 4.0
+    overlap: bool = True
+    overlap_param_gather: bool = False
+    log_metrics: bool = True
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        for name, allowed in _CHOICES.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
+        for name in ("weight_bits", "gradient_intra_bits", "gradient_inter_bits"):
+            if getattr(self, name) not in (4, 8):
+                raise ValueError(f"{name} must be 4 or 8, got {getattr(self, name)}.")
+        for name in ("weight_group_size", "gradient_group_size"):
+            _check_group_size(name, getattr(self, name))
+        _check_hadamard_size(self.hadamard_size)
+        if self.gradient_compression == "tlq_hs" and self.gradient_group_size % self.hadamard_size:
+            raise ValueError(
+                f"gradient_group_size ({self.gradient_group_size}) must be a multiple of hadamard_size "
+                f"({self.hadamard_size}) so that every quantisation group holds whole Hadamard blocks."
+            )
+        if self.intra_node_size is not None and self.intra_node_size < 1:
+            raise ValueError(f"intra_node_size must be positive, got {self.intra_node_size}.")
+
+    def _check_types(self) -> None:
+        for name in _INTS:
+            _check_int(name, getattr(self, name))
+        if self.intra_node_size is not None:
+            _check_int("intra_node_size", self.intra_node_size)
+        for name in _FLAGS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__}).")
+        size = self.bucket_size_mb
+        if size is not None and (
+            isinstance(size, bool) or not isinstance(size, (int, float)) or not math.isfinite(size) or size <= 0
+        ):
+            raise ValueError(
+                f"bucket_size_mb must be a positive number of MiB (or None for one bucket per param group), got "
+                f"{size!r}."
+            )
+
+    @property
+    def weight_format(self) -> WeightFormat:
+        """Mode, bits and group size of the weight all-gather."""
+        return WeightFormat(self.weight_compression, self.weight_bits, self.weight_group_size)
+
+    @property
+    def gradient_format(self) -> GradientFormat:
+        """Bit widths and Hadamard block of the gradient reduce-scatter (``"ulq"``: 4 bits at every level)."""
+        return gradient_format(
+            self.gradient_compression, self.gradient_intra_bits, self.gradient_inter_bits, self.hadamard_size
+        )
+
+    @property
+    def alignment(self) -> int:
+        """Every shard is a multiple of this many values (groups, Hadamard blocks, int4 byte pairs)."""
+        grads = self.gradient_format
+        sizes = [2]
+        if self.weight_format.quantized:
+            sizes.append(self.weight_group_size)
+        if grads.quantized:
+            sizes.append(self.gradient_group_size)
+        if grads.hadamard:
+            sizes.append(grads.hadamard)
+        return math.lcm(*sizes)
+
+    @property
+    def bucket_numel(self) -> int | None:
+        """fp32 values per bucket (``None``: one bucket per param group)."""
+        if self.bucket_size_mb is None:
+            return None
+        return max(1, int(self.bucket_size_mb * 2**20) // 4)
+
+
+def _check_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
+
+
+def _check_group_size(name: str, size: int) -> None:
+    if size < 2 or size % 2:
+        raise ValueError(f"{name} must be a positive even number (two 4-bit codes per byte), got {size}.")
+    if size > MAX_GROUP_SIZE:
+        raise ValueError(
+            f"{name} must be at most {MAX_GROUP_SIZE}, got {size}: every param group is padded to a whole number of "
+            "groups per rank, so a huge group pads a small model to gigabytes, and one fp32 scale per huge group "
+            "quantises coarsely. The paper uses 2048 (weights) and 128 (gradients)."
+        )
+
+
+def _check_hadamard_size(size: int) -> None:
+    if size < 1 or size & (size - 1):
+        raise ValueError(f"hadamard_size must be a power of two, got {size}.")
+    if size > MAX_HADAMARD_SIZE:
+        raise ValueError(
+            f"hadamard_size must be at most {MAX_HADAMARD_SIZE}, got {size} (the transform builds a dense n x n "
+            "matrix; the paper uses 32)."
+        )

@@ -1,0 +1,77 @@
+"""What travels on the wire for weights and gradients: the compression modes and their bit widths.
+
+``WeightFormat`` describes the weight all-gather (qWD, Jia et al. 2024, Sec. 3.1), ``GradientFormat`` the gradient
+reduce-scatter (TLq-HS, Sec. 3.2). Both are derived once from the strategy's options by :class:`SDP4BitConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+WeightCompression = Literal["qwd", "qw", "none"]
+GradientCompression = Literal["tlq_hs", "tlq", "ulq", "none"]
+WEIGHT_MODES = ("qwd", "qw", "none")
+GRADIENT_MODES = ("tlq_hs", "tlq", "ulq", "none")
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """Codes of the weight all-gather.
+
+    Attributes:
+        mode: ``"qwd"`` (quantised differences to the weights every rank already holds), ``"qw"`` (quantised
+            weights) or ``"none"`` (the weights in the model dtype).
+        bits: bits of the codes (4 or 8; unused for ``"none"``).
+        group_size: values per fp32 scale (unused for ``"none"``).
+    """
+
+    mode: WeightCompression
+    bits: int
+    group_size: int
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the weights travel as quantised codes."""
+        return self.mode != "none"
+
+    @property
+    def differences(self) -> bool:
+        """Whether the codes are differences to the reconstructed weights (qWD), so errors do not accumulate."""
+        return self.mode == "qwd"
+
+
+@dataclass(frozen=True)
+class GradientFormat:
+    """Bit widths and transform of one gradient mode.
+
+    Attributes:
+        intra_bits: bits inside a node (``None``: fp32).
+        inter_bits: bits between nodes (``None``: fp32).
+        hadamard: Hadamard block size, or ``None``.
+    """
+
+    intra_bits: int | None
+    inter_bits: int | None
+    hadamard: int | None
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any level is quantised."""
+        return self.intra_bits is not None
+
+
+def gradient_format(mode: str, intra_bits: int, inter_bits: int, hadamard_size: int) -> GradientFormat:
+    """The :class:`GradientFormat` of ``gradient_compression=mode``.
+
+    ``"ulq"`` uses 4 bits at every level and no transform (the uniform baseline the paper compares against).
+    """
+    if mode == "tlq_hs":
+        return GradientFormat(intra_bits, inter_bits, hadamard_size)
+    if mode == "tlq":
+        return GradientFormat(intra_bits, inter_bits, None)
+    if mode == "ulq":
+        return GradientFormat(4, 4, None)
+    if mode == "none":
+        return GradientFormat(None, None, None)
+    raise ValueError(f"gradient_compression must be one of {GRADIENT_MODES}, got {mode!r}.")

@@ -108,7 +108,7 @@ def _resnet_case(image_size: int, args: argparse.Namespace) -> ModelCase:
 
 
 def _vit_case(model_name: str, args: argparse.Namespace) -> ModelCase:
-    from lightning_sdp.models.fastclip.tiny import build_clip, image_size_of
+    from lightning_sdp.integrations.open_clip import build_clip, image_size_of
 
     size = image_size_of("tiny" if model_name == "fastclip-tiny" else model_name)
 

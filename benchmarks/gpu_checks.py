@@ -160,7 +160,7 @@ def _inline(name: str, args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="folder for the packed results (e.g. $OUT on the GPU machine)")
     parser.add_argument("--only", default=",".join(CHECKS), help=f"comma list of {', '.join(CHECKS)}")
@@ -171,22 +171,13 @@ def main(argv: list[str] | None = None) -> None:
         "--merge", action="store_true", help="replace these checks' rows in the stored gpu_checks.json, keep the rest"
     )
     parser.add_argument("--inline", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.inline:
-        return _inline(args.inline, args)
-    import torch
+    return parser.parse_args(argv)
 
-    if not torch.cuda.is_available():
-        raise SystemExit("gpu_checks needs a CUDA device; CI and the CPU suite run the rest.")
-    only = args.only.split(",")
-    unknown = sorted(set(only) - set(CHECKS))
-    if unknown:
-        raise SystemExit(f"unknown checks {unknown}; choose from {', '.join(CHECKS)}")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1"}
+
+def _commands(args: argparse.Namespace, engine_dir: Path, sweep_dir: Path) -> dict[str, tuple[list[str], float]]:
+    """Check name -> (command line, timeout in seconds); each check runs in its own process."""
     py = sys.executable
-    engine_dir = RESULTS_DIR / "gpu_engine_peaks"
-    sweep_dir = RESULTS_DIR / "gpu_engine_sweep"
-    commands: dict[str, tuple[list[str], float]] = {
+    return {
         "tests": (
             [py, "-m", "pytest", "-q", "--tb=short", "-p", "no:cacheprovider", "tests/kernels/test_quant_triton.py",
              "tests/plugins/test_sdp4bit_cuda.py", "tests/callbacks/test_engine_profiler.py", "-m", "cuda or triton"],
@@ -213,6 +204,51 @@ def main(argv: list[str] | None = None) -> None:
             120,
         ),
     }  # fmt: skip
+
+
+def _markdown(results: dict[str, Any]) -> str:
+    """The results' md: one row per check, the end of a failed check's output, the tables of the inline checks."""
+    md = [f"GPU: {results['gpu']}. Each check is one process; `rc` 0 means it passed.", ""]
+    md.append(markdown_table([{k: r[k] for k in ("check", "rc", "wall_s")} for r in results["checks"].values()]))
+    failed = [r for r in results["checks"].values() if r["rc"] != 0]
+    for r in failed:
+        md += ["", f"`{r['check']}` failed; the end of its output:", "", "```", r["tail"], "```"]
+    for name in ("gpt_training", "fastclip"):
+        res = results["checks"].get(name, {}).get("result")
+        if res:
+            md += ["", f"## {name}", "", markdown_table(res["rows"])]
+    return "\n".join(md)
+
+
+def _pack(out: Path, folders: tuple[Path, ...]) -> Path:
+    """Pack this run's result files into ``out/gpu_results.tar.gz`` (the GPU machine sends one file back)."""
+    out.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(out / "gpu_results.tar.gz", "w:gz") as tar:
+        for path in sorted(RESULTS_DIR.iterdir()):
+            if path.stem in ("gpu_checks", "sdp4bit_kernels"):
+                tar.add(path, arcname=path.name)
+        for folder in folders:
+            if folder.exists():
+                tar.add(folder, arcname=folder.name)
+    return out / "gpu_results.tar.gz"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse_args(argv)
+    if args.inline:
+        return _inline(args.inline, args)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_checks needs a CUDA device; CI and the CPU suite run the rest.")
+    only = args.only.split(",")
+    unknown = sorted(set(only) - set(CHECKS))
+    if unknown:
+        raise SystemExit(f"unknown checks {unknown}; choose from {', '.join(CHECKS)}")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1"}
+    engine_dir = RESULTS_DIR / "gpu_engine_peaks"
+    sweep_dir = RESULTS_DIR / "gpu_engine_sweep"
+    commands = _commands(args, engine_dir, sweep_dir)
     results: dict[str, Any] = {"machine": machine_info(), "checks": {}}
     stored = RESULTS_DIR / "gpu_checks.json"
     if args.merge and stored.exists():
@@ -229,28 +265,11 @@ def main(argv: list[str] | None = None) -> None:
             results["checks"][name] = {"check": name, "rc": "not run", "wall_s": 0, "tail": "deadline reached"}
             continue
         results["checks"][name] = _run(name, cmd, min(timeout, left), env)
-    md = [f"GPU: {results['gpu']}. Each check is one process; `rc` 0 means it passed.", ""]
-    md.append(markdown_table([{k: r[k] for k in ("check", "rc", "wall_s")} for r in results["checks"].values()]))
-    failed = [r for r in results["checks"].values() if r["rc"] != 0]
-    for r in failed:
-        md += ["", f"`{r['check']}` failed; the end of its output:", "", "```", r["tail"], "```"]
-    for name in ("gpt_training", "fastclip"):
-        res = results["checks"].get(name, {}).get("result")
-        if res:
-            md += ["", f"## {name}", "", markdown_table(res["rows"])]
-    write_results("gpu_checks", results, "\n".join(md))
-    print("\n".join(md))
+    md = _markdown(results)
+    write_results("gpu_checks", results, md)
+    print(md)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(out / "gpu_results.tar.gz", "w:gz") as tar:
-            for path in sorted(RESULTS_DIR.iterdir()):
-                if path.stem in ("gpu_checks", "sdp4bit_kernels"):
-                    tar.add(path, arcname=path.name)
-            for folder in (engine_dir, sweep_dir):
-                if folder.exists():
-                    tar.add(folder, arcname=folder.name)
-        print(f"packed results into {out / 'gpu_results.tar.gz'}")
+        print(f"packed results into {_pack(Path(args.out), (engine_dir, sweep_dir))}")
 
 
 if __name__ == "__main__":

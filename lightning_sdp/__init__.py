@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     # plugins
     "SDP4BitStrategy": "lightning_sdp.plugins.sdp4bit",
+    "SDP4BitConfig": "lightning_sdp.plugins.sdp4bit",
     "HEATAccelerator": "lightning_sdp.plugins.heat",
     # models
     "GPT": "lightning_sdp.models.gpt",

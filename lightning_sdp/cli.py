@@ -5,14 +5,24 @@ LightningModule / LightningDataModule by class path, and, because this module im
 string aliases (``strategy: sdp4bit``, ``accelerator: heat``) work in YAML. ``lightning-sdp demo`` runs the main job
 on built-in data and prints where its results went. Tools of individual plugins are sub-commands too
 (``lightning-sdp tools`` lists them).
+
+Each run saves its full config as ``config.yaml`` in the Trainer's log folder. A run never overwrites the
+``config.yaml`` of an earlier run: with a logger every run gets a fresh ``version_N`` folder; where the folder is
+reused (``--trainer.logger=false``, a fixed logger ``version``), the run stops before training with a message that
+says how to start in a fresh folder, and ``--overwrite_config=true`` replaces the file on purpose.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Callable, Sequence
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from typing_extensions import override
 
 import lightning_sdp  # noqa: F401  (registers the string aliases)
 
@@ -61,18 +71,62 @@ def _print_tools(tools: dict[str, tuple[str, str]]) -> None:
         print(f"  {name:<16} {help_}")
 
 
-def cli_main(args: Sequence[str] | None = None, run: bool = True) -> object:
-    """Build the LightningCLI (subclass mode for model and data). ``run=False`` only parses and instantiates."""
-    from lightning.pytorch.cli import LightningCLI
+class KeepEarlierConfig(SaveConfigCallback):
+    """Lightning's ``SaveConfigCallback`` that refuses to overwrite an earlier run's ``config.yaml``.
 
-    return LightningCLI(
+    The check runs at ``setup``, before the first batch, with a message naming the file and the ways out: a fresh
+    folder (``--trainer.default_root_dir``, or a logger that gives each run its own ``version_N`` folder) or
+    ``--overwrite_config=true``.
+    """
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if not self.already_saved and self.save_to_log_dir and not self.overwrite:
+            log_dir = trainer.log_dir
+            assert log_dir is not None
+            config_path = os.path.join(log_dir, self.config_filename)
+            exists = os.path.isfile(config_path) if trainer.is_global_zero else False
+            if trainer.strategy.broadcast(exists):
+                raise RuntimeError(
+                    f"lightning-sdp: {config_path} holds the config of an earlier run in the same folder; not "
+                    "overwriting it (its checkpoints and logs would no longer match). Start in a fresh folder with "
+                    "`--trainer.default_root_dir=<new folder>`, or keep a logger so that each run gets its own "
+                    "`version_N` folder (a fixed logger `version` or `--trainer.logger=false` reuse the folder); "
+                    "or pass `--overwrite_config=true` to replace it."
+                )
+        super().setup(trainer, pl_module, stage)
+
+
+class LightningSdpCLI(LightningCLI):
+    """LightningCLI with ``--overwrite_config`` (default false): replace an earlier run's ``config.yaml``."""
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument(
+            "--overwrite_config",
+            type=bool,
+            default=False,
+            help="Replace the config.yaml of an earlier run in the same log folder (default: refuse and stop).",
+        )
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        self.save_config_kwargs = {**self.save_config_kwargs, "overwrite": bool(config.get("overwrite_config"))}
+        # The saved config records `false`: rerunning it in the same folder asks again rather than overwriting.
+        config["overwrite_config"] = False
+
+
+def cli_main(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI:
+    """Build the LightningCLI (subclass mode for model and data). ``run=False`` only parses and instantiates."""
+    return LightningSdpCLI(
         model_class=None,
         datamodule_class=None,
         subclass_mode_model=True,
         subclass_mode_data=True,
         args=list(args) if args is not None else None,
         run=run,
-        save_config_kwargs={"overwrite": True},
+        save_config_callback=KeepEarlierConfig,
         auto_configure_optimizers=False,
     )
 

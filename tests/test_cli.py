@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from lightning_sdp.cli import cli_main, main
+from lightning_sdp.cli import KeepEarlierConfig, cli_main, main
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "examples" / "configs").glob("*.yaml"))
 
@@ -22,6 +23,7 @@ def test_every_shipped_config_parses(config, tmp_path):
     assert cli.trainer is not None
 
 
+@pytest.mark.slow
 def test_fit_from_yaml_runs_two_steps(tmp_path):
     config = next(p for p in CONFIGS if p.name == "gpt_char.yaml")
     main(
@@ -58,6 +60,7 @@ def test_tools_lists_demo(capsys):
     assert "demo" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_demo_quick_writes_report(tmp_path, capsys):
     assert main(["demo", "--quick", "--only", "gpt", "--out", str(tmp_path)]) == 0
     index = tmp_path / "index.md"
@@ -65,6 +68,7 @@ def test_demo_quick_writes_report(tmp_path, capsys):
     assert str(index.resolve()) in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_console_script_fit_does_not_warn_about_lightningcli_args(tmp_path):
     import os
     import subprocess
@@ -92,3 +96,81 @@ def test_console_script_fit_does_not_warn_about_lightningcli_args(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "max_steps=1" in out.stdout + out.stderr  # it did train
     assert "args parameter is intended" not in out.stderr + out.stdout
+
+
+def _tiny_fit(root: Path, *extra: str) -> list[str]:
+    config = next(p for p in CONFIGS if p.name == "gpt_char.yaml")
+    return [
+        "fit",
+        "--config",
+        str(config),
+        "--trainer.max_steps=1",
+        "--trainer.limit_val_batches=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.enable_model_summary=false",
+        f"--trainer.default_root_dir={root}",
+        "--model.init_args.n_layer=1",
+        "--model.init_args.n_embd=16",
+        "--data.init_args.batch_size=2",
+        *extra,
+    ]
+
+
+def _trainer_logging_to(log_dir: Path) -> SimpleNamespace:
+    """What SaveConfigCallback.setup reads of a one-process Trainer."""
+    return SimpleNamespace(log_dir=str(log_dir), is_global_zero=True, strategy=SimpleNamespace(broadcast=lambda x: x))
+
+
+def test_keep_earlier_config_refuses_before_writing_and_saves_a_fresh_folder(tmp_path):
+    from jsonargparse import Namespace
+    from lightning.pytorch.cli import LightningArgumentParser
+
+    parser = LightningArgumentParser()
+    parser.add_argument("--seed", type=int, default=0)
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "config.yaml").write_text("seed: 1\n")
+    with pytest.raises(
+        RuntimeError, match=r"(?s)earlier.config\.yaml.*--trainer\.default_root_dir=.*--overwrite_config=true"
+    ):
+        KeepEarlierConfig(parser, Namespace(seed=2)).setup(_trainer_logging_to(earlier), None, "fit")
+    assert (earlier / "config.yaml").read_text() == "seed: 1\n"
+    KeepEarlierConfig(parser, Namespace(seed=2), overwrite=True).setup(_trainer_logging_to(earlier), None, "fit")
+    assert "seed: 2" in (earlier / "config.yaml").read_text()
+    fresh = tmp_path / "fresh"
+    KeepEarlierConfig(parser, Namespace(seed=3)).setup(_trainer_logging_to(fresh), None, "fit")
+    assert "seed: 3" in (fresh / "config.yaml").read_text()
+
+
+@pytest.mark.slow
+def test_a_second_run_in_the_same_folder_keeps_the_first_config(tmp_path):
+    config = tmp_path / "config.yaml"
+    main(_tiny_fit(tmp_path, "--trainer.logger=false", "--seed_everything=1"))
+    first = config.read_text()
+    assert "seed_everything: 1" in first and "overwrite_config: false" in first
+    with pytest.raises(
+        RuntimeError,
+        match=rf"(?s){config}.*earlier run.*--trainer.default_root_dir=.*version_N.*--overwrite_config=true",
+    ):
+        main(_tiny_fit(tmp_path, "--trainer.logger=false", "--seed_everything=2"))
+    assert config.read_text() == first, "the refused run left the earlier config alone"
+    # Asked for explicitly, the file is replaced; the saved config does not carry the request on.
+    main(_tiny_fit(tmp_path, "--trainer.logger=false", "--seed_everything=2", "--overwrite_config=true"))
+    second = config.read_text()
+    assert "seed_everything: 2" in second and "overwrite_config: false" in second
+
+
+@pytest.mark.slow
+def test_runs_with_a_logger_each_keep_their_own_config(tmp_path):
+    main(
+        _tiny_fit(
+            tmp_path, "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={tmp_path}"
+        )
+    )
+    main(
+        _tiny_fit(
+            tmp_path, "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={tmp_path}"
+        )
+    )
+    assert sorted(p.parent.name for p in tmp_path.rglob("config.yaml")) == ["version_0", "version_1"]

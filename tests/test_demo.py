@@ -28,6 +28,7 @@ def _run_part(part: str, out: Path) -> dict:
     return result
 
 
+@pytest.mark.slow
 def test_sdp4bit_part_sends_fewer_bytes(tmp_path):
     r = _run_part("sdp4bit", tmp_path)
     assert r["processes"] == 2
@@ -38,6 +39,7 @@ def test_sdp4bit_part_sends_fewer_bytes(tmp_path):
 
 
 @pytest.mark.open_clip
+@pytest.mark.slow
 def test_fastclip_part_reports_both_losses(tmp_path):
     r = _run_part("fastclip", tmp_path)
     for loss in ("openclip", "fastclip_v3"):
@@ -46,6 +48,7 @@ def test_fastclip_part_reports_both_losses(tmp_path):
     assert r["batch"] == 16
 
 
+@pytest.mark.slow
 def test_solar_part_hits_its_buffer(tmp_path):
     r = _run_part("solar", tmp_path)
     assert Path(r["file"]).parent == tmp_path / "solar", "the generated HDF5 file lives in the output folder"
@@ -58,6 +61,7 @@ def test_solar_part_hits_its_buffer(tmp_path):
 
 
 @pytest.mark.numba
+@pytest.mark.slow
 def test_heat_part_measures_both_backends(tmp_path):
     r = _run_part("heat", tmp_path)
     rates = r["positives_per_s"]
@@ -66,6 +70,7 @@ def test_heat_part_measures_both_backends(tmp_path):
     assert r["speedup"] > 1.0  # ~30x on 2 loaded cores; fused must at least not be slower
 
 
+@pytest.mark.slow
 def test_profiler_part_reports_engine_shares(tmp_path):
     r = _run_part("profiler", tmp_path)
     assert sum(r["fractions"].values()) == pytest.approx(1.0, abs=0.02)

@@ -2,7 +2,7 @@
 
 The first step of the Gaudi study (Zhang et al., arXiv 2309.16976), on whatever device the user has: measure the
 achievable matrix throughput (GEMMs over a range of shapes, per supported dtype) and vector throughput (elementwise
-bandwidth, reductions, softmax, layer norm), so that "matrix 40 % of the step" comes with "at 12 % of what this
+bandwidth, reductions, softmax, layer norm), so that "matrix x % of the step" comes with "at y % of what this
 machine's matrix units can do". :class:`~lightning_sdp.callbacks.EngineProfiler` uses these measured ceilings where
 no datasheet peak exists (the CPU) and shows them next to the datasheet where both exist.
 
@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import re
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -40,6 +39,7 @@ from typing import Any
 
 import torch
 
+from lightning_sdp.profiling.files import write_text_atomic
 from lightning_sdp.profiling.report import roofline_points, save_figure
 from lightning_sdp.profiling.results import EngineReport
 
@@ -167,16 +167,7 @@ class DeviceProfile:
         """Write the profile as JSON (atomically: a temporary file in the same folder, then a rename)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as fh:
-                json.dump(self.to_dict(), fh, indent=1)
-                fh.write("\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        return write_text_atomic(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> DeviceProfile:
@@ -354,7 +345,7 @@ def measure_engine_peaks(
         gemm_shapes: ``(m, n, k)`` shapes instead of the mode's defaults (tests use tiny ones).
         vector_sizes: vector sizes in elements instead of the mode's defaults.
         vector: measure the vector kernels too. Default True.
-        min_time_s: minimum duration of one timed repetition. Default 0.01 s quick, 0.1 s full.
+        min_time_s: minimum duration of one timed repetition. Default 0.02 s quick, 0.1 s full.
         repeats: timed repetitions (the best counts). Default 3 quick, 5 full.
     """
     dev = _resolve_device(device)

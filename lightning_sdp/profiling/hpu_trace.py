@@ -23,7 +23,7 @@ import gzip
 import json
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,6 +138,26 @@ def engine_intervals(
         lane's display name (``"<process>/<thread>"``).
     """
     events = trace["traceEvents"]
+    lane_of = _lane_resolver(events)
+    intervals: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
+    lanes: dict[str, str] = {}
+    open_b: dict[str, list[tuple[float, str]]] = defaultdict(list)
+    for ev in events:
+        ph = ev.get("ph")
+        if ph not in ("X", "B", "E"):
+            continue
+        key, engine = lane_of(ev)
+        if engine is None:
+            continue
+        lanes[key] = engine
+        interval = _interval_of(ev, ph, open_b[key], key)
+        if interval is not None:
+            intervals[key].append(interval)
+    return dict(intervals), lanes
+
+
+def _lane_resolver(events: list[dict[str, Any]]) -> Callable[[dict[str, Any]], tuple[str, str | None]]:
+    """``event -> (lane key, engine or None)`` from the trace's ``process_name``/``thread_name`` metadata."""
     proc_names: dict[Any, str] = {}
     thread_names: dict[tuple[Any, Any], str] = {}
     for ev in events:
@@ -153,39 +173,36 @@ def engine_intervals(
         pid, tid = ev.get("pid"), ev.get("tid")
         pname = proc_names.get(pid, str(pid))
         tname = thread_names.get((pid, tid), str(tid))
-        engine = engine_of_lane(tname) or engine_of_lane(pname)
-        return f"{pname}/{tname}", engine
+        return f"{pname}/{tname}", engine_of_lane(tname) or engine_of_lane(pname)
 
-    intervals: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
-    lanes: dict[str, str] = {}
-    open_b: dict[str, list[tuple[float, str]]] = defaultdict(list)
-    for ev in events:
-        ph = ev.get("ph")
-        if ph not in ("X", "B", "E"):
-            continue
-        key, engine = lane_of(ev)
-        if engine is None:
-            continue
-        try:
-            ts = float(ev["ts"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"trace event without a numeric 'ts': {ev}") from err
-        lanes[key] = engine
-        if ph == "X":
-            dur = float(ev.get("dur", 0.0))
-            if dur < 0:
-                raise ValueError(f"trace event with negative duration: {ev}")
-            if dur > 0:
-                intervals[key].append((ts, ts + dur, str(ev.get("name", ""))))
-        elif ph == "B":
-            open_b[key].append((ts, str(ev.get("name", ""))))
-        else:
-            if not open_b[key]:
-                raise ValueError(f"'E' event without a matching 'B' on lane {key} at ts={ts}")
-            start, name = open_b[key].pop()
-            if ts > start:
-                intervals[key].append((start, ts, name))
-    return dict(intervals), lanes
+    return lane_of
+
+
+def _interval_of(
+    ev: dict[str, Any], ph: str, open_b: list[tuple[float, str]], key: str
+) -> tuple[float, float, str] | None:
+    """The busy interval an ``X`` or ``E`` event closes on its lane (``None`` for ``B``, which opens one).
+
+    Raises:
+        ValueError: an event without a numeric ``ts``, a negative duration, or an ``E`` without its ``B``.
+    """
+    try:
+        ts = float(ev["ts"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"trace event without a numeric 'ts': {ev}") from err
+    name = str(ev.get("name", ""))
+    if ph == "B":
+        open_b.append((ts, name))
+        return None
+    if ph == "X":
+        dur = float(ev.get("dur", 0.0))
+        if dur < 0:
+            raise ValueError(f"trace event with negative duration: {ev}")
+        return (ts, ts + dur, name) if dur > 0 else None
+    if not open_b:
+        raise ValueError(f"'E' event without a matching 'B' on lane {key} at ts={ts}")
+    start, name = open_b.pop()
+    return (start, ts, name) if ts > start else None
 
 
 def overlap_sweep(

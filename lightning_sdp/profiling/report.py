@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -233,12 +234,29 @@ def findings(report: EngineReport, uncertain: list[Finding] | None = None) -> li
         report: a report of :func:`build_report` or :func:`combine_windows`.
         uncertain: list that receives the timing findings within the spread.
     """
-    out: list[Finding] = []
+    out = _placement_findings(report)
+    timing = _timing_check(report, out, uncertain)
+    _attention_finding(report, timing)
+    _imbalance_finding(report, out, timing)
+    ceiling = _ceiling_finding(report)
+    if ceiling is not None:
+        out.append(ceiling)
+    _host_bound_finding(report, timing)
+    return out
+
+
+_TimingCheck = Callable[[str, float, str, str, str], None]
+
+
+def _timing_check(report: EngineReport, out: list[Finding], uncertain: list[Finding] | None) -> _TimingCheck:
+    """``timing(check, effect, spread_key, message, advice)``: record a timing finding whose threshold is met.
+
+    It goes to ``out`` when its effect is larger than the spread over windows, else to ``uncertain`` (if given).
+    """
     spread = report.spread or {}
     windows = report.windows or 1
 
     def timing(check: str, effect: float, spread_key: str, message: str, advice: str) -> None:
-        """Report a timing finding (its threshold is met) when its effect is larger than the spread."""
         s = float(spread.get(spread_key) or 0.0)
         if spread:
             message += f" (median of {windows} windows, spread {s:.1%})"
@@ -248,11 +266,15 @@ def findings(report: EngineReport, uncertain: list[Finding] | None = None) -> li
             return
         out.append(Finding(check, message, advice))
 
-    dev = report.device
-    dtype = dev.matrix_dtype
-    fr = report.fractions
-    dtype_of_ops = report.flops.dtypes if report.flops is not None else {}
+    return timing
 
+
+def _placement_findings(report: EngineReport) -> list[Finding]:
+    """Where the work ran and in what form: ``matrix_off_engine``, ``host_fallback``, ``low_precision_off``,
+    ``changing_shapes`` (no timing threshold, so no spread to clear)."""
+    out: list[Finding] = []
+    dev = report.device
+    fr = report.fractions
     cuda = report.cuda
     if cuda and cuda.tensor_core_frac is not None and cuda.matrix_kernel_us > 0:
         if cuda.tensor_core_frac < TENSOR_CORE_MIN_FRAC and fr["matrix"] > 0.05:
@@ -288,7 +310,8 @@ def findings(report: EngineReport, uncertain: list[Finding] | None = None) -> li
             )
         )
 
-    if dev.type in ("cuda", "hpu") and dtype == "fp32":
+    if dev.type in ("cuda", "hpu") and dev.matrix_dtype == "fp32":
+        dtype_of_ops = report.flops.dtypes if report.flops is not None else {}
         out.append(
             Finding(
                 "low_precision_off",
@@ -308,27 +331,37 @@ def findings(report: EngineReport, uncertain: list[Finding] | None = None) -> li
                 "(and under torch.compile), and varying shapes make these shares unrepresentative.",
             )
         )
+    return out
 
+
+def _attention_finding(report: EngineReport, timing: _TimingCheck) -> None:
+    """``attention_dominating``, with the analytic crossover next to the measured sequence length."""
     att = _attention_frac(report)
-    if att >= ATTENTION_DOMINANT_FRAC:
-        seq = report.model.seq_len
-        cross = report.analytic.crossover_seq_len if report.analytic is not None else None
-        cross_txt = (
-            f"; the analytic crossover for this device is n* ≈ {cross:,.0f} tokens (measured at n = {seq})"
-            if cross
-            else f" at sequence length {seq} (no device peaks known for the analytic crossover)"
-        )
-        timing(
-            "attention_dominating",
-            att - ATTENTION_DOMINANT_FRAC,
-            "module_attention",
-            f"attention takes {att:.0%} of the step{cross_txt}",
-            "Use fused attention (scaled_dot_product_attention / flash attention), shorter sequences, or a "
-            "linear-attention variant for long contexts.",
-        )
+    if att < ATTENTION_DOMINANT_FRAC:
+        return
+    seq = report.model.seq_len
+    cross = report.analytic.crossover_seq_len if report.analytic is not None else None
+    cross_txt = (
+        f"; the analytic crossover for this device is n* ≈ {cross:,.0f} tokens (measured at n = {seq})"
+        if cross
+        else f" at sequence length {seq} (no device peaks known for the analytic crossover)"
+    )
+    timing(
+        "attention_dominating",
+        att - ATTENTION_DOMINANT_FRAC,
+        "module_attention",
+        f"attention takes {att:.0%} of the step{cross_txt}",
+        "Use fused attention (scaled_dot_product_attention / flash attention), shorter sequences, or a "
+        "linear-attention variant for long contexts.",
+    )
 
+
+def _imbalance_finding(report: EngineReport, out: list[Finding], timing: _TimingCheck) -> None:
+    """``engine_imbalance``: MME/TPC overlap on Gaudi (from the trace), else vector-side over matrix-side time."""
+    fr = report.fractions
     matrix_side = fr["matrix"] + fr["attention_fused"]
     vector_side = fr["vector"] + fr["memory"]
+    hpu = report.hpu
     if hpu:
         st = hpu.state_fractions
         busy = 1.0 - st["idle"]
@@ -352,36 +385,41 @@ def findings(report: EngineReport, uncertain: list[Finding] | None = None) -> li
             "fused optimizers (foreach/fused AdamW).",
         )
 
+
+def _ceiling_finding(report: EngineReport) -> Finding | None:
+    """``ceiling_exceeded``: utilisation above a measured ceiling (a stale profile or one from a busy machine)."""
     over = {
         k: v
         for source in ("utilisation", "utilisation_measured")
         for k, v in (getattr(report, source) or {}).items()
         if v is not None and v > CEILING_EXCEEDED and (source == "utilisation_measured" or _measured(report, k))
     }
-    if over:
-        out.append(
-            Finding(
-                "ceiling_exceeded",
-                "the step beat the measured ceiling ("
-                + ", ".join(f"{k} {v:.0%}" for k, v in sorted(over.items()))
-                + "): the device profile was probably measured while the machine was busy",
-                "Measure again on a quiet machine with `lightning-sdp engine-bench` (it refreshes the cached "
-                "profile), or pass `peaks=`.",
-            )
-        )
+    if not over:
+        return None
+    return Finding(
+        "ceiling_exceeded",
+        "the step beat the measured ceiling ("
+        + ", ".join(f"{k} {v:.0%}" for k, v in sorted(over.items()))
+        + "): the device profile was probably measured while the machine was busy",
+        "Measure again on a quiet machine with `lightning-sdp engine-bench` (it refreshes the cached "
+        "profile), or pass `peaks=`.",
+    )
 
-    host = fr["host_other"]
-    if host > HOST_BOUND_FRAC:
-        where = "the device is idle" if dev.type in ("cuda", "hpu") else "no operator is running"
-        timing(
-            "host_bound",
-            host - HOST_BOUND_FRAC,
-            "host_other",
-            f"{host:.0%} of the step {where} (framework, Python and data-loading time)",
-            "Raise the batch size, use DataLoader workers, and cut Python overhead (torch.compile, CUDA/HPU "
-            "graphs, fewer small operators).",
-        )
-    return out
+
+def _host_bound_finding(report: EngineReport, timing: _TimingCheck) -> None:
+    """``host_bound``: too much of the step with no operator running (CPU) or the device idle (CUDA/HPU)."""
+    host = report.fractions["host_other"]
+    if host <= HOST_BOUND_FRAC:
+        return
+    where = "the device is idle" if report.device.type in ("cuda", "hpu") else "no operator is running"
+    timing(
+        "host_bound",
+        host - HOST_BOUND_FRAC,
+        "host_other",
+        f"{host:.0%} of the step {where} (framework, Python and data-loading time)",
+        "Raise the batch size, use DataLoader workers, and cut Python overhead (torch.compile, CUDA/HPU "
+        "graphs, fewer small operators).",
+    )
 
 
 def _measured(report: EngineReport, util_key: str) -> bool:

@@ -1,4 +1,5 @@
-"""The EngineProfiler benchmarks' ``--quick`` modes run and write their results (``benchmarks/results/*_quick.*``)."""
+"""The EngineProfiler benchmarks' ``--quick`` modes run and write their results (``<results dir>/*_quick.*``, a temporary
+folder under the test suite)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import pytest
 
 from benchmarks import engine_overhead, engine_sequence_sweep, engine_stability
 from benchmarks._common import RESULTS_DIR
+
+pytestmark = [pytest.mark.bench, pytest.mark.slow]
 
 
 def _result(name: str) -> dict:

@@ -27,6 +27,8 @@ def test_fused_gpt_difference_is_exactly_the_fused_attention() -> None:
     assert ep["flops"] - 2 * row["fvcore"]["matrix_macs"] == ep["attention_flops"]
 
 
+@pytest.mark.bench
+@pytest.mark.slow
 def test_quick_mode_writes_the_table_and_the_callback_check_agrees() -> None:
     import json
 

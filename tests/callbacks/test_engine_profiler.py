@@ -68,6 +68,7 @@ def _gpt_step_flops() -> int:
     return 3 * (linear + attention)
 
 
+@pytest.mark.slow
 def test_fit_writes_reports_metrics_and_exact_flops(tmp_path, capsys):
     cb = EngineProfiler(wait=1, warmup=1, active=2, dirpath=str(tmp_path / "ep"))
     logger = CSVLogger(tmp_path, name="csv")
@@ -245,6 +246,7 @@ def test_categories_constant_is_the_public_contract():
     assert CATEGORIES == ("matrix", "attention_fused", "vector", "memory", "communication", "host_other")
 
 
+@pytest.mark.slow
 def test_shipped_yaml_parses_and_runs(tmp_path):
     from lightning_sdp.cli import main
 
@@ -332,7 +334,7 @@ def test_cuda_bf16_run_reports_tensor_cores(tmp_path):
     assert sum(r.fractions.values()) == pytest.approx(1.0)
 
 
-# ---------------------------------------------------------------------------------------------- issue 19 item 12
+# -------------------------------------------------------------------------------- output folder checks
 
 
 class _CountingGPT(GPT):
@@ -408,9 +410,10 @@ def test_sequence_length_only_for_sequence_inputs(tmp_path, capsys):
     assert _sequence_length((torch.randn(2, 3), torch.zeros(2, dtype=torch.long))) is None
 
 
-# ---------------------------------------------------------------------------------------------- issue 20 item 1
+# -------------------------------------------------------------------------------- measured ceilings
 
 
+@pytest.mark.slow
 def test_cpu_utilisation_from_measured_ceilings_and_cached_profile(tmp_path, monkeypatch, capsys):
     cb = EngineProfiler(wait=0, warmup=1, active=1, dirpath=str(tmp_path / "a"), save_plot=True)
     _trainer(tmp_path, cb, max_steps=2).fit(_model(), _loader())
@@ -453,6 +456,7 @@ assert len(cb.reports) == 1
 """
 
 
+@pytest.mark.slow
 def test_no_kineto_gpu_error_on_cpu_machines(tmp_path):
     import os
     import subprocess

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests._distributed import run_distributed
 
 
@@ -42,6 +44,7 @@ def _fit_two_ranks(rank: int, world_size: int, out: str) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_per_rank_files_and_merged_summary(tmp_path, monkeypatch):
     monkeypatch.setenv("LIGHTNING_SDP_CACHE_DIR", str(tmp_path / "cache"))  # measured ceilings: a private cache
     out = tmp_path / "ep"

@@ -11,6 +11,7 @@ from lightning_sdp.callbacks.engine_profiler.sweep import gpt_factory, main, seq
 PEAKS = {"matrix_tflops": 0.05, "vector_tflops": 0.002, "mem_gbps": 10.0}
 
 
+@pytest.mark.slow
 def test_sweep_rows_have_shares_and_analytic_prediction(tmp_path):
     rows = sequence_length_sweep(
         gpt_factory(vocab_size=23, n_layer=1, n_head=2, n_embd=16),
@@ -48,6 +49,7 @@ def test_sweep_rows_have_shares_and_analytic_prediction(tmp_path):
     assert "| explicit | 8 |" in sweep_markdown(rows)
 
 
+@pytest.mark.slow
 def test_cli_writes_outputs(tmp_path, capsys):
     code = main(
         [

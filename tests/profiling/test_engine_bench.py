@@ -1,4 +1,4 @@
-"""Engine microbenchmarks: device profile, per-device cache, roofline and the ``engine-bench`` command (issue 20.1).
+"""Engine microbenchmarks: device profile, per-device cache, roofline and the ``engine-bench`` command.
 
 Sizes are tiny and timings are only checked for sanity (> 0): the machine is shared.
 """

@@ -1,4 +1,4 @@
-"""Several windows: medians, spread, findings beyond the spread (issue 20.4); peaks side by side (issue 20.1)."""
+"""Several windows: medians, spread, findings beyond the spread; peaks side by side."""
 
 from __future__ import annotations
 

@@ -10,21 +10,26 @@ TFLOPS against the device's peaks and findings with advice. The analysis lives i
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
-import shutil
-import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils._pytree import tree_flatten
 from typing_extensions import override
 
+from lightning_sdp.callbacks.engine_profiler.outputs import (
+    TraceExportError,
+    check_writable,
+    closing_message,
+    export_trace,
+)
+from lightning_sdp.profiling.files import write_text_atomic
 from lightning_sdp.profiling.results import DeviceInfo, EngineReport, MergedReport, ModelDims
 
 _MODEL_DIM_KEYS = {
@@ -57,8 +62,11 @@ class EngineProfiler(Callback):
 
     Outputs in ``dirpath``: ``<filename>-rank<R>.json`` (all windows of global rank R),
     ``<filename>-rank<R>-window<C>.pt.trace.json.gz`` (Chrome/Perfetto trace), and from rank 0
-    ``<filename>-summary.json`` (merged over ranks) and ``<filename>.png``. Metrics ``engine/*`` go to the Trainer's
-    loggers; the summary table is printed at the end of training.
+    ``<filename>-summary.json`` (merged over ranks) and ``<filename>.png``. JSON files are written atomically; a
+    trace is named in the report only once it reads back (a failed export gives a warning naming the file and the
+    reason, and leaves no partial file). Metrics ``engine/*`` go to the Trainer's loggers. At the end of training
+    (``print_summary=True``) rank 0 prints the summary table and logs once (``rank_zero_info``) where the files are
+    and whether the device ceilings were measured in this run or read from the cache, naming the cache file.
 
     Args:
         wait: batches to skip at the start of each cycle. Default 2.
@@ -83,7 +91,8 @@ class EngineProfiler(Callback):
             (``n_embd``/``d_model``/``hidden_size``) when ``None``.
         n_heads: attention heads, likewise (``n_head``/``n_heads``/``num_heads``).
         softmax_k: element operations per attention score in the analytic model (5-8 unfused). Default 6.
-        print_summary: print the summary table at the end of training (rank 0). Default True.
+        print_summary: at the end of training, rank 0 prints the summary table and logs where the files went and
+            where the device ceilings came from. Default True.
         log_metrics: log ``engine/*`` metrics to the Trainer's loggers. Default True.
     """
 
@@ -158,6 +167,9 @@ class EngineProfiler(Callback):
         self._world_size = 1
         self._repeat = AUTO_WINDOWS if repeat is None else repeat
         self._measured_peaks: dict[str, float | None] | None = None
+        self._ceilings_note: str | None = None  # where the machine ceilings came from, for the closing message
+        self._files_written: list[Path] = []
+        self._traces_written = 0
         self._reset_window()
 
     # ------------------------------------------------------------------ schedule
@@ -213,7 +225,7 @@ class EngineProfiler(Callback):
             if self.dirpath
             else Path(trainer.log_dir or trainer.default_root_dir) / "engine_profiler"
         )
-        _check_writable(base, given=self.dirpath is not None)
+        check_writable(base, given=self.dirpath is not None)
         self._dir = base
         _quiet_kineto_without_cuda()
 
@@ -234,12 +246,15 @@ class EngineProfiler(Callback):
                     f"warmup={self.warmup}, active={self.active}) but the run has {remaining} left; the window will "
                     "be cut short or not reached. Lower `wait`/`active` or train longer."
                 )
-        if self.measure_peaks and self._phase(self._batches_seen)[0] is not None:
+        if not self.measure_peaks:
+            self._ceilings_note = "device ceilings not measured (measure_peaks=False)."
+        elif self._phase(self._batches_seen)[0] is not None:
             self._measure_device(trainer)
 
     def _measure_device(self, trainer: Trainer) -> None:
         """Measured ceilings of the training device (cached per device, threads, torch version)."""
         if self._device_type not in ("cpu", "cuda", "hpu"):
+            self._ceilings_note = f"device ceilings not measured (no benchmark for device type {self._device_type!r})."
             return
         from lightning_sdp.profiling.engine_bench import cached_engine_peaks
 
@@ -258,16 +273,21 @@ class EngineProfiler(Callback):
                 f"EngineProfiler: measuring the device's ceilings failed ({type(err).__name__}: {err}); utilisation "
                 "is reported only where a datasheet peak (or `peaks=`) exists."
             )
+            self._ceilings_note = "measuring the device ceilings failed (see the warning above)."
             return
         self.device_profile = profile
         self._measured_peaks = profile.peaks(dtype)
         self._device_profile_file = str(path)
-        if not cached:
-            from lightning.pytorch.utilities import rank_zero_info
-
-            rank_zero_info(
-                f"EngineProfiler: measured this device's engine ceilings in {profile.elapsed_s:.1f} s (cached at "
-                f"{path}; `lightning-sdp engine-bench` measures the full profile)."
+        mode = "quick mode" if profile.quick else "full mode"
+        if cached:
+            self._ceilings_note = (
+                f"device ceilings read from the cache {path} (measured {profile.created or 'earlier'}, {mode}); "
+                "`lightning-sdp engine-bench` measures them again."
+            )
+        else:
+            self._ceilings_note = (
+                f"device ceilings measured in this run ({profile.elapsed_s:.1f} s, {mode}) and cached at {path}; "
+                "later runs on this device read them from there."
             )
 
     @staticmethod
@@ -370,10 +390,11 @@ class EngineProfiler(Callback):
                 prof.stop()
                 if self.export_trace and self._dir is not None:
                     cycle = self._phase(self._window_start_batch)[2]
-                    path = self._trace_path(cycle)
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    _export_trace(prof, path)
-                    rank_zero_warn(f"EngineProfiler: training raised {type(exception).__name__}; trace kept at {path}")
+                    path = self._save_trace(prof, cycle)
+                    if path is not None:
+                        rank_zero_warn(
+                            f"EngineProfiler: training raised {type(exception).__name__}; trace kept at {path}"
+                        )
             except Exception as err:  # never mask the original exception
                 rank_zero_warn(f"EngineProfiler: could not save the trace after an exception: {err}")
         self._reset_window()
@@ -454,6 +475,30 @@ class EngineProfiler(Callback):
         assert self._dir is not None
         return self._dir / f"{self.filename}-rank{self._rank}-window{cycle}.pt.trace.json.gz"
 
+    def _save_trace(self, prof: Any, cycle: int) -> Path | None:
+        """Export the window's trace; ``None`` (and a warning naming the file and the reason) when it failed."""
+        path = self._trace_path(cycle)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            export_trace(prof, path)
+        except (TraceExportError, OSError) as err:
+            # Each rank writes its own trace, so every rank warns for its own (not only rank 0).
+            warnings.warn(
+                f"EngineProfiler: rank {self._rank} could not write the trace of window {cycle} to {path}: {err}. "
+                "The report names no trace for this window and no partial file is left; check the folder's free "
+                "space and permissions, or pass export_trace=False.",
+                stacklevel=2,
+            )
+            return None
+        self._traces_written += 1
+        return path
+
+    def _write_json(self, name: str, data: Any) -> None:
+        """Write ``<dirpath>/<name>`` atomically and remember it for the closing message."""
+        assert self._dir is not None
+        path = write_text_atomic(self._dir / name, json.dumps(data, indent=1) + "\n")
+        self._files_written.append(path)
+
     def _finish_window(self, trainer: Trainer, pl_module: LightningModule, cycle: int) -> EngineReport | None:
         from lightning_sdp.profiling.breakdown import categorize_events
         from lightning_sdp.profiling.report import build_report
@@ -473,8 +518,7 @@ class EngineProfiler(Callback):
         self._dir.mkdir(parents=True, exist_ok=True)
         trace_path = None
         if self.export_trace or self._device_type == "hpu":
-            trace_path = self._trace_path(cycle)
-            _export_trace(prof, trace_path)
+            trace_path = self._save_trace(prof, cycle)
         if steps == 0:
             self._reset_window()
             return None
@@ -516,9 +560,7 @@ class EngineProfiler(Callback):
         # One-off cost after the window: stopping the profiler, exporting the trace, parsing and classifying.
         report.analysis_s = time.perf_counter() - t_stop
         self.reports.append(report)
-        (self._dir / f"{self.filename}-rank{self._rank}.json").write_text(
-            json.dumps([r.to_dict() for r in self.reports], indent=1) + "\n"
-        )
+        self._write_json(f"{self.filename}-rank{self._rank}.json", [r.to_dict() for r in self.reports])
         self._reset_window()
         return report
 
@@ -574,24 +616,11 @@ class EngineProfiler(Callback):
         return ModelDims(**dims, seq_len=self._seq_len)
 
     def _merge_and_summarise(self, trainer: Trainer) -> None:
-        from lightning_sdp.profiling.report import (
-            combine_windows,
-            merge_reports,
-            metrics,
-            plot_reports,
-            summary_table,
-        )
+        from lightning_sdp.profiling.report import combine_windows, merge_reports
 
         combined = combine_windows(self.reports) if self.reports else None
         if combined is not None and (combined.windows or 1) > 1 and self.log_metrics:
-            m = {
-                k.replace("engine/", "engine/median_", 1): v
-                for k, v in metrics(combined).items()
-                if k.endswith("_frac")
-            }
-            m.update({f"engine/spread_{c}_frac": float(v) for c, v in (combined.spread or {}).items()})
-            for logger in trainer.loggers:
-                logger.log_metrics(m, step=trainer.global_step)
+            self._log_medians_and_spread(trainer, combined)
         gathered: list[Any] = [combined]
         if self._world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             gathered = [None] * self._world_size
@@ -605,50 +634,58 @@ class EngineProfiler(Callback):
         self.merged = merge_reports(reports)
         assert self._dir is not None
         self._dir.mkdir(parents=True, exist_ok=True)
-        (self._dir / f"{self.filename}-summary.json").write_text(json.dumps(self.merged.to_dict(), indent=1) + "\n")
+        self._write_json(f"{self.filename}-summary.json", self.merged.to_dict())
         if self.save_plot:
-            if len(reports) == 1 and len(self.reports) > 1:
-                # One rank: a bar per window shows the spread; the roofline uses the medians.
-                plot_reports(self.reports, self._dir / f"{self.filename}.png", roofline=reports[0])
-            else:
-                plot_reports(reports, self._dir / f"{self.filename}.png")
-            if self.device_profile is not None:
-                from lightning_sdp.profiling.engine_bench import plot_roofline
-
-                plot_roofline(
-                    self.device_profile,
-                    self._dir / f"{self.filename}-roofline.png",
-                    report=reports[0],
-                    datasheet={
-                        k: v
-                        for k, v in reports[0].peaks.items()
-                        if (reports[0].peak_sources or {}).get(k) == "datasheet"
-                    },
-                )
+            self._save_plots(reports)
         if self.print_summary:
-            print(summary_table(reports[0]))
-            if len(reports) > 1:
-                print(
-                    "EngineProfiler ranks: "
-                    + ", ".join(f"rank {r.rank} {r.step_time_s * 1e3:.2f} ms/step" for r in reports)
+            self._print_summary(reports)
+            rank_zero_info(
+                closing_message(
+                    self._dir, self._files_written, self._traces_written, self._world_size, self._ceilings_note
                 )
+            )
 
+    @staticmethod
+    def _log_medians_and_spread(trainer: Trainer, combined: EngineReport) -> None:
+        """``engine/median_<category>_frac`` and ``engine/spread_<category>_frac`` to every logger."""
+        from lightning_sdp.profiling.report import metrics
 
-def _export_trace(prof: Any, path: Path) -> None:
-    """Write the profiler's Chrome trace to ``path`` (gzip).
+        m = {k.replace("engine/", "engine/median_", 1): v for k, v in metrics(combined).items() if k.endswith("_frac")}
+        m.update({f"engine/spread_{c}_frac": float(v) for c, v in (combined.spread or {}).items()})
+        for logger in trainer.loggers:
+            logger.log_metrics(m, step=trainer.global_step)
 
-    torch compresses a ``.gz`` trace line by line (hundreds of thousands of small writes, about a third of a window's
-    analysis time); writing plain JSON and compressing it in large blocks at a fast level gives the same file type
-    in a fraction of the time.
-    """
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".json", dir=path.parent)
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(tmp)
-        with open(tmp, "rb") as src, gzip.open(path, "wb", compresslevel=1) as dst:
-            shutil.copyfileobj(src, dst, length=1 << 20)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    def _save_plots(self, reports: list[EngineReport]) -> None:
+        """Rank 0's PNGs: shares and rooflines of the reports, and the device roofline when ceilings were measured."""
+        from lightning_sdp.profiling.report import plot_reports
+
+        assert self._dir is not None
+        if len(reports) == 1 and len(self.reports) > 1:
+            # One rank: a bar per window shows the spread; the roofline uses the medians.
+            png = plot_reports(self.reports, self._dir / f"{self.filename}.png", roofline=reports[0])
+        else:
+            png = plot_reports(reports, self._dir / f"{self.filename}.png")
+        self._files_written.append(Path(png))
+        if self.device_profile is not None:
+            from lightning_sdp.profiling.engine_bench import plot_roofline
+
+            first = reports[0]
+            datasheet = {k: v for k, v in first.peaks.items() if (first.peak_sources or {}).get(k) == "datasheet"}
+            roofline = plot_roofline(
+                self.device_profile, self._dir / f"{self.filename}-roofline.png", report=first, datasheet=datasheet
+            )
+            self._files_written.append(Path(roofline))
+
+    @staticmethod
+    def _print_summary(reports: list[EngineReport]) -> None:
+        from lightning_sdp.profiling.report import summary_table
+
+        print(summary_table(reports[0]))
+        if len(reports) > 1:
+            print(
+                "EngineProfiler ranks: "
+                + ", ".join(f"rank {r.rank} {r.step_time_s * 1e3:.2f} ms/step" for r in reports)
+            )
 
 
 def _batch_shapes(batch: Any) -> list[list[int]]:
@@ -671,21 +708,6 @@ def _sequence_length(batch: Any) -> int | None:
         if t.ndim == 3 and t.is_floating_point():
             return int(t.shape[1])
     return None
-
-
-def _check_writable(path: Path, given: bool) -> None:
-    """Create ``path`` and write a probe file in it; raise a clear ``OSError`` at setup rather than mid-training."""
-    what = "dirpath" if given else "the default output folder (<log_dir>/engine_profiler)"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path, prefix=".engine_profiler_probe_")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as err:
-        raise OSError(
-            f"EngineProfiler: cannot write to {what} {str(path)!r} ({type(err).__name__}: {err.strerror or err}). "
-            "Pass `dirpath=` a folder this process can create and write, or fix the folder's permissions."
-        ) from err
 
 
 def _quiet_kineto_without_cuda() -> None:

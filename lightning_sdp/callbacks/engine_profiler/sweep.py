@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_sdp.callbacks.engine_profiler.callback import EngineProfiler
 from lightning_sdp.models.gpt import GPT
+from lightning_sdp.profiling.files import write_text_atomic
 from lightning_sdp.profiling.peaks import calibrate_cpu
 from lightning_sdp.profiling.results import EngineReport
 
@@ -348,11 +349,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         dirpath=str(out / "reports"),
     )
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(
-        json.dumps([{k: v for k, v in r.items() if k != "report"} for r in rows], indent=1) + "\n"
+    write_text_atomic(
+        out / "sweep.json", json.dumps([{k: v for k, v in r.items() if k != "report"} for r in rows], indent=1) + "\n"
     )
     md = sweep_markdown(rows)
-    (out / "sweep.md").write_text(md + "\n")
+    write_text_atomic(out / "sweep.md", md + "\n")
     plot_sweep(rows, out / "sweep.png")
     print(md)
     print(f"wrote {out / 'sweep.json'}, {out / 'sweep.md'}, {out / 'sweep.png'}")

@@ -22,6 +22,7 @@ import argparse
 import importlib.util
 import os
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -55,11 +56,16 @@ def kernel_at(commit: str) -> ModuleType | None:
         return None
     if shown.returncode != 0:
         return None
-    path = Path(tempfile.mkdtemp()) / f"cf_numba_{commit}.py"
-    path.write_text(shown.stdout)
+    # a fixed place, rewritten only when the source differs: numba's on-disk cache (keyed on the file's path and
+    # modification time) then holds the old kernel's compilation across processes and runs
+    path = Path(tempfile.gettempdir()) / "lightning_sdp_kernels" / f"cf_numba_{commit}.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists() or path.read_text() != shown.stdout:
+        path.write_text(shown.stdout)
     spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # numba's cache finds the kernel's globals through the module's name
     spec.loader.exec_module(module)
     return module
 

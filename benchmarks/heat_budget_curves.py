@@ -1,7 +1,7 @@
 """Validation learning curves of the budgeted recipe's candidate configurations (validation only, no test split).
 
-Each configuration of the recipe's seed sample (:func:`~lightning_sdp.models.simplex_budget.sample_configs`, led by
-the anchor and the cheap anchor, as :func:`~lightning_sdp.models.simplex_budget.fit_simplex_within_budget` does) is
+Each configuration of the recipe's seed sample (:func:`~lightning_sdp.recipes.sample_configs`, led by
+the anchor and the cheap anchor, as :func:`~lightning_sdp.recipes.fit_simplex_within_budget` does) is
 trained as complete linear schedules of ``--steps`` steps, the search's trial lengths, and as one schedule sized to
 ``--final-seconds`` of training, the final fit of a short budget; each is scored on the validation split carved from
 the training interactions (``heat_vs_peers``'s split, seed 0). It shows where short trials rank configurations
@@ -21,7 +21,7 @@ from typing import Any
 
 from benchmarks._common import SHARED_DATA, markdown_table, write_results
 from benchmarks.heat_vs_peers import DATASETS, load_split, set_threads
-from lightning_sdp.models.simplex_budget import (
+from lightning_sdp.recipes import (
     DEFAULT_GRID,
     SimpleXRunner,
     default_batch_size,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import os
 import time
 from collections.abc import Callable
@@ -128,7 +129,7 @@ def run(name: str, g: float, args: argparse.Namespace, dm: InteractionsDataModul
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--data", default=str(SHARED_DATA / "gowalla"))
     parser.add_argument("--models", default="MF-CCL,SimpleX", help="comma list of MF-CCL, SimpleX")
@@ -170,23 +171,15 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         default=None,
         metavar="JSON",
-        help="only write the report from earlier results JSONs (e.g. one run per model, run side by side)",
+        help="run nothing: merge earlier results JSONs (one run per model or setting) into results/<--name>.*",
     )
-    args = parser.parse_args(argv)
-    if args.combine:
-        import json
+    return parser
 
-        loaded = [json.loads(Path(f).read_text()) for f in args.combine]
-        results = [r for doc in loaded for r in doc["results"]]
-        report(
-            results,
-            argparse.Namespace(**{**loaded[0]["args"], "name": args.name, "quick": False}),
-            {
-                "runs": [{"args": d["args"], "machine": d.get("machine")} for d in loaded],
-                "machine": loaded[0].get("machine"),
-                "note": args.note,
-            },
-        )
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    if args.combine:
+        combined_report(combine_runs([Path(f) for f in args.combine]), args.name or "heat_gowalla_quality", args.note)
         return
 
     val_fraction = 0.0 if args.refit else 0.1  # refit: settings were chosen on validation beforehand
@@ -281,6 +274,96 @@ def report(results: list[dict], args: argparse.Namespace, extra: dict) -> None:
     )
     name = args.name or ("heat_gowalla_quality" if not args.quick else "heat_gowalla_quality_quick")
     write_results(name, {"results": results, "args": vars(args), **extra}, md, fig)
+
+
+# ---------------------------------------------------------------------------------------------------- merged runs
+_NOT_OPTIONS = ("data", "quick", "combine", "note", "name")
+
+
+def command_of(args: dict[str, Any]) -> str:
+    """The command line that repeats a stored run with today's options (only what differs from their defaults)."""
+    defaults = vars(_parser().parse_args([]))
+    parts = ["python -m benchmarks.heat_gowalla_quality"]
+    for key, value in args.items():
+        if key in _NOT_OPTIONS or key not in defaults or value == defaults[key] or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        parts.append(flag if value is True else f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
+    return " ".join([*parts, f"--name {args['name']}"])
+
+
+def _setting(args: dict[str, Any], model: str) -> str:
+    setting = f"d={args['dim']}, {args['negatives']} {args['sampler']} negatives, w={args['negative_weight']:g}"
+    setting += f", {args.get('optimizer', 'sgd')} lr {args['lr']:g} ({args.get('lr_schedule', 'constant')})"
+    setting += f", row norm {args.get('row_norm')}, seed {args.get('seed', 0)}"
+    if model == "SimpleX":
+        setting += f", {args.get('aggregator', 'mean')} aggregator, V lr x{args['aggregator_lr_scale']:g}"
+        setting += f", V decay {args.get('aggregator_weight_decay', 0.0):g}"
+    return setting
+
+
+def combine_runs(paths: list[Path]) -> dict[str, Any]:
+    """One results document from stored runs (``results/<stem>.json``), numbers unchanged: every row names its
+    source run, its setting and the command that repeats it; a merged document's rows merge again as they are."""
+    rows, sources = [], []
+    for path in paths:
+        doc = json.loads(path.read_text())
+        if "sources" in doc:
+            rows += doc["results"]
+            sources += doc["sources"]
+            continue
+        args = doc["args"]
+        source = {"name": path.stem, "command": command_of({**args, "name": path.stem}), "machine": doc["machine"]}
+        # runs from before the module carved a validation split scored the test split along the way
+        source["validation"] = any("val_recall@20" in r for r in doc["results"])
+        sources.append(source)
+        rows += [{"source": path.stem, "setting": _setting(args, r["model"]), **r} for r in doc["results"]]
+    return {"results": rows, "sources": sources, "machine": sources[0]["machine"]}
+
+
+def combined_report(doc: dict[str, Any], name: str, note: str = "") -> None:
+    """Write ``results/<name>.{json,md,png}`` for :func:`combine_runs`' document."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in doc["results"]:
+        ax.plot([c["epochs"] for c in r["curve"]], [c["recall@20"] for c in r["curve"]], "-o", ms=3, label=r["source"])
+    for model, (recall, _) in PUBLISHED.items():
+        ax.axhline(recall, ls="--", lw=0.8, color="grey")
+        ax.text(0.01, recall, f"{model} published", fontsize=7, color="grey", transform=ax.get_yaxis_transform())
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("Recall@20 (Gowalla)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    ax.set_title('HEAT fused backend, `Trainer(accelerator="heat")`, Gowalla', fontsize=9)
+    cols = ["source", "model", "setting", "epochs", "wall_s", "recall@20", "ndcg@20"]
+    cols += ["published_recall@20", "published_ndcg@20", "load_avg_1m"]
+    md = [
+        "Merged from the stored runs below (numbers as measured, not rerun). Each trains with the fused backend "
+        'through `Trainer(accelerator="heat")` on the LightGCN Gowalla split, with per-sample SGD whose rate decays '
+        "linearly to 0 over the run's epochs; `recall@20` / `ndcg@20` are the test split after the last epoch.",
+        *([note] if note else []),
+        markdown_table(doc["results"], cols),
+        "## Source runs",
+    ]
+    for source in doc["sources"]:
+        m = source["machine"]
+        split = (
+            "validation carved from train for the curve"
+            if source["validation"]
+            else "trained on the whole training split with the curve scored on the test split, the module's "
+            "protocol before it carved a validation split: add `--refit` to train on the whole split today"
+        )
+        md.append(
+            f"- `{source['name']}`: `{source['command']}` ({m.get('date', '')}, {m.get('cpu', '')}, load "
+            f"{m.get('load_avg_1m')}; {split})"
+        )
+    md.append("## Recall@20 by epoch")
+    md += [f"### {r['source']} ({r['model']})\n\n" + markdown_table(r["curve"]) for r in doc["results"]]
+    write_results(name, doc, "\n\n".join(md), fig)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ mean aggregator, history 100), d in {64, 128}, 64 negatives:
 * ``reference-b4096``: the same with batch 4096, the strongest plain-torch variant we found (it amortises the dense
   Adam update of the whole tables over more positives);
 
-and the tile sampler against uniform sampling (speed, and Recall@20 after a few epochs). Each measurement runs for
-``--seconds`` after a warm-up. Writes ``benchmarks/results/heat_throughput.{json,md,png}``.
+and the tile sampler against uniform sampling (speed, and Recall@20 during and after ``--sampler-epochs`` epochs of a
+linear decay). Each throughput measurement runs for ``--seconds`` after a warm-up. Writes
+``benchmarks/results/heat_throughput.{json,md,png}``.
 
 Run from the repo root: ``.venv/bin/python -m benchmarks.heat_throughput`` (``--quick`` for a smoke run).
 """
@@ -149,44 +150,12 @@ def sampler_quality(
     return rows, curve
 
 
-def sampler_report(
-    rows: list[dict], curve: list[dict], args: argparse.Namespace, dim: int, threads: int, name: str
-) -> None:
-    """Write the tile-vs-uniform comparison on its own (``--sampler-only``)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for sampler in ("uniform", "tile"):
-        pts = [(c["epochs"], c["recall@20"]) for c in curve if c["sampler"] == sampler]
-        ax.plot(*zip(*pts, strict=False), "-o", label=sampler)
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("Recall@20 (Gowalla validation)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title(f"Tile (512, refresh 2048) vs uniform sampler, MF-CCL d={dim}, {args.negatives} negatives", fontsize=9)
-    md = (
-        f"MF-CCL, fused, d={dim}, {threads} threads, {args.negatives} negatives, w=150, m=0.9, per-sample SGD lr "
-        f"{SAMPLER_LR:g} decayed linearly to 0 over {rows[0]['epochs']} epochs; tile sampler: 512 items per thread, "
-        "redrawn every 2048 samples (the paper's Gowalla setting).\n\n"
-        + markdown_table(rows, floatfmt="{:.4g}")
-        + "\n\n## Recall@20 by epoch\n\n"
-        + markdown_table(curve, floatfmt="{:.4g}")
-    )
-    write_results(name, {"rows": rows, "curve": curve, "args": vars(args)}, md, fig)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--data", default=str(SHARED_DATA / "gowalla"), help="LightGCN folder (default: Gowalla)")
     parser.add_argument("--seconds", type=float, default=4.0, help="measuring time per configuration")
     parser.add_argument("--negatives", type=int, default=64)
     parser.add_argument("--sampler-epochs", type=int, default=5, help="epochs per sampler in the tile/uniform test")
-    parser.add_argument(
-        "--sampler-only", action="store_true", help="only the tile/uniform comparison (own results file)"
-    )
     parser.add_argument("--quick", action="store_true", help="tiny synthetic run (smoke test)")
     args = parser.parse_args(argv)
 
@@ -202,14 +171,6 @@ def main(argv: list[str] | None = None) -> None:
     users, items = _pairs(dm)
     max_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads_list = [t for t in threads_list if t <= max_threads]
-
-    if args.sampler_only:
-        threads = max(threads_list)
-        sampler_rows, curve = sampler_quality(dm, sampler_epochs, dims[0], args.negatives, threads)
-        sampler_report(
-            sampler_rows, curve, args, dims[0], threads, "heat_sampler_quality" + ("_quick" if args.quick else "")
-        )
-        return
 
     rows = []
     for model_name, g in (("MF-CCL", 1.0), ("SimpleX", 0.8)):
@@ -235,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
                 print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
                 rows.append(row)
 
-    sampler_rows, _ = sampler_quality(dm, sampler_epochs, dims[0], args.negatives, max(threads_list))
+    sampler_rows, sampler_curve = sampler_quality(dm, sampler_epochs, dims[0], args.negatives, max(threads_list))
 
     import matplotlib
 
@@ -282,10 +243,18 @@ def main(argv: list[str] | None = None) -> None:
         + "\n\n## Tile vs uniform sampler (MF-CCL, fused, "
         + f"d={dims[0]}, {max(threads_list)} threads, {sampler_epochs} epochs, lr {SAMPLER_LR:g} linear to 0)\n\n"
         + markdown_table(sampler_rows, floatfmt="{:.4g}")
+        + "\n\n### Recall@20 by epoch (validation)\n\n"
+        + markdown_table(sampler_curve, floatfmt="{:.4g}")
     )
     write_results(
         "heat_throughput" if not args.quick else "heat_throughput_quick",
-        {"rows": rows, "sampler": sampler_rows, "negatives": args.negatives, "quick": args.quick},
+        {
+            "rows": rows,
+            "sampler": sampler_rows,
+            "sampler_curve": sampler_curve,
+            "negatives": args.negatives,
+            "quick": args.quick,
+        },
         md,
         fig,
     )

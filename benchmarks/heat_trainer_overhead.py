@@ -33,8 +33,8 @@ from lightning.pytorch import Callback
 
 from benchmarks._common import SHARED_DATA, markdown_table, write_results
 from lightning_sdp.datamodules.interactions import InteractionsDataModule, PositivePairs
-from lightning_sdp.models.simplex_budget import SimpleXRunner, default_batch_size, evaluate_ranking
 from lightning_sdp.plugins.heat import set_cpu_threads
+from lightning_sdp.recipes import SimpleXRunner, default_batch_size, evaluate_ranking
 
 CONFIG = {"dim": 64, "num_negatives": 64, "margin": 0.9, "negative_weight": 150.0, "lr": 0.1}
 

@@ -3,7 +3,7 @@
 Methods (``--methods``): implicit ALS and BPR, LightFM WARP, cornac BPR (and cornac EASE on catalogues of at most
 ``EASE_MAX_ITEMS`` items: its dense item x item inverse does not fit otherwise), HEAT's fused MF-CCL, HEAT's fused
 SimpleX with an attention aggregator (when ``SimpleXModule`` has one), HEAT's budgeted recipe
-(:func:`lightning_sdp.models.simplex_budget.fit_simplex_within_budget`) and the plain-PyTorch reference backend.
+(:func:`lightning_sdp.recipes.fit_simplex_within_budget`) and the plain-PyTorch reference backend.
 
 Protocol, the same for every method:
 
@@ -43,7 +43,8 @@ import torch
 from benchmarks._common import RESULTS_DIR, SHARED_DATA, machine_info, markdown_table, write_results
 from lightning_sdp.datamodules.interactions import InteractionsDataModule, split_validation
 from lightning_sdp.models.simplex import SimpleXModule
-from lightning_sdp.models.simplex_budget import (
+from lightning_sdp.plugins.heat import set_cpu_threads
+from lightning_sdp.recipes import (
     DEFAULT_GRID,
     WIDE_GRID,
     SimpleXRunner,
@@ -51,7 +52,6 @@ from lightning_sdp.models.simplex_budget import (
     fit_simplex_within_budget,
     sample_configs,
 )
-from lightning_sdp.plugins.heat import set_cpu_threads
 
 NAME = "heat_vs_peers"
 RESULTS = RESULTS_DIR  # where write_results puts the files
@@ -537,14 +537,42 @@ def estimate_seconds(methods: list[str], splits: list[str], args: argparse.Names
     return total
 
 
-def report(results: dict[str, Any], args: argparse.Namespace, name: str) -> None:
+def _figure(num_datasets: int) -> tuple[Any, Any]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    n = max(1, num_datasets)
+    return plt.subplots(1, n, figsize=(6.5 * n, 4.5), squeeze=False)
+
+
+def _plot_dataset(ax: Any, name: str, rows: list[dict[str, Any]], threads: int) -> None:
+    """Test Recall@20 against training time of every method of one dataset."""
+    for r in rows:
+        if "missing" not in r:
+            curve, marker = r["curve"], "-o" if r["method"] not in SCHEDULED else "-s"
+            ax.plot([p["train_s"] for p in curve], [p["recall@20"] for p in curve], marker, ms=3, label=r["method"])
+    ax.set_xscale("log")
+    ax.set_xlabel("training time (s)")
+    ax.set_ylabel("Recall@20 (test)")
+    ax.set_title(f"{name}: quality vs training time, {threads} threads", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def _budget_cells(curve: list[dict[str, Any]], budgets: list[float], measured: list[float]) -> dict[str, str]:
+    """``R@20 <b>s`` -> ``"recall / ndcg"`` at each of ``budgets``; empty where the run did not reach ``b``."""
+    cells = {}
+    for b in budgets:
+        p = at_budget(curve, b) if b in measured else None
+        cells[f"R@20 {b:g}s"] = "" if p is None else f"{p['recall@20']:.4f} / {p['ndcg@20']:.4f}"
+    return cells
+
+
+def report(results: dict[str, Any], args: argparse.Namespace, name: str) -> None:
     datasets = list(results["datasets"])
-    fig, axes = plt.subplots(1, max(1, len(datasets)), figsize=(6.5 * max(1, len(datasets)), 4.5), squeeze=False)
+    fig, axes = _figure(len(datasets))
     md = [
         f"Protocol: validation carved from train ({args.val_fraction:.0%} per user, `split_validation`, seed 0); every "
         f"method tuned with the same budget ({args.configs} configurations of its grid, {args.trial_seconds:g} s of "
@@ -573,25 +601,130 @@ def report(results: dict[str, Any], args: argparse.Namespace, name: str) -> None
             if "missing" in r:
                 rows.append({"method": r["method"], "setting": "missing: " + r["missing"]})
                 continue
-            curve = r["curve"]
-            marker = "-o" if r["method"] not in SCHEDULED else "-s"
-            ax.plot([p["train_s"] for p in curve], [p["recall@20"] for p in curve], marker, ms=3, label=r["method"])
             row: dict[str, Any] = {"method": r["method"], "setting": json.dumps(r["config"])}
-            for b in args.budgets:
-                p = at_budget(curve, b)
-                row[f"R@20 {b:g}s"] = "" if p is None else f"{p['recall@20']:.4f} / {p['ndcg@20']:.4f}"
-            row["eval_s (total)"] = round(sum(p["eval_s"] for p in curve), 1)
+            row.update(_budget_cells(r["curve"], args.budgets, args.budgets))
+            row["eval_s (total)"] = round(sum(p["eval_s"] for p in r["curve"]), 1)
             if "runs" in results:
                 row["run"] = r.get("run", 0)
             rows.append(row)
         md.append("Recall@20 / NDCG@20 on test at each training-time budget:\n\n" + markdown_table(rows))
-        ax.set_xscale("log")
-        ax.set_xlabel("training time (s)")
-        ax.set_ylabel("Recall@20 (test)")
-        ax.set_title(f"{ds}: quality vs training time, {args.threads} threads", fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _plot_dataset(ax, ds, entry["methods"], args.threads)
     write_results(name, results, "\n\n".join(md), fig)
+
+
+# ---------------------------------------------------------------------------------------------------- merged runs
+def command_of(args: dict[str, Any], methods: list[str] | None = None, merge: bool = False) -> str:
+    """The command line that made a stored run (``methods`` and ``merge`` for the runs merged into it)."""
+    parts = [f"python -m benchmarks.heat_vs_peers --dataset {args['dataset']}"]
+    parts.append(f"--methods {','.join(methods) if methods else args['methods']}")
+    parts.append(f"--budgets {','.join(f'{b:g}' for b in args['budgets'])}")
+    parts += ["--refit"] if args.get("refit") else []
+    for key, default in (("seed", 0), ("configs", 3), ("trial_seconds", 8.0), ("threads", 2), ("val_fraction", 0.1)):
+        if args.get(key, default) != default:
+            parts.append(f"--{key.replace('_', '-')} {args[key]:g}")
+    parts.append(f"--name {args['name']}" + (" --merge" if merge else ""))
+    return " ".join(parts)
+
+
+def _sources_of(stem: str, doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """What a stored file was made from: itself (one entry per source run), or the sources a merged file lists."""
+    if "merged_from" in doc:
+        return doc["merged_from"]
+    runs = doc.get("runs") or [{"machine": doc["machine"], "methods": doc["methods"]}]
+    commands = [command_of(doc["args"], run["methods"], merge=i > 0) for i, run in enumerate(runs)]
+    return [{"name": stem, "commands": commands, "refit": doc["args"].get("refit", False), "runs": runs}]
+
+
+def _merge_row(into: dict[str, Any] | None, row: dict[str, Any], dataset: str) -> dict[str, Any]:
+    """``row`` added to the same method's merged row: scheduled runs (one point per budget) side by side; a method
+    measured along one curve (ALS, BPR, ...) must come from one run only."""
+    if into is None:
+        return {**row, "curve": list(row["curve"]), "budgets": list(row["budgets"])}
+    points = {p.get("budget_s") for p in into["curve"]}
+    if None in points or any(p.get("budget_s") in points for p in row["curve"]):
+        raise ValueError(
+            f"merge: two runs measured {row['method']} on {dataset} at the same budgets "
+            f"({into['curve'][0]['source']} and {row['curve'][0]['source']}); merge one of them only."
+        )
+    curve = sorted([*into["curve"], *row["curve"]], key=lambda p: p["budget_s"])
+    return {**into, "curve": curve, "budgets": sorted({*into["budgets"], *row["budgets"]})}
+
+
+def merge_runs(stems: list[str], folder: Path | None = None) -> dict[str, Any]:
+    """One results document from stored runs ``<folder>/<stem>.json`` (numbers unchanged).
+
+    Each dataset keeps the rows of every run that measured it; a method's points of several runs (HEAT's recipe at
+    30/60/180 s in one run, 10 minutes in another) form one row, every point naming its ``source`` run. The runs
+    and the commands that made them are listed under ``merged_from``.
+
+    Raises:
+        ValueError: two runs measured a method on a dataset at the same budget, or under different protocols.
+    """
+    folder = folder or RESULTS_DIR
+    merged: dict[str, Any] = {"merged_from": [], "datasets": {}, "methods": []}
+    for stem in stems:
+        doc = json.loads((folder / f"{stem}.json").read_text())
+        sources = _sources_of(stem, doc)
+        merged["merged_from"] += sources
+        merged.setdefault("machine", doc["machine"])
+        merged["threads"] = doc.get("threads", doc.get("args", {}).get("threads", 2))
+        merged["methods"] = list(dict.fromkeys([*merged["methods"], *doc["methods"]]))
+        refit = doc["args"].get("refit", False) if "args" in doc else None
+        for name, data in doc["datasets"].items():
+            entry = merged["datasets"].setdefault(name, {"split": data["split"], "refit": refit, "methods": {}})
+            entry["refit"] = data.get("refit", refit) if entry["refit"] is None else entry["refit"]
+            if data.get("refit", refit) != entry["refit"]:
+                raise ValueError(f"merge: {stem} scored {name} under another protocol (refit) than the runs before it.")
+            for row in data["methods"]:
+                if "missing" in row:
+                    continue
+                budgets = row.get("budgets") or doc["args"]["budgets"]
+                curve = [{"source": stem, "run": row.get("run", 0), **p} for p in row["curve"]]
+                new = {**row, "curve": curve, "budgets": budgets}
+                entry["methods"][row["method"]] = _merge_row(entry["methods"].get(row["method"]), new, name)
+    for entry in merged["datasets"].values():
+        entry["methods"] = list(entry["methods"].values())
+    return merged
+
+
+def merged_report(merged: dict[str, Any], name: str) -> None:
+    """Write ``results/<name>.{json,md,png}`` for :func:`merge_runs`' document."""
+    datasets = list(merged["datasets"])
+    fig, axes = _figure(len(datasets))
+    md = [
+        "Merged from the stored runs below (numbers as measured, not rerun). Protocol of every run: validation "
+        "carved from train (10% per user, `split_validation`, seed 0); each peer tuned on validation (3 "
+        "configurations of its grid, 8 s of training each), the chosen one trained on train minus validation "
+        "(*held out*) or on the whole training split (*refit*) and scored on the test split (training and "
+        "validation items masked). HEAT's recipe (`heat_budget`) tunes inside each budget (its search time is part "
+        "of `train_s`). Times are training time only; "
+        f"{merged.get('threads', 2)} threads for every method. Grids: "
+        + "; ".join(f"`{m}` {GRIDS[m]}" for m in merged["methods"] if m in GRIDS),
+        "## Source runs",
+    ]
+    for source in merged["merged_from"]:
+        lines = [f"- `{source['name']}`:"]
+        for command, run in zip(source["commands"], source["runs"], strict=True):
+            m = run["machine"]
+            lines.append(
+                f"  - `{command}` ({m.get('date', '')}, {m.get('cpu', '')}, load {m.get('load_avg_1m')} at the start, "
+                f"{m.get('load_avg_1m_end')} at the end)"
+            )
+        md.append("\n".join(lines))
+    for ax, ds in zip(axes[0], datasets, strict=False):
+        entry = merged["datasets"][ds]
+        budgets = sorted({b for r in entry["methods"] for b in r["budgets"]})
+        rows = []
+        for r in entry["methods"]:
+            row: dict[str, Any] = {"method": r["method"], "setting": json.dumps(r["config"])}
+            row.update(_budget_cells(r["curve"], budgets, r["budgets"]))
+            row["source (run)"] = ", ".join(dict.fromkeys(f"`{p['source']}` ({p['run']})" for p in r["curve"]))
+            rows.append(row)
+        protocol = "refit" if entry["refit"] else "held out"
+        md.append(f"## {ds} ({protocol})\n\n" + markdown_table([entry["split"]]))
+        md.append("Recall@20 / NDCG@20 on test at each training-time budget:\n\n" + markdown_table(rows))
+        _plot_dataset(ax, ds, entry["methods"], merged.get("threads", 2))
+    write_results(name, merged, "\n\n".join(md), fig)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -625,7 +758,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="add this run's methods to the stored results (same datasets and budgets), replacing their old rows",
     )
+    parser.add_argument(
+        "--merge-runs",
+        nargs="+",
+        metavar="STEM",
+        default=None,
+        help="run nothing: merge the stored results/<STEM>.json runs into results/<--name>.{json,md,png}",
+    )
     args = parser.parse_args(argv)
+    if args.merge_runs:
+        merged = merge_runs(args.merge_runs)
+        merged_report(merged, args.name)
+        return merged
     args.budgets = [float(b) for b in args.budgets.split(",")]
     if any(b <= 0 for b in args.budgets):
         raise SystemExit(f"--budgets must be positive seconds, got {args.budgets}")

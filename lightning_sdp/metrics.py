@@ -4,10 +4,16 @@ Both follow the LightGCN / SimpleX protocol: every item is ranked for each user,
 masked out, and the metric is averaged over users with at least one test item. torchmetrics' retrieval metrics
 keep every score in memory and ignore hits whose score is ``<= 0`` (wrong for cosine scores), so these classes
 reduce each batch of users to two sums right away. States are sums, so the values are exact under DDP.
+
+As in torchmetrics, a functional core does the arithmetic and the classes accumulate it: :func:`topk_hits` ranks a
+batch, :func:`recall_at_k` / :func:`ndcg_at_k` score each user from the hits, and :func:`evaluate_ranking` runs the
+whole protocol for any scorer over CSR splits (the package's one ranking evaluator: SimpleX's budgeted search and
+the benchmarks' peers are scored with it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -94,6 +100,36 @@ def topk_hits(
     return hits, num_relevant
 
 
+def recall_at_k(hits: Tensor, num_relevant: Tensor) -> Tensor:
+    """Recall@K of each user: relevant items in the top K over relevant items.
+
+    Args:
+        hits: ``(B, K)`` bool, whether the item at each rank is relevant (:func:`topk_hits`).
+        num_relevant: ``(B,)`` relevant items per user.
+
+    Returns:
+        ``(B,)`` float64; 0 for a user without relevant items (the classes leave such users out of the mean).
+    """
+    return hits.sum(1).double() / num_relevant.clamp(min=1).double()
+
+
+def ndcg_at_k(hits: Tensor, num_relevant: Tensor) -> Tensor:
+    """NDCG@K of each user: binary relevance, ``log2(rank + 1)`` discounts, ideal DCG over ``min(K, relevant)``.
+
+    Args:
+        hits: ``(B, K)`` bool, whether the item at each rank is relevant (:func:`topk_hits`).
+        num_relevant: ``(B,)`` relevant items per user.
+
+    Returns:
+        ``(B,)`` float64; 0 for a user without relevant items (the classes leave such users out of the mean).
+    """
+    k = hits.shape[1]
+    discount = 1.0 / torch.log2(torch.arange(2, k + 2, device=hits.device, dtype=torch.float64))
+    dcg = (hits.double() * discount).sum(1)
+    ideal = torch.cumsum(discount, 0)[(num_relevant.clamp(1, k) - 1)]
+    return dcg / ideal
+
+
 def _resolve(
     preds: Tensor | None,
     target: Tensor | None,
@@ -176,7 +212,7 @@ class RecallAtK(_RankingAtK):
 
     @override
     def _per_user(self, hits: Tensor, n_rel: Tensor) -> Tensor:
-        return hits.sum(1).double() / n_rel.clamp(min=1).double()
+        return recall_at_k(hits, n_rel)
 
 
 class NDCGAtK(_RankingAtK):
@@ -189,8 +225,75 @@ class NDCGAtK(_RankingAtK):
 
     @override
     def _per_user(self, hits: Tensor, n_rel: Tensor) -> Tensor:
-        k = hits.shape[1]
-        discount = 1.0 / torch.log2(torch.arange(2, k + 2, device=hits.device, dtype=torch.float64))
-        dcg = (hits.double() * discount).sum(1)
-        ideal = torch.cumsum(discount, 0)[(n_rel.clamp(1, k) - 1)]
-        return dcg / ideal
+        return ndcg_at_k(hits, n_rel)
+
+
+def evaluate_ranking(
+    score: Callable[[Tensor], Tensor],
+    known: tuple[np.ndarray, np.ndarray],
+    target: tuple[np.ndarray, np.ndarray],
+    num_items: int,
+    k: int = 20,
+    users: np.ndarray | None = None,
+    batch_size: int | None = None,
+) -> tuple[float, float]:
+    """Recall@K and NDCG@K of any scorer by full ranking, the known (training) items masked.
+
+    The protocol of :class:`RecallAtK` / :class:`NDCGAtK` (and of ``SimpleXModule``'s evaluation), for any model that
+    can score users against every item, with its splits as CSR arrays: users are scored in batches, each batch is
+    reduced to its top-K hits right away.
+
+    Args:
+        score: maps a ``(B,)`` LongTensor of users to ``(B, num_items)`` scores.
+        known: CSR ``(indptr, indices)`` of the items never ranked (the items the model trained on).
+        target: CSR of the held-out items to find (validation or test).
+        num_items: number of items.
+        k: cut-off. Default 20.
+        users: users to score (a subset, e.g. for cheap validation); ``None`` takes every user with a target item.
+        batch_size: users per scoring batch; ``None`` keeps a batch's scores near 16 MB (``2**22 // num_items``
+            users, 32 to 1024): larger score matrices are fresh memory the allocator maps and faults in at every
+            batch, which makes larger batches slower, not faster.
+
+    Returns:
+        ``(recall, ndcg)`` averaged over the scored users that have target items.
+
+    Raises:
+        ValueError: no user to score has a target item, or ``score`` returns the wrong shape.
+
+    Example:
+        >>> import numpy as np, torch
+        >>> known = (np.array([0, 1, 2]), np.array([0, 1]))  # user 0 trained on item 0, user 1 on item 1
+        >>> target = (np.array([0, 1, 2]), np.array([2, 3]))  # the items to find: 2 and 3
+        >>> scores = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+        >>> evaluate_ranking(lambda users: scores[users], known, target, num_items=4, k=1)
+        (1.0, 1.0)
+    """
+    target_counts = np.diff(target[0])
+    if users is None:
+        users = np.flatnonzero(target_counts > 0)
+    users = np.asarray(users, dtype=np.int64)
+    users = users[target_counts[users] > 0]
+    if len(users) == 0:
+        raise ValueError("evaluate_ranking: no user has a target item; the validation/test split is empty.")
+    if batch_size is None:
+        batch_size = int(np.clip(2**22 // max(1, num_items), 32, 1024))
+    recall, ndcg = RecallAtK(k), NDCGAtK(k)
+    for start in range(0, len(users), batch_size):
+        rows = users[start : start + batch_size]
+        preds = score(torch.from_numpy(rows)).float()
+        if preds.shape != (len(rows), num_items):
+            raise ValueError(
+                f"evaluate_ranking: score() returned {tuple(preds.shape)}, expected {(len(rows), num_items)}."
+            )
+        known_mask = csr_rows_mask(*known, rows, num_items)
+        target_rows, target_items = csr_rows_coo(*target, rows)
+        target_mask = torch.zeros_like(known_mask)
+        target_mask[target_rows, target_items] = True
+        # counted on the sparse rows (each item once): the relevant items are the target items that are not known
+        fresh = ~known_mask[target_rows, target_items]
+        pairs = torch.unique(target_rows[fresh] * num_items + target_items[fresh])
+        relevant = torch.bincount(pairs // num_items, minlength=len(rows))
+        hits, relevant = topk_hits(preds, target_mask, k, known_mask, num_relevant=relevant)
+        recall.update(topk_hits=hits, num_relevant=relevant)
+        ndcg.update(topk_hits=hits, num_relevant=relevant)
+    return float(recall.compute()), float(ndcg.compute())

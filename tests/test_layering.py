@@ -1,4 +1,4 @@
-"""The package's layers point one way, and benchmarks use only public names (issue 18).
+"""The package's layers point one way, and benchmarks use only public names.
 
 Both tests read the source statically (``ast``), so an import hidden inside a function counts as much as one at the
 top of a module.
@@ -18,6 +18,11 @@ PACKAGE = ROOT / "lightning_sdp"
 # the Lightning parts.
 LOWER = ("kernels", "profiling", "datamodules", "integrations")
 UPPER = ("lightning_sdp.callbacks", "lightning_sdp.models", "lightning_sdp.plugins")
+# Recipes drive Trainer runs of the modules (as open_clip_train drives open_clip): they may import any layer below
+# (models, datamodules, metrics, kernels, plugins), and no layer imports them, only the entry points (CLI, demo).
+# ``lightning_sdp.models`` names ``fit_simplex_within_budget`` as a lazy alias (a string, not an import).
+RECIPES = "lightning_sdp.recipes"
+ENTRY_POINTS = ("lightning_sdp.cli", "lightning_sdp.demo")
 
 
 def _module_name(path: Path) -> str:
@@ -60,6 +65,43 @@ def test_lower_layers_do_not_import_callbacks_models_or_plugins(path: Path) -> N
         if any(name == upper or name.startswith(upper + ".") for upper in UPPER)
     ]
     assert not bad, "imports that point up:\n" + "\n".join(bad)
+
+
+def _names(names: list[tuple[int, str]], prefixes: tuple[str, ...]) -> list[tuple[int, str]]:
+    return [(line, name) for line, name in names if any(name == p or name.startswith(p + ".") for p in prefixes)]
+
+
+def _modules_below_recipes() -> list[Path]:
+    return sorted(
+        p
+        for p in PACKAGE.rglob("*.py")
+        if not _names([(0, _module_name(p))], (RECIPES, *ENTRY_POINTS)) and p != PACKAGE / "__init__.py"
+    )
+
+
+@pytest.mark.parametrize("path", _modules_below_recipes(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_layer_imports_the_recipes(path: Path) -> None:
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} imports {name}" for line, name in _names(_imported_modules(path), (RECIPES,))
+    ]
+    assert not bad, "the library must not depend on its recipes:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "recipes").rglob("*.py")), ids=lambda p: p.name)
+def test_recipes_do_not_import_the_entry_points(path: Path) -> None:
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} imports {name}"
+        for line, name in _names(_imported_modules(path), ENTRY_POINTS)
+    ]
+    assert not bad, "recipes are imported by the CLI and the demo, not the other way round:\n" + "\n".join(bad)
+
+
+def test_the_recipe_layer_rules_see_a_model_importing_a_recipe() -> None:
+    source = "from lightning_sdp.recipes import fit_simplex_within_budget\n"
+    names = _imported_modules(Path("probe.py"), source, "lightning_sdp.models.probe")
+    assert _names(names, (RECIPES,)) and not _names(names, ENTRY_POINTS)
+    assert PACKAGE / "models" / "simplex" / "module.py" in _modules_below_recipes()
+    assert PACKAGE / "recipes" / "budget.py" not in _modules_below_recipes()
 
 
 def test_the_layering_check_sees_imports_inside_functions() -> None:

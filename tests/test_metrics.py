@@ -1,4 +1,4 @@
-"""RecallAtK / NDCGAtK against brute-force numpy and torchmetrics' retrieval metrics."""
+"""RecallAtK / NDCGAtK, their functional core and evaluate_ranking, against brute-force numpy and torchmetrics."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_sdp.metrics import NDCGAtK, RecallAtK, topk_hits
+from lightning_sdp.metrics import NDCGAtK, RecallAtK, evaluate_ranking, ndcg_at_k, recall_at_k, topk_hits
 from tests._distributed import run_distributed
 
 
@@ -111,6 +111,7 @@ def _ddp_worker(rank: int, world_size: int) -> tuple[float, float]:
     return float(recall.compute()), float(ndcg.compute())
 
 
+@pytest.mark.slow
 def test_metrics_are_exact_under_ddp():
     scores, target, exclude = _random_case(7)
     want = _brute_force(scores.numpy(), target.numpy(), exclude.numpy(), 5)
@@ -148,3 +149,63 @@ def test_topk_hits_takes_counts_from_the_caller_and_checks_their_shape():
     assert torch.equal(hits, same_hits) and passed is given
     with pytest.raises(ValueError, match="num_relevant"):
         topk_hits(preds, target, 5, num_relevant=counted[:3])
+
+
+def test_functional_core_scores_each_user_as_brute_force_does() -> None:
+    scores, target, exclude = _random_case(5)
+    hits, n_rel = topk_hits(scores, target, 5, exclude)
+    recall, ndcg = recall_at_k(hits, n_rel), ndcg_at_k(hits, n_rel)
+    assert recall.dtype == ndcg.dtype == torch.float64 and recall.shape == ndcg.shape == (len(scores),)
+    for user in range(len(scores)):
+        if n_rel[user] == 0:
+            assert recall[user] == 0.0 and ndcg[user] == 0.0
+            continue
+        one = slice(user, user + 1)
+        want_r, want_n = _brute_force(scores[one].numpy(), target[one].numpy(), exclude[one].numpy(), 5)
+        assert float(recall[user]) == pytest.approx(want_r, rel=1e-9)
+        assert float(ndcg[user]) == pytest.approx(want_n, rel=1e-9)
+
+
+def test_evaluate_ranking_of_a_perfect_scorer_is_one() -> None:
+    known = (np.array([0, 1, 2]), np.array([0, 1]))
+    target = (np.array([0, 1, 2]), np.array([2, 3]))
+    perfect = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    recall, ndcg = evaluate_ranking(lambda users: perfect[users], known, target, 4, k=1)
+    assert recall == pytest.approx(1.0) and ndcg == pytest.approx(1.0)
+    recall, _ = evaluate_ranking(lambda users: -perfect[users], known, target, 4, k=1)
+    assert recall == 0.0
+
+
+def _random_csr(rng: np.random.Generator, users: int, items: int, per_user: int) -> tuple[np.ndarray, np.ndarray]:
+    counts = rng.integers(0, per_user, users)
+    indptr = np.concatenate([[0], np.cumsum(counts)])
+    return indptr, rng.integers(0, items, int(indptr[-1]))  # duplicates and overlaps with other CSRs included
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_evaluate_ranking_equals_the_dense_metrics(seed: int) -> None:
+    from lightning_sdp.metrics import csr_rows_mask
+
+    rng = np.random.default_rng(seed)
+    users, items = 70, 50
+    known, target = _random_csr(rng, users, items, 12), _random_csr(rng, users, items, 6)
+    scores = torch.from_numpy(rng.standard_normal((users, items)).astype(np.float32))
+    recall, ndcg = evaluate_ranking(lambda u: scores[u], known, target, items, k=5, batch_size=16)
+    all_users = np.arange(users)
+    exclude, relevant = csr_rows_mask(*known, all_users, items), csr_rows_mask(*target, all_users, items)
+    keep = torch.from_numpy(np.diff(target[0]) > 0)  # users with a target item, as evaluate_ranking scores
+    reference_recall, reference_ndcg = RecallAtK(5), NDCGAtK(5)
+    for metric in (reference_recall, reference_ndcg):
+        metric.update(scores[keep], relevant[keep], exclude=exclude[keep])
+    assert recall == pytest.approx(float(reference_recall.compute()), rel=1e-6)
+    assert ndcg == pytest.approx(float(reference_ndcg.compute()), rel=1e-6)
+
+
+def test_evaluate_ranking_says_what_is_wrong() -> None:
+    known = (np.array([0, 1, 2]), np.array([0, 1]))
+    no_target = (np.array([0, 0, 0]), np.array([], dtype=np.int64))
+    with pytest.raises(ValueError, match="no user has a target item"):
+        evaluate_ranking(lambda users: torch.zeros(len(users), 4), known, no_target, 4)
+    target = (np.array([0, 1, 2]), np.array([2, 3]))
+    with pytest.raises(ValueError, match=r"score\(\) returned \(2, 3\), expected \(2, 4\)"):
+        evaluate_ranking(lambda users: torch.zeros(len(users), 3), known, target, 4)

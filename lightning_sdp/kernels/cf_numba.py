@@ -124,7 +124,7 @@ def _apply_query(att_q: np.ndarray, dq: np.ndarray, lr: float) -> None:
 
 
 @njit(parallel=True, nogil=True, fastmath=True, cache=True)
-def _fused_sgd_kernel(
+def _fused_sgd_kernel(  # noqa: C901  (a fused numba kernel: one pass per sample, its branches are the point)
     user_emb: np.ndarray,
     item_emb: np.ndarray,
     V: np.ndarray,

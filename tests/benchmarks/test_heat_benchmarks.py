@@ -23,14 +23,21 @@ def _quick_results(name: str) -> dict:
     return json.loads((RESULTS_DIR / f"{name}_quick.json").read_text())
 
 
+@pytest.mark.bench
+@pytest.mark.slow
 def test_throughput_quick_measures_both_backends() -> None:
     heat_throughput.main(["--quick"])
-    rows = _quick_results("heat_throughput")["rows"]
+    payload = _quick_results("heat_throughput")
+    rows = payload["rows"]
+    # the tile-vs-uniform comparison is part of the run: both samplers' final scores and their curves
+    assert [r["sampler"] for r in payload["sampler"]] == ["uniform", "tile"]
+    assert {c["sampler"] for c in payload["sampler_curve"]} == {"uniform", "tile"}
     assert {r["model"] for r in rows} == {"MF-CCL", "SimpleX"}
     assert all(r["fused"] > 0 and r["reference"] > 0 for r in rows)
     assert all(r["fused/reference"] == pytest.approx(r["fused"] / r["reference"], rel=0.01) for r in rows)
 
 
+@pytest.mark.bench
 def test_gowalla_quality_quick_scores_validation_during_training_and_test_once() -> None:
     heat_gowalla_quality.main(["--quick"])
     results = _quick_results("heat_gowalla_quality")["results"]
@@ -40,6 +47,7 @@ def test_gowalla_quality_quick_scores_validation_during_training_and_test_once()
         assert 0.0 < r["recall@20"] <= 1.0 and 0.0 < r["ndcg@20"] <= 1.0  # the test split, scored once after it
 
 
+@pytest.mark.bench
 def test_gowalla_quality_refit_trains_on_everything_and_scores_test_once() -> None:
     heat_gowalla_quality.main(["--quick", "--refit", "--models", "SimpleX", "--aggregator", "user_attention"])
     (result,) = _quick_results("heat_gowalla_quality")["results"]
@@ -47,6 +55,7 @@ def test_gowalla_quality_refit_trains_on_everything_and_scores_test_once() -> No
     assert 0.0 < result["recall@20"] <= 1.0
 
 
+@pytest.mark.bench
 def test_gowalla_tuning_quick_scores_the_validation_split() -> None:
     heat_gowalla_tuning.main(["--quick", "quick", "sampler=tile", "tile_size=8", "tile_refresh=64"])
     (run,) = _quick_results("heat_gowalla_tuning")["runs"]
@@ -56,6 +65,7 @@ def test_gowalla_tuning_quick_scores_the_validation_split() -> None:
     assert 0.0 < run["recall@20"] <= 1.0
 
 
+@pytest.mark.bench
 def test_refit_quick_trains_the_same_epochs_on_both_splits() -> None:
     heat_refit.main(["--quick"])
     held_out, refit = _quick_results("heat_refit")["rows"]
@@ -64,6 +74,7 @@ def test_refit_quick_trains_the_same_epochs_on_both_splits() -> None:
     assert all(0.0 < r["test Recall@20"] <= 1.0 for r in (held_out, refit))
 
 
+@pytest.mark.bench
 def test_attention_throughput_quick_compares_the_aggregators_and_the_reference() -> None:
     heat_attention_throughput.main(["--quick"])  # without the historical kernel (its compilation alone takes ~40 s)
     rows = {r["variant"]: r for r in _quick_results("heat_attention_throughput")["rows"]}
@@ -75,6 +86,8 @@ def test_attention_throughput_quick_compares_the_aggregators_and_the_reference()
     assert len(positives) == 1 and positives.pop() > 0  # one epoch of the same training positives in every row
 
 
+@pytest.mark.bench
+@pytest.mark.slow
 def test_budget_curves_quick_scores_each_configuration_on_validation_only() -> None:
     pytest.importorskip("threadpoolctl", reason="the benchmark limits BLAS threads with threadpoolctl")
     from benchmarks import heat_budget_curves
@@ -88,6 +101,8 @@ def test_budget_curves_quick_scores_each_configuration_on_validation_only() -> N
         assert row["final_steps"] >= 1
 
 
+@pytest.mark.bench
+@pytest.mark.slow
 def test_trainer_overhead_quick_measures_the_kernel_and_each_fit_variant() -> None:
     heat_trainer_overhead.main(["--quick"])
     payload = _quick_results("heat_trainer_overhead")
@@ -98,3 +113,43 @@ def test_trainer_overhead_quick_measures_the_kernel_and_each_fit_variant() -> No
     assert all(
         r["ms_per_step"] == pytest.approx(1e3 * payload["batch_size"] / r["positives_per_s"]) for r in rows.values()
     )
+
+
+def test_gowalla_quality_combine_keeps_each_run_with_its_setting_and_command(tmp_path) -> None:
+    defaults = vars(heat_gowalla_quality._parser().parse_args([]))
+    stored = {
+        "run_a": {**defaults, "models": "MF-CCL", "dim": 256, "negatives": 200, "lr": 0.1, "sampler": "tile"},
+        "run_b": {**defaults, "models": "SimpleX", "seed": 1, "aggregator_lr_scale": 0.1, "refit": True},
+    }
+    paths = []
+    for stem, args in stored.items():
+        row = {"model": args["models"], "epochs": 3, "wall_s": 1.5, "recall@20": 0.1234, "ndcg@20": 0.0987}
+        row.update({"published_recall@20": 0.18, "published_ndcg@20": 0.15, "load_avg_1m": 1.0})
+        row["curve"] = [{"epochs": 3, "seconds": 1.5, "recall@20": 0.1234, "ndcg@20": 0.0987}]
+        if stem == "run_b":
+            row["val_recall@20"] = 0.2
+        doc = {
+            "results": [row],
+            "args": {**args, "name": stem},
+            "machine": {"cpu": "test cpu", "cores": 2, "torch": "x", "date": stem},
+        }
+        paths.append(tmp_path / f"{stem}.json")
+        paths[-1].write_text(json.dumps(doc))
+    heat_gowalla_quality.main(["--combine", *map(str, paths), "--name", "gowalla_quality_combined"])
+    combined = json.loads((RESULTS_DIR / "gowalla_quality_combined.json").read_text())
+    assert [(r["source"], r["recall@20"], r["ndcg@20"]) for r in combined["results"]] == [
+        ("run_a", 0.1234, 0.0987),
+        ("run_b", 0.1234, 0.0987),
+    ]
+    assert "d=256, 200 tile negatives" in combined["results"][0]["setting"]
+    assert [s["validation"] for s in combined["sources"]] == [False, True]
+    md = (RESULTS_DIR / "gowalla_quality_combined.md").read_text()
+    for source, (stem, args) in zip(combined["sources"], stored.items(), strict=True):
+        assert f"`{source['command']}`" in md
+        repeated = vars(heat_gowalla_quality._parser().parse_args(source["command"].split()[3:]))
+        assert {k: repeated[k] for k in args if k not in ("data", "name")} == {
+            k: v for k, v in args.items() if k not in ("data", "name")
+        }  # the command repeats the run's options
+        assert repeated["name"] == stem
+    again = heat_gowalla_quality.combine_runs([RESULTS_DIR / "gowalla_quality_combined.json"])
+    assert again["results"] == combined["results"] and again["sources"] == combined["sources"]

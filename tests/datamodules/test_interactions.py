@@ -133,6 +133,7 @@ def test_missing_files(tmp_path):
 
 
 @pytest.mark.shared_data
+@pytest.mark.slow
 def test_gowalla_sizes(shared_data):
     dm = InteractionsDataModule(str(shared_data / "gowalla"))
     dm.setup()
@@ -337,3 +338,18 @@ def test_positive_pairs_from_a_csr_hold_every_positive_user_by_user() -> None:
     users, items = pairs[np.arange(len(pairs))]
     assert users.tolist() == [0, 0, 2, 2, 2] and items.tolist() == [4, 1, 0, 3, 2]
     assert users.dtype == items.dtype == torch.int64
+
+
+def test_merge_csr_undoes_split_validation() -> None:
+    from lightning_sdp.datamodules.interactions import merge_csr, to_csr
+
+    rng = np.random.default_rng(7)
+    users = rng.integers(0, 50, 600)
+    items = rng.integers(0, 80, 600)
+    full = to_csr(users, items, 50)
+    train, val = split_validation(full.indptr, full.indices, 0.3, seed=3)
+    merged = merge_csr(train, val)
+    np.testing.assert_array_equal(merged.indptr, full.indptr)
+    np.testing.assert_array_equal(merged.indices, full.indices)
+    with pytest.raises(ValueError, match="same rows"):
+        merge_csr(train, (np.array([0, 0]), np.array([], dtype=np.int64)))

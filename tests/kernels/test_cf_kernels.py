@@ -235,6 +235,7 @@ def test_in_kernel_dropout_draws_the_masks_of_draw_dropout_mask():
     assert abs(big.mean() - 1.0) < 0.01
 
 
+@pytest.mark.slow
 def test_mean_aggregator_is_bit_identical_to_the_kernel_before_attention():
     """The kernel of commit 83b1768 (mean only, no dropout) and today's give the same bits for the mean."""
     from benchmarks.heat_attention_throughput import kernel_at

@@ -224,6 +224,7 @@ class _WithDM:
         return getattr(self.__dict__["model"], name)
 
 
+@pytest.mark.slow
 def test_synthetic_yaml_trains_one_epoch(tmp_path):
     from pathlib import Path
 

@@ -1,4 +1,5 @@
-"""The time-budgeted SimpleX recipe: schedule length from the budget, choices on validation only, clear errors."""
+"""The time-budgeted SimpleX recipe (``lightning_sdp.recipes``): schedule length from the budget, choices on validation
+only, clear errors."""
 
 from __future__ import annotations
 
@@ -9,13 +10,27 @@ import torch
 pytest.importorskip("numba", reason="the fused backend needs the cpu extra (numba)")
 
 from lightning_sdp.datamodules.interactions import InteractionsDataModule
-from lightning_sdp.models.simplex_budget import (
+from lightning_sdp.recipes import (
     MIN_SPAN_RATIO,
-    evaluate_ranking,
+    SimpleXRunner,
     extrapolate_recall,
     fit_simplex_within_budget,
     sample_configs,
 )
+
+
+def test_the_recipe_and_its_evaluator_are_public_where_users_look() -> None:
+    import importlib
+
+    import lightning_sdp.metrics
+    import lightning_sdp.models
+    import lightning_sdp.recipes
+
+    assert lightning_sdp.models.fit_simplex_within_budget is lightning_sdp.recipes.fit_simplex_within_budget
+    assert lightning_sdp.recipes.evaluate_ranking is lightning_sdp.metrics.evaluate_ranking
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("lightning_sdp.models.simplex_budget")
+
 
 TINY_GRID = {"dim": [16], "num_negatives": [8], "lr": [0.1, 0.3, 1.0], "margin": [0.9]}
 
@@ -52,6 +67,7 @@ def test_epoch_budget_decays_to_zero_and_splits_the_steps() -> None:
     assert 0.0 < fit.val_recall <= 1.0
 
 
+@pytest.mark.slow
 def test_seconds_budget_ends_decayed_inside_the_budget() -> None:
     dm = _data()
     budget = 6.0
@@ -91,8 +107,6 @@ def test_restart_cycles_double_in_length_and_keep_the_best_snapshot_on_validatio
 
 
 def test_a_warm_restart_starts_from_the_given_weights() -> None:
-    from lightning_sdp.models.simplex_budget import SimpleXRunner
-
     dm = _data()
     runner = SimpleXRunner(tuple(np.asarray(a) for a in dm.train_csr), dm.num_items, 128, 1, 0, {})
     config = {k: v[0] for k, v in TINY_GRID.items()}
@@ -137,41 +151,6 @@ def test_budget_too_short_for_one_step_says_what_to_do() -> None:
         fit_simplex_within_budget(_data(), budget_seconds=1e-3, grid=TINY_GRID, threads=1)
 
 
-def test_evaluate_ranking_of_a_perfect_scorer_is_one() -> None:
-    known = (np.array([0, 1, 2]), np.array([0, 1]))
-    target = (np.array([0, 1, 2]), np.array([2, 3]))
-    perfect = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
-    recall, ndcg = evaluate_ranking(lambda users: perfect[users], known, target, 4, k=1)
-    assert recall == pytest.approx(1.0) and ndcg == pytest.approx(1.0)
-    recall, _ = evaluate_ranking(lambda users: -perfect[users], known, target, 4, k=1)
-    assert recall == 0.0
-
-
-def _random_csr(rng: np.random.Generator, users: int, items: int, per_user: int) -> tuple[np.ndarray, np.ndarray]:
-    counts = rng.integers(0, per_user, users)
-    indptr = np.concatenate([[0], np.cumsum(counts)])
-    return indptr, rng.integers(0, items, int(indptr[-1]))  # duplicates and overlaps with other CSRs included
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_evaluate_ranking_equals_the_dense_metrics(seed: int) -> None:
-    from lightning_sdp.metrics import NDCGAtK, RecallAtK, csr_rows_mask
-
-    rng = np.random.default_rng(seed)
-    users, items = 70, 50
-    known, target = _random_csr(rng, users, items, 12), _random_csr(rng, users, items, 6)
-    scores = torch.from_numpy(rng.standard_normal((users, items)).astype(np.float32))
-    recall, ndcg = evaluate_ranking(lambda u: scores[u], known, target, items, k=5, batch_size=16)
-    all_users = np.arange(users)
-    exclude, relevant = csr_rows_mask(*known, all_users, items), csr_rows_mask(*target, all_users, items)
-    keep = torch.from_numpy(np.diff(target[0]) > 0)  # users with a target item, as evaluate_ranking scores
-    reference_recall, reference_ndcg = RecallAtK(5), NDCGAtK(5)
-    for metric in (reference_recall, reference_ndcg):
-        metric.update(scores[keep], relevant[keep], exclude=exclude[keep])
-    assert recall == pytest.approx(float(reference_recall.compute()), rel=1e-6)
-    assert ndcg == pytest.approx(float(reference_ndcg.compute()), rel=1e-6)
-
-
 def test_sample_configs_starts_with_the_anchor() -> None:
     configs = sample_configs({"dim": [64, 128], "lr": [0.1, 0.3]}, 3, seed=0)
     assert configs[0] == {"dim": 64, "lr": 0.1} and len(configs) == 3 and len({str(c) for c in configs}) == 3
@@ -190,21 +169,6 @@ def test_sample_configs_covers_every_value_as_early_as_possible(seed: int) -> No
     assert len({str(sample_configs(grid, 8, seed=s, lead=[cheap])) for s in range(5)}) > 1  # the seed matters
     with pytest.raises(ValueError, match="not in the grid"):
         sample_configs(grid, 3, lead=[{**cheap, "dim": 32}])
-
-
-def test_merge_csr_undoes_split_validation() -> None:
-    from lightning_sdp.datamodules.interactions import merge_csr, split_validation, to_csr
-
-    rng = np.random.default_rng(7)
-    users = rng.integers(0, 50, 600)
-    items = rng.integers(0, 80, 600)
-    full = to_csr(users, items, 50)
-    train, val = split_validation(full.indptr, full.indices, 0.3, seed=3)
-    merged = merge_csr(train, val)
-    np.testing.assert_array_equal(merged.indptr, full.indptr)
-    np.testing.assert_array_equal(merged.indices, full.indices)
-    with pytest.raises(ValueError, match="same rows"):
-        merge_csr(train, (np.array([0, 0]), np.array([], dtype=np.int64)))
 
 
 def test_refit_trains_the_final_model_on_train_and_validation() -> None:
@@ -306,6 +270,7 @@ def test_selection_ranks_trials_by_extrapolation_or_last_score() -> None:
         fit_simplex_within_budget(dm, **kwargs, selection="best")
 
 
+@pytest.mark.slow
 def test_keep_anchor_takes_the_anchor_to_the_last_round() -> None:
     dm = _data()
     # the anchor (lr 0.01) learns least in a short trial, so plain successive halving cuts it in round 0
@@ -321,6 +286,7 @@ def test_keep_anchor_takes_the_anchor_to_the_last_round() -> None:
     assert hedged.config == max((t for t in hedged.trials if t.round == 1), key=lambda t: t.predicted_recall).config
 
 
+@pytest.mark.slow
 def test_a_budget_too_short_to_search_trains_the_anchor_at_the_cheapest_shape() -> None:
     grid = {"dim": [32, 16], "num_negatives": [16, 8], "lr": [0.3, 0.1], "margin": [0.9]}
     # no first-round trial can have 10^4 epochs: the search is skipped
@@ -344,7 +310,7 @@ def test_the_search_starts_with_the_anchor_at_both_ends_of_the_cost_range() -> N
 
 
 def test_round_shares_double_even_when_the_anchor_is_kept() -> None:
-    from lightning_sdp.models.simplex_budget import _round_sizes, _share_of_rest
+    from lightning_sdp.recipes.search import _round_sizes, _share_of_rest
 
     assert _round_sizes(8, 3, keep_anchor=True) == [8, 5, 3]
     assert _round_sizes(8, 3, keep_anchor=False) == [8, 4, 2]
@@ -355,6 +321,7 @@ def test_round_shares_double_even_when_the_anchor_is_kept() -> None:
     assert _share_of_rest(1, [], 2) == 1.0  # the last trial of the search takes whatever is left
 
 
+@pytest.mark.slow
 def test_kept_anchor_does_not_shorten_the_last_round() -> None:
     dm = _data()
     grid = {**TINY_GRID, "lr": [0.01, 0.3, 1.0, 3.0]}  # the anchor (lr 0.01) is cut in round 0 and kept
@@ -367,7 +334,7 @@ def test_kept_anchor_does_not_shorten_the_last_round() -> None:
 
 
 def test_wall_clock_decay_sets_each_rate_from_the_time_elapsed_and_stops_at_zero() -> None:
-    from lightning_sdp.models.simplex_budget import _WallClockLinearDecay
+    from lightning_sdp.recipes.clocks import _WallClockLinearDecay
 
     class _Trainer:
         def __init__(self) -> None:
@@ -395,8 +362,6 @@ def test_wall_clock_decay_sets_each_rate_from_the_time_elapsed_and_stops_at_zero
 
 
 def test_seconds_budget_schedule_runs_on_the_clock() -> None:
-    from lightning_sdp.models.simplex_budget import SimpleXRunner
-
     dm = _data()
     runner = SimpleXRunner(tuple(np.asarray(a) for a in dm.train_csr), dm.num_items, 16, 1, 0, {})
     config = {k: v[0] for k, v in TINY_GRID.items()}

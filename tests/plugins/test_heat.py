@@ -146,6 +146,7 @@ def _ddp_heat_threads(rank: int, world_size: int) -> dict[str, int]:
 
 
 @pytest.mark.numba
+@pytest.mark.slow
 def test_ddp_splits_the_cores_among_local_processes():
     from tests._distributed import run_distributed
 
@@ -168,6 +169,7 @@ def _fresh_process_threads(rank: int, world_size: int) -> dict[str, int]:
 
 
 @pytest.mark.numba
+@pytest.mark.slow
 def test_numba_pool_start_up_keeps_torch_thread_count():
     from tests._distributed import run_distributed
 
@@ -242,6 +244,7 @@ def _two_reference_runs(rank: int, world_size: int) -> dict[str, object]:
 
 
 @pytest.mark.numba
+@pytest.mark.slow
 def test_reference_runs_keep_num_threads_and_are_bit_identical():
     import numpy as np
 

@@ -57,8 +57,7 @@ class PositivePairs(Dataset):
 
     def __getitem__(self, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         # numpy's single-threaded gather: torch's competes with the kernel's still-spinning OpenMP threads for the
-        # cores (0.7 ms a Gowalla batch under cProfile, 0.04 ms for np.take; within the spread of a whole fit's
-        # throughput in benchmarks/results/heat_trainer_overhead.md)
+        # cores (benchmarks/heat_trainer_overhead.py times both)
         idx = np.asarray(index, dtype=np.int64)
         return torch.from_numpy(self.users.numpy().take(idx)), torch.from_numpy(self.items.numpy().take(idx))
 

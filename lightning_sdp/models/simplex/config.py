@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 Aggregator = Literal["mean", "user_attention", "self_attention"]
 Backend = Literal["fused", "reference"]
@@ -49,47 +49,59 @@ class SimpleXConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        def fail(message: str) -> None:
-            raise ValueError(f"SimpleXModule: {message}")
+        self._check_choices()
+        self._check_sizes()
+        self._check_rates()
 
+    def _fail(self, message: str) -> NoReturn:
+        raise ValueError(f"SimpleXModule: {message}")
+
+    def _check_choices(self) -> None:
+        """The string options, and the combinations the fused kernel cannot run."""
         if self.backend not in ("fused", "reference"):
-            fail(f"backend must be 'fused' or 'reference', got {self.backend!r}.")
+            self._fail(f"backend must be 'fused' or 'reference', got {self.backend!r}.")
         if self.aggregator not in ("mean", "user_attention", "self_attention"):
-            fail(f"aggregator must be 'mean', 'user_attention' or 'self_attention', got {self.aggregator!r}.")
-        if not 0.0 <= self.g <= 1.0:
-            fail(f"the gate g must be in [0, 1], got {self.g}.")
-        if self.dim <= 0 or self.num_negatives <= 0 or self.max_history < 0 or self.k <= 0:
-            fail(
-                f"dim, num_negatives and k must be positive and max_history >= 0; got dim={self.dim}, "
-                f"num_negatives={self.num_negatives}, max_history={self.max_history}, k={self.k}."
-            )
+            self._fail(f"aggregator must be 'mean', 'user_attention' or 'self_attention', got {self.aggregator!r}.")
         if self.optimizer not in ("auto", "adam", "sgd", "rowwise_adagrad"):
-            fail(f"optimizer must be 'auto', 'adam', 'sgd' or 'rowwise_adagrad', got {self.optimizer!r}.")
+            self._fail(f"optimizer must be 'auto', 'adam', 'sgd' or 'rowwise_adagrad', got {self.optimizer!r}.")
         if self.backend == "fused" and self.optimizer_name == "adam":
-            fail(
+            self._fail(
                 "the fused backend updates rows in place per sample; use optimizer='sgd' or 'rowwise_adagrad' "
                 "(Adam's per-coordinate state is not kept by the kernel)."
             )
         if self.lr_schedule not in ("constant", "linear"):
-            fail(f"lr_schedule must be 'constant' or 'linear', got {self.lr_schedule!r}.")
-        if self.row_norm is not None and not self.row_norm > 0:
-            fail(f"row_norm must be positive or None, got {self.row_norm}.")
-        if self.adagrad_eps <= 0:
-            fail(f"adagrad_eps must be positive, got {self.adagrad_eps}.")
+            self._fail(f"lr_schedule must be 'constant' or 'linear', got {self.lr_schedule!r}.")
         if self.sampler not in ("uniform", "tile"):
-            fail(f"sampler must be 'uniform' or 'tile', got {self.sampler!r}.")
+            self._fail(f"sampler must be 'uniform' or 'tile', got {self.sampler!r}.")
         if self.sampler == "tile" and self.backend != "fused":
-            fail("the tile sampler is part of the fused kernel; use backend='fused'.")
+            self._fail("the tile sampler is part of the fused kernel; use backend='fused'.")
+
+    def _check_sizes(self) -> None:
+        """Dimensions, counts and the sampler's tile."""
+        if self.dim <= 0 or self.num_negatives <= 0 or self.max_history < 0 or self.k <= 0:
+            self._fail(
+                f"dim, num_negatives and k must be positive and max_history >= 0; got dim={self.dim}, "
+                f"num_negatives={self.num_negatives}, max_history={self.max_history}, k={self.k}."
+            )
         if self.sampler == "tile" and (self.tile_size <= 0 or self.tile_refresh <= 0):
-            fail(f"tile_size and tile_refresh must be positive, got {self.tile_size}, {self.tile_refresh}.")
-        if self.aggregator_lr_scale < 0:
-            fail(f"aggregator_lr_scale must be >= 0, got {self.aggregator_lr_scale}.")
-        if self.aggregator_weight_decay < 0:
-            fail(f"aggregator_weight_decay must be >= 0, got {self.aggregator_weight_decay}.")
+            self._fail(f"tile_size and tile_refresh must be positive, got {self.tile_size}, {self.tile_refresh}.")
         if self.v_sync <= 0:
-            fail(f"v_sync must be positive, got {self.v_sync}.")
+            self._fail(f"v_sync must be positive, got {self.v_sync}.")
+
+    def _check_rates(self) -> None:
+        """The gate, norms, rates, decays and dropout."""
+        if not 0.0 <= self.g <= 1.0:
+            self._fail(f"the gate g must be in [0, 1], got {self.g}.")
+        if self.row_norm is not None and not self.row_norm > 0:
+            self._fail(f"row_norm must be positive or None, got {self.row_norm}.")
+        if self.adagrad_eps <= 0:
+            self._fail(f"adagrad_eps must be positive, got {self.adagrad_eps}.")
+        if self.aggregator_lr_scale < 0:
+            self._fail(f"aggregator_lr_scale must be >= 0, got {self.aggregator_lr_scale}.")
+        if self.aggregator_weight_decay < 0:
+            self._fail(f"aggregator_weight_decay must be >= 0, got {self.aggregator_weight_decay}.")
         if not 0.0 <= self.dropout < 1.0:
-            fail(f"dropout must be in [0, 1), got {self.dropout}.")
+            self._fail(f"dropout must be in [0, 1), got {self.dropout}.")
 
     @property
     def optimizer_name(self) -> str:

@@ -82,8 +82,8 @@ class SimpleXModule(LightningModule):
             relative to ``lr`` (both backends). They are shared by every sample, so per-sample SGD moves them far
             more often than any embedding row; a smaller scale slows them down. Default 1.0.
         aggregator_weight_decay: L2 on ``V`` per sample (both backends). With many negatives, per-sample SGD grows
-            ``V`` along history directions the items have since left, until it drowns the history term (Gowalla,
-            200 negatives: recall peaks then collapses); a small decay removes those stale directions. Default 0.
+            ``V`` along history directions the items have since left, until it drowns the history term (recall
+            peaks, then collapses); a small decay removes those stale directions. Default 0.
         dropout: dropout rate on the user vector during training (SimpleX's ``net_dropout``). As in the official
             code it applies to the cosine-normalised user vector, with inverted scaling ``1 / (1 - rate)``, before
             the dot products with the items; never during evaluation. Default 0.

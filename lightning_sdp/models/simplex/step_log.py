@@ -1,10 +1,11 @@
 """Training statistics of :class:`SimpleXModule` summed over the steps between two logged steps.
 
-Lightning's ``LightningModule.log`` costs about 1 ms a call on a CPU (it moves the stored result objects at every
-call), while a step of HEAT's fused kernel on a Gowalla batch takes 7-9 ms: three calls a step cost the fused path
-about a quarter of its throughput. Lightning hands on-step values to the loggers only every ``log_every_n_steps``
-steps anyway, so the module sums what it measures here and logs the window's means on those steps, on the last
-batch of an epoch and on the last step of the fit (so ``callback_metrics`` hold the final values when a fit ends).
+Lightning's ``LightningModule.log`` is costly on a CPU (it moves the stored result objects at every call), and a
+step of HEAT's fused kernel is short, so three calls a step cost the fused path a sizeable share of its throughput
+(``benchmarks/heat_trainer_overhead.py`` measures it). Lightning hands on-step values to the loggers only every
+``log_every_n_steps`` steps anyway, so the module sums what it measures here and logs the window's means on those
+steps, on the last batch of an epoch and on the last step of the fit (so ``callback_metrics`` hold the final values
+when a fit ends).
 """
 
 from __future__ import annotations

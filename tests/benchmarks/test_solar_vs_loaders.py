@@ -6,9 +6,13 @@ Where the device cannot be built, the benchmark must refuse with exit code 2 and
 
 from __future__ import annotations
 
+import pytest
+
 from tests.benchmarks._throttled import run_quick
 
 
+@pytest.mark.slow
+@pytest.mark.bench
 def test_quick_run_trains_with_both_loaders_to_the_same_validation_loss():
     payload = run_quick("solar_vs_loaders", timeout=400)
     if payload is None:  # refused clearly: no root or no blkio cgroup

@@ -11,7 +11,7 @@ estimator values).
     .venv/bin/python -m benchmarks.fastclip_small_batch --quick    # smoke run (2 short runs in-process, < 1 min)
 
 Writes ``benchmarks/results/fastclip_small_batch.{json,md,png}`` (``..._quick`` with ``--quick``). The model is
-``lightning_sdp.integrations.open_clip.NANO_CONFIG`` (called ``BENCH_MODEL`` in results written before issue 18).
+``lightning_sdp.integrations.open_clip.NANO_CONFIG`` (``BENCH_MODEL`` in the stored results, its earlier name).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ If the estimators do their job, the first is clearly below the second.
 
 Writes ``benchmarks/results/fastclip_small_batch_10k.{json,md,png}`` (``..._quick`` with ``--quick``), and after
 every finished run ``benchmarks/results/fastclip_small_batch_10k.partial.json``. The model is
-``lightning_sdp.integrations.open_clip.NANO_CONFIG`` (called ``BENCH_MODEL`` in results written before issue 18).
+``lightning_sdp.integrations.open_clip.NANO_CONFIG`` (``BENCH_MODEL`` in the stored results, its earlier name).
 """
 
 from __future__ import annotations
@@ -60,18 +60,21 @@ def _make_probe(args: argparse.Namespace, batch: int) -> Any:
 
         def __init__(self) -> None:
             self.rows: list[dict[str, float]] = []
+            self._images: torch.Tensor | None = None
 
         @torch.no_grad()
         def _encode_train(self, trainer: Any, pl_module: Any) -> tuple[torch.Tensor, torch.Tensor]:
             ds = trainer.datamodule.train_set
+            images = self._images
+            if images is None or trainer.datamodule.hparams.augment:  # a random transform is redrawn every probe
+                images = torch.stack([ds.transform(ds.load_image(i)) for i in range(len(ds))])
+                self._images = None if trainer.datamodule.hparams.augment else images
             was = pl_module.training
             pl_module.eval()
             e1, e2 = [], []
             for start in range(0, len(ds), 1024):
-                idx = range(start, min(len(ds), start + 1024))
-                images = torch.stack([ds.transform(ds.load_image(i)) for i in idx])
-                e1.append(F.normalize(pl_module.model.encode_image(images), dim=-1))
-                e2.append(F.normalize(pl_module.model.encode_text(ds.tokens[start : start + len(idx)]), dim=-1))
+                e1.append(F.normalize(pl_module.model.encode_image(images[start : start + 1024]), dim=-1))
+                e2.append(F.normalize(pl_module.model.encode_text(ds.tokens[start : start + 1024]), dim=-1))
             pl_module.train(was)
             return torch.cat(e1).double(), torch.cat(e2).double()
 
@@ -116,7 +119,18 @@ def _make_probe(args: argparse.Namespace, batch: int) -> Any:
     return UErrorProbe()
 
 
-def train_one(loss: str, batch: int, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+def train_one(
+    loss: str, batch: int, seed: int, args: argparse.Namespace, extra_callbacks: tuple[Any, ...] = ()
+) -> dict[str, Any]:
+    """One training run: zero-shot and retrieval scores, and the u diagnostic at the end of every epoch.
+
+    Args:
+        loss: the ``FastCLIPModule`` loss name.
+        batch: global batch size.
+        seed: seed of the initialisation and of the training order.
+        args: the benchmark's arguments.
+        extra_callbacks: more callbacks for the Trainer (e.g. another probe); they must not change the training.
+    """
     import lightning.pytorch as pl
     import torch
 
@@ -131,7 +145,7 @@ def train_one(loss: str, batch: int, seed: int, args: argparse.Namespace) -> dic
     probe = _make_probe(args, batch)
     decay_epochs = max(1, round(args.epochs * args.gamma_decay_fraction))
     gamma = GammaScheduler(gamma_min=args.gamma_min, decay_epochs=decay_epochs)
-    scores = fit_and_score(module, dm, args.epochs, [gamma, TemperatureScheduler(), probe])
+    scores = fit_and_score(module, dm, args.epochs, [gamma, TemperatureScheduler(), probe, *extra_callbacks])
     return {"loss": loss, "batch": batch, "seed": seed, "steps": steps, **scores, "u_probe": probe.rows}
 
 

@@ -1,4 +1,4 @@
-"""Why FastCLIP's per-sample estimators u miss the full-data inner function g at small batches (issue 17), measured.
+"""Why FastCLIP's per-sample estimators u miss the full-data inner function g at small batches, measured.
 
 Trains FastCLIP-v3 and SogCLR (``FastCLIPModule`` + ``GammaScheduler`` + ``TemperatureScheduler``, Lightning
 ``Trainer``, one process, one thread) on 10,240 generated ``scenes`` pairs, as ``benchmarks.fastclip_small_batch_10k``
@@ -28,9 +28,13 @@ difference; at gamma = 1 this compares the two mini-batch g directly).
 
     .venv/bin/python -m benchmarks.fastclip_u_diagnostic            # 8 runs, 4 epochs (about 25 min, one core)
     .venv/bin/python -m benchmarks.fastclip_u_diagnostic --quick    # smoke run (< 1 min)
+    .venv/bin/python -m benchmarks.fastclip_u_diagnostic --merge a.json b.json   # stored runs into one result
 
 Writes ``benchmarks/results/fastclip_u_diagnostic.{json,md,png}`` (``..._quick`` with ``--quick``) and, after every
-finished run, ``fastclip_u_diagnostic.partial.json``.
+finished run, ``fastclip_u_diagnostic.partial.json``. ``--merge`` joins stored runs of the same settings (a later
+file's run replaces an earlier one with the same label, after checking that they agree) into
+``fastclip_u_diagnostic.*``, listing the files in the markdown; the committed result was made that way from the
+8-run result and a rerun of three of its runs that added the "g stood still" columns.
 """
 
 from __future__ import annotations
@@ -527,6 +531,60 @@ def _figure(runs: list[dict[str, Any]]) -> Any:
     return fig
 
 
+MERGE_SETTINGS = ("dataset", "num_train", "num_val", "data_seed", "epochs", "lr", "temperature", "lr_tau", "rho")
+"""Arguments that stored runs must share to be merged."""
+
+
+def merge_payloads(stored: list[tuple[str, dict[str, Any]]], name: str) -> dict[str, Any]:
+    """Join the runs of stored results into one payload, numbers unchanged.
+
+    Args:
+        stored: ``(file name, payload)`` in order; a later payload's run replaces an earlier run with the same label
+            (in its place), a new label is appended.
+        name: the merged result's name (``args.name``).
+
+    Raises:
+        ValueError: payloads with different :data:`MERGE_SETTINGS`, or a replacing run whose scores differ from the
+            run it replaces (then they are not the same run).
+    """
+    first = stored[0][1]
+    runs = list(first["runs"])
+    for source, payload in stored[1:]:
+        differ = [k for k in MERGE_SETTINGS if payload["args"].get(k) != first["args"].get(k)]
+        if differ:
+            raise ValueError(f"{source} was run with other settings ({', '.join(differ)}); only like runs merge.")
+        for run in payload["runs"]:
+            at = next((i for i, r in enumerate(runs) if r["label"] == run["label"]), None)
+            if at is None:
+                runs.append(run)
+                continue
+            scores = ("zeroshot_top1", "retrieval_r1", "final_tau", "steps")
+            if any(runs[at][k] != run[k] for k in scores):
+                raise ValueError(f"{source}: run {run['label']!r} has other scores than the run it would replace.")
+            runs[at] = run
+    merged = {key: value for key, value in first.items() if key not in ("runs", "merged_from")}
+    merged["args"] = {**first["args"], "name": name, "runs": ",".join(r["label"] for r in runs)}
+    merged.update(
+        runs=runs,
+        planned_runs=len(runs),
+        complete=all(p.get("complete", True) for _, p in stored),
+        total_wall_s=sum(p["total_wall_s"] for _, p in stored),
+        merged_from=[
+            {"file": source, "runs": [r["label"] for r in p["runs"]], "machine": p.get("machine")}
+            for source, p in stored
+        ],
+    )
+    return merged
+
+
+def _merged_markdown(payload: dict[str, Any]) -> str:
+    lines = ["", "Merged from (a later file's run replaces the same run of an earlier one):", ""]
+    for part in payload.get("merged_from", []):
+        date = (part.get("machine") or {}).get("date", "?")
+        lines.append(f"- `{part['file']}` ({date}): {'; '.join(part['runs'])}")
+    return "\n".join(lines)
+
+
 def _payload(args: argparse.Namespace, runs: list[dict[str, Any]], planned: int, t_start: float) -> dict[str, Any]:
     return {
         "args": vars(args),
@@ -550,10 +608,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--name", default="fastclip_u_diagnostic")
     parser.add_argument("--from-json", default=None, help="re-render the tables and plot of a (partial) run's JSON")
+    parser.add_argument("--merge", nargs="+", default=None, help="stored results to join into --name's files")
     args = parser.parse_args()
     if args.from_json:
         payload = json.loads(Path(args.from_json).read_text())
         write_results(payload["args"]["name"], payload, render_markdown(payload), _figure(payload["runs"]))
+        return
+    if args.merge:
+        stored = [(Path(f).name, json.loads(Path(f).read_text())) for f in args.merge]
+        payload = merge_payloads(stored, args.name)
+        md = render_markdown(payload) + _merged_markdown(payload)
+        write_results(args.name, payload, md, _figure(payload["runs"]))
         return
     if args.quick:
         args.runs, args.epochs, args.num_train, args.num_val = "fastclip_v3:16:0.2:0", 2, 256, 48

@@ -48,6 +48,7 @@ def main() -> None:
     )
     for epoch in range(args.epochs):
         loss_fn.gamma = gamma_at(epoch, gamma_min=0.8, decay_epochs=max(1, args.epochs // 2), schedule="cosine")
+        loss_fn.epoch = epoch  # read by v2's per-sample temperature update; harmless for v3
         loader.sampler.set_epoch(epoch)
         for images, tokens, indices in loader:
             e1 = F.normalize(model.encode_image(images), dim=-1)

@@ -14,7 +14,7 @@ from typing import Any, Literal, Protocol, cast
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -104,8 +104,8 @@ def _refuse(callback: str, protocol: str, pl_module: LightningModule, missing: S
         raise TypeError(
             f"{callback} needs a LightningModule that follows lightning_sdp.callbacks.fastclip.{protocol}, but "
             f"{type(pl_module).__name__} lacks {', '.join(repr(m) for m in missing)} ({why}). Use FastCLIPModule, add "
-            f"these attributes to your module (see docs/fastclip.md, 'Callbacks on your own module'), or remove "
-            f"{callback} from the callbacks."
+            "these attributes to your module (see docs/fastclip.md, 'The callbacks on your own LightningModule'), "
+            f"or remove {callback} from the callbacks."
         )
 
 
@@ -196,6 +196,8 @@ class GammaScheduler(Callback):
         self.epoch = trainer.current_epoch
         self.gamma = gamma_at(self.epoch, self.gamma_min, self.decay_epochs, self._schedule_for(pl_module))
         loss.gamma = self.gamma
+        if hasattr(loss, "epoch"):  # v2's official temperature update reads the epoch
+            loss.epoch = self.epoch
         pl_module.log("train/gamma_epoch", self.gamma, on_step=False, on_epoch=True, batch_size=1)
 
     @override
@@ -225,7 +227,10 @@ class TemperatureScheduler(Callback):
 
     The LightningModule must follow :class:`TemperatureModule`: a ``variant`` (``temperature`` and ``objective``),
     ``logit_scale_parameter()`` for global temperatures, ``gcl_loss`` for individual ones and ``tau_lr_factor`` for
-    v3's rule. A module that lacks them is refused at ``setup`` with a ``TypeError`` naming what is missing.
+    v3's rule. A module that lacks them is refused at ``setup`` with a ``TypeError`` naming what is missing. The rule
+    only works if something multiplies the temperature's learning rate by ``tau_lr_factor`` (``FastCLIPModule``'s LR
+    scheduler does); when the factor changes and the learning rate of the parameter group holding
+    ``logit_scale_parameter()`` does not follow it one step later, the callback warns once, naming what to read.
 
     Args:
         tau_min: smallest global temperature. Default 0.01.
@@ -244,6 +249,9 @@ class TemperatureScheduler(Callback):
         self.step_thresh = step_thresh
         self.thresh_factor = float(thresh_factor)
         self.switched = False
+        # (expected change of the temperature's lr, its lr and a reference group's lr when tau_lr_factor changed)
+        self._lr_check: tuple[float, float, float] | None = None
+        self._warned_unread = False
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -287,7 +295,7 @@ class TemperatureScheduler(Callback):
                 # re-checked every step, as the official code does: lr_tau while tau > step_thresh, lr_tau *
                 # thresh_factor while tau <= step_thresh (tau may rise above the threshold again)
                 below = tau <= self.step_thresh
-                module.tau_lr_factor.fill_(self.thresh_factor if below else 1.0)
+                self._apply_factor(trainer, module, self.thresh_factor if below else 1.0)
                 if below != self.switched:
                     rank_zero_info(
                         f"TemperatureScheduler: tau={tau:.4f} {'<=' if below else '>'} {self.step_thresh}; lr_tau x "
@@ -313,6 +321,40 @@ class TemperatureScheduler(Callback):
         pl_module.log("train/tau_min", float(taus.min()), on_step=True, on_epoch=False, batch_size=1)
         pl_module.log("train/tau_max", float(taus.max()), on_step=True, on_epoch=False, batch_size=1)
 
+    def _apply_factor(self, trainer: Trainer, module: TemperatureModule, factor: float) -> None:
+        """Write ``tau_lr_factor``; one step after a change, check that the temperature's learning rate followed."""
+        if self._lr_check is not None:
+            self._warn_if_lr_ignored_factor(trainer, module)
+        old = float(module.tau_lr_factor)
+        module.tau_lr_factor.fill_(factor)
+        # (the buffer may hold the factor in float32: compare with a tolerance)
+        if old > 0 and not math.isclose(factor, old, rel_tol=1e-5) and not self._warned_unread:
+            lrs = _temperature_lrs(trainer, module.logit_scale_parameter())
+            if lrs is not None and lrs[0] > 0 and lrs[1] > 0:
+                self._lr_check = (factor / old, *lrs)
+
+    def _warn_if_lr_ignored_factor(self, trainer: Trainer, module: TemperatureModule) -> None:
+        assert self._lr_check is not None  # the caller checked
+        expected, tau_lr, ref_lr = self._lr_check
+        self._lr_check = None
+        lrs = _temperature_lrs(trainer, module.logit_scale_parameter())
+        if lrs is None or lrs[0] <= 0 or lrs[1] <= 0:
+            return
+        # the temperature's lr change relative to another group's (cancels a schedule both share)
+        change = (lrs[0] / tau_lr) / (lrs[1] / ref_lr)
+        if abs(math.log(change) - math.log(expected)) < abs(math.log(change)):
+            return  # it followed the factor
+        self._warned_unread = True
+        rank_zero_warn(
+            f"TemperatureScheduler changed {type(module).__name__}.tau_lr_factor (FastCLIP-v3's step_thresh rule) "
+            "but the learning rate of the parameter group holding logit_scale_parameter() did not follow it: nothing "
+            "reads tau_lr_factor, so the rule does nothing. Multiply that group's learning rate by "
+            "float(module.tau_lr_factor), e.g. give it `LambdaLR(optimizer, [..., lambda step: "
+            "float(module.tau_lr_factor)])` as FastCLIPModule.configure_optimizers does, or turn the rule off with "
+            "TemperatureScheduler(step_thresh=None).",
+            category=UserWarning,
+        )
+
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"switched": self.switched}
@@ -320,6 +362,21 @@ class TemperatureScheduler(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.switched = bool(state_dict.get("switched", False))
+
+
+def _temperature_lrs(trainer: Any, scale: Tensor) -> tuple[float, float] | None:
+    """The learning rate of the optimizer parameter group holding ``scale`` and of another group of that optimizer
+    (1.0 when it has no other), or ``None`` when no optimizer holds ``scale``."""
+    for optimizer in getattr(trainer, "optimizers", None) or []:
+        tau_lr, ref_lr = None, None
+        for group in optimizer.param_groups:
+            if any(p is scale for p in group["params"]):
+                tau_lr = float(group["lr"])
+            elif ref_lr is None:
+                ref_lr = float(group["lr"])
+        if tau_lr is not None:
+            return tau_lr, 1.0 if ref_lr is None else ref_lr
+    return None
 
 
 class ZeroShotEvaluation(Callback):

@@ -62,7 +62,7 @@ def run(out: Path, quick: bool) -> dict[str, Any]:
         "headline": f"zero-shot top-1 {f['zeroshot_top1']:.1f}% (FastCLIP-v3) vs {o['zeroshot_top1']:.1f}% (OpenCLIP "
         f"loss) at batch {batch}, {epochs} epoch(s), one seed",
         "note": "One seed and a few short epochs on a tiny CLIP: differences of a few points are within seed noise. "
-        "The 3-seed comparison over batch sizes is benchmarks/results/fastclip_small_batch.md.",
+        "The 3-seed comparisons are benchmarks/results/fastclip_small_batch_10k.md and fastclip_many_visits.md.",
         "openclip": o,
         "fastclip_v3": f,
         "batch": batch,

@@ -47,7 +47,7 @@ NANO_CONFIG: dict[str, Any] = {
     "text_cfg": {"context_length": 12, "vocab_size": 49408, "width": 16, "heads": 1, "layers": 1, "mlp_ratio": 2.0},
 }
 """A ~0.8M-parameter CLIP for many runs on 2 CPU cores: ViT with 8 px patches on 32 px images, 1-layer towers
-(formerly ``BENCH_MODEL`` of the FastCLIP benchmarks and ``_CLIP_MODEL`` of the demo)."""
+(the model of the FastCLIP benchmarks and of the demo)."""
 
 CLIP_CONFIGS: dict[str, dict[str, Any]] = {"tiny": TINY_CONFIG, "nano": NANO_CONFIG}
 """The bundled configs by alias; alias ``a`` is registered with open_clip as ``fastclip-a``."""

@@ -1,4 +1,5 @@
-"""The FastCLIP benchmarks run as modules (``python -m benchmarks.<name> --quick``) and write their results."""
+"""The FastCLIP benchmarks run as modules (``python -m benchmarks.<name> --quick``) and write their results (into the
+temporary results folder that ``tests/benchmarks/conftest.py`` sets)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.fastclip_u_diagnostic import UDiagnosticProbe, estimate_stats, rare_term_stats
+from benchmarks._common import RESULTS_DIR
+from benchmarks.fastclip_u_diagnostic import UDiagnosticProbe, estimate_stats, merge_payloads, rare_term_stats
 from lightning_sdp.integrations.open_clip import NANO_CONFIG
 
 REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "benchmarks" / "results"
-NAMES = ("fastclip_small_batch", "fastclip_small_batch_10k", "fastclip_u_diagnostic")
+NAMES = ("fastclip_small_batch", "fastclip_small_batch_10k", "fastclip_u_diagnostic", "fastclip_many_visits")
 
 
 def _run_quick(name: str) -> dict:
-    out = RESULTS / f"{name}_quick.json"
+    assert RESULTS_DIR != REPO / "benchmarks" / "results"  # conftest points the results at a temporary folder
+    out = RESULTS_DIR / f"{name}_quick.json"
     out.unlink(missing_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
@@ -30,7 +32,7 @@ def _run_quick(name: str) -> dict:
         timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert (RESULTS / f"{name}_quick.md").is_file()
+    assert (RESULTS_DIR / f"{name}_quick.md").is_file()
     return json.loads(out.read_text())
 
 
@@ -44,6 +46,8 @@ def test_benchmark_source_needs_no_path_edits_and_no_private_package_names(name)
             assert not private and "._" not in node.module, f"{name} imports {node.module}: {private}"
 
 
+@pytest.mark.bench
+@pytest.mark.slow
 @pytest.mark.open_clip
 def test_small_batch_quick_trains_both_losses_and_counts_fewer_fastclip_loss_bytes():
     payload = _run_quick("fastclip_small_batch")
@@ -55,6 +59,8 @@ def test_small_batch_quick_trains_both_losses_and_counts_fewer_fastclip_loss_byt
     assert 0 < comm["fastclip_v3"]["loss_bytes_per_step"] < comm["openclip"]["loss_bytes_per_step"]
 
 
+@pytest.mark.bench
+@pytest.mark.slow
 @pytest.mark.open_clip
 def test_small_batch_10k_quick_reports_the_u_diagnostic_every_epoch():
     payload = _run_quick("fastclip_small_batch_10k")
@@ -90,6 +96,7 @@ def test_rare_term_stats_one_dominant_negative_vs_uniform():
     assert out["p_batch_has_k50"] == pytest.approx(1 - math.comb(50, 10) / math.comb(100, 10))
 
 
+@pytest.mark.slow
 @pytest.mark.open_clip
 def test_u_probe_with_lr_zero_and_full_batch_has_no_estimation_error_and_no_drift():
     import lightning.pytorch as pl
@@ -130,6 +137,8 @@ def test_u_probe_with_lr_zero_and_full_batch_has_no_estimation_error_and_no_drif
     assert probe.probes[-1]["proper"]["above"] == 1.0
 
 
+@pytest.mark.bench
+@pytest.mark.slow
 @pytest.mark.open_clip
 def test_u_diagnostic_quick_probes_several_times_per_epoch_and_matches_training():
     payload = _run_quick("fastclip_u_diagnostic")
@@ -148,3 +157,56 @@ def test_u_diagnostic_quick_probes_several_times_per_epoch_and_matches_training(
     for p in run["probes"]:
         assert 0 < p["rare"]["topb_share"] <= 1 and 0 <= p["rare"]["p_batch_has_k50"] <= 1
         assert p["total"]["rel_err"] >= 0 and p["age_median"] >= 0
+
+
+@pytest.mark.bench
+@pytest.mark.slow
+@pytest.mark.open_clip
+def test_many_visits_quick_visits_every_sample_each_epoch_and_reports_u_against_visits():
+    payload = _run_quick("fastclip_many_visits")
+    a = payload["args"]
+    assert payload["complete"] and payload["bench_model"] == NANO_CONFIG
+    assert sorted(r["loss"] for r in payload["runs"]) == ["fastclip_v3", "openclip"]
+    v3 = next(r for r in payload["runs"] if r["loss"] == "fastclip_v3")
+    assert v3["steps"] == a["epochs"] * (a["num_train"] // 16)
+    # the end-of-epoch curve: one row per visit; the per-visit probe: every anchor seen once per epoch
+    assert [r["visits"] for r in payload["probe"] if r["loss"] == "fastclip_v3"] == [1, 2, 3]
+    assert [r["visit"] for r in payload["visit_curve"]] == [1, 2, 3]
+    assert all(r["visits_seen"] == 2 * a["visit_probe_anchors"] for r in payload["visit_curve"])
+    assert all(v["probe_vs_training_u_rel_diff"] < 1e-4 for v in v3["visit_summary"])
+    (cmp,) = payload["comparisons"]
+    assert cmp["peer"] == "openclip" and cmp["v3_minus_peer"] == pytest.approx(
+        100 * (v3["zeroshot_top1"] - next(r for r in payload["runs"] if r["loss"] == "openclip")["zeroshot_top1"])
+    )
+    md = (RESULTS_DIR / "fastclip_many_visits_quick.md").read_text()
+    assert (
+        "every sample visited 3 times" in md and not (RESULTS_DIR / "fastclip_many_visits_quick.partial.json").exists()
+    )
+
+
+def _stored(labels: list[str], top1: float, **args) -> dict:
+    base = {"dataset": "scenes", "num_train": 64, "num_val": 8, "data_seed": 0, "epochs": 2, "lr": 1e-3,
+            "temperature": 0.07, "lr_tau": 1e-4, "rho": 6.5, "name": "x", "runs": ""}  # fmt: skip
+    runs = [
+        {"label": lab, "zeroshot_top1": top1 + i, "retrieval_r1": 0.1, "final_tau": 0.05, "steps": 4, "probes": [i]}
+        for i, lab in enumerate(labels)
+    ]
+    return {"args": {**base, **args}, "runs": runs, "total_wall_s": 60.0, "complete": True, "machine": {"date": "d"}}
+
+
+def test_u_diagnostic_merge_keeps_numbers_replaces_same_runs_and_refuses_unlike_ones():
+    main = _stored(["a", "b", "c"], 0.3)
+    rerun = _stored(["b", "d"], 0.3)
+    # the same run "b" again (same scores), with more columns
+    rerun["runs"][0].update(zeroshot_top1=main["runs"][1]["zeroshot_top1"], probes=["more columns"])
+    merged = merge_payloads([("main.json", main), ("rerun.json", rerun)], "fastclip_u_diagnostic")
+    assert [r["label"] for r in merged["runs"]] == ["a", "b", "c", "d"]
+    assert merged["runs"][1]["probes"] == ["more columns"] and merged["runs"][0] == main["runs"][0]
+    assert merged["total_wall_s"] == 120.0 and merged["planned_runs"] == 4 and merged["complete"]
+    assert [m["file"] for m in merged["merged_from"]] == ["main.json", "rerun.json"]
+    assert merged["args"]["name"] == "fastclip_u_diagnostic" and merged["machine"] == main["machine"]
+    other = _stored(["b"], 0.9)  # same label, other scores: not the same run
+    with pytest.raises(ValueError, match="other scores"):
+        merge_payloads([("main.json", main), ("other.json", other)], "m")
+    with pytest.raises(ValueError, match="other settings.*epochs"):
+        merge_payloads([("main.json", main), ("long.json", _stored(["e"], 0.3, epochs=9))], "m")

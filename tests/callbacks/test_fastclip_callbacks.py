@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
@@ -56,6 +57,7 @@ def test_gamma_scheduler_sets_the_loss_and_round_trips(variant, expected):
     cb = GammaScheduler(gamma_min=0.2, decay_epochs=4)
     cb.on_train_epoch_start(SimpleNamespace(current_epoch=2), module)
     assert module.gcl_loss.gamma == pytest.approx(expected)
+    assert module.gcl_loss.epoch == 2  # v2's official temperature update reads it
     assert module.logged["train/gamma_epoch"] == pytest.approx(expected)
     restored = GammaScheduler(gamma_min=0.2, decay_epochs=4)
     restored.load_state_dict(cb.state_dict())
@@ -295,7 +297,8 @@ def test_callbacks_work_on_a_users_module_that_follows_the_protocols(tmp_path):
         module.logit_scale.fill_(math.log(50.0))  # tau = 0.02: below tau_min and v3's step threshold
     gamma = GammaScheduler(gamma_min=0.2, decay_epochs=2)
     temp = TemperatureScheduler(tau_min=0.025, step_thresh=0.03)
-    _fit(module, [gamma, temp], tmp_path, max_epochs=2)
+    with pytest.warns(UserWarning, match="nothing reads tau_lr_factor"):  # its single SGD group ignores the factor
+        _fit(module, [gamma, temp], tmp_path, max_epochs=2)
     assert module.steps == 4
     assert module.loss_fn.gamma == pytest.approx(gamma_at(1, 0.2, 2, "cosine"))
     assert float(module.logit_scale.detach()) <= math.log(40.0) + 1e-6
@@ -316,3 +319,77 @@ def test_callbacks_use_only_public_attributes_of_the_module():
         and node.value.id in ("pl_module", "module") and node.attr.startswith("_")
     ]  # fmt: skip
     assert private == []
+
+
+class _ReadingCLIP(_ProtocolCLIP):
+    """The same module with the temperature in its own parameter group, whose learning rate follows tau_lr_factor."""
+
+    def configure_optimizers(self):
+        others = [p for name, p in self.named_parameters() if name != "logit_scale"]
+        opt = torch.optim.SGD([{"params": others}, {"params": [self.logit_scale]}], lr=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda step: 1.0, lambda step: float(self.tau_lr_factor)])
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _tau_lr_factor_warnings(module, tmp_path, monkeypatch) -> tuple[list[str], list[int]]:
+    """Messages about tau_lr_factor from a 2-epoch fit that starts at tau = 0.02, below v3's step threshold (the
+    rule switches after the first step), and how many times the scheduler checked the learning rate."""
+    checks: list[int] = []
+    check = TemperatureScheduler._warn_if_lr_ignored_factor
+
+    def counted(self, trainer, pl_module):
+        checks.append(trainer.global_step)
+        return check(self, trainer, pl_module)
+
+    monkeypatch.setattr(TemperatureScheduler, "_warn_if_lr_ignored_factor", counted)
+    with torch.no_grad():
+        module.logit_scale_parameter().fill_(math.log(50.0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(module, [TemperatureScheduler(tau_min=0.01, step_thresh=0.03)], tmp_path, max_epochs=2)
+    return [str(w.message) for w in caught if "tau_lr_factor" in str(w.message)], checks
+
+
+def test_temperature_scheduler_warns_once_when_nothing_reads_tau_lr_factor(tmp_path, monkeypatch):
+    module = _ProtocolCLIP()  # has tau_lr_factor, but one SGD group with a fixed lr: the v3 rule does nothing
+    messages, checks = _tau_lr_factor_warnings(module, tmp_path, monkeypatch)
+    assert float(module.tau_lr_factor) == pytest.approx(1 / 3)
+    assert len(messages) == 1 and checks == [2], (messages, checks)
+    assert "_ProtocolCLIP.tau_lr_factor" in messages[0] and "did not follow" in messages[0]
+    assert "float(module.tau_lr_factor)" in messages[0] and "step_thresh=None" in messages[0]
+
+
+def test_temperature_scheduler_is_quiet_when_the_learning_rate_follows_tau_lr_factor(tmp_path, monkeypatch):
+    module = _ReadingCLIP()
+    messages, checks = _tau_lr_factor_warnings(module, tmp_path, monkeypatch)
+    assert messages == [] and checks == [2]  # checked one step after the switch, and it followed
+    assert module.trainer.optimizers[0].param_groups[1]["lr"] == pytest.approx(0.01 / 3)
+
+
+@pytest.mark.open_clip
+def test_temperature_scheduler_is_quiet_on_fastclip_module(tmp_path, monkeypatch):
+    from lightning_sdp.datamodules import ImageTextDataModule
+    from lightning_sdp.models import FastCLIPModule
+
+    micro = {
+        "embed_dim": 16,
+        "vision_cfg": {"image_size": 16, "layers": 1, "width": 16, "head_width": 8, "mlp_ratio": 1.0, "patch_size": 8},
+        "text_cfg": {"context_length": 12, "vocab_size": 49408, "width": 8, "heads": 1, "layers": 1, "mlp_ratio": 1.0},
+    }
+    module = FastCLIPModule(model=micro, loss="fastclip_v3", warmup_steps=1, temperature=0.02, max_steps=6)
+    dm = ImageTextDataModule(model=micro, num_train=24, num_val=8, batch_size=8, augment=False)
+    checks: list[int] = []
+    check = TemperatureScheduler._warn_if_lr_ignored_factor
+    monkeypatch.setattr(
+        TemperatureScheduler, "_warn_if_lr_ignored_factor", lambda self, t, m: checks.append(1) or check(self, t, m)
+    )
+    trainer = pl.Trainer(
+        max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0,
+        callbacks=[GammaScheduler(decay_epochs=1), TemperatureScheduler(step_thresh=0.03)],
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, dm)
+    assert [str(w.message) for w in caught if "tau_lr_factor" in str(w.message)] == []
+    assert checks == [1] and float(module.tau_lr_factor) == pytest.approx(1 / 3)

@@ -12,7 +12,6 @@ from lightning_sdp.datamodules.image_text import (
     POSITIONS,
     SCENE_BACKGROUNDS,
     SHAPES,
-    EpochSeededSampler,
     ImageTextDataModule,
     make_captioned_scenes,
     make_captioned_shapes,
@@ -107,8 +106,8 @@ def test_shapes_datamodule_samples_and_loaders():
     # the order depends only on (seed, epoch): a fresh loader repeats it, a new epoch changes it
     assert torch.equal(torch.cat([b[2] for b in dm.train_dataloader()]), seen)
     sampler = loader.sampler
-    # the shared epoch-seeded sampler (issue 18): the order is NumPy's permutation for [seed, epoch]
-    assert isinstance(sampler, EpochSeededSampler) and EpochSeededSampler is sampling.EpochSeededSampler
+    # the shared epoch-seeded sampler: the order is NumPy's permutation for [seed, epoch]
+    assert isinstance(sampler, sampling.EpochSeededSampler)
     assert seen.tolist() == sampling.epoch_permutation(40, seed=0, epoch=0).tolist()
     sampler.set_epoch(1)
     assert list(sampler) != seen.tolist()

@@ -7,8 +7,8 @@ per-sample estimators are addressed by it, so ``data_size = len(train_set)``.
 
 One module per concept: :mod:`.datasets` (in-memory and file-backed datasets), :mod:`.readers` (CSV and folder
 readers), :mod:`.synthetic` (the generated shapes and scenes), :mod:`.digits`, :mod:`.webdataset` (tar shards) and
-:mod:`.datamodule` (``ImageTextDataModule``). Every name that ``lightning_sdp.datamodules.image_text`` exported as a
-single module is still importable from here.
+:mod:`.datamodule` (``ImageTextDataModule``); the public names of all of them are importable from here. The training
+sampler is :class:`lightning_sdp.datamodules.sampling.EpochSeededSampler`.
 """
 
 from lightning_sdp.datamodules.image_text.datamodule import ImageTextDataModule
@@ -37,9 +37,6 @@ from lightning_sdp.datamodules.image_text.webdataset import (
     is_webdataset_path,
 )
 
-# the training sampler moved to the shared home of the epoch-seeded samplers; importable from here as before
-from lightning_sdp.datamodules.sampling import EpochSeededSampler
-
 __all__ = [
     "COLOURS",
     "DIGIT_NAMES",
@@ -54,7 +51,6 @@ __all__ = [
     "WDS_CAPTION_EXTS",
     "WDS_IMAGE_EXTS",
     "ArrayImageText",
-    "EpochSeededSampler",
     "FileImageText",
     "ImageTextDataModule",
     "ImageTextDataset",

@@ -62,8 +62,9 @@ class ImageTextDataModule(LightningDataModule):
         csv_caption_key: caption column of the CSV. Default ``title``.
         csv_separator: CSV separator. Default tab.
         captions_file: captions file inside an image folder. Default ``captions.tsv``.
-        on_error: ``raise`` on a missing/unreadable image (naming the file) or ``skip`` (drop and count). Default
-            ``raise``.
+        on_error: ``raise`` on a bad sample (a missing or unreadable image, naming the file; for WebDataset shards
+            also a missing, empty or non-UTF-8 caption or a damaged tar, naming shard and key) or ``skip`` (drop and
+            count; WebDataset shards are then checked sample by sample when scanned). Default ``raise``.
         augment: use open_clip's training transform (random resized crop) for training; else the eval transform.
             Default True.
         drop_last: drop the last incomplete training batch of every epoch. Default True: FastCLIP's losses need at

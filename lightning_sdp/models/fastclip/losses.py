@@ -17,8 +17,9 @@ moving-average estimators ``u1, u2`` (one entry per training sample, addressed b
 all-gathered without autograd; each rank computes its anchors' terms and the terms in which its samples are the
 negatives of other ranks' anchors), so the parameter gradient after data parallelism's all-reduce equals the
 full-global-batch gradient. :func:`reference_global_contrastive_loss` is a plain full-batch transcription of the
-*exact* gradient; the tests also compare every variant with an independent transcription of the official code
-(``Optimization-AI/fast_clip``, ``src/fast_clip/loss.py``), which is the default (``temperature_gradient="reference"``).
+*exact* gradient; the tests also compare every variant, over several epochs, with an independent transcription of the
+official code (``Optimization-AI/fast_clip`` at the commit pinned in ``tests/models/test_fastclip_reference.py``,
+``src/fast_clip/loss.py`` and ``src/training/train.py``), which is the default (``temperature_gradient="reference"``).
 
 :class:`SigLIPLoss` wraps ``open_clip``'s sigmoid loss (Zhai et al., arXiv 2303.15343), the loss users pick for small
 batches today, as a peer.
@@ -256,7 +257,10 @@ class GlobalContrastiveLoss(nn.Module):
 
     State (registered buffers, so it is in ``state_dict`` and checkpoints, identical on every rank): ``u1, u2``
     (length ``data_size``); for individual temperatures also ``tau1, tau2``, the running log-sum-exp bounds
-    ``bound1, bound2``, the Adam moments ``m1, m2, v1, v2`` and the per-sample step count ``tau_steps``.
+    ``bound1, bound2``, the Adam moments ``m1, m2, v1, v2`` and the per-sample visit count ``tau_steps``. The
+    official temperature update also reads the current epoch, :attr:`epoch` (a plain attribute, 0 until set: the
+    FastCLIP module and ``GammaScheduler`` set it at every epoch start; set it yourself when you drive the loss
+    without them).
 
     Args:
         data_size: number of training samples (indices must lie in ``[0, data_size)``).
@@ -273,11 +277,14 @@ class GlobalContrastiveLoss(nn.Module):
             the learnable temperature's gradient is taken through both halves of the surrogate (the anchors' terms
             and the negatives' terms, so the surrogate's part counts twice: at world size 1 the ``logit_scale``
             gradient is 2x the exact one for GCL), individual temperatures (v2) do not weight the model gradient,
-            and the negatives' half uses the anchors' temperatures after this step's update. ``exact``: the exact
-            gradient of the objective (temperature detached in the negatives' half, v2's model gradient weighted by
-            ``tau_i``, pre-update temperatures throughout). The model gradient of GCL / RGCL-g is the same in both.
-        beta1_tau: first-moment decay of that update. Default 0.9.
-        beta2_tau: second-moment decay. Default 0.999.
+            both halves use the temperatures from before this step's update, and the individual temperatures'
+            Adam-like update uses no momentum in epoch 0 (``beta = 0``) and bias-corrects by ``epoch + 1``.
+            ``exact``: the exact gradient of the objective (temperature detached in the negatives' half, v2's model
+            gradient weighted by ``tau_i``) and a standard per-sample Adam update (bias correction by the sample's
+            own number of updates, ``beta1_tau`` / ``beta2_tau`` from the first visit on), which does not assume
+            one visit per epoch. The model gradient of GCL / RGCL-g is the same in both.
+        beta1_tau: first-moment decay of that update (from epoch 1 on in ``reference`` mode). Default 0.9.
+        beta2_tau: second-moment decay (likewise). Default 0.999.
         eps_tau: denominator epsilon of that update. Default 1e-8.
         tau_min: lower clamp of the individual temperatures. Default 0.01.
         tau_max: upper clamp. Default 1.0.
@@ -350,6 +357,7 @@ class GlobalContrastiveLoss(nn.Module):
         self.tau_max = float(tau_max)
         self.grad_clamp_tau = float(grad_clamp_tau)
         self.group = group
+        self._epoch = 0
         self.register_buffer("gamma_buf", torch.tensor(float(gamma), dtype=torch.float64))
         self.register_buffer("u1", torch.zeros(data_size))
         self.register_buffer("u2", torch.zeros(data_size))
@@ -370,6 +378,17 @@ class GlobalContrastiveLoss(nn.Module):
         if not 0.0 < value <= 1.0:
             raise ValueError(f"gamma must be in (0, 1], got {value}.")
         self.gamma_buf.fill_(float(value))
+
+    @property
+    def epoch(self) -> int:
+        """Current training epoch (0-based), read by the ``reference`` temperature update."""
+        return self._epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        if int(value) < 0:
+            raise ValueError(f"epoch must be >= 0, got {value}.")
+        self._epoch = int(value)
 
     def forward(
         self, image_features: Tensor, text_features: Tensor, indices: Tensor, logit_scale: Tensor | float | None = None
@@ -478,11 +497,9 @@ class GlobalContrastiveLoss(nn.Module):
         ab1: Tensor | float  # the anchors' log-sum-exp bounds (0: no shift with a global temperature)
         ab2: Tensor | float
         if individual:
-            if reference:  # the official code sends the anchors' temperatures after this step's update
-                at1, at2 = self.tau1[all_idx].to(e1.dtype), self.tau2[all_idx].to(e1.dtype)
-            else:
-                at1, at2 = a_stats[:, 2], a_stats[:, 3]
-            as1, as2 = (1.0 / at1)[:, None], (1.0 / at2)[:, None]
+            # the anchors' temperatures from before this step's update, gathered with the estimators (as the
+            # official code has done since it gathers them: the bounds above were computed at these temperatures)
+            as1, as2 = (1.0 / a_stats[:, 2])[:, None], (1.0 / a_stats[:, 3])[:, None]
             ab1, ab2 = a_stats[:, 4:5], a_stats[:, 5:6]
         else:
             as1 = as2 = s if reference else s.detach()
@@ -530,13 +547,30 @@ class GlobalContrastiveLoss(nn.Module):
         return grad.clamp(-self.grad_clamp_tau, self.grad_clamp_tau)
 
     def _adam_tau_update(self, idx: Tensor, grad1: Tensor, grad2: Tensor) -> None:
+        """The individual temperatures' Adam-like step for the samples ``idx``.
+
+        ``reference``: the official rule, ``beta = 0`` in epoch 0 (so the moments restart from this step's
+        gradient) and bias correction ``1 - beta ** (epoch + 1)``. ``exact``: Adam per sample, bias correction
+        ``1 - beta ** k`` with ``k`` the sample's own number of updates.
+        """
         steps = self.tau_steps[idx] + 1
         self.tau_steps[idx] = steps
-        bc1 = 1.0 - self.beta1_tau ** steps.to(grad1.dtype)
-        bc2 = 1.0 - self.beta2_tau ** steps.to(grad1.dtype)
+        beta1: float
+        beta2: float
+        bc1: Tensor | float
+        bc2: Tensor | float
+        if self.temperature_gradient == "reference":
+            beta1 = self.beta1_tau if self._epoch > 0 else 0.0
+            beta2 = self.beta2_tau if self._epoch > 0 else 0.0
+            bc1 = 1.0 - beta1 ** (self._epoch + 1)
+            bc2 = 1.0 - beta2 ** (self._epoch + 1)
+        else:
+            beta1, beta2 = self.beta1_tau, self.beta2_tau
+            bc1 = 1.0 - self.beta1_tau ** steps.to(grad1.dtype)
+            bc2 = 1.0 - self.beta2_tau ** steps.to(grad1.dtype)
         for tau, m, v, grad in ((self.tau1, self.m1, self.v1, grad1), (self.tau2, self.m2, self.v2, grad2)):
-            m_new = self.beta1_tau * m[idx] + (1.0 - self.beta1_tau) * grad
-            v_new = self.beta2_tau * v[idx] + (1.0 - self.beta2_tau) * grad * grad
+            m_new = beta1 * m[idx] + (1.0 - beta1) * grad
+            v_new = beta2 * v[idx] + (1.0 - beta2) * grad * grad
             m[idx] = m_new
             v[idx] = v_new
             step = self.lr_tau * (m_new / bc1) / ((v_new / bc2).sqrt() + self.eps_tau)

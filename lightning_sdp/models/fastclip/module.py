@@ -290,6 +290,12 @@ class FastCLIPModule(LightningModule):
                 )
 
     @override
+    def on_train_epoch_start(self) -> None:
+        gcl = self.gcl_loss
+        if gcl is not None:  # v2's official temperature update depends on the epoch
+            gcl.epoch = self.current_epoch
+
+    @override
     def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
         images, tokens, indices = self._unpack(batch)
         e1, e2 = self.encode(images, tokens)

@@ -1,5 +1,5 @@
 """The open_clip adapter's bundled configs: registered from a privately written file, never through a planted
-symlink; ``tiny`` and ``nano`` aliases; the old ``models.fastclip.tiny`` path still works."""
+symlink; ``tiny`` and ``nano`` aliases."""
 
 from __future__ import annotations
 
@@ -100,10 +100,3 @@ def test_nano_alias_registers_the_benchmark_config_and_builds_the_same_model(fre
     assert tokenizer_for("nano")(["a red circle"]).shape == (1, NANO_CONFIG["text_cfg"]["context_length"])
     with pytest.raises(ValueError, match="'tiny', 'nano'"):
         adapter.register_config("huge")
-
-
-def test_old_import_path_re_exports_the_adapter():
-    from lightning_sdp.models.fastclip import tiny
-
-    assert tiny.build_clip is adapter.build_clip and tiny.TINY_CONFIG is TINY_CONFIG
-    assert tiny.register_tiny_config is register_tiny_config

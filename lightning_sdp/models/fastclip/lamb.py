@@ -23,8 +23,8 @@ class Lamb(torch.optim.Optimizer):
         betas: moment decays. Default (0.9, 0.999).
         eps: denominator epsilon. Default 1e-6.
         weight_decay: decoupled weight decay added to the update before the trust ratio. Default 0.
-        always_adapt: apply the trust ratio to every tensor, also those without weight decay (the behaviour before
-            issue 17; ``timm.optim.Lamb``'s option of the same name). Default False (the official code).
+        always_adapt: apply the trust ratio to every tensor, also those without weight decay
+            (``timm.optim.Lamb``'s option of the same name). Default False (the official code).
     """
 
     def __init__(

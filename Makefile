@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast bench venv lint clean
+.PHONY: demo test test-fast bench venv lint docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -16,14 +16,14 @@ $(VENV)/.installed-all: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[all,test,dev]'
-	touch $@ $(VENV)/.installed-all
+	$(BIN)/python -m pip install -q -e '.[all,test,dev,docs]'
+	touch $@ $(VENV)/.installed-all $(VENV)/.installed-docs
 
 demo: $(VENV)/.installed-all
 	$(BIN)/lightning-sdp demo
 
 # The suite runs the linters first (a few seconds), so CI (`.ci/run` = `make test`) keeps the tree lint-clean.
-test: lint
+test: lint docs
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The edit loop: lint, then the suite without the slow, benchmark and GPU tests.
@@ -39,10 +39,18 @@ bench: $(VENV)/.installed-bench
 	  name=$$(basename $$script .py); case $$name in _*|__init__) continue;; esac; \
 	  echo "== $$name"; $(BIN)/python -m benchmarks.$$name; done
 
+$(VENV)/.installed-docs: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[docs]'
+	touch $@
+
+# The site (guides + API reference from the docstrings) into site/; --strict fails on a broken link or API entry.
+docs: $(VENV)/.installed-docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
+
 lint: $(VENV)/.installed-test
-	$(BIN)/ruff check lightning_sdp tests benchmarks examples
+	$(BIN)/ruff check lightning_sdp tests benchmarks examples docs/hooks
 	$(BIN)/ruff format --check lightning_sdp tests benchmarks examples README.md docs
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) demo_report .pytest_cache
+	rm -rf $(VENV) demo_report .pytest_cache site

@@ -2,8 +2,11 @@
 
 Every fenced code block runs (one pytest case per block, named ``<file>:<line>``):
 
-- ``python``: written to ``snippet.py`` in a fresh temporary folder and run there as a script, with the repository
-  root on ``PYTHONPATH``, ``OMP_NUM_THREADS=1`` and a 120 s limit.
+- ``python``: written to ``snippet.py`` in a fresh temporary folder and run there as a script (``__main__``), with the
+  repository root on ``PYTHONPATH``, ``OMP_NUM_THREADS=1`` and a 120 s limit. To spare each snippet the 10-12 s of
+  importing torch and Lightning, a fork server (``tests/_snippet_server.py``) imports those libraries, never
+  ``lightning_sdp``, once and forks a child per snippet; ``LIGHTNING_SDP_DOCS_FRESH_PROCESS=1`` runs each snippet in
+  a fresh interpreter instead.
 - ``bash``: lines starting with ``make``, ``pip``, ``git``, ``cd``, ``export`` or ``#`` are set-up and skipped; the
   other lines run with bash, ``set -e``, 300 s limit, in a folder that shows the repository's files (links to them),
   so repository paths such as ``examples/configs/x.yaml`` work while outputs stay out of the clone. ``.venv/bin`` (the
@@ -22,8 +25,10 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -149,6 +154,70 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int, block: Co
         pytest.fail(f"{block.id}: exit status {proc.returncode}\n{block.code}\n--- output ---\n{_tail(output)}")
 
 
+class _SnippetServer:
+    """Client of ``tests/_snippet_server.py``: one request at a time, replies read unbuffered with a timeout."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "_snippet_server.py")],
+            cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=False,
+        )  # fmt: skip
+        self._pending = b""
+        if self._readline(timeout=300) != "ready":
+            raise RuntimeError("the snippet server did not start")
+
+    def _readline(self, timeout: float | None) -> str | None:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise RuntimeError("the snippet server ended")
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return line.decode()
+
+    def run(self, script: Path, env: dict[str, str], timeout: int, block: CodeBlock) -> None:
+        output = script.parent / "output.txt"
+        request = {"script": script.name, "cwd": str(script.parent), "env": env, "output": str(output)}
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+        pid = int(self._readline(timeout=30) or "0")
+        status = self._readline(timeout=timeout)
+        if status is None:
+            os.killpg(pid, signal.SIGKILL)
+            self._readline(timeout=30)
+            pytest.fail(
+                f"{block.id}: still running after {timeout} s; make the snippet tinier.\n{_tail(_read(output))}"
+            )
+        if int(status) != 0:
+            pytest.fail(f"{block.id}: exit status {status}\n{block.code}\n--- output ---\n{_tail(_read(output))}")
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+@pytest.fixture(scope="module")
+def snippet_server(tmp_path_factory: pytest.TempPathFactory):
+    if os.environ.get("LIGHTNING_SDP_DOCS_FRESH_PROCESS") == "1":
+        yield None
+        return
+    server = _SnippetServer(_environment(tmp_path_factory.mktemp("snippet_server")))
+    yield server
+    server.close()
+
+
 def _tail(text: str | None, chars: int = 6000) -> str:
     return (text or "")[-chars:]
 
@@ -159,7 +228,7 @@ def _runnable_blocks() -> list[CodeBlock]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block", [pytest.param(b, id=b.id) for b in _runnable_blocks()])
-def test_code_block_runs(block: CodeBlock, tmp_path: Path) -> None:
+def test_code_block_runs(block: CodeBlock, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     reason = no_run_reason(block)
     if reason is not None:
         pytest.skip(f"no-run: {reason}")
@@ -171,7 +240,11 @@ def test_code_block_runs(block: CodeBlock, tmp_path: Path) -> None:
         work = tmp_path / "work"
         work.mkdir()
         (work / "snippet.py").write_text(block.code, encoding="utf-8")
-        _run([sys.executable, "snippet.py"], work, env, PYTHON_TIMEOUT_S, block)
+        server = request.getfixturevalue("snippet_server")  # started by the first Python block only
+        if server is None:
+            _run([sys.executable, "snippet.py"], work, env, PYTHON_TIMEOUT_S, block)
+        else:
+            server.run(work / "snippet.py", env, PYTHON_TIMEOUT_S, block)
     else:
         commands = bash_commands(block.code)
         if not commands:
@@ -456,3 +529,26 @@ def test_a_snippet_past_its_limit_fails_and_its_processes_end(tmp_path: Path) ->
             return
         time.sleep(0.1)
     pytest.fail(f"the snippet's child process {child} outlived the timeout")
+
+
+@pytest.mark.slow
+def test_the_snippet_server_runs_a_snippet_as_a_script_without_lightning_sdp(
+    snippet_server: _SnippetServer | None, tmp_path: Path
+) -> None:
+    if snippet_server is None:
+        pytest.skip("LIGHTNING_SDP_DOCS_FRESH_PROCESS=1: no server")
+    code = (
+        "import os, sys\n"
+        "assert __name__ == '__main__' and sys.argv == ['snippet.py']\n"
+        "assert 'lightning_sdp' not in sys.modules, 'the server must not import the package for the snippet'\n"
+        "assert os.getcwd() == os.path.dirname(os.path.abspath(__file__))\n"
+        "assert os.environ['OMP_NUM_THREADS'] == '1'\n"
+        "open('made_here.txt', 'w').write('x')\n"
+    )
+    (tmp_path / "snippet.py").write_text(code)
+    block = CodeBlock(tmp_path / "x.md", 1, "python", code, None)
+    snippet_server.run(tmp_path / "snippet.py", _environment(tmp_path), 60, block)
+    assert (tmp_path / "made_here.txt").exists()
+    (tmp_path / "snippet.py").write_text("raise ValueError('boom')\n")
+    with pytest.raises(pytest.fail.Exception, match="exit status 1(.|\n)*ValueError: boom"):
+        snippet_server.run(tmp_path / "snippet.py", _environment(tmp_path), 60, block)

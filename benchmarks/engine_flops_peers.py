@@ -1,6 +1,6 @@
 """EngineProfiler FLOPs against the peers: fvcore, ptflops (both backends) and DeepSpeed's flops profiler.
 
-Issue 20, item 2. One table of the FLOPs (or MACs) each counter gives for the same models and inputs:
+One table of the FLOPs (or MACs) each counter gives for the same models and inputs:
 
 - the GPT of :mod:`lightning_sdp.models.gpt` at several sequence lengths, with explicit
   (``softmax(QK^T)V`` as matmuls) and fused (``scaled_dot_product_attention``) attention;

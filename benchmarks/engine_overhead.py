@@ -1,6 +1,6 @@
 """EngineProfiler's overhead against the peers: none, EngineProfiler, PyTorchProfiler, ThroughputMonitor.
 
-Issue 20, item 3. One run trains the same GPT (:mod:`lightning_sdp.models.gpt`) on the same batches once per
+One run trains the same GPT (:mod:`lightning_sdp.models.gpt`) on the same batches once per
 setting, interleaved over repeats, and times every step from the start of one batch to the start of the
 next (so every callback hook, the profiler's own work, data loading and logging are inside the step):
 

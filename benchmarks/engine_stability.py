@@ -1,6 +1,6 @@
 """EngineProfiler on the device at hand: its measured engine ceilings, and how stable its answers are.
 
-Issue #20's checks on a CPU, in one run:
+Three checks on a CPU, in one run:
 
 1. The device profile (:func:`lightning_sdp.profiling.engine_bench.measure_engine_peaks`, full mode) with the
    Trainer's thread count: GEMM ceilings per dtype, elementwise / reduction / softmax / layer-norm throughput.

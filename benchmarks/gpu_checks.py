@@ -1,4 +1,4 @@
-"""The GPU-only checks, in one short run on a CUDA machine (CI has no GPU; these run when a session is lent one).
+"""The GPU-only checks, in one short run on a CUDA machine (CI has no GPU; run these when one is at hand).
 
 Each check runs in its own process with a time limit, so one failure does not hide the others:
 

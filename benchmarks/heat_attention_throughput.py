@@ -1,14 +1,14 @@
 """HEAT attention aggregators: positives/s of the fused kernel with batched attention keys vs per-sample keys.
 
-SimpleX's attention aggregators score each history item ``k`` with a key ``tanh(W_k e_k + b_k)``. The kernel up to
-commit ``48cbb34`` computed every key inside every sample (``O(|H| d^2)`` a sample, 100 history rows x d^2); today's
-computes the keys of all items once per batch and applies what flows back through them after the pass (what the
-batched plain-torch reference does). This benchmark measures, in one run on the Gowalla split (2 threads, 200
+SimpleX's attention aggregators score each history item ``k`` with a key ``tanh(W_k e_k + b_k)``. The earlier kernel
+(the commit named by ``PER_SAMPLE_KEYS_COMMIT``) computed every key inside every sample (``O(|H| d^2)`` a sample,
+100 history rows x d^2); the current one computes the keys of all items once per batch and applies what flows back
+through them after the pass (what the batched plain-torch reference does). This benchmark measures, in one run on the Gowalla split (2 threads, 200
 negatives from the tile sampler, batches of 16,384 positives, history capped at 100):
 
 * ``mean``: SimpleX with the mean aggregator (no keys), the cost floor;
-* ``user_attention`` / ``self_attention``: today's kernel;
-* ``user_attention (per-sample keys)``: the kernel of commit ``48cbb34``, loaded from git (skipped without git, and
+* ``user_attention`` / ``self_attention``: the current kernel;
+* ``user_attention (per-sample keys)``: the earlier kernel, loaded from git (skipped without git, and
   with ``--quick``: compiling that kernel takes ~40 s, which a smoke run need not spend);
 * ``user_attention (reference, b4096)``: plain PyTorch with autograd and Adam, batch 4,096.
 

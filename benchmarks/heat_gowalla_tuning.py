@@ -3,8 +3,8 @@
 Each call trains ``SimpleXModule`` (fused backend) through a Trainer on ``accelerator="heat"`` with the datamodule's
 validation split carved out of the training interactions (``val_fraction``), scores Recall/NDCG@20 on that validation
 split every ``eval_every`` epochs and adds the run to ``benchmarks/results/heat_gowalla_tuning.{json,md,png}``; a run
-with the same name replaces the earlier one. The test split is never read here: settings are chosen on validation
-(issue 15). The settings are ``key=value`` pairs (defaults in ``DEFAULTS``):
+with the same name replaces the earlier one. The test split is never read here: settings are chosen on validation.
+The settings are ``key=value`` pairs (defaults in ``DEFAULTS``):
 
     .venv/bin/python -m benchmarks.heat_gowalla_tuning lin_n64 negatives=64 schedule=linear lr=1.0 epochs=40
 
@@ -168,7 +168,7 @@ def report(runs: list[dict], name: str = NAME) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    for run in runs:  # runs stored before issue 15 were scored on the test split
+    for run in runs:  # runs stored before the validation split were scored on test
         run.setdefault("split", "test (before the validation split)")
         run.setdefault("sampler", "uniform")
     fig, ax = plt.subplots(figsize=(7, 4.5))

@@ -8,13 +8,13 @@ step spends outside the kernel costs throughput. One run measures, on the same d
 * ``trainer``: the recipe's fit (:class:`SimpleXRunner`): Lightning loop, data loader, row projection, logging on
   Lightning's logging steps (``StepLogWindow``);
 * ``trainer_log_every_step``: the same fit with the three training statistics logged at every step, as the module
-  did before 2026-12-02 (``self.log`` costs ~1 ms a call);
-* ``trainer_torch_gather``: the same fit with the batches gathered by torch indexing, as the data set did before
-  2026-12-02 (torch's gather competes for the cores with the kernel's still-spinning OpenMP threads);
-* ``trainer_before``: both of the above, the fit as it was before 2026-12-02;
+  did at first (``self.log`` costs ~1 ms a call);
+* ``trainer_torch_gather``: the same fit with the batches gathered by torch indexing, as the data set did at
+  first (torch's gather competes for the cores with the kernel's still-spinning OpenMP threads);
+* ``trainer_before``: both of the above, the fit as it was at first;
 
 and the recipe's validation scoring (:func:`evaluate_ranking`, 5,000 users) with its default batches (~16 MB of
-scores) against the 1,024-user batches it used before 2026-12-02.
+scores) against the 1,024-user batches it used at first.
 
 Writes ``benchmarks/results/heat_trainer_overhead.{json,md}``. Run from the repo root:
 ``.venv/bin/python -m benchmarks.heat_trainer_overhead`` (``--quick``: small synthetic data, seconds).
@@ -48,7 +48,7 @@ class _LogEveryStep(Callback):
 
 
 class _TorchGatherPairs(PositivePairs):
-    """The data set's gather before 2026-12-02: torch indexing."""
+    """The data set's earlier gather: torch indexing."""
 
     def __getitem__(self, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.from_numpy(np.asarray(index, dtype=np.int64))

@@ -57,8 +57,8 @@ NAME = "heat_vs_peers"
 RESULTS = RESULTS_DIR  # where write_results puts the files
 EASE_MAX_ITEMS = 15_000
 ITERATIVE = ("als", "bpr", "lightfm", "cornac_bpr", "reference")
-# HEAT's budgeted recipe, by the arguments it gets beside the budget: the default; the recipe before 2026-12-01 (its
-# search ranks trials by their last validation score, not the score extrapolated to the final length, and may cut the
+# HEAT's budgeted recipe, by the arguments it gets beside the budget: the default; the earlier recipe (its search
+# ranks trials by their last validation score, not the score extrapolated to the final length, and may cut the
 # anchor configuration early); the wide grid; the final fit as three warm restarts whose best snapshot on validation
 # is kept
 BUDGETED: dict[str, dict[str, Any]] = {
@@ -147,11 +147,11 @@ def load_split(dataset: str, data: str, val_fraction: float, quick: bool) -> Spl
         # a catalogue nothing was tuned on: other size, density, popularity skew, clusters and seed
         users, items, per_user, extra = 6000, 4000, 25, {"alpha": 1.0, "num_clusters": 50, "seed": 1}
     elif dataset == "synthetic_holdout":
-        # defined on 2026-12-01 before any run on it, to score the recipe once after changes that synthetic_fresh's
+        # defined before any run on it, to score the recipe once after changes that synthetic_fresh's
         # results motivated: sparser, flatter popularity, more and smaller clusters, another seed
         users, items, per_user, extra = 12000, 8000, 12, {"alpha": 0.8, "num_clusters": 200, "seed": 2}
     elif dataset == "synthetic_holdout2":
-        # defined on 2026-12-02 before any run on it, to score the recipe once after the clock-driven final fit and
+        # defined before any run on it, to score the recipe once after the clock-driven final fit and
         # the faster steps and scoring: larger and sparser (nearer Gowalla), 100 clusters, another seed
         users, items, per_user, extra = 20000, 15000, 18, {"alpha": 0.9, "num_clusters": 100, "seed": 3}
     else:
@@ -380,7 +380,7 @@ def available(method: str) -> str | None:
     if package and importlib.util.find_spec(package) is None:
         hint = ""
         if package == "lightfm":
-            hint = " (LightFM 1.17's sdist fails to build under setuptools' build backend: see docs/heat.md)"
+            hint = " (LightFM 1.17's sdist fails to build under setuptools' build backend: see benchmarks/README.md)"
         return f"{package} is not installed: pip install 'lightning-sdp[bench]'{hint}"
     return None
 

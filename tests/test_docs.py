@@ -119,8 +119,16 @@ def bash_commands(code: str) -> list[str]:
     return [ln for ln in joined if ln and not ln.startswith(SETUP_PREFIXES)]
 
 
+# A user runs a snippet from a clean shell. Lightning's launcher writes these into the launching process's own
+# environment, so after an earlier in-process multi-device test the suite's process carries them, and a snippet
+# that inherited LOCAL_RANK would take itself for an already-launched rank 0 and wait for peers that never start.
+_LAUNCH_VARIABLES = {"LOCAL_RANK", "RANK", "GLOBAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK"}
+_LAUNCH_VARIABLES |= {"MASTER_ADDR", "MASTER_PORT"}
+_LAUNCH_PREFIXES = ("PL_", "TORCHELASTIC_", "SLURM_")
+
+
 def _environment(tmp_path: Path) -> dict[str, str]:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES and not k.startswith(_LAUNCH_PREFIXES)}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     env["OMP_NUM_THREADS"] = "1"
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])

@@ -23,12 +23,15 @@ demo: $(VENV)/.installed-all
 	$(BIN)/lightning-sdp demo
 
 # The suite runs the linters first (a few seconds), so CI (`.ci/run` = `make test`) keeps the tree lint-clean.
+# Two workers on the two cores; each test file stays on one worker (module fixtures such as the docs' fork server).
+XDIST ?= -n 2 --dist loadfile
+
 test: lint docs
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # The edit loop: lint, then the suite without the slow, benchmark and GPU tests.
 test-fast: lint
-	$(BIN)/python -m pytest -q -m "not slow and not bench and not gpu and not cuda" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) -m "not slow and not bench and not gpu and not cuda" $(PYTEST_ARGS)
 
 $(VENV)/.installed-bench: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[all,bench]'

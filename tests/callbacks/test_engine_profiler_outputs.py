@@ -150,8 +150,12 @@ def _closing_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "EngineProfiler: files in" in r.getMessage()]
 
 
-def test_closing_message_says_where_files_went_and_where_ceilings_came_from(tmp_path, caplog):
+def test_closing_message_says_where_files_went_and_where_ceilings_came_from(tmp_path, caplog, monkeypatch):
     cache = tmp_path / "cache"
+    # Lightning turns propagation off on its loggers when the root logger had no handler at its import, which
+    # depends on how the test process started (xdist workers); caplog listens at the root.
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        monkeypatch.setattr(logging.getLogger(name), "propagate", True)
     caplog.set_level(logging.INFO)
 
     def fit(folder: str, **kwargs) -> tuple[EngineProfiler, str]:

@@ -37,9 +37,8 @@ from typing import Any
 
 from benchmarks._common import RESULTS_DIR, markdown_table, write_results
 from benchmarks.fastclip_small_batch import add_training_args, run_jobs, run_quietly
-from benchmarks.fastclip_small_batch_10k import comparisons, probe_table, summarise
+from benchmarks.fastclip_small_batch_10k import _payload as small_batch_payload
 from benchmarks.fastclip_small_batch_10k import train_one as train_with_u_probe
-from lightning_sdp.integrations.open_clip import NANO_CONFIG
 
 # inherited by the spawned worker processes, which import torch after this is set
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -208,23 +207,11 @@ def _figure(payload: dict[str, Any]) -> Any:
 
 
 def _payload(args: argparse.Namespace, runs: list[dict[str, Any]], planned: int, wall_s: float) -> dict[str, Any]:
-    losses = args.losses.split(",")
-    batches = [int(b) for b in args.batches.split(",")]
-    runs = sorted(runs, key=lambda r: (r["batch"], r["loss"], r["seed"]))
-    summary = summarise(runs, losses, batches)
-    return {
-        "args": vars(args),
-        "runs": runs,
-        "summary": summary,
-        "comparisons": [c for c in comparisons(summary, batches) if c["metric"] == "zeroshot_top1"],
-        "probe": probe_table(runs),
-        "visit_curve": visit_curve(runs),
-        "bench_model": NANO_CONFIG,
-        "planned_runs": planned,
-        "complete": len(runs) == planned,
-        "total_wall_s": wall_s,
-        "data_sizes": {"train": args.num_train, "val": args.num_val},
-    }
+    """The 10k benchmark's payload, its comparisons on zero-shot top-1 only, plus the per-visit u curve."""
+    payload = small_batch_payload(args, runs, planned, wall_s)
+    payload["comparisons"] = [c for c in payload["comparisons"] if c["metric"] == "zeroshot_top1"]
+    payload["visit_curve"] = visit_curve(payload["runs"])
+    return payload
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -323,7 +323,7 @@ def _figure(summary: list[dict[str, Any]], probe: list[dict[str, Any]], losses: 
     return fig
 
 
-def _payload(args: argparse.Namespace, runs: list[dict[str, Any]], planned: int, t_start: float) -> dict[str, Any]:
+def _payload(args: argparse.Namespace, runs: list[dict[str, Any]], planned: int, wall_s: float) -> dict[str, Any]:
     losses = args.losses.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     runs = sorted(runs, key=lambda r: (r["batch"], r["loss"], r["seed"]))
@@ -337,7 +337,7 @@ def _payload(args: argparse.Namespace, runs: list[dict[str, Any]], planned: int,
         "bench_model": NANO_CONFIG,
         "planned_runs": planned,
         "complete": len(runs) == planned,
-        "total_wall_s": time.perf_counter() - t_start,
+        "total_wall_s": wall_s,
         "data_sizes": {"train": args.num_train, "val": args.num_val},
     }
 
@@ -364,7 +364,7 @@ def main() -> None:
     if args.from_json:
         payload = json.loads(Path(args.from_json).read_text())
         a = argparse.Namespace(**payload["args"])
-        payload = _payload(a, payload["runs"], payload["planned_runs"], time.perf_counter() - payload["total_wall_s"])
+        payload = _payload(a, payload["runs"], payload["planned_runs"], payload["total_wall_s"])
         fig = _figure(payload["summary"], payload["probe"], a.losses.split(","), [int(b) for b in a.batches.split(",")])
         write_results(a.name, payload, render_markdown(payload), fig)
         return
@@ -394,8 +394,8 @@ def main() -> None:
             flush=True,
         )
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps(_payload(args, runs, len(jobs), t_start), indent=1) + "\n")
-    payload = _payload(args, runs, len(jobs), t_start)
+        partial.write_text(json.dumps(_payload(args, runs, len(jobs), time.perf_counter() - t_start), indent=1) + "\n")
+    payload = _payload(args, runs, len(jobs), time.perf_counter() - t_start)
     figure = _figure(payload["summary"], payload["probe"], losses, batches)
     write_results(args.name, payload, render_markdown(payload), figure)
 

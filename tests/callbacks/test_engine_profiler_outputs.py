@@ -116,7 +116,7 @@ def test_write_text_atomic_replaces_whole_or_keeps_the_old_file(tmp_path, monkey
 
 
 def test_failed_trace_in_a_run_warns_names_no_trace_and_writes_json_atomically(tmp_path, monkeypatch, caplog):
-    caplog.set_level(logging.INFO)
+    _capture_info(caplog)
     monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", lambda self, path: None)
     written = []
 
@@ -146,17 +146,20 @@ def test_failed_trace_in_a_run_warns_names_no_trace_and_writes_json_atomically(t
     assert _closing_lines(caplog) == [], "print_summary=False: no closing message either"
 
 
+def _capture_info(caplog) -> None:
+    """INFO from ``rank_zero_info`` (logger ``lightning.pytorch.utilities.rank_zero``), whatever level an earlier test
+    in this process left on ``lightning.pytorch`` (the demo's ``quiet_lightning`` sets WARNING); caplog restores it."""
+    caplog.set_level(logging.INFO)
+    caplog.set_level(logging.INFO, logger="lightning.pytorch")
+
+
 def _closing_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "EngineProfiler: files in" in r.getMessage()]
 
 
-def test_closing_message_says_where_files_went_and_where_ceilings_came_from(tmp_path, caplog, monkeypatch):
+def test_closing_message_says_where_files_went_and_where_ceilings_came_from(tmp_path, caplog):
     cache = tmp_path / "cache"
-    # Lightning turns propagation off on its loggers when the root logger had no handler at its import, which
-    # depends on how the test process started (xdist workers); caplog listens at the root.
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        monkeypatch.setattr(logging.getLogger(name), "propagate", True)
-    caplog.set_level(logging.INFO)
+    _capture_info(caplog)
 
     def fit(folder: str, **kwargs) -> tuple[EngineProfiler, str]:
         caplog.clear()

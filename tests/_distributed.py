@@ -6,6 +6,11 @@ Lightning's ``LightningEnvironment`` sees the same world), calls ``fn(rank, worl
 per-rank return values. A failure in any rank fails the caller with that rank's traceback; a hung rank fails it
 after ``timeout`` seconds. ``fn`` must be a module-level (picklable) function. Return plain Python values or numpy
 arrays, not torch tensors: tensors cross the queue as shared-memory handles that die with the worker process.
+
+The ranks start from a fork server that has imported torch, Lightning and the package once per test process
+(importing them costs 6-12 s of CPU per process on a small machine, more than most distributed tests run); each rank
+gets the caller's current environment and working directory, as a spawned process would.
+``LIGHTNING_SDP_TEST_START_METHOD=spawn`` starts every rank from a fresh interpreter instead.
 """
 
 from __future__ import annotations
@@ -17,6 +22,18 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
+# Imported once by the fork server; every rank is forked from it. The server itself never runs a torch operation,
+# so no OpenMP or numba thread pool exists yet when it forks.
+_PRELOAD = ["numpy", "torch", "torch.distributed", "lightning.pytorch", "lightning_sdp", "tests._distributed"]
+
+
+def _context() -> Any:
+    method = os.environ.get("LIGHTNING_SDP_TEST_START_METHOD", "forkserver")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 def find_free_port() -> int:
@@ -38,6 +55,8 @@ def _worker(
     import torch
     import torch.distributed as dist
 
+    # a forked rank starts with the fork server's environment: take the caller's, as a spawned process would
+    os.environ.clear()
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -84,12 +103,14 @@ def run_distributed(
             starts a Lightning ``Trainer``, which initialises it itself from the environment variables.
         env: extra environment variables for the workers.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.SimpleQueue()
     port = find_free_port()
     procs = [
         ctx.Process(
-            target=_worker, args=(rank, world_size, port, fn, args, queue, init_group, dict(env or {})), daemon=False
+            target=_worker,
+            args=(rank, world_size, port, fn, args, queue, init_group, {**os.environ, **(env or {})}),
+            daemon=False,
         )
         for rank in range(world_size)
     ]

@@ -3,14 +3,15 @@
 Every fenced code block runs (one pytest case per block, named ``<file>:<line>``):
 
 - ``python``: written to ``snippet.py`` in a fresh temporary folder and run there as a script (``__main__``), with the
-  repository root on ``PYTHONPATH``, ``OMP_NUM_THREADS=1`` and a 120 s limit. To spare each snippet the 10-12 s of
-  importing torch and Lightning, a fork server (``tests/_snippet_server.py``) imports those libraries, never
-  ``lightning_sdp``, once and forks a child per snippet; ``LIGHTNING_SDP_DOCS_FRESH_PROCESS=1`` runs each snippet in
-  a fresh interpreter instead.
+  repository root on ``PYTHONPATH``, ``OMP_NUM_THREADS=1`` and a 120 s limit. To spare each snippet the 6-12 s of
+  importing torch and Lightning, it is forked from a server that imported those libraries, never ``lightning_sdp``,
+  once (``tests/_warm_python.py``); ``LIGHTNING_SDP_TEST_FRESH_PROCESS=1`` runs each in a fresh interpreter instead.
 - ``bash``: lines starting with ``make``, ``pip``, ``git``, ``cd``, ``export`` or ``#`` are set-up and skipped; the
   other lines run with bash, ``set -e``, 300 s limit, in a folder that shows the repository's files (links to them),
   so repository paths such as ``examples/configs/x.yaml`` work while outputs stay out of the clone. ``.venv/bin`` (the
-  running interpreter's folder) leads ``PATH``, so ``lightning-sdp`` is found.
+  running interpreter's folder) leads ``PATH``, so ``lightning-sdp`` is found. A block made only of plain
+  ``lightning-sdp ...`` lines (no shell syntax) runs each as ``python .venv/bin/lightning-sdp ...`` (what the
+  script's first line does) through the same server.
 - ``yaml``: parsed.
 - Other languages (``text`` for output samples) are not run.
 
@@ -25,10 +26,8 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import json
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -39,6 +38,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from tests._warm_python import WarmPython, fresh_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -162,54 +163,28 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int, block: Co
         pytest.fail(f"{block.id}: exit status {proc.returncode}\n{block.code}\n--- output ---\n{_tail(output)}")
 
 
-class _SnippetServer:
-    """Client of ``tests/_snippet_server.py``: one request at a time, replies read unbuffered with a timeout."""
+def _run_warm(
+    server: WarmPython, argv: list[str], cwd: Path, env: dict[str, str], timeout: int, block: CodeBlock
+) -> None:
+    output = cwd / "output.txt" if cwd.name != "repo" else cwd.parent / "output.txt"  # never inside the clone
+    status = server.run(argv, cwd, env, timeout, output, output)
+    if status is None:
+        pytest.fail(f"{block.id}: still running after {timeout} s; make the snippet tinier.\n{_tail(_read(output))}")
+    if status != 0:
+        pytest.fail(f"{block.id}: exit status {status}\n{block.code}\n--- output ---\n{_tail(_read(output))}")
 
-    def __init__(self, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "_snippet_server.py")],
-            cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=False,
-        )  # fmt: skip
-        self._pending = b""
-        if self._readline(timeout=300) != "ready":
-            raise RuntimeError("the snippet server did not start")
 
-    def _readline(self, timeout: float | None) -> str | None:
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while b"\n" not in self._pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not select.select([fd], [], [], left)[0]:
-                return None
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                raise RuntimeError("the snippet server ended")
-            self._pending += chunk
-        line, self._pending = self._pending.split(b"\n", 1)
-        return line.decode()
+# A line that is just the installed console script with arguments (no shell syntax) runs in the fork server as
+# `python .venv/bin/lightning-sdp ARGS`, which is what the script's shebang line does.
+_SHELL_SYNTAX = re.compile(r"[|&;<>()$`*?~\\'\"]")
 
-    def run(self, script: Path, env: dict[str, str], timeout: int, block: CodeBlock) -> None:
-        output = script.parent / "output.txt"
-        request = {"script": script.name, "cwd": str(script.parent), "env": env, "output": str(output)}
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(request) + "\n").encode())
-        self.proc.stdin.flush()
-        pid = int(self._readline(timeout=30) or "0")
-        status = self._readline(timeout=timeout)
-        if status is None:
-            os.killpg(pid, signal.SIGKILL)
-            self._readline(timeout=30)
-            pytest.fail(
-                f"{block.id}: still running after {timeout} s; make the snippet tinier.\n{_tail(_read(output))}"
-            )
-        if int(status) != 0:
-            pytest.fail(f"{block.id}: exit status {status}\n{block.code}\n--- output ---\n{_tail(_read(output))}")
 
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        self.proc.wait(timeout=30)
+def _console_script_argv(command: str) -> list[str] | None:
+    words = command.split()
+    if not words or words[0] != "lightning-sdp" or _SHELL_SYNTAX.search(command):
+        return None
+    script = Path(sys.executable).parent / "lightning-sdp"
+    return [str(script), *words[1:]] if script.is_file() else None
 
 
 def _read(path: Path) -> str:
@@ -218,10 +193,10 @@ def _read(path: Path) -> str:
 
 @pytest.fixture(scope="module")
 def snippet_server(tmp_path_factory: pytest.TempPathFactory):
-    if os.environ.get("LIGHTNING_SDP_DOCS_FRESH_PROCESS") == "1":
+    if fresh_processes():
         yield None
         return
-    server = _SnippetServer(_environment(tmp_path_factory.mktemp("snippet_server")))
+    server = WarmPython(_environment(tmp_path_factory.mktemp("snippet_server")))
     yield server
     server.close()
 
@@ -248,17 +223,24 @@ def test_code_block_runs(block: CodeBlock, tmp_path: Path, request: pytest.Fixtu
         work = tmp_path / "work"
         work.mkdir()
         (work / "snippet.py").write_text(block.code, encoding="utf-8")
-        server = request.getfixturevalue("snippet_server")  # started by the first Python block only
+        server = request.getfixturevalue("snippet_server")  # started by the first block that needs it
         if server is None:
             _run([sys.executable, "snippet.py"], work, env, PYTHON_TIMEOUT_S, block)
         else:
-            server.run(work / "snippet.py", env, PYTHON_TIMEOUT_S, block)
+            _run_warm(server, ["snippet.py"], work, env, PYTHON_TIMEOUT_S, block)
     else:
         commands = bash_commands(block.code)
         if not commands:
             return  # set-up lines only (make, pip, git, ...): nothing to run
-        script = "set -e -o pipefail\n" + "\n".join(commands) + "\n"
-        _run(["bash", "-c", script], _repository_view(tmp_path), env, BASH_TIMEOUT_S, block)
+        view = _repository_view(tmp_path)
+        scripts = [_console_script_argv(c) for c in commands]
+        server = request.getfixturevalue("snippet_server") if all(scripts) else None
+        if server is None:
+            script = "set -e -o pipefail\n" + "\n".join(commands) + "\n"
+            _run(["bash", "-c", script], view, env, BASH_TIMEOUT_S, block)
+        else:
+            for argv in scripts:
+                _run_warm(server, argv, view, env, BASH_TIMEOUT_S, block)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------------------- targets
@@ -541,10 +523,10 @@ def test_a_snippet_past_its_limit_fails_and_its_processes_end(tmp_path: Path) ->
 
 @pytest.mark.slow
 def test_the_snippet_server_runs_a_snippet_as_a_script_without_lightning_sdp(
-    snippet_server: _SnippetServer | None, tmp_path: Path
+    snippet_server: WarmPython | None, tmp_path: Path
 ) -> None:
     if snippet_server is None:
-        pytest.skip("LIGHTNING_SDP_DOCS_FRESH_PROCESS=1: no server")
+        pytest.skip("LIGHTNING_SDP_TEST_FRESH_PROCESS=1: no server")
     code = (
         "import os, sys\n"
         "assert __name__ == '__main__' and sys.argv == ['snippet.py']\n"
@@ -555,8 +537,8 @@ def test_the_snippet_server_runs_a_snippet_as_a_script_without_lightning_sdp(
     )
     (tmp_path / "snippet.py").write_text(code)
     block = CodeBlock(tmp_path / "x.md", 1, "python", code, None)
-    snippet_server.run(tmp_path / "snippet.py", _environment(tmp_path), 60, block)
+    _run_warm(snippet_server, ["snippet.py"], tmp_path, _environment(tmp_path), 60, block)
     assert (tmp_path / "made_here.txt").exists()
     (tmp_path / "snippet.py").write_text("raise ValueError('boom')\n")
     with pytest.raises(pytest.fail.Exception, match="exit status 1(.|\n)*ValueError: boom"):
-        snippet_server.run(tmp_path / "snippet.py", _environment(tmp_path), 60, block)
+        _run_warm(snippet_server, ["snippet.py"], tmp_path, _environment(tmp_path), 60, block)

@@ -1,17 +1,18 @@
 """Every ``examples/*.py`` script runs, as a user would start it, on tiny settings.
 
 Each script is a separate process started in a temporary folder (the scripts write their outputs relative to the
-working directory), with one OpenMP thread.
+working directory), with one OpenMP thread; it is forked from a server that has imported torch and Lightning
+(``tests/_warm_python.py``), as ``python script.py ...`` would run it.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests._warm_python import run_python
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -49,6 +50,7 @@ def test_every_example_script_is_exercised():
     assert not (set(TINY) | set(COVERED_ELSEWHERE)) - scripts, "a listed example script no longer exists"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "script",
     [pytest.param(name, marks=marks, id=name.removesuffix(".py")) for name, (_, _, marks) in TINY.items()],
@@ -56,8 +58,8 @@ def test_every_example_script_is_exercised():
 def test_example_runs_on_tiny_settings(script, tmp_path):
     args, expected, _ = TINY[script]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, str(EXAMPLES / script), *(a.replace("{tmp}", str(tmp_path)) for a in args)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    cmd = [str(EXAMPLES / script), *(a.replace("{tmp}", str(tmp_path)) for a in args)]
+    proc = run_python(cmd, cwd=tmp_path, env=env, timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{output[-6000:]}"
     for text in expected:

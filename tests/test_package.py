@@ -33,6 +33,7 @@ def test_import_pulls_in_no_heavy_or_optional_module():
     assert stdout.strip() == "[]"
 
 
+@pytest.mark.slow  # a fresh interpreter: the import order is what is tested
 def test_aliases_registered_when_lightning_is_imported_after_the_package():
     stdout = _run_python(
         """
@@ -131,6 +132,7 @@ def test_a_plugin_that_fails_to_import_is_reported_not_fatal(monkeypatch, caplog
     assert "failed to import" in caplog.text and "lsdp_broken" in caplog.text
 
 
+@pytest.mark.slow  # a fresh interpreter: the import order is what is tested
 def test_aliases_registered_when_a_plugin_module_imports_lightning_first():
     stdout = _run_python(
         """

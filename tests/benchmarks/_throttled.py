@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 from benchmarks._common import RESULTS_DIR
 from benchmarks._throttled_storage import check_root
+from tests._warm_python import run_python
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,10 +27,7 @@ def run_quick(name: str, timeout: int) -> dict[str, Any] | None:
     Where the device cannot be built the benchmark must exit with code 2 and say why on stderr. The results are
     read from ``RESULTS_DIR`` (a temporary folder under pytest: ``tests/benchmarks/conftest.py``).
     """
-    res = subprocess.run(
-        [sys.executable, "-m", f"benchmarks.{name}", "--quick"], cwd=REPO, capture_output=True, text=True,
-        timeout=timeout,
-    )  # fmt: skip
+    res = run_python(["-m", f"benchmarks.{name}", "--quick"], cwd=REPO, timeout=timeout)
     reason = _storage_unavailable()
     if reason is not None:
         assert res.returncode == 2 and reason in res.stderr

@@ -7,8 +7,6 @@ import ast
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ import torch
 from benchmarks._common import RESULTS_DIR
 from benchmarks.fastclip_u_diagnostic import UDiagnosticProbe, estimate_stats, merge_payloads, rare_term_stats
 from lightning_sdp.integrations.open_clip import NANO_CONFIG
+from tests._warm_python import run_python
 
 REPO = Path(__file__).resolve().parents[2]
 NAMES = ("fastclip_small_batch", "fastclip_small_batch_10k", "fastclip_u_diagnostic", "fastclip_many_visits")
@@ -27,10 +26,7 @@ def _run_quick(name: str) -> dict:
     out = RESULTS_DIR / f"{name}_quick.json"
     out.unlink(missing_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", f"benchmarks.{name}", "--quick"], cwd=REPO, env=env, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
+    done = run_python(["-m", f"benchmarks.{name}", "--quick"], cwd=REPO, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (RESULTS_DIR / f"{name}_quick.md").is_file()
     return json.loads(out.read_text())

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks._common import RESULTS_DIR
+from tests._warm_python import run_python
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -17,10 +16,9 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 @pytest.mark.bench
 def test_quick_run_writes_a_falling_curve_and_three_attention_rows():
-    res = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpt_char_cpu", "--quick", "--data", "/nonexistent/input.txt"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    res = run_python(
+        ["-m", "benchmarks.gpt_char_cpu", "--quick", "--data", "/nonexistent/input.txt"], cwd=REPO, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "using the built-in corpus" in res.stdout
     payload = json.loads((RESULTS_DIR / "gpt_char_cpu_quick.json").read_text())

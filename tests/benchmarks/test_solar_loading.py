@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks._common import RESULTS_DIR
+from tests._warm_python import run_python
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -17,10 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 @pytest.mark.bench
 def test_quick_run_writes_results_with_solar_at_its_hit_rate_bound():
-    res = subprocess.run(
-        [sys.executable, "-m", "benchmarks.solar_loading", "--quick", "--storage", "throttled"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    res = run_python(["-m", "benchmarks.solar_loading", "--quick", "--storage", "throttled"], cwd=REPO, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     payload = json.loads((RESULTS_DIR / "solar_loading_quick.json").read_text())
     rows = {(r["P"], r["mode"]): r for r in payload["summary"]}

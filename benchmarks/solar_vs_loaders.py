@@ -178,6 +178,7 @@ def _solar_datamodule(cfg: dict[str, Any]) -> Any:
         num_workers=cfg["solar_workers"],
         seed=0,
         log_metrics=False,
+        batch_format="dict",  # PtychoNN's loss_scale: the global-mean gradient with SOLAR's unequal local batches
         **window,
     )
     dm.val_dataloader = lambda: _val_loader(cfg)  # the same held-out set for every loader

@@ -3,11 +3,11 @@
     .venv/bin/python examples/solar_ptycho.py                 # generate data if needed, size the buffer, train
     .venv/bin/python examples/solar_ptycho.py --epochs 1 --samples 512
 
-The lines that change in an existing project are marked with ``# SOLAR``: the DataModule,
-``use_distributed_sampler=False`` on the Trainer, and the ``SolarMetrics`` callback that logs the ``solar/*``
-metrics. The model only has to compute its loss as
-``batch["loss_scale"] * per_sample_losses.sum()`` (PtychoNN does), which keeps DDP's gradient the global mean
-when SOLAR hands ranks local batches of different sizes.
+The lines that change in an existing project are marked with ``# SOLAR``: the DataModule and the ``SolarMetrics``
+callback that logs the ``solar/*`` metrics. A module that unpacks ``x, y = batch`` takes the default batches as they
+are; this one asks for dict batches (``batch_format="dict"``), whose ``loss_scale`` PtychoNN uses to compute its loss
+as ``batch["loss_scale"] * per_sample_losses.sum()``, which keeps DDP's gradient the global mean when SOLAR hands
+ranks local batches of different sizes.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         args.data,
         input_key="diffraction",
         target_key=["amplitude", "phase"],
+        batch_format="dict",  # ids and loss_scale (PtychoNN's DDP-exact loss); the default "pair" gives (x, y)
         batch_size=args.batch_size,
         buffer_size=int(args.buffer) if args.buffer.isdigit() else args.buffer,
         num_workers=1,
@@ -65,7 +66,6 @@ def main(argv: list[str] | None = None) -> None:
         accelerator="cpu",
         devices=1,
         max_epochs=args.epochs,
-        use_distributed_sampler=False,  # SOLAR
         callbacks=[SolarMetrics()],  # SOLAR
         log_every_n_steps=10,
         default_root_dir="runs/solar_example",

@@ -19,8 +19,7 @@ class SolarMetrics(Callback):
     """Logs the SOLAR loader's counters through ``pl_module.log`` (so every Trainer logger shows them).
 
     Add it to the Trainer next to a :class:`~lightning_sdp.datamodules.solar.SolarDataModule`:
-    ``Trainer(use_distributed_sampler=False, callbacks=[SolarMetrics()])``. With any other DataModule it logs
-    nothing.
+    ``Trainer(callbacks=[SolarMetrics()])``. With any other DataModule it logs nothing.
 
     Per training step, this rank's values (no collective in the step): ``solar/hit_rate`` (buffer hits / local
     batch), ``solar/storage_bytes`` (bytes read from storage), ``solar/samples_per_s`` (local samples per second

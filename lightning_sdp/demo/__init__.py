@@ -6,9 +6,10 @@ uses the plugin's public API, compares it with its baseline in the same run, and
 the pictures, and prints a short summary with the report's path.
 
 Parts (``--only PART``, repeatable): ``sdp4bit`` (2-4 gloo processes: bytes per step with and without 4-bit
-communication), ``fastclip`` (FastCLIP-v3 vs the OpenCLIP loss at a small batch), ``solar`` (SolarDataModule vs a
-plain DataLoader on a generated HDF5 file with emulated shared storage), ``heat`` (fused vs plain-PyTorch SimpleX
-throughput), ``profiler`` (EngineProfiler's report on the GPT) and ``gpt`` (the character-level GPT).
+communication), ``fastclip`` (FastCLIP-v3 vs the OpenCLIP loss at a small batch), ``solar`` (the storage bytes and
+read requests SolarDataModule saves against a plain DataLoader, counted on a generated HDF5 file, beside the
+real-device benchmark's result), ``heat`` (fused vs plain-PyTorch SimpleX throughput), ``profiler``
+(EngineProfiler's report on the GPT) and ``gpt`` (the character-level GPT).
 """
 
 from __future__ import annotations

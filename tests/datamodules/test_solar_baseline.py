@@ -28,7 +28,7 @@ def test_items_are_file_rows_and_batches_match_solar_dict_batches(ptycho):
     xi, yi = dataset[5]
     assert torch.equal(xi, torch.from_numpy(x[5]))
     assert torch.equal(yi, torch.from_numpy(np.concatenate([amp[5], ph[5]], axis=0)))
-    dm = SolarDataModule(str(ptycho), KEYS[0], KEYS[1:], batch_size=4, log_metrics=False)
+    dm = SolarDataModule(str(ptycho), KEYS[0], KEYS[1:], batch_size=4, log_metrics=False, batch_format="dict")
     dm.setup("fit")
     solar = next(iter(dm.train_dataloader()))
     ids = solar["index"].tolist()
@@ -65,7 +65,7 @@ def test_throttle_costs_every_read_request(ptycho, monkeypatch):
     assert not PerSampleHDF5Dataset(ptycho, KEYS[0], KEYS[1:]).throttle  # plain file by default
 
 
-def test_the_demo_throttles_the_datamodules_reads_through_a_private_hook(ptycho, monkeypatch):
+def test_a_private_hook_throttles_the_datamodules_reads(ptycho, monkeypatch):
     requests = []
 
     def cost(self, nbytes):
@@ -75,7 +75,16 @@ def test_the_demo_throttles_the_datamodules_reads_through_a_private_hook(ptycho,
     monkeypatch.setattr(StorageThrottle, "cost", cost)
 
     def epoch(throttle):
-        dm = SolarDataModule(str(ptycho), KEYS[0], KEYS[1:], batch_size=4, buffer_size=6, max_epochs=1, val_split=0.25)
+        dm = SolarDataModule(
+            str(ptycho),
+            KEYS[0],
+            KEYS[1:],
+            batch_size=4,
+            buffer_size=6,
+            max_epochs=1,
+            val_split=0.25,
+            batch_format="dict",
+        )
         if throttle is not None:
             dm._storage_throttle = throttle
         dm.setup("fit")
@@ -84,7 +93,7 @@ def test_the_demo_throttles_the_datamodules_reads_through_a_private_hook(ptycho,
         return dm, loader
 
     epoch(None)
-    assert requests == [], "plain files unless a benchmark or the demo sets the hook"
+    assert requests == [], "plain files unless an experiment sets the hook"
     dm, loader = epoch(StorageThrottle(latency_s=1e-3))
     # every planned read is costed (plus h5py's metadata reads when it opens the file)
     assert len(requests) >= loader.reader.requests > 0

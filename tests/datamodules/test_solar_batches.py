@@ -1,4 +1,5 @@
-"""SolarDataModule as a drop-in: tuple batches, per-dataset sample shapes, test / predict loaders, hints."""
+"""SolarDataModule as a drop-in: ``(input, target)`` batches by default, dict and tuple batches, per-dataset sample
+shapes, test / predict loaders, hints."""
 
 import logging
 
@@ -87,7 +88,7 @@ def _trainer(**kw) -> Trainer:
 
 
 def test_one_dimensional_labels_keep_their_shape(labels):
-    dm = SolarDataModule(str(labels), batch_size=8, max_epochs=1, val_split=0.25)
+    dm = SolarDataModule(str(labels), batch_size=8, max_epochs=1, val_split=0.25, batch_format="dict")
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
     assert batch["target"].shape == (8,) and batch["target"].dtype == torch.int64
@@ -95,6 +96,13 @@ def test_one_dimensional_labels_keep_their_shape(labels):
     model = Classifier(unpack=False)
     _trainer().fit(model, dm)  # cross_entropy needs (B,) class indices
     assert model.shapes and all(y == (x[0],) for x, y in model.shapes)
+    # the default pairs hold the same tensors
+    pair = SolarDataModule(str(labels), batch_size=8, max_epochs=1, val_split=0.25)
+    pair.setup("fit")
+    x, y = next(iter(pair.train_dataloader()))
+    assert torch.equal(x, batch["input"]) and torch.equal(y, batch["target"])
+    x, y = next(iter(pair.val_dataloader()))
+    assert x.shape == (8, 4) and y.shape == (8,)
 
 
 def test_tuple_batches_unpack_in_key_order(labels, ptycho):
@@ -103,7 +111,8 @@ def test_tuple_batches_unpack_in_key_order(labels, ptycho):
     assert model.shapes == [((8, 4), (8,))] * 5
     # several targets: one tensor per dataset, in the configured order, same samples as the dict batches
     kw = dict(input_key="diffraction", target_key=["phase", "amplitude"], batch_size=8, max_epochs=1)
-    dm_dict, dm_tuple = SolarDataModule(str(ptycho), **kw), SolarDataModule(str(ptycho), batch_format="tuple", **kw)
+    dm_dict = SolarDataModule(str(ptycho), batch_format="dict", **kw)
+    dm_tuple = SolarDataModule(str(ptycho), batch_format="tuple", **kw)
     dm_dict.setup("fit")
     dm_tuple.setup("fit")
     with h5py.File(ptycho, "r") as f:
@@ -116,8 +125,15 @@ def test_tuple_batches_unpack_in_key_order(labels, ptycho):
 
 def test_unpacking_a_dict_batch_gets_a_hint(labels):
     with pytest.raises(ValueError, match="values to unpack") as err:
-        _trainer().fit(Classifier(unpack=True), SolarDataModule(str(labels), batch_size=8))
-    assert any("batch_format='tuple'" in note for note in getattr(err.value, "__notes__", []))
+        _trainer().fit(Classifier(unpack=True), SolarDataModule(str(labels), batch_size=8, batch_format="dict"))
+    assert any("batch_format at its default 'pair'" in note for note in getattr(err.value, "__notes__", []))
+
+
+def test_reading_a_pair_batch_by_name_gets_a_hint(labels):
+    with pytest.raises(TypeError, match="indices must be integers") as err:
+        _trainer().fit(Classifier(unpack=False), SolarDataModule(str(labels), batch_size=8))
+    notes = getattr(err.value, "__notes__", [])
+    assert any("batch_format='pair'" in n and "batch_format='dict' gives" in n for n in notes), notes
 
 
 def test_hint_fallback_for_python_310_keeps_the_note_and_logs_it(caplog):
@@ -131,14 +147,14 @@ def test_hint_fallback_for_python_310_keeps_the_note_and_logs_it(caplog):
 
 
 def test_test_and_predict_use_the_test_split_else_the_validation_split(labels, tmp_path):
-    dm = SolarDataModule(str(labels), batch_size=8, val_split=0.25)  # 30 train, 10 validation
+    dm = SolarDataModule(str(labels), batch_size=8, val_split=0.25, batch_format="dict")  # 30 train, 10 validation
     model = Classifier(unpack=False)
     _trainer().test(model, dm)
     assert sorted(model.seen) == list(range(30, 40))
     tuple_dm = SolarDataModule(str(labels), batch_size=8, val_split=0.25, batch_format="tuple")
     preds = _trainer().predict(Classifier(unpack=True), tuple_dm)
     assert sum(len(p) for p in preds) == 10
-    dm = SolarDataModule(str(labels), batch_size=8, val_split=0.25, test_split=0.25)  # 20 / 10 / 10
+    dm = SolarDataModule(str(labels), batch_size=8, val_split=0.25, test_split=0.25, batch_format="dict")  # 20/10/10
     model = Classifier(unpack=False)
     _trainer().test(model, dm)
     assert dm.num_train == 20 and sorted(model.seen) == list(range(30, 40))
@@ -148,14 +164,14 @@ def test_test_and_predict_use_the_test_split_else_the_validation_split(labels, t
         f["x"] = np.zeros((6, 4), np.float32)
         f["y"] = np.zeros(6, np.int64)
     model = Classifier(unpack=False)
-    _trainer().test(model, SolarDataModule(str(labels), batch_size=4, test_path=str(other)))
+    _trainer().test(model, SolarDataModule(str(labels), batch_size=4, test_path=str(other), batch_format="dict"))
     assert sorted(model.seen) == list(range(6))
     with pytest.raises(ValueError, match="test_split="):
         _trainer().test(Classifier(unpack=False), SolarDataModule(str(labels), batch_size=8))
 
 
 def test_bad_batch_format_and_splits(labels):
-    with pytest.raises(ValueError, match="batch_format must be one of"):
+    with pytest.raises(ValueError, match=r"batch_format must be one of 'pair', 'dict', 'tuple'; got 'list'"):
         SolarDataModule(str(labels), batch_format="list")
     with pytest.raises(ValueError, match="val_split \\+ test_split"):
         SolarDataModule(str(labels), val_split=0.5, test_split=0.5)

@@ -1,15 +1,23 @@
+import os
+import shutil
+import time
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_sdp.callbacks import SolarMetrics
 from lightning_sdp.datamodules.solar import EpochStats, SolarDataModule, SolarLoader, StepStats, make_ptycho_h5
-from lightning_sdp.datamodules.solar.reader import resolve_max_gap, resolve_read_window
+from lightning_sdp.datamodules.solar.reader import (
+    FileChangedError,
+    data_fingerprint,
+    resolve_max_gap,
+    resolve_read_window,
+)
 from lightning_sdp.models.ptychonn import PtychoNN
 
 CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "solar_ptycho.yaml"
@@ -27,7 +35,10 @@ def ptycho(tmp_path_factory):
 
 
 def _dm(path, **kw):
-    args = dict(input_key="diffraction", target_key=["amplitude", "phase"], batch_size=8, buffer_size=24)
+    # dict batches: the tests read the sample ids and the loss scale
+    args = dict(
+        input_key="diffraction", target_key=["amplitude", "phase"], batch_size=8, buffer_size=24, batch_format="dict"
+    )
     args.update(kw)
     return SolarDataModule(str(path), **args)
 
@@ -166,10 +177,193 @@ def test_warns_when_no_solar_metrics_callback_logs_the_counters(ptycho, with_cal
         assert "log_metrics=False" in str(named[0].message)
 
 
-def test_requires_use_distributed_sampler_false(ptycho):
-    trainer = _trainer(max_epochs=1, use_distributed_sampler=True)
-    with pytest.raises(ValueError, match="use_distributed_sampler=False"):
-        trainer.fit(_model(), _dm(ptycho))
+class LitAutoEncoder(LightningModule):
+    """Lightning's README module, as a user has it: ``x, y = batch``, a mean loss, nothing SOLAR-specific."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Sequential(torch.nn.Linear(16 * 16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        self.decoder = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 16 * 16))
+        self.seen = 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x = x.view(x.size(0), -1)
+        loss = torch.nn.functional.mse_loss(self.decoder(self.encoder(x)), x)
+        self.seen += len(x)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_plain_module_trains_with_default_batches_and_no_trainer_flags(ptycho, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a default Trainer writes lightning_logs/ and checkpoints into the working directory
+    model = LitAutoEncoder()
+    data = SolarDataModule(str(ptycho), input_key="diffraction", target_key=["amplitude", "phase"], buffer_size="1MB")
+    trainer = Trainer(max_epochs=1)
+    trainer.fit(model, data)
+    assert model.seen == 96  # every sample once
+    assert trainer.state.finished and "train_loss" in trainer.callback_metrics
+
+
+def test_evaluation_loaders_keep_lightnings_distributed_sampler_out(ptycho):
+    from lightning.pytorch.trainer.states import RunningStage
+
+    # a distributed Trainer with use_distributed_sampler=True (the default), built but not launched
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)
+    assert trainer._accelerator_connector.is_distributed and trainer._accelerator_connector.use_distributed_sampler
+    dm = _dm(ptycho, val_split=0.25)
+    dm.setup("fit")
+    val = dm.val_dataloader()
+    prepared = trainer._data_connector._prepare_dataloader(val, shuffle=False, mode=RunningStage.VALIDATING)
+    assert prepared is val, "Lightning would split the rank's share again"
+    assert [b["index"].tolist() for b in val] == np.arange(72, 96).reshape(3, 8).tolist()
+
+
+def _rewrite_in_place(path, seed):
+    before = os.stat(path)
+    time.sleep(0.02)  # beyond the file system's timestamp granularity
+    other = make_ptycho_h5(path.with_name(f"new{seed}.h5"), num_samples=96, size=16, seed=seed)
+    shutil.copyfile(other, path)  # opens the existing file for writing: same inode, new bytes
+    after = os.stat(path)
+    assert after.st_ino == before.st_ino and after.st_size == before.st_size, "rewritten in place, same length"
+    assert after.st_mtime_ns != before.st_mtime_ns
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_file_rewritten_between_epochs_is_refused(tmp_path, workers):
+    path = make_ptycho_h5(tmp_path / "train.h5", num_samples=96, size=16, seed=0)
+    dm = _dm(path, max_epochs=2, num_workers=workers)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    assert sum(len(b["index"]) for b in loader) == 96
+    _rewrite_in_place(path, seed=1)
+    with pytest.raises(FileChangedError, match=r"changed while training read it \(modified .* after it was opened"):
+        next(iter(loader))
+    loader.close()
+
+
+def test_file_replaced_or_changed_mid_epoch_is_refused_by_the_reader(tmp_path):
+    path = make_ptycho_h5(tmp_path / "train.h5", num_samples=96, size=16, seed=0)
+    dm = _dm(path, max_epochs=1, read_window=1, val_split=0.25)
+    dm.setup("fit")
+    batches = iter(dm.train_dataloader())
+    next(batches)
+    other = make_ptycho_h5(tmp_path / "other.h5", num_samples=96, size=16, seed=1)
+    os.replace(other, path)  # a new file under the same name: the inode differs
+    with pytest.raises(FileChangedError, match="replaced by another file"):
+        next(batches)
+    with pytest.raises(FileChangedError, match="Do not rewrite a file that a run is reading"):
+        next(iter(dm.val_dataloader()))
+
+
+def test_checkpoint_of_another_file_of_the_same_length_is_refused_a_copy_resumes(ptycho, tmp_path):
+    trainer, _, _ = _run(ptycho, max_steps=3)
+    ckpt = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(ckpt)
+    data = torch.load(ckpt, weights_only=False)["SolarDataModule"]["data"]
+    assert data["num_samples"] == 96 and data["path"] == str(ptycho) and len(data["rows_sha256"]) == 64
+    other = make_ptycho_h5(tmp_path / "other.h5", num_samples=96, size=16, seed=5)  # same length, shapes, dtypes
+    with pytest.raises(
+        ValueError, match=r"other data than .*other\.h5.*rows_sha256: checkpoint .*load_from_checkpoint"
+    ):
+        _run(other, ckpt_path=str(ckpt))
+    copy = tmp_path / "copy.h5"
+    shutil.copyfile(ptycho, copy)  # a new inode and modification time, the same samples
+    _, _, rest = _run(copy, ckpt_path=str(ckpt))
+    assert len(rest.indices) == 12  # saved after fit returned: an end-of-epoch checkpoint, so epoch 1 follows
+
+
+def test_checkpoint_without_a_data_fingerprint_resumes_with_a_warning(ptycho):
+    dm = _dm(ptycho, max_epochs=2)
+    dm.setup("fit")
+    state = dm.state_dict()
+    del state["data"]
+    with pytest.warns(UserWarning, match="no fingerprint of its training data"):
+        dm.load_state_dict(state)
+
+
+def test_fingerprint_reads_the_first_and_last_lines_of_large_rows(tmp_path):
+    path = tmp_path / "big.h5"
+    x = np.zeros((4, 3, 100, 100), np.float32)
+    with h5py.File(path, "w") as f:
+        f["x"] = x
+    before = data_fingerprint(path, ["x"])
+    x[3, 2, 99, 99] = 1.0  # the last element of the last row
+    with h5py.File(path, "w") as f:
+        f["x"] = x
+    after = data_fingerprint(path, ["x"])
+    assert before["shapes"] == after["shapes"] == {"x": [3, 100, 100]}
+    assert before["rows_sha256"] != after["rows_sha256"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"io_threads": 0}, r"io_threads must be an integer >= 1 \(1 reads one run after another\); got 0"),
+        ({"prefetch_factor": 0}, r"prefetch_factor must be an integer >= 1 .*; got 0"),
+        ({"num_workers": -1}, r"num_workers must be an integer >= 0; got -1"),
+        ({"val_batch_size": 0}, r"val_batch_size must be an integer >= 1"),
+        ({"max_epochs": 0}, r"max_epochs must be an integer >= 1"),
+        ({"max_local_batch": 4}, r"max_local_batch must be an integer >= 32 \(None allows 2 \* batch_size\)"),
+        (
+            {"eviction": "beladi"},
+            r"eviction must be one of 'belady', 'lru', .*'artifact_fifo'; got 'beladi' \(did you mean 'belady'\?\)",
+        ),
+        ({"epoch_order": "TSP"}, r"epoch_order must be one of 'identity', 'tsp'; got 'TSP'"),
+        (
+            {"validate": "warning"},
+            r"validate must be one of 'warn', 'raise', 'off'; got 'warning' \(did you mean 'warn'\?\)",
+        ),
+        ({"batch_format": "tuples"}, r"batch_format must be one of 'pair', 'dict', 'tuple'; got 'tuples'"),
+        ({"max_gap": "automatic"}, r"max_gap must be 'auto' or an int >= 0"),
+        ({"read_window": "autos"}, r"read_window must be 'auto' or an int >= 1"),
+        ({"buffer_size": "8 gigs"}, r"cannot parse buffer_size '8 gigs'"),
+    ],
+)
+def test_bad_options_are_refused_in_init_with_the_allowed_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SolarDataModule("never_opened.h5", **kwargs)  # before any file is touched
+
+
+def test_directory_paths_say_an_hdf5_file_is_expected(ptycho, tmp_path):
+    with pytest.raises(
+        IsADirectoryError, match=r"training file .* is a directory; it holds no .h5/.hdf5 file.*HDF5 file"
+    ):
+        _dm(tmp_path).setup("fit")
+    with pytest.raises(IsADirectoryError, match=r"validation file .* is a directory; it holds train\.h5"):
+        _dm(ptycho, val_path=str(ptycho.parent)).setup("fit")
+
+
+def test_validation_file_of_another_dtype_is_refused_at_setup(ptycho, tmp_path):
+    val = tmp_path / "val64.h5"
+    with h5py.File(ptycho, "r") as src, h5py.File(val, "w") as f:
+        f["diffraction"] = src["diffraction"][:16].astype(np.float64)
+        f["amplitude"], f["phase"] = src["amplitude"][:16], src["phase"][:16]
+    with pytest.raises(ValueError, match=r"sample shapes or dtypes .*diffraction: float64 \(1, 16, 16\) vs float32"):
+        _dm(ptycho, val_path=str(val)).setup("fit")
+    with pytest.raises(ValueError, match=r"test file .* does not match the training file"):
+        _dm(ptycho, test_path=str(val)).setup("test")
+
+
+def test_targets_that_cannot_be_joined_need_tuple_batches(tmp_path):
+    path = tmp_path / "mixed.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.zeros((16, 4), np.float32)
+        f["label"] = np.zeros(16, np.int64)
+        f["box"] = np.zeros((16, 4), np.float32)
+    for fmt in ("pair", "dict"):
+        with pytest.raises(
+            ValueError,
+            match=r"joins the targets .*\(per sample: label int64 \(\), box float32 \(4,\)\).*batch_format='tuple'",
+        ):
+            SolarDataModule(str(path), target_key=["label", "box"], batch_format=fmt, batch_size=4).setup("fit")
+    dm = SolarDataModule(str(path), target_key=["label", "box"], batch_format="tuple", batch_size=4, max_epochs=1)
+    dm.setup("fit")
+    x, label, box = next(iter(dm.train_dataloader()))
+    assert label.dtype == torch.int64 and box.shape == (4, 4)
 
 
 def _run(path, max_steps=-1, ckpt_path=None, callbacks=(), **dm_kw):

@@ -11,7 +11,8 @@ from lightning_sdp.datamodules.solar import SolarDataModule, make_ptycho_h5
 from lightning_sdp.models.ptychonn import PtychoNN
 from tests._distributed import run_distributed
 
-KEYS = dict(input_key="diffraction", target_key=["amplitude", "phase"])
+# dict batches: the loss scale makes DDP's gradient the global mean with unequal local batches
+KEYS = dict(input_key="diffraction", target_key=["amplitude", "phase"], batch_format="dict")
 
 
 @pytest.fixture(autouse=True)
@@ -100,12 +101,17 @@ class _Record:
 
         class Rec(Callback):
             seen: list = []
+            val: list = []
 
             def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
                 self.seen.append(batch["index"].tolist())
 
+            def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+                if not trainer.sanity_checking:
+                    self.val += batch["index"].tolist()
+
         self.cb = Rec()
-        self.cb.seen = []
+        self.cb.seen, self.cb.val = [], []
 
 
 def _fit(devices, batch_size, strategy):
@@ -118,8 +124,7 @@ def _fit(devices, batch_size, strategy):
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
-        max_epochs=2,
-        use_distributed_sampler=False,
+        max_epochs=2,  # use_distributed_sampler left at its default (True): SOLAR needs no flag
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -135,7 +140,7 @@ def _lightning_ddp(rank, world_size, path):
     # reader processes and a validation split under DDP (this combination once hung)
     dm = SolarDataModule(path, batch_size=8, buffer_size=32, num_workers=1, val_split=0.2, **KEYS)
     trainer.fit(model, dm)
-    return {"seen": rec.seen, "weights": [p.detach().numpy().copy() for p in model.parameters()]}
+    return {"seen": rec.seen, "val": rec.val, "weights": [p.detach().numpy().copy() for p in model.parameters()]}
 
 
 @pytest.mark.slow  # two spawned processes
@@ -151,6 +156,10 @@ def test_lightning_ddp_matches_single_process_training(ptycho):
         assert sorted(both) == sorted(single)  # same global batch membership as one process
         unequal += len(out[0]["seen"][t]) != len(out[1]["seen"][t])
     assert unequal > 0
+    # each rank validates its own share (Lightning did not split it again): together the split, once per epoch
+    val_ids = list(range(dm.num_train, 64))
+    assert sorted(out[0]["val"] + out[1]["val"]) == sorted(val_ids * 2)
+    assert not set(out[0]["val"]) & set(out[1]["val"])
     for a, b, ref in zip(out[0]["weights"], out[1]["weights"], model.parameters(), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
         np.testing.assert_allclose(a, ref.detach().numpy(), rtol=1e-4, atol=1e-5)

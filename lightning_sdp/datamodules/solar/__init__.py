@@ -32,6 +32,9 @@ _EXPORTS = {
     "read_per_sample": "lightning_sdp.datamodules.solar.reader",
     "drop_page_cache": "lightning_sdp.datamodules.solar.reader",
     "inspect_h5": "lightning_sdp.datamodules.solar.reader",
+    "FileChangedError": "lightning_sdp.datamodules.solar.reader",
+    "FileIdentity": "lightning_sdp.datamodules.solar.reader",
+    "data_fingerprint": "lightning_sdp.datamodules.solar.reader",
     "make_ptycho_h5": "lightning_sdp.datamodules.solar.ptycho",
     "simulate_ptycho": "lightning_sdp.datamodules.solar.ptycho",
 }

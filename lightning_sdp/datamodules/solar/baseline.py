@@ -30,7 +30,8 @@ class PerSampleHDF5Dataset(Dataset):
         input_key: dataset holding the inputs (first axis = samples).
         target_keys: datasets holding the targets, in order.
         throttle: emulate shared storage: every read request through the file costs this throttle's latency and
-            bandwidth (see :class:`~lightning_sdp.datamodules.solar.StorageThrottle`). Default None (plain file).
+            bandwidth (see :class:`~lightning_sdp.datamodules.solar.StorageThrottle`); ``StorageThrottle()`` costs
+            nothing and only counts (:attr:`bytes_read`, :attr:`requests`). Default None (plain file, not counted).
     """
 
     def __init__(
@@ -53,6 +54,17 @@ class PerSampleHDF5Dataset(Dataset):
                 raise KeyError(f"{self.path!r} has no dataset {missing}; it holds {sorted(f)}")
             self.num_samples = int(f[input_key].shape[0])
         self._file: Any = None
+        self._fileobj: ThrottledFile | None = None
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read through the file in this process (h5py's metadata reads included); 0 without a throttle."""
+        return self._fileobj.bytes_read if self._fileobj is not None else 0
+
+    @property
+    def requests(self) -> int:
+        """Read requests issued to the file in this process (h5py's metadata reads included); 0 without a throttle."""
+        return self._fileobj.requests if self._fileobj is not None else 0
 
     def __len__(self) -> int:
         return self.num_samples
@@ -61,13 +73,14 @@ class PerSampleHDF5Dataset(Dataset):
         if self._file is None:
             import h5py
 
-            source = ThrottledFile(self.path, self.throttle) if self.throttle is not None else self.path
-            self._file = h5py.File(source, "r")
+            if self.throttle is not None:
+                self._fileobj = ThrottledFile(self.path, self.throttle)
+            self._file = h5py.File(self._fileobj if self._fileobj is not None else self.path, "r")
         x = torch.from_numpy(self._file[self.input_key][i])
         targets = [torch.from_numpy(self._file[k][i]) for k in self.target_keys]
         return x, targets[0] if len(targets) == 1 else torch.cat(targets, dim=0)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_file"] = None  # an open h5py handle cannot travel to a worker; each worker opens its own
+        state["_file"] = state["_fileobj"] = None  # open handles cannot travel to a worker; each opens its own
         return state

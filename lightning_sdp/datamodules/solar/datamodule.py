@@ -17,29 +17,51 @@ import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from lightning_sdp._imports import require
-from lightning_sdp.datamodules.solar.buffer import parse_size
+from lightning_sdp.datamodules.solar.buffer import EVICTION_POLICIES, parse_size
 from lightning_sdp.datamodules.solar.loader import (
     BatchFormat,
     BatchReader,
     SolarLoader,
     check_batch_format,
+    check_choice,
+    check_joinable_targets,
     no_collate,
 )
 from lightning_sdp.datamodules.solar.reader import (
+    VALIDATE_MODES,
     DatasetInfo,
+    FileIdentity,
     HDF5Reader,
     StorageThrottle,
+    check_h5_path,
+    data_fingerprint,
     inspect_h5,
     resolve_max_gap,
     resolve_read_window,
 )
-from lightning_sdp.datamodules.solar.schedule import SolarSchedule, even_split
+from lightning_sdp.datamodules.solar.schedule import EPOCH_ORDERS, SolarSchedule, even_split
 
 _log = logging.getLogger(__name__)
+
+
+def _check_int(name: str, value: object, low: int | None, meaning: str = "") -> None:
+    """Raise a ``ValueError`` unless ``value`` is an integer (not a bool) of at least ``low``.
+
+    Args:
+        name: the option, as the user spells it.
+        value: what was given.
+        low: the smallest allowed value (``None``: any integer).
+        meaning: a few words on the option's values for the message.
+    """
+    ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    if ok and (low is None or value >= low):  # type: ignore[operator]
+        return
+    need = "an integer" if low is None else f"an integer >= {low}"
+    raise ValueError(f"{name} must be {need}{f' ({meaning})' if meaning else ''}; got {value!r}")
 
 
 def _is_solar_metrics(callback: object) -> bool:
@@ -60,17 +82,22 @@ class SolarDataModule(LightningDataModule):
     ``loss_scale = P / G`` so that ``loss = loss_scale * per_sample_losses.sum()`` gives the global-mean gradient
     under DDP). Misses are read with one hyperslab per run of consecutive indices, in ``num_workers`` processes.
 
-    Batches are dicts by default: ``input`` (B, ...), ``target`` (B, ...; one target key keeps its per-sample
-    shape, e.g. ``(B,)`` for a 1-D label set; several are concatenated along dim 1), ``index`` (B,) sample ids,
-    ``loss_scale`` (scalar). ``x, y = batch`` on a dict unpacks its *keys* and fails with "too many values to
-    unpack": read ``batch["input"]``, ``batch["target"]``, or set ``batch_format="tuple"`` to get
-    ``(input, target_1, ..., target_k)`` in the configured key order (then there is no ``loss_scale``; see
-    ``batch_format``).
+    Batches are ``(input, target)`` pairs by default, so a module written for ``x, y = batch`` works unchanged:
+    ``input`` (B, ...), ``target`` (B, ...; one target key keeps its per-sample shape, e.g. ``(B,)`` for a 1-D label
+    set; several are concatenated along dim 1, so they need one dtype and matching shapes after dim 1, checked in
+    ``setup``). ``batch_format="dict"`` adds what a pair cannot carry: ``{"input", "target", "index", "loss_scale"}``
+    with the sample ids and the loss scale that keeps DDP's gradient the global mean when local batch sizes differ
+    (the bundled :class:`~lightning_sdp.models.PtychoNN` uses it when present). ``batch_format="tuple"`` gives
+    ``(input, target_1, ..., target_k)``, one tensor per target dataset.
 
     ``trainer.test`` / ``trainer.predict`` read the test split (``test_path`` or ``test_split``) when one is
     configured, else the validation split; with neither they raise an error that says what to set.
 
-    Needs ``Trainer(use_distributed_sampler=False)``. To try it without data of your own, write the synthetic
+    Works with any ``Trainer(use_distributed_sampler=...)``: the training loader is not a ``DataLoader`` and the
+    evaluation loaders carry their own (one-replica) ``DistributedSampler`` over the rank's share, so Lightning
+    replaces neither. The files are checked with ``os.stat`` before every read request: one rewritten or replaced
+    during training raises :class:`~lightning_sdp.datamodules.solar.reader.FileChangedError` instead of yielding
+    samples from stale offsets. To try it without data of your own, write the synthetic
     PtychoNN-like set first with :func:`~lightning_sdp.datamodules.solar.make_ptycho_h5` (keys ``diffraction`` ->
     ``amplitude``, ``phase``).
 
@@ -99,10 +126,13 @@ class SolarDataModule(LightningDataModule):
             Default None.
         test_split: fraction of ``path`` held out for testing (its last samples, after the validation share)
             when ``test_path`` is None. Default 0 (test and predict use the validation split).
-        batch_format: ``"dict"`` (default; keys above) or ``"tuple"``: ``(input, target_1, ..., target_k)``, one
-            tensor per dataset with its own per-sample shape, so ``x, y = batch`` works. Tuple batches carry no
-            ``loss_scale``: with several ranks and ``balance=True`` local batch sizes differ, so a mean loss is not
-            the global mean (a warning says so); use ``balance=False`` for equal local batches.
+        batch_format: ``"pair"`` (default): ``(input, target)``, for ``x, y = batch``; ``"dict"``: ``{"input",
+            "target", "index", "loss_scale"}`` (the same tensors plus the sample ids and the loss scale);
+            ``"tuple"``: ``(input, target_1, ..., target_k)``, one tensor per dataset with its own per-sample
+            shape. Pairs and tuples carry no ``loss_scale``: on one process a mean loss is exact; with several ranks
+            and ``balance=True`` local batch sizes differ, so a per-rank mean loss is not the global mean (``setup``
+            warns): use ``"dict"`` with ``loss = batch["loss_scale"] * per_sample_losses.sum()``, or
+            ``balance=False`` for equal local batches.
         max_gap: merge read runs separated by at most this many unrequested samples (read and dropped: one longer
             request instead of two). Default ``"auto"``: gaps of up to 128 KiB of the largest dataset's rows
             (8 rows of 16 KiB), about what a request's fixed cost buys on slow storage. 0: exact bytes.
@@ -148,7 +178,7 @@ class SolarDataModule(LightningDataModule):
         val_batch_size: int | None = None,
         test_path: str | None = None,
         test_split: float = 0.0,
-        batch_format: BatchFormat = "dict",
+        batch_format: BatchFormat = "pair",
         max_gap: int | Literal["auto"] = "auto",
         io_threads: int = 4,
         read_window: int | Literal["auto"] = "auto",
@@ -160,8 +190,21 @@ class SolarDataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         require("h5py", feature="SolarDataModule")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        _check_int("batch_size", batch_size, 1)
+        _check_int("num_workers", num_workers, 0)
+        _check_int("io_threads", io_threads, 1, "1 reads one run after another")
+        _check_int("prefetch_factor", prefetch_factor, 1, "read requests in flight per worker")
+        _check_int("seed", seed, None)
+        if val_batch_size is not None:
+            _check_int("val_batch_size", val_batch_size, 1, "None uses batch_size")
+        if max_epochs is not None:
+            _check_int("max_epochs", max_epochs, 1, "None plans the Trainer's epochs")
+        if max_local_batch is not None:
+            _check_int("max_local_batch", max_local_batch, batch_size, "None allows 2 * batch_size")
+        check_choice("eviction", eviction, EVICTION_POLICIES)
+        check_choice("epoch_order", epoch_order, EPOCH_ORDERS)
+        check_choice("validate", validate, VALIDATE_MODES)
+        parse_size(buffer_size, 1)  # a malformed size ("8 gigs") is refused now, sized from the samples in setup
         if not 0.0 <= val_split < 1.0:
             raise ValueError(f"val_split must be in [0, 1), got {val_split}")
         if not 0.0 <= test_split < 1.0:
@@ -171,8 +214,6 @@ class SolarDataModule(LightningDataModule):
                 f"val_split + test_split must be below 1 to leave training samples, got {val_split} + {test_split}"
             )
         check_batch_format(batch_format)
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         self.save_hyperparameters()
         self.path = os.fspath(path)
         self.input_key = input_key
@@ -193,8 +234,6 @@ class SolarDataModule(LightningDataModule):
         # checked now, sized from the samples' bytes in setup
         resolve_read_window(read_window, batch_size, 1)
         resolve_max_gap(max_gap, 1)
-        if validate not in ("warn", "raise", "off"):
-            raise ValueError(f"validate must be 'warn', 'raise' or 'off', got {validate!r}")
         self.read_window, self.readahead, self.validate = read_window, readahead, validate
         self.log_metrics = log_metrics
         self.schedule: SolarSchedule | None = None
@@ -205,10 +244,12 @@ class SolarDataModule(LightningDataModule):
         self._val_ids: np.ndarray | None = None
         self._test_ids: np.ndarray | None = None
         self._pending_state: dict[str, Any] | None = None
+        self._identities: dict[str, FileIdentity] = {}
+        self._fingerprint: dict[str, Any] | None = None
 
-    # Emulated slow storage for the demo and benchmarks: every read request of the readers built here then costs the
-    # throttle's latency + bytes / bandwidth. Set on an instance before ``train_dataloader``; not a constructor
-    # argument because it measures the loader rather than configuring it.
+    # Emulated slow storage for experiments: every read request of the readers built here then costs the throttle's
+    # latency + bytes / bandwidth (StorageThrottle() only counts). Set on an instance before ``train_dataloader``;
+    # not a constructor argument because it measures the loader rather than configuring it.
     _storage_throttle: StorageThrottle | None = None
 
     # ------------------------------------------------------------------ schedule
@@ -232,11 +273,9 @@ class SolarDataModule(LightningDataModule):
         """Check the files and the Trainer, and build the schedule for this rank."""
         trainer = self.trainer
         if trainer is not None:
-            if trainer._accelerator_connector.use_distributed_sampler:
-                raise ValueError(
-                    "SolarDataModule brings its own distributed batch schedule: create the Trainer with "
-                    "`Trainer(use_distributed_sampler=False)` (YAML: `trainer: {use_distributed_sampler: false}`)"
-                )
+            # No use_distributed_sampler check: Lightning injects a DistributedSampler only into DataLoaders without
+            # one, under a distributed strategy. The training loader is not a DataLoader, and the evaluation loaders
+            # bring a one-replica DistributedSampler over this rank's share (see _eval_loader).
             self.rank, self.world_size = trainer.global_rank, trainer.world_size
             callbacks = trainer.callbacks  # type: ignore[attr-defined]
             if self.log_metrics and not any(_is_solar_metrics(c) for c in callbacks):
@@ -255,7 +294,13 @@ class SolarDataModule(LightningDataModule):
                 f"synthetic PtychoNN-like set there first: `lightning-sdp ptycho-generate --out {self.path}` (in "
                 "Python: lightning_sdp.datamodules.solar.make_ptycho_h5(path))."
             )
-        self.info = inspect_h5(self.path, [self.input_key, *self.target_keys])
+        check_h5_path(self.path, "training file")  # a directory
+        keys = [self.input_key, *self.target_keys]
+        self._identities = {self.path: FileIdentity.of(self.path)}
+        self.info = inspect_h5(self.path, keys)
+        check_joinable_targets(self.info.shapes, self.info.dtypes, self.target_keys, self.batch_format)
+        self._fingerprint = data_fingerprint(self.path, keys)
+        self._identities[self.path].check(self.path)  # the layout and fingerprint belong to the file first seen
         n = self.info.num_samples
         # the file's layout: [training | validation share | test share]
         n_test = 0 if self.test_path is not None or self.test_split <= 0 else max(1, round(n * self.test_split))
@@ -273,11 +318,11 @@ class SolarDataModule(LightningDataModule):
             self._test_ids = np.arange(self._held_out_samples(self.test_path, "test"), dtype=np.int64)
         else:
             self._test_ids = np.arange(n - n_test, n, dtype=np.int64) if n_test else None
-        if self.batch_format == "tuple" and self.world_size > 1 and self.balance:
+        if self.batch_format != "dict" and self.world_size > 1 and self.balance:
             rank_zero_warn(
-                "SolarDataModule(batch_format='tuple'): tuple batches carry no loss_scale, and with balance=True "
-                "the local batch sizes differ between ranks, so a per-rank mean loss under DDP is not the global "
-                "mean. Set balance=False for equal local batches, or use batch_format='dict' with "
+                f"SolarDataModule(batch_format={self.batch_format!r}): these batches carry no loss_scale, and with "
+                "balance=True the local batch sizes differ between ranks, so a per-rank mean loss under DDP is not "
+                "the global mean. Set balance=False for equal local batches, or use batch_format='dict' with "
                 "loss = batch['loss_scale'] * per_sample_losses.sum()."
             )
         capacity = parse_size(self.buffer_size, self.info.sample_nbytes)
@@ -310,12 +355,23 @@ class SolarDataModule(LightningDataModule):
             self.load_state_dict(state)
 
     def _held_out_samples(self, path: str, role: str) -> int:
-        """Samples of a separate validation or test file, after checking its sample shapes against training's."""
+        """Samples of a separate validation or test file, after checking its per-sample shapes and dtypes against
+        the training file's (a mismatch would otherwise fail at the first evaluation batch, or not at all)."""
         assert self.info is not None
+        check_h5_path(path, f"{role} file")
+        self._identities[path] = FileIdentity.of(path)
         info = inspect_h5(path, [self.input_key, *self.target_keys])
-        if info.shapes != self.info.shapes:
+        bad = [
+            f"{k}: {info.dtypes[k].name} {info.shapes[k]} vs {self.info.dtypes[k].name} {self.info.shapes[k]}"
+            for k in info.shapes
+            if info.shapes[k] != self.info.shapes[k] or info.dtypes[k] != self.info.dtypes[k]
+        ]
+        if bad:
             raise ValueError(
-                f"{role} file {path!r} has sample shapes {info.shapes}, but the training file has {self.info.shapes}"
+                f"{role} file {path!r} does not match the training file {self.path!r} in sample shapes or dtypes "
+                f"(per sample, {role} vs training: {'; '.join(bad)}). Write the {role} set with the same per-sample "
+                "shapes and dtypes as the training set (e.g. with the same script), or hold out part of the training "
+                f"file with {'val' if role == 'validation' else 'test'}_split= instead."
             )
         return info.num_samples
 
@@ -348,6 +404,7 @@ class SolarDataModule(LightningDataModule):
         return HDF5Reader(
             path,
             [self.input_key, *self.target_keys],
+            identity=self._identities.get(path),
             max_gap=self.resolved_max_gap,
             throttle=self._storage_throttle,
             io_threads=self.io_threads,
@@ -391,7 +448,10 @@ class SolarDataModule(LightningDataModule):
         )
         # Evaluation reads run in the rank's own process: the held-out share is small, and forking short-lived
         # workers next to the persistent training readers hung under DDP (gloo) in our tests.
-        return DataLoader(dataset, batch_size=None, num_workers=0, collate_fn=no_collate)
+        # The share is this rank's already: a one-replica DistributedSampler (in order, no padding) keeps Lightning
+        # from injecting its own, which would split the share again, with use_distributed_sampler=True (the default).
+        sampler: DistributedSampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=False)
+        return DataLoader(dataset, batch_size=None, sampler=sampler, num_workers=0, collate_fn=no_collate)
 
     @override
     def val_dataloader(self) -> DataLoader | list:
@@ -421,7 +481,8 @@ class SolarDataModule(LightningDataModule):
     # ------------------------------------------------------------------ checkpointing
     @override
     def state_dict(self) -> dict[str, Any]:
-        """Configuration, schedule hash and position (epoch, step) of the training order."""
+        """Configuration, schedule hash, position (epoch, step) of the training order, and the training data's
+        fingerprint (see :func:`~lightning_sdp.datamodules.solar.reader.data_fingerprint`)."""
         if self.schedule is None:
             return {}
         position = (
@@ -433,11 +494,17 @@ class SolarDataModule(LightningDataModule):
             "config": self.schedule.config,
             "schedule_hash": self.schedule.schedule_hash,
             "position": position,
+            "data": {**(self._fingerprint or {}), "path": self.path},
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Check that the checkpoint's schedule is this one, then continue from its position."""
+        """Check that the checkpoint's schedule and training data are these, then continue from its position.
+
+        The data are compared by content (sample count, per-sample shapes and dtypes, a hash of sampled rows), not by
+        path, modification time or inode, so a copy of the file on another machine resumes and another file of the
+        same length is refused.
+        """
         if not state_dict:
             return
         if self.schedule is None:
@@ -456,26 +523,66 @@ class SolarDataModule(LightningDataModule):
                 f"{state_dict.get('schedule_hash')} vs {self.schedule.schedule_hash}). Resume with the same data, "
                 "batch size, world size, buffer size, seed and SOLAR options, or start a new run."
             )
+        self._check_data(state_dict.get("data"))
         position = state_dict["position"]
         if self.train_loader is not None:
             self.train_loader.load_state_dict(position)
         else:
             self._pending_position = position
 
+    def _check_data(self, saved: dict[str, Any] | None) -> None:
+        """Refuse a checkpoint written while training on other data (warn when it has no fingerprint)."""
+        current = self._fingerprint or {}
+        if not saved or "rows_sha256" not in saved:
+            rank_zero_warn(
+                "SolarDataModule: this checkpoint has no fingerprint of its training data (it was written by an "
+                f"older lightning-sdp), so it cannot be checked against {self.path!r}; resuming as if it were the same "
+                "file."
+            )
+            return
+        diff = [
+            f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}"
+            for k in ("num_samples", "shapes", "dtypes", "rows_sha256")
+            if saved.get(k) != current.get(k)
+        ]
+        if diff:
+            raise ValueError(
+                f"the checkpoint was written while training on other data than {self.path!r} (it trained on "
+                f"{saved.get('path')!r}; {', '.join(diff)}): its position in the sample order would index other "
+                "samples. Resume with the file the checkpoint was trained on (a copy is fine: the check compares "
+                "sampled rows, not paths or times). To train these weights on the new data, start a new run from "
+                "them: `Model.load_from_checkpoint(ckpt)` then `trainer.fit(model, datamodule)` without ckpt_path."
+            )
+
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Add a hint to the errors that unpacking or indexing a dict batch as a tuple raises."""
-        if self.batch_format != "dict" or any("SolarDataModule" in n for n in getattr(exception, "__notes__", ())):
+        """Add a hint to the errors that reading a batch in another format than ``batch_format`` raises."""
+        if any("SolarDataModule" in n for n in getattr(exception, "__notes__", ())):
             return
         unpack = isinstance(exception, ValueError) and "values to unpack" in str(exception)
-        index = isinstance(exception, KeyError) and bool(exception.args) and isinstance(exception.args[0], int)
-        if unpack or index:
+        if self.batch_format == "dict":
+            index = isinstance(exception, KeyError) and bool(exception.args) and isinstance(exception.args[0], int)
+            if unpack or index:
+                _add_note(
+                    exception,
+                    "Hint: SolarDataModule(batch_format='dict') batches are dicts with keys 'input', 'target', "
+                    "'index', 'loss_scale', so `x, y = batch` unpacks the keys and `batch[0]` is a missing key. Read "
+                    "batch['input'] and batch['target'], or leave batch_format at its default 'pair' to get "
+                    "(input, target).",
+                )
+            return
+        by_name = isinstance(exception, TypeError) and "indices must be integers" in str(exception)
+        if unpack or by_name:
+            shape = (
+                "(input, target)" + (" with the targets joined along dim 1" if len(self.target_keys) > 1 else "")
+                if self.batch_format == "pair"
+                else f"(input, {', '.join(self.target_keys)})"
+            )
             _add_note(
                 exception,
-                "Hint: SolarDataModule batches are dicts with keys 'input', 'target', 'index', 'loss_scale', so "
-                "`x, y = batch` unpacks the keys and `batch[0]` is a missing key. Read batch['input'] and "
-                "batch['target'], or create SolarDataModule(..., batch_format='tuple') to get "
-                "(input, target_1, ..., target_k).",
+                f"Hint: SolarDataModule(batch_format={self.batch_format!r}) batches are tuples {shape}. "
+                "batch_format='dict' gives {'input', 'target', 'index', 'loss_scale'} (read batch['input']), "
+                "'pair' gives (input, target), 'tuple' gives (input, target_1, ..., target_k).",
             )
 
     @override

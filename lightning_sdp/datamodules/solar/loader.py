@@ -9,6 +9,7 @@ model trains (``prefetch_factor``).
 
 from __future__ import annotations
 
+import difflib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -129,8 +130,10 @@ class EpochStats:
         }
 
 
-BatchFormat = Literal["dict", "tuple"]
-BATCH_FORMATS: tuple[str, ...] = ("dict", "tuple")
+BatchFormat = Literal["pair", "dict", "tuple"]
+BATCH_FORMATS: tuple[str, ...] = ("pair", "dict", "tuple")
+"""``"pair"``: ``(input, target)``; ``"dict"``: ``{"input", "target", "index", "loss_scale"}``; ``"tuple"``:
+``(input, target_1, ..., target_k)``. See :func:`make_batch`."""
 
 
 def assemble_targets(arrays: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -144,10 +147,53 @@ def assemble_targets(arrays: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([a.unsqueeze(1) if a.dim() == 1 else a for a in arrays], dim=1)
 
 
+def check_choice(name: str, value: object, allowed: Sequence[str]) -> None:
+    """Raise a ``ValueError`` that lists the allowed values (and the closest one) unless ``value`` is one of them.
+
+    Args:
+        name: the option, as the user spells it.
+        value: what was given.
+        allowed: the accepted strings.
+    """
+    if isinstance(value, str) and value in allowed:
+        return
+    close = difflib.get_close_matches(str(value), list(allowed), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}{hint}")
+
+
 def check_batch_format(batch_format: str) -> None:
     """Raise a ``ValueError`` naming the accepted values when ``batch_format`` is not one of them."""
-    if batch_format not in BATCH_FORMATS:
-        raise ValueError(f"batch_format must be one of {BATCH_FORMATS}, got {batch_format!r}")
+    check_choice("batch_format", batch_format, BATCH_FORMATS)
+
+
+def check_joinable_targets(
+    shapes: dict[str, tuple[int, ...]], dtypes: dict[str, np.dtype], target_keys: Sequence[str], batch_format: str
+) -> None:
+    """Raise a ``ValueError`` when several targets cannot be joined into one tensor by :func:`assemble_targets`.
+
+    ``"pair"`` and ``"dict"`` batches hold one ``target`` tensor: several target datasets are concatenated along
+    dim 1, which needs one dtype and per-sample shapes that agree after their first axis (a ``(n,)`` array counts as
+    one channel). ``"tuple"`` batches keep one tensor per dataset and need nothing.
+
+    Args:
+        shapes: per-sample shape of each dataset.
+        dtypes: dtype of each dataset.
+        target_keys: the target datasets, in order.
+        batch_format: the batch format.
+    """
+    if batch_format == "tuple" or len(target_keys) < 2:
+        return
+    trailing = {k: tuple(shapes[k][1:]) for k in target_keys}
+    kinds = {k: np.dtype(dtypes[k]).name for k in target_keys}
+    if len(set(trailing.values())) == 1 and len(set(kinds.values())) == 1:
+        return
+    described = ", ".join(f"{k} {kinds[k]} {tuple(shapes[k])}" for k in target_keys)
+    raise ValueError(
+        f"SolarDataModule(batch_format={batch_format!r}) joins the targets into one tensor along dim 1, but they "
+        f"(per sample: {described}) differ in dtype or in the dims after the first. Use batch_format='tuple' for "
+        "(input, target_1, ..., target_k), one tensor per dataset, or give targets of one dtype and matching shapes."
+    )
 
 
 def make_batch(
@@ -166,10 +212,13 @@ def make_batch(
         target_keys: dataset names of the targets.
         ids: the ``n`` sample ids.
         loss_scale: the factor for the sum of per-sample losses.
-        batch_format: ``"dict"``: ``{"input", "target", "index", "loss_scale"}`` (targets joined by
-            :func:`assemble_targets`); ``"tuple"``: ``(input, target_1, ..., target_k)``, each dataset with its own
-            per-sample shape, in the configured key order. Default ``"dict"``.
+        batch_format: ``"pair"``: ``(input, target)``, the targets joined by :func:`assemble_targets` (the same
+            tensors as a dict batch's ``input`` and ``target``); ``"dict"``: ``{"input", "target", "index",
+            "loss_scale"}``; ``"tuple"``: ``(input, target_1, ..., target_k)``, each dataset with its own per-sample
+            shape, in the configured key order. Default ``"dict"``.
     """
+    if batch_format == "pair":
+        return arrays[input_key], assemble_targets([arrays[k] for k in target_keys])
     if batch_format == "tuple":
         return tuple(arrays[k] for k in (input_key, *target_keys))
     return {
@@ -227,7 +276,7 @@ class BatchReader(Dataset):
         input_key: dataset name of the inputs.
         target_keys: dataset names of the targets (concatenated along dim 1 in dict batches).
         batches: the id arrays, one per batch; ``len`` is their number and ``__getitem__(int)`` reads one.
-        batch_format: ``"dict"`` or ``"tuple"`` (see :func:`make_batch`). Default ``"dict"``.
+        batch_format: ``"pair"``, ``"dict"`` or ``"tuple"`` (see :func:`make_batch`). Default ``"dict"``.
     """
 
     def __init__(
@@ -257,7 +306,9 @@ class BatchReader(Dataset):
 class SolarLoader:
     """The training iterable of one rank: yields ``{"input", "target", "index", "loss_scale"}`` batches.
 
-    With ``batch_format="tuple"`` it yields ``(input, target_1, ..., target_k)`` instead (no ids, no loss scale).
+    With ``batch_format="pair"`` it yields ``(input, target)`` and with ``"tuple"`` ``(input, target_1, ...,
+    target_k)`` instead (no ids, no loss scale). The default here is ``"dict"`` (benchmarks and tools built on the
+    loader read the ids); :class:`~lightning_sdp.datamodules.solar.SolarDataModule` defaults to ``"pair"``.
 
     Implements ``state_dict``/``load_state_dict`` so Lightning treats it as resumable; it resumes at any step of
     any epoch with the identical remaining sequence (samples the plan expects buffered are re-read once).
@@ -274,7 +325,7 @@ class SolarLoader:
         num_workers: reader processes (0: read in the main process). Default 0.
         prefetch_factor: read requests in flight per worker. Default 2.
         trainer: callable returning the attached Trainer (or ``None``), for the epoch and the resume position.
-        batch_format: ``"dict"`` or ``"tuple"`` (see :func:`make_batch`). Default ``"dict"``.
+        batch_format: ``"pair"``, ``"dict"`` or ``"tuple"`` (see :func:`make_batch`). Default ``"dict"``.
         read_window: steps whose reads are issued as one request list (sorted, coalesced over all of them). The
             plan knows every step's reads, so merging ``W`` steps gives longer runs and fewer device requests, at
             the cost of holding up to ``W`` steps of read samples (times ``prefetch_factor`` per worker). Default 1.
@@ -363,6 +414,9 @@ class SolarLoader:
         return self._loader
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor] | tuple[torch.Tensor, ...]]:
+        # an HDF5 file rewritten between epochs would be read at its old offsets: refuse it here, in the main process
+        # (the reader checks again before each of its reads, in whichever process reads)
+        self.reader.check_unchanged()
         trainer = self._trainer()
         epoch = int(trainer.current_epoch) if trainer is not None else self._epoch_counter
         start = 0

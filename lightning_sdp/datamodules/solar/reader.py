@@ -7,6 +7,7 @@ h5py is imported lazily. A reader opens its file on first use in each process (h
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import threading
@@ -240,6 +241,101 @@ def drop_page_cache(path_or_fd: str | os.PathLike | int) -> None:
         os.close(fd)
 
 
+class FileChangedError(RuntimeError):
+    """The HDF5 file changed (size, modification time or identity) while a reader was using its layout."""
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What ``os.stat`` says about a file when it was opened: a changed value means the file was rewritten.
+
+    A reader finds each dataset's file offset once; an HDF5 file rewritten in place (or replaced under the same
+    name) has its samples elsewhere, so reading on at the old offsets would give wrong values without an error.
+
+    Args:
+        size: bytes.
+        mtime_ns: modification time in nanoseconds.
+        device: ``st_dev`` of the file system.
+        inode: ``st_ino``.
+    """
+
+    size: int
+    mtime_ns: int
+    device: int
+    inode: int
+
+    @classmethod
+    def of(cls, path: str | os.PathLike) -> FileIdentity:
+        """The identity of ``path`` now (one ``os.stat``)."""
+        st = os.stat(path)
+        return cls(int(st.st_size), int(st.st_mtime_ns), int(st.st_dev), int(st.st_ino))
+
+    def changes(self, now: FileIdentity) -> list[str]:
+        """What differs between this identity and ``now``, in words (empty when nothing did)."""
+        out = []
+        if now.size != self.size:
+            out.append(f"size {self.size} -> {now.size} bytes")
+        if now.mtime_ns != self.mtime_ns:
+            out.append(f"modified {(now.mtime_ns - self.mtime_ns) / 1e9:+.3f} s after it was opened")
+        if (now.device, now.inode) != (self.device, self.inode):
+            out.append(
+                f"replaced by another file (device/inode {self.device}/{self.inode} -> {now.device}/{now.inode})"
+            )
+        return out
+
+    def check(self, path: str | os.PathLike) -> None:
+        """Raise :class:`FileChangedError` when ``path`` is no longer the file this identity describes.
+
+        Raises:
+            FileChangedError: the size, modification time, device or inode differ (or the file is gone).
+        """
+        try:
+            now = FileIdentity.of(path)
+        except FileNotFoundError as err:
+            raise FileChangedError(
+                f"SOLAR: {os.fspath(path)!r} was removed while training read it. Put the file back, or create a "
+                "new SolarDataModule with its new path; resuming from a checkpoint is fine while the samples are "
+                "the same."
+            ) from err
+        changes = self.changes(now)
+        if changes:
+            raise FileChangedError(
+                f"SOLAR: {os.fspath(path)!r} changed while training read it ({'; '.join(changes)}). Its samples "
+                "are read at the offsets found when it was opened, so reading on would give wrong values. Do not "
+                "rewrite a file that a run is reading: write new data to another file. To train on the file as it is "
+                "now, create a new SolarDataModule (its setup reads the new layout); resuming from a checkpoint "
+                "taken on the old content is refused."
+            )
+
+
+def check_h5_path(path: str | os.PathLike, role: str = "HDF5 file") -> None:
+    """Raise a clear error unless ``path`` is an existing file (not a directory).
+
+    Args:
+        path: the path given for an HDF5 file.
+        role: what the file is for, named in the message (e.g. ``"validation file"``).
+
+    Raises:
+        IsADirectoryError: ``path`` is a directory (the message lists the HDF5 files in it, if any).
+        FileNotFoundError: nothing is at ``path``.
+    """
+    p = Path(path)
+    if p.is_dir():
+        found = sorted(q.name for q in p.iterdir() if q.suffix.lower() in (".h5", ".hdf5", ".he5", ".nc"))
+        inside = (
+            f"; it holds {', '.join(found[:5])}{', ...' if len(found) > 5 else ''}"
+            if found
+            else "; it holds no .h5/.hdf5 file"
+        )
+        example = os.fspath(p / (found[0] if found else "train.h5"))
+        raise IsADirectoryError(
+            f"SOLAR {role} {os.fspath(path)!r} is a directory{inside}. SolarDataModule reads one HDF5 file whose "
+            f"datasets hold the samples along their first axis: pass the file's path (e.g. {example!r})."
+        )
+    if not p.exists():
+        raise FileNotFoundError(f"SOLAR {role} {os.fspath(path)!r} does not exist; pass the path of an HDF5 file")
+
+
 @dataclass(frozen=True)
 class DatasetInfo:
     """Length, per-sample shapes and dtypes of the datasets a reader serves."""
@@ -297,11 +393,11 @@ def inspect_h5(path: str | os.PathLike, keys: Sequence[str]) -> DatasetInfo:
 
     Raises:
         FileNotFoundError: the file does not exist.
+        IsADirectoryError: ``path`` is a directory.
         ValueError: corrupt file, missing key, a key that is not a dataset, or lengths that differ.
     """
     path = os.fspath(path)
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"HDF5 file {path!r} does not exist")
+    check_h5_path(path)
     import h5py
 
     with _open_h5(path) as f:
@@ -322,6 +418,57 @@ def inspect_h5(path: str | os.PathLike, keys: Sequence[str]) -> DatasetInfo:
     if n == 0:
         raise ValueError(f"datasets {list(keys)} in {path!r} are empty")
     return DatasetInfo(n, shapes, dtypes)
+
+
+FINGERPRINT_ROWS = 8
+"""Rows sampled (evenly, first and last included) by :func:`data_fingerprint`."""
+FINGERPRINT_ROW_ELEMENTS = 4096
+"""Rows with more elements contribute their first and last lines (of at most half this many elements each)."""
+
+
+def _row_probe(dset: Any, row: int) -> bytes:
+    """Bytes of row ``row``, or of its first and last lines when the row is large (a bounded, cheap read)."""
+    shape = tuple(dset.shape[1:])
+    if int(np.prod(shape, dtype=np.int64)) <= FINGERPRINT_ROW_ELEMENTS:
+        return np.ascontiguousarray(dset[row]).tobytes()
+    k = min(shape[-1], FINGERPRINT_ROW_ELEMENTS // 2)
+    first_line = (row, *([0] * (len(shape) - 1)), slice(0, k))
+    last_line = (row, *(d - 1 for d in shape[:-1]), slice(shape[-1] - k, shape[-1]))
+    first, last = dset[first_line], dset[last_line]
+    return np.ascontiguousarray(first).tobytes() + np.ascontiguousarray(last).tobytes()
+
+
+def data_fingerprint(path: str | os.PathLike, keys: Sequence[str]) -> dict[str, Any]:
+    """Identify the samples of ``keys`` in an HDF5 file by content, so that a copy matches and other data does not.
+
+    The fingerprint holds the number of samples, each key's per-sample shape and dtype, and a SHA-256 of
+    :data:`FINGERPRINT_ROWS` rows sampled evenly (the first and last included; of a large row, its first and last
+    lines). It reads a few KiB. It leaves out the path, the modification time and the inode, which change when a file
+    is copied, and the file's bytes, which differ between files of the same data written differently. Data that
+    differ only in rows it does not sample are not told apart.
+
+    Args:
+        path: the HDF5 file.
+        keys: the datasets (checked by :func:`inspect_h5`).
+
+    Returns:
+        ``{"num_samples", "shapes", "dtypes", "rows_sha256"}`` (JSON-ready).
+    """
+    info = inspect_h5(path, keys)
+    n = info.num_samples
+    rows = sorted({int(r) for r in np.linspace(0, n - 1, FINGERPRINT_ROWS).round()})
+    digest = hashlib.sha256()
+    with _open_h5(os.fspath(path)) as f:
+        for key in keys:
+            digest.update(f"{key}|{info.dtypes[key].str}|{info.shapes[key]}".encode())
+            for r in rows:
+                digest.update(_row_probe(f[key], r))
+    return {
+        "num_samples": n,
+        "shapes": {k: list(info.shapes[k]) for k in keys},
+        "dtypes": {k: info.dtypes[k].str for k in keys},
+        "rows_sha256": digest.hexdigest(),
+    }
 
 
 class HDF5Reader:
@@ -349,6 +496,9 @@ class HDF5Reader:
             naming the file, key and sample ids of the first non-finite one; ``"raise"``: raise instead;
             ``"off"``: no check. HDF5 checksums (fletcher32) are verified by HDF5 itself on every read of a dataset
             that has them (such datasets are chunked, so they are read through h5py, never by positional reads).
+        identity: the file's :class:`FileIdentity` when its layout was checked (e.g. at ``setup``). Default: taken
+            now. Every open (in each process) and every :meth:`read` compares the file with it (one ``os.stat``)
+            and raises :class:`FileChangedError` when the file was rewritten or replaced.
     """
 
     def __init__(
@@ -362,6 +512,7 @@ class HDF5Reader:
         io_threads: int = 1,
         readahead: bool = False,
         validate: str = "warn",
+        identity: FileIdentity | None = None,
     ) -> None:
         if validate not in VALIDATE_MODES:
             raise ValueError(f"validate must be one of {VALIDATE_MODES}, got {validate!r}")
@@ -377,7 +528,10 @@ class HDF5Reader:
         self.throttle = throttle
         self.coalesce = coalesce
         self.readahead = bool(readahead)
+        check_h5_path(self.path)
+        self.identity = identity if identity is not None else FileIdentity.of(self.path)
         self.info = inspect_h5(self.path, self.keys)
+        self.identity.check(self.path)  # the layout just read belongs to the file the identity describes
         self._file: Any = None
         self._fileobj: ThrottledFile | None = None
         self._pid: int | None = None
@@ -392,9 +546,14 @@ class HDF5Reader:
         state.update(_file=None, _fileobj=None, _pid=None, _raw=None, _pool=None, _layout=None)
         return state
 
+    def check_unchanged(self) -> None:
+        """Raise :class:`FileChangedError` if the file is not the one whose layout this reader uses (``os.stat``)."""
+        self.identity.check(self.path)
+
     def _handle(self) -> Any:
         if self._file is None or self._pid != os.getpid():
             self._file = self._raw = self._pool = self._layout = None  # never close handles inherited through fork
+            self.check_unchanged()
             if self.throttle is not None:
                 self._fileobj = ThrottledFile(self.path, self.throttle, readahead=self.readahead)
                 self._file = _open_h5(self.path, self._fileobj, self.rdcc_nbytes)
@@ -451,7 +610,12 @@ class HDF5Reader:
         return {k: v[inverse.reshape(-1)] for k, v in rows.items()}
 
     def read(self, ids: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
-        """Rows ``ids`` of every key, in request order (checked for finiteness unless ``validate="off"``)."""
+        """Rows ``ids`` of every key, in request order (checked for finiteness unless ``validate="off"``).
+
+        Raises:
+            FileChangedError: the file was rewritten or replaced since the reader took its identity.
+        """
+        self.check_unchanged()
         out = self._read_rows(ids)
         if self.validate != "off":
             self._check_finite(np.asarray(ids, dtype=np.int64), out)

@@ -13,9 +13,11 @@ What one call of :func:`fused_sgd_step` does, for every positive pair ``(u, i)``
 2. optionally drops coordinates of the normalised user vector (SimpleX's ``net_dropout``; the mask is drawn from
    the thread's random state and scaled by ``1 / (1 - rate)``);
 3. computes the dot products and self-dots once (forward) and reuses them for the gradients (backward):
-   ``dcos(a, b)/da = b / (|a||b|) - cos a / |a|^2``;
+   ``dcos(a, b)/da = b / (|a||b|) - cos a / |a|^2``; the loss is SimpleX's cosine contrastive loss (CCL) or the
+   softmax cross-entropy over temperature-scaled cosines that HEAT's own code trains (:data:`LOSS_SOFTMAX`);
 4. updates the touched rows in place and without locks (Hogwild) across threads, with SGD or row-wise Adagrad
-   (one accumulator per row, its squared gradient norm taken from the dot products already computed);
+   (one accumulator per row, its squared gradient norm taken from the dot products already computed), optionally
+   clipping each coordinate of every row's per-sample gradient to ``[-grad_clip, grad_clip]`` first (HEAT's code);
 5. samples its negatives inside the kernel, uniformly over all items or from a per-thread tile of ``tile_size``
    items redrawn every ``tile_refresh`` samples (HEAT's tiled sampler);
 6. accumulates the gradients of the shared aggregator parameters (``V``, and ``q`` of self-attention) per thread
@@ -54,6 +56,14 @@ AGGREGATORS = {
     "user_attention": AGGREGATOR_USER_ATTENTION,
     "self_attention": AGGREGATOR_SELF_ATTENTION,
 }
+
+# Losses (the ``loss`` argument of :func:`fused_sgd_step`). CCL: ``relu(1 - c_i) + (w / n) sum_j relu(c_j - m)``.
+# Softmax: ``-log softmax(c / temperature)[positive]`` over the positive and its ``n`` negatives, which is what
+# HEAT's C++ code trains (hipdac-lab/ICS23-HEAT, cf_cpu/src/modules/models/matrix_factorization.cpp:
+# ``log(1 + sum_j exp((c_j - c_i) / 0.07))``) in place of the CCL its paper describes.
+LOSS_CCL = 0
+LOSS_SOFTMAX = 1
+LOSSES = {"ccl": LOSS_CCL, "softmax": LOSS_SOFTMAX}
 
 
 @njit(inline="always")
@@ -99,6 +109,72 @@ def _row_lr(acc: np.ndarray, row: int, grad_sq_mean: float, lr: float, eps: floa
         acc[row] = a
         return lr / (np.float32(np.sqrt(a)) + eps)
     return lr
+
+
+@njit(inline="always")
+def _clip(x: float, bound: float) -> float:
+    return min(max(x, -bound), bound)
+
+
+@njit(inline="always")
+def _clipped_row_step(
+    table: np.ndarray,
+    row: int,
+    q: np.ndarray,
+    a: float,
+    bb: float,
+    bound: float,
+    acc: np.ndarray,
+    lr: float,
+    eps: float,
+    adaptive: bool,
+    inv_d: float,
+    dp: np.ndarray,
+) -> None:
+    """Step ``table[row]`` along its clipped per-sample gradient ``clip(a q + bb e)``; add ``a e`` to ``dp``.
+
+    ``e`` is the row before the step (what the user vector's gradient needs). Row-wise Adagrad accumulates the
+    clipped gradient, as an optimiser stepping on clipped gradients would.
+    """
+    gsq = np.float32(0.0)
+    if adaptive:
+        for t in range(q.shape[0]):
+            gt = _clip(a * q[t] + bb * table[row, t], bound)
+            gsq += gt * gt
+    step = _row_lr(acc, row, gsq * inv_d, lr, eps, adaptive)
+    for t in range(q.shape[0]):
+        e = table[row, t]
+        dp[t] += a * e
+        table[row, t] = e - step * _clip(a * q[t] + bb * e, bound)
+
+
+@njit(inline="always")
+def _softmax_coefficients(
+    pos_cos: float, neg_dot: np.ndarray, neg_norm: np.ndarray, pn: float, inv_tau: float, neg_coef: np.ndarray
+) -> tuple[float, float]:
+    """The softmax loss of one sample and its gradients with respect to the cosines.
+
+    Logits ``z = c / temperature`` over the positive and the negatives; the loss is ``logsumexp(z) - z_pos``, so
+    ``dL/dc_j = softmax(z)_j / temperature`` (written to ``neg_coef``) and ``dL/dc_pos = (softmax(z)_pos - 1) /
+    temperature`` (returned with the loss). Every negative gets a gradient: there is no margin.
+    """
+    z_pos = pos_cos * inv_tau
+    zmax = z_pos
+    for j in range(neg_coef.shape[0]):
+        z = neg_dot[j] / (pn * neg_norm[j]) * inv_tau
+        neg_coef[j] = z
+        zmax = max(zmax, z)
+    e_pos = np.float32(np.exp(z_pos - zmax))
+    total = e_pos
+    for j in range(neg_coef.shape[0]):
+        e = np.float32(np.exp(neg_coef[j] - zmax))
+        neg_coef[j] = e
+        total += e
+    scale = inv_tau / total
+    for j in range(neg_coef.shape[0]):
+        neg_coef[j] *= scale
+    loss = zmax + np.float32(np.log(total)) - z_pos
+    return loss, e_pos * scale - inv_tau
 
 
 @njit(inline="always")
@@ -157,13 +233,15 @@ def _fused_sgd_kernel(  # noqa: C901  (a fused numba kernel: one pass per sample
     v_sync: int,
     num_chunks: int,
     losses: np.ndarray,
+    loss_options: tuple[int, float, float] | None,
 ) -> None:
     """The numba pass behind :func:`fused_sgd_step` (same arguments, except for the attention aggregators).
 
     ``att_keys`` holds the attention keys ``tanh(W_k e + b_k)`` of every item, computed once per call from the item
     rows at its start; the kernel adds the gradient of each key's pre-activation to that item's row of
     ``att_key_grad`` (Hogwild across threads), and :func:`fused_sgd_step` applies what flows through ``W_k`` after
-    the pass. Both are ``(1, 1)`` placeholders for the mean aggregator and MF-CCL.
+    the pass. Both are ``(1, 1)`` placeholders for the mean aggregator and MF-CCL. ``loss_options`` is ``None`` for
+    CCL without clipping, else ``(loss, temperature, grad_clip)`` (the keyword arguments of :func:`fused_sgd_step`).
     """
     batch = users.shape[0]
     d = user_emb.shape[1]
@@ -188,6 +266,21 @@ def _fused_sgd_kernel(  # noqa: C901  (a fused numba kernel: one pass per sample
     adaptive = user_acc.shape[0] > 0
     eps32 = np.float32(adagrad_eps)
     inv_d = np.float32(1.0 / d)
+    # ``loss_options`` is None for CCL without clipping: numba then compiles a specialisation in which the flags
+    # below are constants and the softmax and clipping code is dead, so that path compiles and runs as before
+    use_softmax = False
+    clip = False
+    inv_tau = np.float32(1.0)
+    bound = np.float32(np.inf)
+    if loss_options is not None:
+        use_softmax = loss_options[0] == LOSS_SOFTMAX
+        if use_softmax:
+            inv_tau = np.float32(1.0 / loss_options[1])
+        clip = loss_options[2] > 0.0
+        if clip:
+            bound = np.float32(loss_options[2])
+    general = use_softmax or clip  # the path that writes each row's gradient out (and clips it)
+    zero = np.float32(0.0)
     hmax = 1  # the longest history: scratch rows of the attention aggregators
     if use_att:
         for uu in range(hist_indptr.shape[0] - 1):
@@ -203,6 +296,8 @@ def _fused_sgd_kernel(  # noqa: C901  (a fused numba kernel: one pass per sample
         neg_ids = np.empty(n, np.int64)
         neg_dot = np.empty(n, np.float32)
         neg_norm = np.empty(n, np.float32)
+        neg_coef = np.empty(n if use_softmax else 1, np.float32)  # softmax: dL/dcos of each negative
+        gh = np.empty(d if clip and use_agg else 1, np.float32)  # clipping: each history row's clipped gradient
         dV = np.zeros((d, d) if use_agg else (1, 1), np.float32)
         # dropout: q = mask * p is what the items see; p itself sets the norm
         mask = np.ones(d if use_drop else 1, np.float32)
@@ -330,7 +425,36 @@ def _fused_sgd_kernel(  # noqa: C901  (a fused numba kernel: one pass per sample
                 ss += e * e
             en = max(np.float32(np.sqrt(ss)), _EPS)
             cos = x / (pn * en)
-            if cos < 1.0:
+            if general:
+                # softmax loss or clipping: each row's gradient a q + bb e is written out coordinate by coordinate
+                # (the CCL path below folds it into one scale and one axpy, and stays as it was)
+                G = np.float32(-1.0)  # dL/dcos of the positive (CCL: -1 while active)
+                if use_softmax:
+                    loss, G = _softmax_coefficients(cos, neg_dot, neg_norm, pn, inv_tau, neg_coef)
+                a, bb = zero, wd32  # an inactive row's gradient is its decay alone (a = 0 leaves dp alone)
+                if use_softmax or cos < 1.0:
+                    if not use_softmax:
+                        loss += np.float32(1.0) - cos
+                    self_coef += G * cos / (pn * pn)
+                    a = G / (pn * en)
+                    bb = wd32 - G * cos / (en * en)
+                if a != zero or wd32 > 0.0:
+                    _clipped_row_step(item_emb, i, q, a, bb, bound, item_acc, lr32, eps32, adaptive, inv_d, dp)
+                for j in range(n):
+                    neg = neg_ids[j]
+                    en = neg_norm[j]
+                    cos = neg_dot[j] / (pn * en)
+                    a, bb = zero, wd32
+                    if use_softmax or cos > m32:
+                        Gj = neg_coef[j] if use_softmax else wn  # dL/dcos of this negative
+                        if not use_softmax:
+                            loss += wn * (cos - m32)
+                        self_coef += Gj * cos / (pn * pn)
+                        a = Gj / (pn * en)
+                        bb = wd32 - Gj * cos / (en * en)
+                    if a != zero or wd32 > 0.0:
+                        _clipped_row_step(item_emb, neg, q, a, bb, bound, item_acc, lr32, eps32, adaptive, inv_d, dp)
+            elif cos < 1.0:
                 loss += np.float32(1.0) - cos
                 G = np.float32(-1.0)
                 self_coef += G * cos / (pn * pn)
@@ -347,8 +471,8 @@ def _fused_sgd_kernel(  # noqa: C901  (a fused numba kernel: one pass per sample
                 keep = np.float32(1.0) - _row_lr(item_acc, i, wd32 * wd32 * ss * inv_d, lr32, eps32, adaptive) * wd32
                 for t in range(d):
                     item_emb[i, t] *= keep
-            # ---- negatives: their share of dp and in-place updates --------------------------------------------
-            for j in range(n):
+            # ---- negatives (CCL without clipping): their share of dp and in-place updates ---------------------
+            for j in range(0 if general else n):
                 neg = neg_ids[j]
                 en = neg_norm[j]
                 cos = neg_dot[j] / (pn * en)
@@ -418,6 +542,20 @@ def _fused_sgd_kernel(  # noqa: C901  (a fused numba kernel: one pass per sample
                         for t in range(d):
                             dq[t] += dcv[t]
                             dcv[t] = 0.0
+                elif cnt > 0 and clip:
+                    inv_cnt = np.float32(1.0 / cnt)  # each history row's gradient is dh / cnt, the same for all
+                    hsq = np.float32(0.0)
+                    for t in range(d):
+                        gh[t] = _clip(dh[t] * inv_cnt, bound)
+                        hsq += gh[t] * gh[t]
+                    hsq *= inv_d
+                    for k in range(hist_indptr[u], hist_indptr[u + 1]):
+                        it = hist_indices[k]
+                        if it == i:
+                            continue
+                        step = _row_lr(item_acc, it, hsq, lr32, eps32, adaptive)
+                        for t in range(d):
+                            item_emb[it, t] -= step * gh[t]
                 elif cnt > 0:
                     inv_cnt = np.float32(1.0 / cnt)  # each history row's gradient is dh / cnt
                     hsq = np.float32(0.0)
@@ -451,6 +589,15 @@ def _fused_sgd_kernel(  # noqa: C901  (a fused numba kernel: one pass per sample
                     dcv[t] = 0.0
                 continue
             usq = np.float32(0.0)
+            if clip:
+                if adaptive:
+                    for t in range(d):
+                        gu = _clip(g32 * dp[t] + wd32 * user_emb[u, t], bound)
+                        usq += gu * gu
+                lr_u = _row_lr(user_acc, u, usq * inv_d, lr32, eps32, adaptive)
+                for t in range(d):
+                    user_emb[u, t] -= lr_u * _clip(g32 * dp[t] + wd32 * user_emb[u, t], bound)
+                continue
             if adaptive:
                 for t in range(d):
                     gu = g32 * dp[t] + wd32 * user_emb[u, t]
@@ -478,11 +625,19 @@ _PASS_THROUGH = (
 
 
 def fused_sgd_step(
-    user_emb: np.ndarray, item_emb: np.ndarray, V: np.ndarray, att_w: np.ndarray, att_b: np.ndarray, *rest: Any
+    user_emb: np.ndarray,
+    item_emb: np.ndarray,
+    V: np.ndarray,
+    att_w: np.ndarray,
+    att_b: np.ndarray,
+    *rest: Any,
+    loss: int = LOSS_CCL,
+    temperature: float = 0.07,
+    grad_clip: float = 0.0,
 ) -> None:
     """One fused SGD pass over a batch of positives, updating the tables and aggregator parameters in place.
 
-    Args (all positional, in this order):
+    Args (positional, in this order, up to ``losses``; then keyword-only):
         user_emb: ``(num_users, d)`` float32, C-contiguous.
         item_emb: ``(num_items, d)`` float32, C-contiguous.
         V: ``(d, d)`` float32 aggregator matrix (``p = g e_u + (1 - g) V h``); unused when ``g >= 1``.
@@ -518,16 +673,36 @@ def fused_sgd_step(
         v_sync: apply each chunk's accumulated gradients of ``V`` and ``q`` every this many samples (``W_k`` and
             ``b_k`` move once, after the pass).
         num_chunks: number of chunks processed in parallel.
-        losses: ``(B,)`` float32 output, the contrastive loss of each positive.
+        losses: ``(B,)`` float32 output, the loss of each positive.
+        loss: :data:`LOSS_CCL` (``margin`` and ``negative_weight`` apply) or :data:`LOSS_SOFTMAX` (cross-entropy of the
+            positive among itself and its negatives over ``cos / temperature``; ``margin`` and ``negative_weight``
+            are unused). Keyword-only, default CCL.
+        temperature: the softmax temperature (``> 0``); unused by CCL. Default 0.07 (HEAT's code).
+        grad_clip: clip each coordinate of every embedding row's per-sample gradient (loss and weight decay) to
+            ``[-grad_clip, grad_clip]`` before its update, as HEAT's SGD does (hipdac-lab/ICS23-HEAT,
+            ``cf_cpu/src/modules/optimizers/sgd.cpp``: ``clip_grad`` on each coordinate, then ``emb -= lr * grad``);
+            ``0`` turns clipping off. HEAT clips a per-row gradient buffer that it clears only at the end of an
+            epoch, so earlier samples' (clipped) gradients ride along; here each sample's own gradient is clipped.
+            The aggregator parameters are not clipped. Needs the mean aggregator when ``g < 1``. Default 0.
     """
     if len(rest) != len(_PASS_THROUGH):
         raise TypeError(f"fused_sgd_step takes {5 + len(_PASS_THROUGH)} arguments, got {5 + len(rest)}")
     arg = dict(zip(_PASS_THROUGH, rest, strict=True))
     aggregator, g, lr, v_lr = arg["aggregator"], arg["g"], arg["lr"], arg["v_lr"]
     user_acc, item_acc, adagrad_eps = arg["user_acc"], arg["item_acc"], arg["adagrad_eps"]
+    if loss not in (LOSS_CCL, LOSS_SOFTMAX) or (loss == LOSS_SOFTMAX and not temperature > 0):
+        raise ValueError(
+            f"fused_sgd_step: loss must be LOSS_CCL or LOSS_SOFTMAX with temperature > 0, got {loss}, {temperature}."
+        )
+    if grad_clip > 0 and g < 1.0 and aggregator != AGGREGATOR_MEAN:
+        # the attention keys' gradient reaches the item rows after the pass, summed over the batch: not per sample
+        raise ValueError("fused_sgd_step: grad_clip needs the mean aggregator when g < 1.")
+    # None selects the kernel's plain-CCL specialisation (see _fused_sgd_kernel)
+    options = None if loss == LOSS_CCL and not grad_clip > 0 else (int(loss), float(temperature), float(grad_clip))
+    tail = (*rest, options)
     if g >= 1.0 or aggregator == AGGREGATOR_MEAN:
         placeholder = np.zeros((1, 1), np.float32)
-        _fused_sgd_kernel(user_emb, item_emb, V, placeholder, placeholder, *rest)
+        _fused_sgd_kernel(user_emb, item_emb, V, placeholder, placeholder, *tail)
         return
     # The attention keys depend on the item rows and W_k only, not on the user: computed once per batch (as the
     # batched reference does) they cost O(num_items d^2) a batch instead of O(|H| d^2) a sample.
@@ -535,7 +710,7 @@ def fused_sgd_step(
     w, b = torch.from_numpy(att_w), torch.from_numpy(att_b)
     keys = torch.tanh(torch.addmm(b, rows_before, w.T)).numpy()
     key_grad = np.zeros_like(item_emb)
-    _fused_sgd_kernel(user_emb, item_emb, V, keys, key_grad, *rest)
+    _fused_sgd_kernel(user_emb, item_emb, V, keys, key_grad, *tail)
     touched = np.flatnonzero(np.any(key_grad != 0, axis=1))
     grad = torch.from_numpy(key_grad[touched])
     step = (grad @ w).numpy()

@@ -2,7 +2,8 @@
 
 Mao et al., "SimpleX: A Simple and Strong Baseline for Collaborative Filtering" (CIKM 2021). Everything here is
 batched tensors + autograd: gather the rows, aggregate the history (mean or attention, as the official RecZoo
-``BehaviorAggregator``), normalise, ``bmm`` against the negatives, cosine contrastive loss.
+``BehaviorAggregator``), normalise, ``bmm`` against the negatives, then the cosine contrastive loss (SimpleX) or the
+softmax over temperature-scaled cosines (HEAT's code), optionally clipping every row's per-sample gradient.
 The fused numba kernel (:mod:`lightning_sdp.kernels.cf_numba`) computes the same function sample by sample.
 """
 
@@ -191,6 +192,98 @@ def ccl_loss(
     raise ValueError(f"ccl_loss: unknown reduction {reduction!r}; use 'mean', 'sum' or 'none'.")
 
 
+def softmax_cosine_loss(
+    p: Tensor,
+    e_pos: Tensor,
+    e_neg: Tensor,
+    temperature: float = 0.07,
+    reduction: str = "mean",
+    dropout_mask: Tensor | None = None,
+) -> Tensor:
+    """Softmax cross-entropy of the positive among itself and its negatives, over cosines divided by ``temperature``.
+
+    ``L = -log(exp(c_i / t) / (exp(c_i / t) + sum_j exp(c_j / t)))`` with ``c = cos(p, e)``, which equals
+    ``log(1 + sum_j exp((c_j - c_i) / t))``: the loss HEAT's C++ code trains (hipdac-lab/ICS23-HEAT,
+    ``cf_cpu/src/modules/models/matrix_factorization.cpp``, ``t = 0.07``) in place of the CCL of its paper. Every
+    negative contributes (no margin, no weight); duplicates among the negatives count once each.
+
+    Args:
+        p: ``(B, d)`` user vectors.
+        e_pos: ``(B, d)`` positive item rows.
+        e_neg: ``(B, n, d)`` negative item rows.
+        temperature: ``t > 0``. Default 0.07.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` over the batch.
+        dropout_mask: ``(B, d)`` inverted-dropout mask on the normalised user vector, see :func:`ccl_loss`.
+
+    Returns:
+        The loss, reduced as asked.
+    """
+    if not temperature > 0:
+        raise ValueError(f"softmax_cosine_loss: temperature must be positive, got {temperature}.")
+    p_hat = F.normalize(p, dim=-1, eps=_EPS)
+    if dropout_mask is not None:
+        p_hat = p_hat * dropout_mask
+    pos = (p_hat * F.normalize(e_pos, dim=-1, eps=_EPS)).sum(-1, keepdim=True)
+    neg = torch.bmm(F.normalize(e_neg, dim=-1, eps=_EPS), p_hat.unsqueeze(-1)).squeeze(-1)
+    logits = torch.cat([pos, neg], dim=-1) / temperature
+    loss = torch.logsumexp(logits, dim=-1) - logits[:, 0]
+    if reduction == "mean":
+        return loss.mean()
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "none":
+        return loss
+    raise ValueError(f"softmax_cosine_loss: unknown reduction {reduction!r}; use 'mean', 'sum' or 'none'.")
+
+
+class _ClipGradient(torch.autograd.Function):
+    """Identity forward; backward clamps every coordinate of the incoming gradient to ``[-bound, bound]``."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, rows: Tensor, bound: float) -> Tensor:
+        ctx.bound = bound  # type: ignore[attr-defined]
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        bound = ctx.bound  # type: ignore[attr-defined]
+        return grad.clamp(-bound, bound), None
+
+
+def clip_gradient(rows: Tensor, bound: float) -> Tensor:
+    """``rows`` unchanged, but each coordinate of the gradient flowing back through it is clipped to ``[-bound, bound]``.
+
+    Applied to rows gathered per sample (one copy per occurrence), it clips per-sample gradients, which a clip of the
+    batch gradient (Lightning's ``gradient_clip_val``) cannot do.
+    """
+    return _ClipGradient.apply(rows, bound)
+
+
+def _clipped_user_vectors(
+    user_emb: Tensor,
+    item_emb: Tensor,
+    V: Tensor,
+    users: Tensor,
+    items: Tensor,
+    g: float,
+    history: Tensor | None,
+    bound: float,
+) -> tuple[Tensor, Tensor]:
+    """``(p, e_u)`` as :func:`user_vectors` (mean aggregator) computes them, from gathered rows whose per-sample
+    gradients are clipped: the user row and each history row of each sample."""
+    e_u = clip_gradient(user_emb[users], bound)
+    if g >= 1.0:
+        return e_u, e_u
+    if history is None:
+        raise ValueError("simplex_loss: `history` is required when g < 1 (SimpleX aggregates the user's items).")
+    hist = history[users]
+    mask = (hist >= 0) & (hist != items[:, None])
+    rows = clip_gradient(item_emb[hist.clamp_min(0)], bound)  # (B, H, d): one copy per sample and history entry
+    local = torch.arange(hist.numel(), device=hist.device).view_as(hist)
+    h = aggregate_history(rows.reshape(-1, rows.shape[-1]), local, mask, "mean")
+    return g * e_u + (1.0 - g) * (h @ V.t()), e_u
+
+
 def simplex_loss(
     user_emb: Tensor,
     item_emb: Tensor,
@@ -210,12 +303,22 @@ def simplex_loss(
     att_b: Tensor | None = None,
     att_q: Tensor | None = None,
     dropout_mask: Tensor | None = None,
+    loss: str = "ccl",
+    temperature: float = 0.07,
+    grad_clip: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Batched SimpleX forward: the optimised objective and the per-sample contrastive loss.
+    """Batched SimpleX forward: the optimised objective and the per-sample loss.
 
     The objective adds ``weight_decay / 2`` times the squared norms of the touched user, positive and negative rows
     (once per occurrence), which is what the fused kernel's in-place decay does, and, for ``g < 1``,
     ``aggregator_weight_decay / 2`` times ``|V|^2`` per sample.
+
+    With ``grad_clip``, each sample's gradient with respect to each embedding row it touches (user, positive, each
+    negative and, for ``g < 1``, each history row; loss and weight decay together; once per occurrence) is clipped
+    per coordinate to ``[-grad_clip, grad_clip]`` before the rows' gradients are summed over the batch (``"mean"``
+    divides the sum by ``B``), which is what the fused kernel's per-sample clipped steps do on disjoint rows (HEAT's
+    SGD clips each coordinate of the gradient it is about to apply: ``hipdac-lab/ICS23-HEAT``,
+    ``cf_cpu/src/modules/optimizers/sgd.cpp``). ``V`` is not clipped.
 
     Args:
         user_emb: ``(num_users, d)`` user table.
@@ -236,15 +339,36 @@ def simplex_loss(
         att_b: attention key bias (attention aggregators).
         att_q: attention query (``"self_attention"``).
         dropout_mask: ``(B, d)`` dropout mask on the normalised user vector, see :func:`ccl_loss`.
+        loss: ``"ccl"`` (:func:`ccl_loss`, uses ``margin`` and ``negative_weight``) or ``"softmax"``
+            (:func:`softmax_cosine_loss`, uses ``temperature``). Default ``"ccl"``.
+        temperature: softmax temperature. Default 0.07.
+        grad_clip: per-sample, per-coordinate bound on the embedding rows' gradients, or ``None`` (off). Needs the
+            mean aggregator when ``g < 1``. Default ``None``.
 
     Returns:
-        ``(objective, per_sample_ccl_loss)``.
+        ``(objective, per_sample_loss)``.
     """
-    p = user_vectors(user_emb, item_emb, V, users, g, history, items, aggregator, att_w, att_b, att_q)
-    e_u = user_emb[users]
-    e_pos = item_emb[items]
-    e_neg = item_emb[negatives]
-    per_sample = ccl_loss(p, e_pos, e_neg, margin, negative_weight, reduction="none", dropout_mask=dropout_mask)
+    if loss not in ("ccl", "softmax"):
+        raise ValueError(f"simplex_loss: unknown loss {loss!r}; use 'ccl' or 'softmax'.")
+    if grad_clip is None:
+        p = user_vectors(user_emb, item_emb, V, users, g, history, items, aggregator, att_w, att_b, att_q)
+        e_u = user_emb[users]
+        e_pos = item_emb[items]
+        e_neg = item_emb[negatives]
+    else:
+        if not grad_clip > 0:
+            raise ValueError(f"simplex_loss: grad_clip must be positive or None, got {grad_clip}.")
+        if g < 1.0 and aggregator != "mean":
+            raise ValueError(f"simplex_loss: grad_clip needs the mean aggregator when g < 1, got {aggregator!r}.")
+        # the gradient of the mean reaches each per-sample copy divided by B: clip it at grad_clip / B
+        bound = grad_clip / len(users) if reduction == "mean" else grad_clip
+        p, e_u = _clipped_user_vectors(user_emb, item_emb, V, users, items, g, history, bound)
+        e_pos = clip_gradient(item_emb[items], bound)
+        e_neg = clip_gradient(item_emb[negatives], bound)
+    if loss == "softmax":
+        per_sample = softmax_cosine_loss(p, e_pos, e_neg, temperature, reduction="none", dropout_mask=dropout_mask)
+    else:
+        per_sample = ccl_loss(p, e_pos, e_neg, margin, negative_weight, reduction="none", dropout_mask=dropout_mask)
     objective = per_sample
     if weight_decay > 0:
         sq = e_u.pow(2).sum(-1) + e_pos.pow(2).sum(-1) + e_neg.pow(2).sum((-1, -2))

@@ -8,7 +8,7 @@ themselves live in :mod:`lightning_sdp.kernels.cf_numba` and are driven by
 
 Usage::
 
-    Trainer(accelerator="heat", devices=1)                        # all cores this process may use
+    Trainer(accelerator="heat", devices=1)                        # OMP_NUM_THREADS if set, else every usable core
     Trainer(accelerator="heat", devices=2, strategy="ddp")        # each of the 2 processes gets half the cores
     Trainer(accelerator=HEATAccelerator(num_threads=8, cpu_affinity=list(range(8))), devices=1)
 """
@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 import torch
+from lightning.fabric.utilities import rank_zero_warn
 from lightning.fabric.utilities.types import _DEVICE
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
@@ -62,6 +64,26 @@ def _env_local_world_size() -> int:
         return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         return 1
+
+
+def env_num_threads() -> int | None:
+    """Threads per process that ``OMP_NUM_THREADS`` asks for, ``None`` when it is unset or empty.
+
+    OpenMP reads a list (``"8,2"``) as threads per nesting level; the first entry is the count of the outer level.
+
+    Raises:
+        ValueError: when the variable is set to something that is not a positive integer.
+    """
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not value:
+        return None
+    first = value.split(",")[0].strip()
+    if not first.isdigit() or int(first) < 1:
+        raise ValueError(
+            f"OMP_NUM_THREADS={value!r} is not a positive integer; set it to the threads each process should use "
+            "(e.g. OMP_NUM_THREADS=8), unset it, or pass HEATAccelerator(num_threads=...)."
+        )
+    return int(first)
 
 
 def set_cpu_threads(n: int) -> int:
@@ -109,12 +131,18 @@ class HEATAccelerator(CPUAccelerator):
 
     ``setup_device`` sets ``torch.set_num_threads`` and ``numba.set_num_threads`` (when numba, the ``cpu`` extra,
     is installed) to the run's thread count and pins the process to ``cpu_affinity`` if given; ``teardown``
-    restores all three. Under DDP (``devices=N`` on one machine) the cores are split among the N local processes:
-    each gets ``max(1, cores // N)`` threads unless ``num_threads`` is given (``setup`` learns N from the Trainer).
+    restores all three. The thread count of each process is, in this order: ``num_threads``; else the
+    ``OMP_NUM_THREADS`` environment variable, used as it is (it counts the threads of one process, as OpenMP and
+    torch read it, so it is not divided again; Lightning's DDP launchers set it to ``cores // N`` when you have not);
+    else the cores split among the N local processes under DDP (``devices=N`` on one machine), ``max(1, cores //
+    N)`` each (``setup`` learns N from the Trainer).
     numba's thread pool is started before torch's count is set, since its OpenMP start-up resets torch's count
     to every core, and ``setup`` sets both counts again after the model's and datamodule's ``setup`` hooks (which
     may import or start other thread pools), so training steps run with the run's count.
     ``get_device_stats`` reports the thread counts and the per-core use since the previous call.
+
+    Only :class:`~lightning_sdp.models.SimpleXModule` (``backend="fused"``) runs HEAT's kernels; any other
+    LightningModule gets the thread settings and nothing else, which ``setup`` says once in a warning.
 
     Precision: the default ``"32-true"`` is what the fused kernel needs. For ``precision="bf16-mixed"`` /
     ``"16-mixed"`` with a custom accelerator Lightning builds a *CUDA* autocast plugin; ``setup`` refuses it (and
@@ -123,8 +151,11 @@ class HEATAccelerator(CPUAccelerator):
     precision plugin the Trainer holds.
 
     Args:
-        num_threads: threads for torch and the kernels in each process; ``None`` splits the cores this process may
-            use (``cpu_affinity``, else its affinity mask) evenly among the local processes. Default ``None``.
+        num_threads: threads for torch and the kernels in each process. ``None`` uses ``OMP_NUM_THREADS`` when it is
+            set (a per-process count, not divided among processes; a value that is not a positive integer raises a
+            ``ValueError`` at set-up), else splits the cores this process may use (``cpu_affinity``, else its
+            affinity mask) evenly among the local processes. An explicit value wins over ``OMP_NUM_THREADS``.
+            Default ``None``.
         cpu_affinity: CPU ids to pin the process to during the run (Linux), or ``None`` to leave it. Default ``None``.
     """
 
@@ -147,13 +178,18 @@ class HEATAccelerator(CPUAccelerator):
         self._saved: dict[str, Any] | None = None
         self._last_stat: dict[str, tuple[int, int]] = {}
         self._warned_numba_limit = False
+        self._warned_not_simplex = False
         # local processes sharing the cores; ``setup`` sets it from the Trainer (torchrun's variable until then)
         self._local_world_size = _env_local_world_size()
 
     def resolved_threads(self) -> int:
-        """The thread count of each process: ``num_threads``, else the cores split among the local processes."""
+        """The thread count of each process: ``num_threads``, else ``OMP_NUM_THREADS``, else the cores split among
+        the local processes."""
         if self.num_threads is not None:
             return self.num_threads
+        from_env = env_num_threads()
+        if from_env is not None:
+            return from_env
         cores = len(self.cpu_affinity) if self.cpu_affinity is not None else available_cores()
         return max(1, cores // self._local_world_size)
 
@@ -191,10 +227,30 @@ class HEATAccelerator(CPUAccelerator):
     def setup(self, trainer: Trainer) -> None:
         _check_cpu_precision(trainer.strategy.precision_plugin)
         self._local_world_size = max(1, int(trainer.num_devices))
+        self._warn_if_nothing_to_accelerate(trainer)
         if self._saved is not None:
             # after the model's and datamodule's setup hooks, which may start other thread pools (numba's OpenMP
             # start-up, a library's import) that reset torch's count: the run's count must hold in every step
             self._apply_threads()
+
+    def _warn_if_nothing_to_accelerate(self, trainer: Trainer) -> None:
+        """Say once that a module other than ``SimpleXModule`` gets the thread settings and nothing else."""
+        if self._warned_not_simplex:
+            return
+        model = trainer.lightning_module
+        # a SimpleXModule exists only once its module was imported: nothing to import (or pay for) here
+        simplex = sys.modules.get("lightning_sdp.models.simplex.module")
+        if simplex is not None and isinstance(model, simplex.SimpleXModule):
+            return
+        self._warned_not_simplex = True
+        pinned = " and pins the CPUs (cpu_affinity)" if self.cpu_affinity is not None else ""
+        rank_zero_warn(
+            f"HEATAccelerator: {type(model).__name__} is not a SimpleXModule, so accelerator='heat' only sets the "
+            f"thread count ({self.resolved_threads()} per process){pinned}: nothing else is accelerated. HEAT's fused "
+            "kernels run only in lightning_sdp.SimpleXModule(backend='fused'). For other models use "
+            "accelerator='cpu' (and OMP_NUM_THREADS or torch.set_num_threads for the threads), or train a "
+            "SimpleXModule."
+        )
 
     @override
     def teardown(self) -> None:
@@ -249,4 +305,4 @@ class HEATAccelerator(CPUAccelerator):
 # When this module is what first imports lightning.pytorch, the import hook ran before the class existed.
 register_class_aliases(HEATAccelerator)
 
-__all__ = ["HEATAccelerator", "available_cores"]
+__all__ = ["HEATAccelerator", "available_cores", "env_num_threads"]

@@ -304,7 +304,8 @@ def fit_simplex_within_budget(
         max_eval_users: validation users scored per trial (a seeded subset; the final model is scored on all).
             Default 5000.
         batch_size: positives per step; ``None`` picks ``clip(num_positives // 64, 1024, 16384)``.
-        threads: threads for torch and the kernel (``HEATAccelerator(num_threads=...)``); ``None``: every core.
+        threads: threads for torch and the kernel (``HEATAccelerator(num_threads=...)``); ``None``: ``OMP_NUM_THREADS``
+            when it is set, else every core.
         model_kwargs: further fixed :class:`SimpleXModule` arguments (e.g. ``g=0.8``, ``sampler="uniform"``).
         k: cut-off of Recall/NDCG@K. Default 20.
         seed: seed of the models, the shuffles, the config sample and the validation split. Default 0.

@@ -34,7 +34,7 @@ class SimpleXRunner:
         train: training CSR ``(indptr, indices)``.
         num_items: number of items.
         batch_size: positives per step.
-        threads: threads for torch and the kernel; ``None``: every core.
+        threads: threads for torch and the kernel; ``None``: ``OMP_NUM_THREADS`` when it is set, else every core.
         seed: seed of the models and the shuffles.
         model_kwargs: fixed :class:`SimpleXModule` arguments under every configuration.
     """

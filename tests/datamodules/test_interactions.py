@@ -9,7 +9,12 @@ import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
-from lightning_sdp.datamodules.interactions import InteractionsDataModule, split_validation
+from lightning_sdp.datamodules.interactions import (
+    InteractionsDataModule,
+    PositivePairs,
+    split_validation,
+    synthetic_interactions,
+)
 from lightning_sdp.datamodules.interactions.split import validation_counts
 
 
@@ -353,3 +358,92 @@ def test_merge_csr_undoes_split_validation() -> None:
     np.testing.assert_array_equal(merged.indices, full.indices)
     with pytest.raises(ValueError, match="same rows"):
         merge_csr(train, (np.array([0, 0]), np.array([], dtype=np.int64)))
+
+
+# ---------------------------------------------------------------------------------------------- duplicates
+_DM_LOGGER = "lightning_sdp.datamodules.interactions.datamodule"
+
+
+def _pairs_of(indptr: np.ndarray, indices: np.ndarray) -> set[tuple[int, int]]:
+    users = np.repeat(np.arange(len(indptr) - 1), np.diff(indptr))
+    return set(zip(users.tolist(), indices.tolist(), strict=True))
+
+
+def test_csv_duplicates_are_dropped_before_the_split(tmp_path, caplog):
+    # every row written twice: split first, and most test pairs would also be training pairs
+    rng = np.random.default_rng(0)
+    rows = [f"{u},{i},5" for u in range(200) for i in rng.choice(30, 10, replace=False)]
+    path = tmp_path / "ratings.csv"
+    path.write_text("user_id,item_id,rating\n" + "\n".join(rows + rows) + "\n")
+    dm = InteractionsDataModule(str(path), test_fraction=0.2, val_fraction=0.1, seed=1)
+    with caplog.at_level("WARNING", logger=_DM_LOGGER):
+        dm.setup()
+    (record,) = [r for r in caplog.records if r.name == _DM_LOGGER]
+    message = record.getMessage()
+    assert str(path) in message and "2000 (user, item) pair(s) more than once" in message
+    assert f"at {path}:2002, first at {path}:2" in message  # the first occurrence is the one kept
+    train = _pairs_of(*dm.train_csr) | _pairs_of(*dm.val_csr)
+    test = _pairs_of(*dm.test_csr)
+    assert not train & test
+    assert len(train) == 200 * 8 and len(test) == 200 * 2  # 10 distinct items per user, 20% to test
+
+
+def test_csv_without_duplicates_logs_nothing_and_splits_as_before(tmp_path, caplog):
+    path = tmp_path / "x.tsv"
+    path.write_text("".join(f"{u}\t{i}\n" for u in (10, 20) for i in (1, 2, 3, 4, 5)))
+    with caplog.at_level("WARNING", logger=_DM_LOGGER):
+        dm = InteractionsDataModule(str(path), test_fraction=0.4)
+        dm.setup()
+    assert not [r for r in caplog.records if r.name == _DM_LOGGER]
+    assert len(dm.test_indices) == 4
+
+
+def test_lightgcn_pairs_in_train_and_test_are_refused(tmp_path):
+    folder = _write_lightgcn(tmp_path / "d", "0 1 2 3\n1 0 4\n2 5\n", "0 4\n1 2 4\n2 1\n")
+    with pytest.raises(ValueError) as info:
+        InteractionsDataModule(str(folder)).setup()
+    message = str(info.value)
+    assert "1 (user, item) pair(s) of" in message and "test.txt are also in" in message
+    assert f"user 1, item 4 at {folder / 'test.txt'}:2, also at {folder / 'train.txt'}:2" in message
+    assert f"Remove those pairs from {folder / 'test.txt'}" in message
+
+
+def test_lightgcn_duplicates_within_a_file_are_dropped_with_a_warning(tmp_path, caplog):
+    folder = _write_lightgcn(tmp_path / "d", "0 1 2 1\n1 0 4\n2 5\n0 2\n", "0 4\n1 2 3\n1 3\n")
+    with caplog.at_level("WARNING", logger=_DM_LOGGER):
+        dm = InteractionsDataModule(str(folder), val_fraction=0)
+        dm.setup()
+    messages = [r.getMessage() for r in caplog.records if r.name == _DM_LOGGER]
+    assert len(messages) == 2
+    assert f"{folder / 'train.txt'} lists 2 (user, item) pair(s) more than once" in messages[0]
+    assert f"{folder / 'test.txt'} lists 1 (user, item) pair(s) more than once" in messages[1]
+    assert f"user 1, item 3 at {folder / 'test.txt'}:3, first at {folder / 'test.txt'}:2" in messages[1]
+    assert _pairs_of(*dm.train_csr) == {(0, 1), (0, 2), (1, 0), (1, 4), (2, 5)}
+    assert _pairs_of(*dm.test_csr) == {(0, 4), (1, 2), (1, 3)}
+    assert len(PositivePairs.from_csr(*dm.train_csr)) == 5  # each positive once per epoch
+
+
+def test_synthetic_pairs_are_unique_and_the_splits_disjoint(caplog):
+    users, items = synthetic_interactions(300, 200, 20, 0.8, 20, seed=4)
+    assert len(set(zip(users.tolist(), items.tolist(), strict=True))) == len(users)
+    dm = InteractionsDataModule(num_users=300, num_items=200, val_fraction=0.1, seed=4)
+    with caplog.at_level("WARNING", logger=_DM_LOGGER):
+        dm.setup()
+    assert not [r for r in caplog.records if r.name == _DM_LOGGER]
+    train, val, test = _pairs_of(*dm.train_csr), _pairs_of(*dm.val_csr), _pairs_of(*dm.test_csr)
+    assert not train & val and not train & test and not val & test
+    assert len(train) + len(val) + len(test) == len(users)
+
+
+def test_csv_duplicates_of_18_digit_ids_are_found(tmp_path, caplog):
+    big = 10**18 - 1  # pair keys of this size overflow int64: the pairs are compared column by column
+    path = tmp_path / "big.csv"
+    path.write_text("".join(f"{u},{i}\n" for u in (big, 3) for i in (big, 5, 6, big - 1, 5)))
+    with caplog.at_level("WARNING", logger=_DM_LOGGER):
+        dm = InteractionsDataModule(str(path), test_fraction=0.25, val_fraction=0)
+        dm.setup()
+    (message,) = [r.getMessage() for r in caplog.records if r.name == _DM_LOGGER]
+    assert f"lists 2 (user, item) pair(s) more than once (e.g. user {big}, item 5 at {path}:5, first at {path}:2)" in (
+        message
+    )
+    assert dm.num_train_interactions + len(dm.test_indices) == 8

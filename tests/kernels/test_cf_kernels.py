@@ -64,7 +64,9 @@ def _fused(
     masks=None,
     dropout=0.0,
     rng_state=None,
+    **loss_options,
 ):
+    """One ``fused_sgd_step`` on copies of the problem; ``loss_options`` are its keyword-only loss arguments."""
     from lightning_sdp.kernels import cf_numba
 
     ue, ie, v = user_emb.copy(), item_emb.copy(), V.copy()
@@ -104,12 +106,16 @@ def _fused(
         10_000,
         chunks,
         losses,
+        **loss_options,
     )
     return ue, ie, v, losses, (aw, ab, aq)
 
 
-def _reference_step(problem, *, g, margin, w, wd, vwd=0.0, aggregator="mean", att=None, masks=None):
-    """Autograd gradients of the reference objective (sum over the batch): per-sample losses and ``{name: grad}``."""
+def _reference_step(problem, *, g, margin, w, wd, vwd=0.0, aggregator="mean", att=None, masks=None, **loss_options):
+    """Autograd gradients of the reference objective (sum over the batch): per-sample losses and ``{name: grad}``.
+
+    ``loss_options``: the ``loss``, ``temperature`` and ``grad_clip`` arguments of ``ref.simplex_loss``.
+    """
     user_emb, item_emb, V, users, items, negatives, indptr, indices = problem
     params = {"user": user_emb, "item": item_emb, "V": V}
     if aggregator != "mean":
@@ -134,6 +140,7 @@ def _reference_step(problem, *, g, margin, w, wd, vwd=0.0, aggregator="mean", at
         att_b=tensors.get("b"),
         att_q=tensors.get("q") if aggregator == "self_attention" else None,
         dropout_mask=None if masks is None else torch.from_numpy(masks),
+        **loss_options,
     )
     objective.backward()
     grads = {k: (t.grad.numpy() if t.grad is not None else np.zeros_like(params[k])) for k, t in tensors.items()}

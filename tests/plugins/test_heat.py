@@ -67,9 +67,10 @@ def test_alias_is_registered():
 
 
 @pytest.mark.numba
-def test_threads_are_set_for_the_run_and_restored():
+def test_threads_are_set_for_the_run_and_restored(monkeypatch):
     import numba
 
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # tests/conftest.py sets it to 1 for the suite
     torch.set_num_threads(2)
     numba.set_num_threads(2)
     _, model = _fit(HEATAccelerator(num_threads=1))
@@ -129,6 +130,7 @@ def test_device_stats_report_threads_and_core_use():
 def _ddp_heat_threads(rank: int, world_size: int) -> dict[str, int]:
     # Lightning's own launcher does not export LOCAL_WORLD_SIZE: the split must come from the Trainer
     os.environ.pop("LOCAL_WORLD_SIZE", None)
+    os.environ.pop("OMP_NUM_THREADS", None)  # the suite's 1 would win over the split (and a launcher sets cores // N)
     torch.set_num_threads(available_cores())
     model = _Probe()
     trainer = Trainer(
@@ -256,3 +258,79 @@ def test_reference_runs_keep_num_threads_and_are_bit_identical():
     assert len(first) == len(second) > 0
     for a, b in zip(first, second, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------- OMP_NUM_THREADS
+@pytest.mark.numba
+def test_omp_num_threads_is_used_unless_num_threads_is_given(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    torch.set_num_threads(1)
+    _, model = _fit("heat")
+    assert model.seen["torch"] == 2 == model.seen["numba"]
+    assert torch.get_num_threads() == 1  # restored
+    _, model = _fit(HEATAccelerator(num_threads=1))  # an explicit count wins
+    assert model.seen["torch"] == 1 == model.seen["numba"]
+
+
+def test_omp_num_threads_counts_the_threads_of_one_process(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two processes on this machine, as torchrun announces them
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert HEATAccelerator().resolved_threads() == 3  # not divided among the processes
+    monkeypatch.setenv("OMP_NUM_THREADS", "4,2")  # OpenMP's per-level list: the outer level's count
+    assert HEATAccelerator().resolved_threads() == 4
+    assert HEATAccelerator(num_threads=5).resolved_threads() == 5
+    for unset in ("", " "):
+        monkeypatch.setenv("OMP_NUM_THREADS", unset)
+        assert HEATAccelerator().resolved_threads() == max(1, available_cores() // 2)
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert HEATAccelerator().resolved_threads() == max(1, available_cores() // 2)
+    assert HEATAccelerator(cpu_affinity=[min(os.sched_getaffinity(0))]).resolved_threads() == 1
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5"])
+def test_a_bad_omp_num_threads_is_refused_with_what_to_set(monkeypatch, value):
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    assert HEATAccelerator(num_threads=2).resolved_threads() == 2  # not read when num_threads is given
+    with pytest.raises(ValueError, match=rf"OMP_NUM_THREADS='{value}' is not a positive integer.*num_threads"):
+        _fit("heat")
+
+
+# ---------------------------------------------------------------------------------------------- other modules
+def test_a_module_other_than_simplex_is_warned_once_that_only_threads_are_set():
+    trainer = Trainer(
+        accelerator=HEATAccelerator(num_threads=1),
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.warns(UserWarning, match=r"_Probe is not a SimpleXModule.*only sets the thread count \(1 per") as seen:
+        for _ in range(2):  # each fit sets the accelerator up again
+            trainer.fit(_Probe())
+    assert len([w for w in seen if "is not a SimpleXModule" in str(w.message)]) == 1
+    assert "accelerator='cpu'" in str(seen[0].message)
+
+
+@pytest.mark.numba
+def test_simplex_modules_are_not_warned(recwarn):
+    from lightning_sdp.datamodules.interactions import InteractionsDataModule
+    from lightning_sdp.models import SimpleXModule
+
+    class _MySimpleX(SimpleXModule):  # a subclass is a SimpleXModule too
+        pass
+
+    for model in (SimpleXModule(dim=8, num_negatives=4), _MySimpleX(dim=8, num_negatives=4, backend="reference")):
+        trainer = Trainer(
+            accelerator=HEATAccelerator(num_threads=1),
+            devices=1,
+            max_steps=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+        )
+        trainer.fit(model, InteractionsDataModule(num_users=40, num_items=30, batch_size=64))
+    assert not [w for w in recwarn if "is not a SimpleXModule" in str(w.message)]

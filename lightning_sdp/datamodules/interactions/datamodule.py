@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
-from lightning.pytorch import LightningDataModule
+from lightning.pytorch import LightningDataModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
@@ -21,7 +23,7 @@ from lightning_sdp.datamodules.interactions.readers import (
     synthetic_interactions,
 )
 from lightning_sdp.datamodules.interactions.split import split_per_user, split_validation
-from lightning_sdp.datamodules.sampling import EpochSeededBatchSampler
+from lightning_sdp.datamodules.sampling import DistributedEpochSeededBatchSampler, EpochSeededBatchSampler
 
 _log = logging.getLogger(__name__)
 
@@ -60,6 +62,18 @@ class PositivePairs(Dataset):
         # cores (benchmarks/heat_trainer_overhead.py times both)
         idx = np.asarray(index, dtype=np.int64)
         return torch.from_numpy(self.users.numpy().take(idx)), torch.from_numpy(self.items.numpy().take(idx))
+
+
+class _TrainLoader(DataLoader):
+    """The training ``DataLoader``. Its position travels in :meth:`InteractionsDataModule.state_dict`; the empty
+    ``state_dict`` / ``load_state_dict`` here tell Lightning that the loader resumes mid-epoch (it warns about
+    loaders without them)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
 
 
 class _EvalBatches(Dataset):
@@ -123,6 +137,76 @@ def _check_table(pairs: list[Pairs], column: str, size: int | None, name: str) -
     return max_id + 1
 
 
+def _repeats(users: np.ndarray, items: np.ndarray) -> np.ndarray:
+    """Mask of the pairs that repeat an earlier ``(user, item)`` pair; the first occurrence of each is not marked."""
+    n = len(users)
+    if n == 0:
+        return np.zeros(0, dtype=bool)
+    width = int(items.max()) + 1
+    if int(users.max()) < np.iinfo(np.int64).max // width:
+        # one int64 key per pair (a stable sort of it is several times faster than a three-key lexsort)
+        order = np.argsort(users * width + items, kind="stable")
+    else:  # raw ids of a CSV can be up to 10**18
+        order = np.lexsort((np.arange(n), items, users))
+    # grouped by pair, earliest position first within a group
+    u, i = users[order], items[order]
+    mask = np.zeros(n, dtype=bool)
+    mask[order[1:][(u[1:] == u[:-1]) & (i[1:] == i[:-1])]] = True
+    return mask
+
+
+def _first_at(pairs: Pairs, user: int, item: int) -> int:
+    """Position of the first ``(user, item)`` pair in ``pairs``."""
+    return int(np.flatnonzero((pairs.users == user) & (pairs.items == item))[0])
+
+
+def _drop_duplicates(pairs: Pairs, why: str) -> Pairs:
+    """``pairs`` without the rows that repeat an earlier pair (the first of each is kept), with a logged warning.
+
+    Args:
+        pairs: pairs read from one file.
+        why: what keeping the duplicates would do, for the warning.
+    """
+    mask = _repeats(pairs.users, pairs.items)
+    count = int(mask.sum())
+    if count == 0:
+        return pairs
+    p = int(np.flatnonzero(mask)[0])
+    user, item = int(pairs.users[p]), int(pairs.items[p])
+    _log.warning(
+        "InteractionsDataModule: %s lists %d (user, item) pair(s) more than once (e.g. user %d, item %d at %s, first "
+        "at %s); dropped the %d repeated row(s) and kept the first of each, %s.",
+        pairs.path,
+        count,
+        user,
+        item,
+        pairs.where(p),
+        pairs.where(_first_at(pairs, user, item)),
+        count,
+        why,
+    )
+    keep = ~mask
+    return Pairs(pairs.users[keep], pairs.items[keep], pairs.lines[keep], pairs.path)
+
+
+def _check_disjoint(train: Pairs, test: Pairs) -> None:
+    """Refuse test pairs that are also training pairs (both without duplicates)."""
+    both = _repeats(np.concatenate([train.users, test.users]), np.concatenate([train.items, test.items]))
+    in_train = both[len(train.users) :]  # a test pair that repeats an earlier row repeats a training pair
+    count = int(in_train.sum())
+    if count == 0:
+        return
+    p = int(np.flatnonzero(in_train)[0])
+    user, item = int(test.users[p]), int(test.items[p])
+    raise ValueError(
+        f"InteractionsDataModule: {count} (user, item) pair(s) of {test.path} are also in {train.path} (e.g. user "
+        f"{user}, item {item} at {test.where(p)}, also at {train.where(_first_at(train, user, item))}). A training "
+        "item is never ranked at evaluation, so such a test pair always counts as a miss and Recall/NDCG come out "
+        f"wrong. Remove those pairs from {test.path}, or give a CSV/TSV file of all interactions and let the "
+        "datamodule split it."
+    )
+
+
 class InteractionsDataModule(LightningDataModule):
     """Implicit-feedback interactions for SimpleX / MF-CCL training (HEAT, Zhang et al., ICS 2023).
 
@@ -137,6 +221,11 @@ class InteractionsDataModule(LightningDataModule):
       a seed, ``test_fraction`` of them to the test set;
     * ``None``: a seeded synthetic power-law catalogue (``num_users`` x ``num_items``).
 
+    Duplicates: a ``(user, item)`` pair listed more than once in a file is kept once (the first), with a logged
+    warning naming the file and the count; a CSV/TSV file is de-duplicated before the split, so no pair lands in
+    both train and test. A LightGCN folder whose ``test.txt`` repeats pairs of ``train.txt`` is refused (a training
+    item is never ranked, so such a test pair always counts as a miss).
+
     Ids follow one rule in every file: non-negative decimal integers of at most 18 digits (``007`` is ``7``);
     anything else (negative, float, text) is refused with the file and line.
 
@@ -147,6 +236,12 @@ class InteractionsDataModule(LightningDataModule):
     are dicts: ``users``, the items to find as batch-local CSR ``test_items`` / ``test_indptr``, and the items never
     to rank ``known_items`` / ``known_indptr`` (for validation the training items; for test the training and
     validation items).
+
+    Checkpoints: :meth:`state_dict` holds the position in the training order (epoch and batch) and what fixes the
+    order (a hash of the training pairs, ``batch_size``, ``seed``, ``shuffle``). ``Trainer.fit(..., ckpt_path=...)``
+    from a checkpoint saved mid-epoch continues that epoch at the next batch, so the resumed run sees the batches an
+    uninterrupted run sees; a checkpoint of other data or another batch size or seed is refused with a
+    ``ValueError``.
 
     Args:
         path: LightGCN folder, CSV/TSV file, or ``None`` for synthetic data. Default ``None``.
@@ -236,6 +331,11 @@ class InteractionsDataModule(LightningDataModule):
         self.test_indices: np.ndarray | None = None
         self._known_for_test: CSR | None = None
         self._pairs: tuple[np.ndarray, np.ndarray] | None = None
+        self._data_hash: str | None = None
+        # (epoch, batches of the epoch's order to skip) of a run resumed mid-epoch; see load_state_dict
+        self._resume: tuple[int, int] | None = None
+        self._restored = False  # this fit's checkpoint carried the datamodule's state
+        self._pending_state: dict[str, Any] | None = None
 
     # ---------------------------------------------------------------------------------------------- loading
     def _load(self) -> tuple[Pairs, Pairs, int, int]:
@@ -260,6 +360,9 @@ class InteractionsDataModule(LightningDataModule):
             train, test = read_lightgcn(files[0]), read_lightgcn(files[1])
             n_users = _check_table([train, test], "users", self._num_users_arg, "num_users")
             n_items = _check_table([train, test], "items", self._num_items_arg, "num_items")
+            train = _drop_duplicates(train, "so that no positive is trained on more often than the others")
+            test = _drop_duplicates(test, "so that no test item counts twice")
+            _check_disjoint(train, test)
             return train, test, n_users, n_items
         if path.is_file():
             return self._load_table(path)
@@ -268,7 +371,8 @@ class InteractionsDataModule(LightningDataModule):
         )
 
     def _load_table(self, path: Path) -> tuple[Pairs, Pairs, int, int]:
-        pairs = read_id_table(path)
+        # duplicates go before the split: a pair listed twice could otherwise land in both train and test
+        pairs = _drop_duplicates(read_id_table(path), "before the train/test split, so that no pair is in both")
         self.raw_user_ids, users = np.unique(pairs.users, return_inverse=True)
         self.raw_item_ids, items = np.unique(pairs.items, return_inverse=True)
         sizes = []
@@ -325,6 +429,9 @@ class InteractionsDataModule(LightningDataModule):
         self._val_users = np.flatnonzero(val_csr.counts() > 0).astype(np.int64)
         counts = train_csr.counts()
         self._pairs = (np.repeat(np.arange(n_users, dtype=np.int64), counts), train_csr.indices)
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self.load_state_dict(state)
 
     # ---------------------------------------------------------------------------------------------- accessors
     @property
@@ -361,7 +468,29 @@ class InteractionsDataModule(LightningDataModule):
         self._check_setup()
         users, items = self._pairs  # type: ignore[misc]
         sampler = EpochSeededBatchSampler(len(users), self.batch_size, self.seed, self.shuffle)
-        return DataLoader(PositivePairs(users, items), batch_size=None, sampler=sampler, num_workers=self.num_workers)
+        shard = self._shard(self.trainer)
+        if shard is not None:
+            # shared among processes by this datamodule, so that Lightning keeps the sampler and a process's
+            # position in the epoch is a position in its own share (see DistributedEpochSeededBatchSampler)
+            sampler = DistributedEpochSeededBatchSampler(len(users), self.batch_size, *shard, self.seed, self.shuffle)
+        if self._resume is not None:
+            # every loader made while resuming gets it (a module may build one of its own before the Trainer does);
+            # the sampler drops it once it starts another epoch
+            sampler.resume_at(*self._resume)
+        dataset = PositivePairs(users, items)
+        trainer = self.trainer
+        if trainer is None:
+            # a loader handed to a Trainer by hand: its position is not saved, so it must not claim to resume
+            return DataLoader(dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers)
+        if trainer.state.fn == TrainerFn.FITTING and trainer.ckpt_path and not self._restored:
+            _log.warning(
+                "InteractionsDataModule: the checkpoint %s holds no position in the training order (it was saved by "
+                "an older lightning-sdp or without this datamodule); if it was saved mid-epoch, this fit restarts "
+                "that epoch at its first batch, so some positives are trained twice in it and others not at all.",
+                trainer.ckpt_path,
+            )
+            self._restored = True  # said once
+        return _TrainLoader(dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers)
 
     def _eval_loader(self, users: np.ndarray, target: CSR, known: CSR) -> DataLoader:
         batch = self.resolved_eval_batch_size
@@ -383,6 +512,122 @@ class InteractionsDataModule(LightningDataModule):
         """Test batches (known items: the training and validation items)."""
         self._check_setup()
         return self._eval_loader(self._test_users, self.test_csr, self._known_for_test)  # type: ignore[arg-type]
+
+    # ---------------------------------------------------------------------------------------------- checkpoints
+    def _train_config(self) -> dict[str, Any]:
+        """What fixes the order of the training batches: the training pairs (hashed), batch size, seed, shuffling."""
+        users, items = self._pairs  # type: ignore[misc]
+        if self._data_hash is None:
+            digest = hashlib.blake2b(digest_size=8)
+            for array in (np.array([self.num_users, self.num_items], np.int64), users, items):
+                digest.update(np.ascontiguousarray(array, dtype=np.int64).tobytes())
+            self._data_hash = digest.hexdigest()
+        return {
+            "train_pairs": len(users),
+            "train_pairs_hash": self._data_hash,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
+
+    @staticmethod
+    def _shard(trainer: Trainer | None) -> tuple[int, int] | None:
+        """``(num_replicas, rank)`` when the Trainer shares the training batches among processes, else ``None``.
+
+        The rule is Lightning's for putting a ``DistributedSampler`` in a loader (``use_distributed_sampler`` and a
+        distributed strategy); the shares are the strategy's ``distributed_sampler_kwargs``.
+        """
+        if trainer is None:
+            return None
+        connector = trainer._accelerator_connector
+        if not (connector.use_distributed_sampler and connector.is_distributed):
+            return None
+        kwargs = trainer.distributed_sampler_kwargs or {}
+        replicas, rank = (
+            int(kwargs.get("num_replicas", trainer.world_size)),
+            int(kwargs.get("rank", trainer.global_rank)),
+        )
+        return (replicas, rank) if replicas > 1 else None
+
+    @classmethod
+    def _shards(cls, trainer: Trainer) -> int:
+        """Processes that share one epoch's training batches (1 without sharing)."""
+        shard = cls._shard(trainer)
+        return 1 if shard is None else shard[0]
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The training order's identity and the position in it: ``epoch`` and ``step`` (batches done per process).
+
+        The position is the fit loop's: ``step`` counts the batches of the current epoch that the loop has processed
+        (0 once the epoch is complete), so a checkpoint saved mid-epoch resumes at the next batch.
+        """
+        if self._pairs is None:
+            return {}
+        trainer = self.trainer
+        epoch, step, shards = 0, 0, 1
+        if trainer is not None:
+            # both are _ProcessedTrackers, which Lightning's annotations type as their base class
+            epochs: Any = trainer.fit_loop.epoch_progress.current
+            batches: Any = trainer.fit_loop.epoch_loop.batch_progress.current
+            epoch = int(epochs.completed)
+            # the batch counts belong to an epoch in progress only between its start and the end of its batches;
+            # after that (including a stop by max_steps, which Lightning counts as the end of the epoch) they are
+            # the finished epoch's, and the next epoch starts at its first batch
+            if epochs.started > epochs.processed:
+                step = int(batches.processed)
+                step = step if step < trainer.num_training_batches else 0
+            shards = self._shards(trainer)
+        return {"config": self._train_config(), "epoch": epoch, "step": step, "processes": shards}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Check that a resumed fit trains on the same batches, then continue the epoch where the checkpoint stopped.
+
+        Only ``Trainer.fit(..., ckpt_path=...)`` uses the position; validating or testing a checkpoint ignores it.
+
+        Raises:
+            ValueError: when the checkpoint's training pairs, batch size, seed or shuffling differ from this
+                datamodule's, or when it stopped mid-epoch under another number of processes.
+        """
+        if not state_dict:
+            return
+        if self._pairs is None:  # the Trainer sets up the datamodule first; a manual call waits for setup
+            self._pending_state = state_dict
+            return
+        trainer = self.trainer
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        self._restored = True
+        saved, current = state_dict.get("config", {}), self._train_config()
+        diff = [
+            f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}" for k in current if saved.get(k) != current[k]
+        ]
+        if diff:
+            raise ValueError(
+                f"InteractionsDataModule: the checkpoint was trained on other batches ({'; '.join(diff)}), so the "
+                "fit cannot continue where it stopped. Resume with the same data, val_fraction, test_fraction, "
+                "batch_size, seed and shuffle; or start a new fit from the weights alone "
+                "(SimpleXModule.load_from_checkpoint(path), no ckpt_path=)."
+            )
+        epoch, step = int(state_dict["epoch"]), int(state_dict["step"])
+        saved_shards, shards = int(state_dict.get("processes", 1)), self._shards(trainer)
+        if step and saved_shards != shards:
+            raise ValueError(
+                f"InteractionsDataModule: the checkpoint stopped {step} batches into epoch {epoch} with "
+                f"{saved_shards} process(es) sharing the batches, but this run has {shards}; the processes' shares "
+                "of the epoch would differ. Resume with the same number of processes (devices x num_nodes), or "
+                "from a checkpoint saved at the end of an epoch."
+            )
+        self._resume = (epoch, step) if step else None  # step counts this process's own batches
+        if step:
+            _log.info("InteractionsDataModule: resuming epoch %d at batch %d", epoch, step)
+
+    @override
+    def teardown(self, stage: str) -> None:
+        if stage == "fit":
+            # used by this fit; a later fit on this datamodule starts where its own Trainer says
+            self._resume, self._restored = None, False
 
 
 __all__ = ["InteractionsDataModule"]

@@ -2,7 +2,8 @@
 
 One concept per module: :mod:`.config` (the validated settings), :mod:`.history` (training interactions and capped
 histories), :mod:`.backends` (the reference and fused training paths), :mod:`.kernel` (marshalling for the numba
-kernel), :mod:`.evaluation` (streamed full-ranking Recall/NDCG) and :mod:`.module` (the LightningModule).
+kernel), :mod:`.evaluation` (streamed full-ranking Recall/NDCG), :mod:`.recommend` (streamed top-K recommendations)
+and :mod:`.module` (the LightningModule).
 """
 
 from lightning_sdp.models.simplex.backends import FusedBackend, ReferenceBackend, SimpleXBackend, make_backend
@@ -10,9 +11,11 @@ from lightning_sdp.models.simplex.config import SimpleXConfig
 from lightning_sdp.models.simplex.evaluation import batch_csr, rank_and_score
 from lightning_sdp.models.simplex.history import UserHistories
 from lightning_sdp.models.simplex.module import SimpleXModule
+from lightning_sdp.models.simplex.recommend import Recommendations, top_k_recommendations
 
 __all__ = [
     "FusedBackend",
+    "Recommendations",
     "ReferenceBackend",
     "SimpleXBackend",
     "SimpleXConfig",
@@ -21,4 +24,5 @@ __all__ = [
     "batch_csr",
     "make_backend",
     "rank_and_score",
+    "top_k_recommendations",
 ]

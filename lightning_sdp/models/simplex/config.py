@@ -8,6 +8,7 @@ from typing import Any, Literal, NoReturn
 Aggregator = Literal["mean", "user_attention", "self_attention"]
 Backend = Literal["fused", "reference"]
 Optimizer = Literal["auto", "adam", "sgd", "rowwise_adagrad"]
+Loss = Literal["ccl", "softmax"]
 
 _DEFAULT_LR = {"adam": 1e-4, "sgd": 0.05, "rowwise_adagrad": 0.1}
 
@@ -47,6 +48,9 @@ class SimpleXConfig:
     dropout: float = 0.0
     k: int = 20
     seed: int = 0
+    loss: Loss = "ccl"
+    temperature: float = 0.07
+    grad_clip: float | None = None
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -75,6 +79,14 @@ class SimpleXConfig:
             self._fail(f"sampler must be 'uniform' or 'tile', got {self.sampler!r}.")
         if self.sampler == "tile" and self.backend != "fused":
             self._fail("the tile sampler is part of the fused kernel; use backend='fused'.")
+        if self.loss not in ("ccl", "softmax"):
+            self._fail(f"loss must be 'ccl' or 'softmax', got {self.loss!r}.")
+        if self.grad_clip is not None and self.uses_history and self.aggregator != "mean":
+            # the attention keys pass gradient to the item rows summed over a batch, not sample by sample
+            self._fail(
+                f"grad_clip clips per-sample gradients, which the {self.aggregator!r} aggregator does not form; use "
+                "aggregator='mean' (or g=1) with grad_clip, or grad_clip=None."
+            )
 
     def _check_sizes(self) -> None:
         """Dimensions, counts and the sampler's tile."""
@@ -102,6 +114,10 @@ class SimpleXConfig:
             self._fail(f"aggregator_weight_decay must be >= 0, got {self.aggregator_weight_decay}.")
         if not 0.0 <= self.dropout < 1.0:
             self._fail(f"dropout must be in [0, 1), got {self.dropout}.")
+        if not self.temperature > 0:
+            self._fail(f"temperature must be positive, got {self.temperature}.")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            self._fail(f"grad_clip must be positive or None (no clipping), got {self.grad_clip}.")
 
     @property
     def optimizer_name(self) -> str:

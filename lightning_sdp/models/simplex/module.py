@@ -21,13 +21,22 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_sdp.datamodules.interactions.csr import check_csr
 from lightning_sdp.kernels import cf_reference as ref
 from lightning_sdp.metrics import NDCGAtK, RecallAtK
 from lightning_sdp.models.simplex import kernel
 from lightning_sdp.models.simplex.backends import make_backend
-from lightning_sdp.models.simplex.config import Aggregator, Backend, Optimizer, SimpleXConfig
-from lightning_sdp.models.simplex.evaluation import batch_csr, rank_and_score
+from lightning_sdp.models.simplex.config import Aggregator, Backend, Loss, Optimizer, SimpleXConfig
+from lightning_sdp.models.simplex.evaluation import DEFAULT_ITEM_CHUNK, batch_csr, rank_and_score
 from lightning_sdp.models.simplex.history import UserHistories
+from lightning_sdp.models.simplex.recommend import (
+    IdsLike,
+    Recommendations,
+    as_ids,
+    remaining_items,
+    rows_of_ids,
+    top_k_recommendations,
+)
 from lightning_sdp.models.simplex.step_log import StepLogWindow, is_log_step
 from lightning_sdp.schedules import LinearDecay
 
@@ -37,7 +46,12 @@ class SimpleXModule(LightningModule):
 
     Loss per positive ``(u, i)`` with ``n`` uniform negatives: ``relu(1 - cos(p_u, e_i)) + (w / n) sum_j
     relu(cos(p_u, e_j) - m)``, with ``p_u = g e_u + (1 - g) V h_u`` and ``h_u`` the aggregated history ``H_u \\ {i}``
-    (the user's training items capped at ``max_history``, a fixed seeded subset).
+    (the user's training items capped at ``max_history``, a fixed seeded subset). ``loss="softmax"`` trains HEAT's
+    code's loss instead: ``-log softmax(cos / temperature)`` of the positive among itself and its negatives.
+
+    After training, :meth:`recommend` gives each user's top-K items (training items excluded, in table rows or in the
+    data file's own ids) and :meth:`predict_step` does the same per batch for ``trainer.predict``; checkpoints carry
+    what both need (the training interactions and the file's ids).
 
     Args:
         num_users: rows of the user table; ``None`` takes it from the datamodule at ``setup``. Default ``None``.
@@ -49,8 +63,8 @@ class SimpleXModule(LightningModule):
             ``"self_attention"`` (the same with a learned query ``q`` instead of ``e_u``). ``W_k`` is initialised
             xavier-normal, ``b_k`` zero and ``q`` xavier-normal, as the official code does; they train with ``V``'s
             learning rate. Default ``"mean"``.
-        margin: negative margin ``m``. Default 0.9.
-        negative_weight: ``w``, the weight of the negative term. Default 150.
+        margin: negative margin ``m`` (CCL only). Default 0.9.
+        negative_weight: ``w``, the weight of the negative term (CCL only). Default 150.
         num_negatives: ``n`` uniform negatives per positive, drawn with replacement. Default 64.
         max_history: cap on the history length ``|H_u|``. Default 100.
         backend: ``"fused"`` (HEAT numba kernel, needs the ``cpu`` extra) or ``"reference"`` (plain PyTorch).
@@ -89,6 +103,16 @@ class SimpleXModule(LightningModule):
             the dot products with the items; never during evaluation. Default 0.
         k: cut-off of the logged Recall@K / NDCG@K. Default 20.
         seed: seed of the initialisation, the history subsets and the negative samplers. Default 0.
+        loss: ``"ccl"`` (SimpleX's cosine contrastive loss above; uses ``margin`` and ``negative_weight``) or
+            ``"softmax"`` (the loss HEAT's C++ code trains: cross-entropy of the positive among itself and its ``n``
+            negatives over ``cos / temperature``; ``margin`` and ``negative_weight`` are ignored). Default ``"ccl"``.
+        temperature: softmax temperature (``loss="softmax"`` only; HEAT's code uses 0.07). Default 0.07.
+        grad_clip: clip each coordinate of every embedding row's per-sample gradient (user, positive, negatives,
+            history rows; loss plus weight decay) to ``[-grad_clip, grad_clip]`` before the update, as HEAT's SGD
+            does (0.1 in its Gowalla config); either loss, both backends (the reference clips each sample's
+            gradient, then averages over the batch). Not Lightning's ``gradient_clip_val``, which clips the batch
+            gradient. ``V`` is not clipped; with ``g < 1`` it needs the mean aggregator. ``None`` turns it off.
+            Default ``None``.
     """
 
     # buffers registered in __init__; declared so type checkers see Tensors, not nn.Module.__getattr__'s union
@@ -124,6 +148,9 @@ class SimpleXModule(LightningModule):
         k: int = 20,
         seed: int = 0,
         dropout: float = 0.0,
+        loss: Loss = "ccl",
+        temperature: float = 0.07,
+        grad_clip: float | None = None,
     ) -> None:
         super().__init__()
         self.config = SimpleXConfig(
@@ -153,6 +180,9 @@ class SimpleXModule(LightningModule):
             dropout=dropout,
             k=k,
             seed=seed,
+            loss=loss,
+            temperature=temperature,
+            grad_clip=grad_clip,
         )
         self.save_hyperparameters()
         self.backend = make_backend(backend)
@@ -174,6 +204,9 @@ class SimpleXModule(LightningModule):
 
         self._histories: UserHistories | None = None
         self._item_normalized: Tensor | None = None
+        self._raw_user_ids: Tensor | None = None  # row -> id in the data file (CSV/TSV input), see set_raw_ids
+        self._raw_item_ids: Tensor | None = None
+        self.predict_k: int | None = None  # items per user in predict_step; None uses k
         self._batch_start = 0.0
         self.log_window = StepLogWindow()  # the fused backend's statistics between two logged steps
         self.val_recall, self.val_ndcg = RecallAtK(k), NDCGAtK(k)
@@ -263,6 +296,9 @@ class SimpleXModule(LightningModule):
                 csr = dm.train_csr
                 # a property on InteractionsDataModule; a method on datamodules written against the older form
                 self.set_interactions(*(csr if isinstance(csr, tuple) else csr()))
+            raw_users, raw_items = getattr(dm, "raw_user_ids", None), getattr(dm, "raw_item_ids", None)
+            if raw_users is not None and raw_items is not None:
+                self.set_raw_ids(raw_users, raw_items)
         self.tables()
         self.backend.setup(self, self.trainer.world_size if self._trainer is not None else 1)
 
@@ -354,6 +390,9 @@ class SimpleXModule(LightningModule):
             self.attention_bias,
             self.attention_query,
             dropout_mask,
+            loss=c.loss,
+            temperature=c.temperature,
+            grad_clip=c.grad_clip,
         )
 
     @torch.no_grad()
@@ -502,10 +541,262 @@ class SimpleXModule(LightningModule):
     def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self._log_eval(batch, self.test_recall, self.test_ndcg, "test")
 
+    # ------------------------------------------------------------------------------------------------ recommendation
+    @property
+    def raw_user_ids(self) -> Tensor | None:
+        """The data file's id of each user row (strictly increasing), or ``None`` when the ids are the rows."""
+        return self._raw_user_ids
+
+    @property
+    def raw_item_ids(self) -> Tensor | None:
+        """The data file's id of each item row (strictly increasing), or ``None`` when the ids are the rows."""
+        return self._raw_item_ids
+
+    def set_raw_ids(self, user_ids: np.ndarray | Tensor, item_ids: np.ndarray | Tensor) -> None:
+        """Give the model the original ids of its rows, so that :meth:`recommend` can take and give them (``raw_ids``).
+
+        Called from :meth:`setup` with the datamodule's ``raw_user_ids`` / ``raw_item_ids`` (set for CSV/TSV input);
+        saved in checkpoints. Rows past the end of a table (``num_users`` / ``num_items`` given larger than the file
+        needs) have no raw id.
+
+        Args:
+            user_ids: ``(n_u,)`` raw id of user row ``0..n_u-1``, strictly increasing, ``n_u <= num_users``.
+            item_ids: ``(n_i,)`` raw id of item row ``0..n_i-1``, strictly increasing, ``n_i <= num_items``.
+        """
+        tables = []
+        for what, ids, rows in (("user", user_ids, self.num_users), ("item", item_ids, self.num_items)):
+            t = as_ids(ids, what).cpu()
+            if len(t) > rows or (len(t) > 1 and not bool((t[1:] > t[:-1]).all())):
+                raise ValueError(
+                    f"SimpleXModule.set_raw_ids: the raw {what} ids must be strictly increasing and at most one per "
+                    f"{what} row ({rows}), got {len(t)} ids; pass the datamodule's raw_{what}_ids (np.unique order)."
+                )
+            tables.append(t)
+        self._raw_user_ids, self._raw_item_ids = tables
+
+    def recommend(
+        self,
+        users: IdsLike,
+        k: int = 10,
+        exclude_known: bool = True,
+        known: tuple[np.ndarray | Tensor, np.ndarray | Tensor] | None = None,
+        raw_ids: bool = False,
+        item_chunk: int = DEFAULT_ITEM_CHUNK,
+    ) -> Recommendations:
+        """The ``k`` best items for each user, by the cosine score of :meth:`score` (the evaluation's ranking).
+
+        Works on a model after ``trainer.fit`` and on one from ``SimpleXModule.load_from_checkpoint`` (checkpoints hold
+        the training interactions and the raw ids). Scores are streamed ``item_chunk`` items at a time
+        (:func:`~lightning_sdp.models.simplex.recommend.top_k_recommendations`), so memory is bounded by
+        ``len(users) x item_chunk`` floats. Example::
+
+            items, scores = model.recommend([0, 5, 7], k=10)  # rows of the tables
+            items, scores = model.recommend([1001, 2024], k=10, raw_ids=True)  # ids of the CSV file, both ways
+
+        Args:
+            users: one user id or a list / array / tensor of them: table rows, or the data file's ids with
+                ``raw_ids=True``.
+            k: items per user. Default 10.
+            exclude_known: never recommend a user's known items: ``known`` when given, else the training
+                interactions the model was fitted on (:meth:`set_interactions`; with ``InteractionsDataModule``
+                these are ``dm.train_csr``, which holds out the validation items; pass
+                ``known=merge_csr(dm.train_csr, dm.val_csr)`` to exclude those too). Default ``True``.
+            known: ``(indptr, indices)`` CSR of the items never to recommend, over all ``num_users`` rows, in table
+                rows (also with ``raw_ids=True``), or ``None`` for the training interactions. Default ``None``.
+            raw_ids: ``users`` are, and the returned items will be, the ids of the CSV/TSV file the model was trained
+                on (:attr:`raw_user_ids` / :attr:`raw_item_ids`); an item row without a raw id comes back as ``-1``.
+                Default ``False``.
+            item_chunk: items scored at once. Default 65536.
+
+        Returns:
+            :class:`~lightning_sdp.models.simplex.recommend.Recommendations` ``(items, scores)``, each
+            ``(len(users), k)`` on the model's device, sorted by score, best first.
+
+        Raises:
+            ValueError: for a model without tables (not fitted, not loaded), an unknown user id, ``k`` larger than the
+                items a user has left, ``raw_ids=True`` on a model without raw ids, or ``exclude_known`` with no
+                known interactions to exclude.
+        """
+        if self.user_embedding is None or self.item_embedding is None:
+            raise ValueError(
+                "SimpleXModule.recommend: the model has no embedding tables yet; fit it first (trainer.fit(model, dm)) "
+                "or load a trained one (SimpleXModule.load_from_checkpoint(path))."
+            )
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
+            raise ValueError(f"SimpleXModule.recommend: k must be a positive int, got {k!r}.")
+        ids = as_ids(users, "user")
+        rows = self._user_rows(ids, raw_ids)
+        known_batch = None
+        if exclude_known:
+            indptr, indices = self._known_csr(known)
+            known_batch = batch_csr(indptr, indices, rows)
+        elif known is not None:
+            raise ValueError(
+                "SimpleXModule.recommend: known= was given with exclude_known=False, so it would be ignored; drop "
+                "known= or set exclude_known=True."
+            )
+        out = self._recommend_rows(rows, int(k), known_batch, item_chunk, ids)
+        if not raw_ids:
+            return out
+        assert self._raw_item_ids is not None  # _user_rows checked it
+        table = self._raw_item_ids.to(out.items.device)
+        inside = out.items < len(table)
+        items = torch.where(inside, table[out.items.clamp(max=max(len(table) - 1, 0))], -1)
+        return Recommendations(items, out.scores)
+
+    def _user_rows(self, ids: Tensor, raw_ids: bool) -> Tensor:
+        """Table rows of the user ids given to :meth:`recommend` (checked)."""
+        if raw_ids:
+            if self._raw_user_ids is None or self._raw_item_ids is None:
+                raise ValueError(
+                    "SimpleXModule.recommend(raw_ids=True): this model has no raw ids; they come from training on a "
+                    "CSV/TSV file with InteractionsDataModule (or set_raw_ids()). With a LightGCN folder or synthetic "
+                    "data the ids are the table rows: pass raw_ids=False."
+                )
+            rows, found = rows_of_ids(self._raw_user_ids, ids.cpu())
+            if not bool(found.all()):
+                unknown = ids[~found.to(ids.device)].unique()
+                raise ValueError(
+                    f"SimpleXModule.recommend: {len(unknown)} user id(s) are not in the training data (e.g. "
+                    f"{unknown[:5].tolist()}); a collaborative-filtering model can only rank for users it was trained "
+                    "on. Drop them (recommend popular items instead) or retrain with their interactions."
+                )
+            return rows
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_users):
+            bad = ids[(ids < 0) | (ids >= self.num_users)].unique()
+            hint = (
+                " (these look like ids of the data file: pass raw_ids=True)" if self._raw_user_ids is not None else ""
+            )
+            raise ValueError(
+                f"SimpleXModule.recommend: user ids must be rows in [0, {self.num_users}), got {bad[:5].tolist()}"
+                f"{hint}."
+            )
+        return ids.cpu()
+
+    def _known_csr(
+        self, known: tuple[np.ndarray | Tensor, np.ndarray | Tensor] | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The CSR of items :meth:`recommend` must not return: ``known``, else the training interactions."""
+        if known is None:
+            if self._histories is None:
+                raise ValueError(
+                    "SimpleXModule.recommend: exclude_known=True but the model holds no training interactions (it was "
+                    "built without a datamodule, or loaded from a checkpoint written before they were saved); call "
+                    "model.set_interactions(*dm.train_csr), pass known=(indptr, indices), or exclude_known=False."
+                )
+            return self._histories.train_indptr, self._histories.train_indices
+        parts = [x.cpu().numpy() if isinstance(x, Tensor) else np.asarray(x) for x in known]
+        if len(parts) != 2:
+            raise ValueError(
+                f"SimpleXModule.recommend: known must be a CSR (indptr, indices), got {len(parts)} arrays."
+            )
+        indptr, indices = check_csr(parts[0], parts[1], "SimpleXModule.recommend(known=...)")
+        if len(indptr) != self.num_users + 1:
+            raise ValueError(
+                f"SimpleXModule.recommend: known must have a row for each of the {self.num_users} users "
+                f"({self.num_users + 1} offsets), got {len(indptr)} offsets; pass e.g. dm.train_csr."
+            )
+        if len(indices) and (indices.min() < 0 or indices.max() >= self.num_items):
+            raise ValueError(
+                f"SimpleXModule.recommend: known item ids must be rows in [0, {self.num_items}), got "
+                f"[{indices.min()}, {indices.max()}]."
+            )
+        return indptr, indices
+
+    def _recommend_rows(
+        self,
+        rows: Tensor,
+        k: int,
+        known: tuple[Tensor, Tensor] | None,
+        item_chunk: int = DEFAULT_ITEM_CHUNK,
+        names: Tensor | None = None,
+    ) -> Recommendations:
+        """Top ``k`` of checked user rows, ``known`` a batch-local CSR; ``names`` are the ids quoted in errors."""
+        if self.config.uses_history and self._histories is None:
+            raise ValueError(
+                f"SimpleXModule.recommend: with g={self.config.g} the user vectors aggregate the training histories, "
+                "but the model holds none; call model.set_interactions(*dm.train_csr) (or fit with the datamodule)."
+            )
+        left = (
+            torch.full((len(rows),), self.num_items, dtype=torch.long)
+            if known is None
+            else remaining_items(self.num_items, known[0], known[1])
+        )
+        if len(rows) and int(left.min()) < k:
+            at = int(left.argmin())
+            who = rows if names is None else names
+            excluded = self.num_items - int(left[at])
+            raise ValueError(
+                f"SimpleXModule.recommend: k={k} but user {int(who[at])} has only {int(left[at])} items left to "
+                f"recommend ({self.num_items} items, {excluded} of them known and excluded); ask for k <= "
+                f"{int(left.min())}" + (" or pass exclude_known=False." if excluded else ".")
+            )
+        device = self.tables()[1].weight.device
+        known_indptr, known_items = (None, None) if known is None else (known[0].to(device), known[1].to(device))
+        return top_k_recommendations(
+            self.user_vectors(rows.to(device)), self._normalized_items(), k, known_indptr, known_items, item_chunk
+        )
+
+    @override
+    def predict_step(
+        self,
+        batch: Tensor | list[Tensor] | tuple[Tensor, ...] | dict[str, Tensor],
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> Recommendations:
+        """Recommend for a batch of users: ``trainer.predict`` returns one :class:`Recommendations` per batch.
+
+        A batch is a LongTensor of user rows (or a one-tensor list, as a ``TensorDataset`` gives), whose training
+        interactions are excluded (as :meth:`recommend` does), or an evaluation batch dict of
+        ``InteractionsDataModule`` (``"users"``, and the ``"known_indptr"`` / ``"known_items"`` to exclude:
+        ``trainer.predict(model, dataloaders=dm.test_dataloader())`` excludes the training and validation items).
+        Each user gets ``predict_k`` items (an attribute, ``None`` by default: the module's ``k``), in table rows
+        (map them with :attr:`raw_item_ids`). For example::
+
+            loader = DataLoader(torch.arange(model.num_users), batch_size=1024)
+            batches = trainer.predict(model, dataloaders=loader)
+            items = torch.cat([b.items for b in batches])  # (num_users, k)
+
+        Args:
+            batch: ``(B,)`` user rows, ``[users]``, or a dict with ``"users"`` and optionally ``"known_indptr"`` /
+                ``"known_items"`` (batch-local CSR of the items to exclude).
+            batch_idx: index of the batch.
+            dataloader_idx: index of the dataloader.
+
+        Returns:
+            :class:`~lightning_sdp.models.simplex.recommend.Recommendations` with ``(B, predict_k)`` items and scores.
+        """
+        k = self.config.k if self.predict_k is None else self.predict_k
+        if isinstance(batch, dict):
+            users = batch["users"]
+        else:
+            users = batch[0] if isinstance(batch, (list, tuple)) else batch
+        rows = self._user_rows(as_ids(users), raw_ids=False)
+        if isinstance(batch, dict) and "known_indptr" in batch:
+            known = batch["known_indptr"], batch["known_items"]
+        else:
+            known = batch_csr(*self._known_csr(None), rows)
+        return self._recommend_rows(rows, k, known)
+
+    @override
+    def on_predict_epoch_start(self) -> None:
+        self.on_validation_epoch_start()
+
+    @override
+    def on_predict_epoch_end(self) -> None:
+        self._item_normalized = None
+
     # ------------------------------------------------------------------------------------------------ checkpoints
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["simplex"] = {"generator_state": self.generator.get_state(), "backend": self.backend.name}
+        # what recommend() needs besides the weights (tensors, so torch.load(weights_only=True) reads them)
+        if self._histories is not None:
+            checkpoint["simplex"]["train_indptr"] = torch.from_numpy(self._histories.train_indptr)
+            checkpoint["simplex"]["train_indices"] = torch.from_numpy(self._histories.train_indices)
+        if self._raw_user_ids is not None and self._raw_item_ids is not None:
+            checkpoint["simplex"]["raw_user_ids"] = self._raw_user_ids
+            checkpoint["simplex"]["raw_item_ids"] = self._raw_item_ids
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -544,3 +835,8 @@ class SimpleXModule(LightningModule):
         extra = checkpoint.get("simplex")
         if extra is not None:
             self.generator.set_state(extra["generator_state"])
+            # a resumed fit already has them from the datamodule (setup runs first); load_from_checkpoint does not
+            if self._histories is None and "train_indptr" in extra:
+                self.set_interactions(extra["train_indptr"].cpu().numpy(), extra["train_indices"].cpu().numpy())
+            if self._raw_user_ids is None and "raw_user_ids" in extra:
+                self.set_raw_ids(extra["raw_user_ids"], extra["raw_item_ids"])

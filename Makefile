@@ -1,10 +1,13 @@
 # Every target sets up .venv itself, so each works on a fresh clone.
 PYTHON ?= python3
+# Packages are installed without byte-compiling every file (pip --no-compile: torch alone is most of a minute on
+# two cores); Python writes the bytecode of the modules actually imported on first use, which needs this unset.
+unexport PYTHONDONTWRITEBYTECODE
 VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast bench venv lint docs clean
+.PHONY: demo test test-fast bench venv lint docs warm clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -12,29 +15,35 @@ $(BIN)/python:
 
 # Stamp files re-run the install only when pyproject.toml changes.
 $(VENV)/.installed-all: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[all]'
+	$(BIN)/python -m pip install -q --no-compile -e '.[all]'
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[all,test,dev,docs]'
+	$(BIN)/python -m pip install -q --no-compile -e '.[all,test,dev,docs]'
 	touch $@ $(VENV)/.installed-all $(VENV)/.installed-docs
 
 demo: $(VENV)/.installed-all
 	$(BIN)/lightning-sdp demo
 
-# The suite runs the linters first (a few seconds), so CI (`.ci/run` = `make test`) keeps the tree lint-clean.
+# The suite runs the linters first, so CI (`.ci/run` = `make test`) keeps the tree lint-clean. The linters and the
+# site build use one core each; `warm` uses the other meanwhile (bytecode of the heavy imports, numba's kernel cache).
 # Two workers on the two cores; each test file stays on one worker (module fixtures such as the docs' fork server).
 XDIST ?= -n 2 --dist loadfile
 
-test: lint docs
+test: $(VENV)/.installed-test
+	$(MAKE) --no-print-directory -j2 --output-sync=target lint docs warm
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
+
+# Imports the heavy libraries once (so their bytecode is written) and compiles HEAT's numba kernels into their cache.
+warm: $(VENV)/.installed-test
+	$(BIN)/python tests/warm_up.py
 
 # The edit loop: lint, then the suite without the slow, benchmark and GPU tests.
 test-fast: lint
 	$(BIN)/python -m pytest -q $(XDIST) -m "not slow and not bench and not gpu and not cuda" $(PYTEST_ARGS)
 
 $(VENV)/.installed-bench: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[all,bench]'
+	$(BIN)/python -m pip install -q --no-compile -e '.[all,bench]'
 	touch $@
 
 bench: $(VENV)/.installed-bench
@@ -43,7 +52,7 @@ bench: $(VENV)/.installed-bench
 	  echo "== $$name"; $(BIN)/python -m benchmarks.$$name; done
 
 $(VENV)/.installed-docs: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[docs]'
+	$(BIN)/python -m pip install -q --no-compile -e '.[docs]'
 	touch $@
 
 # The site (guides + API reference from the docstrings) into site/; --strict fails on a broken link or API entry.

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from benchmarks._common import RESULTS_DIR, SHARED_DATA, machine_info, markdown_table, write_results
+from benchmarks.interaction_suite import CATALOGUES, SUITE
 from lightning_sdp.datamodules.interactions import InteractionsDataModule, split_validation
 from lightning_sdp.models.simplex import SimpleXModule
 from lightning_sdp.plugins.heat import set_cpu_threads
@@ -68,7 +69,7 @@ BUDGETED: dict[str, dict[str, Any]] = {
     "heat_budget_cycles": {"cycles": 3},
 }
 SCHEDULED = ("heat", "heat_attention", *BUDGETED)
-DATASETS = ("gowalla", "synthetic", "synthetic_fresh", "synthetic_holdout", "synthetic_holdout2")
+DATASETS = ("gowalla", "synthetic", "synthetic_fresh", "synthetic_holdout", "synthetic_holdout2", *CATALOGUES)
 ONE_SHOT = ("cornac_ease",)
 ALL_METHODS = ITERATIVE[:4] + ONE_SHOT + SCHEDULED + ITERATIVE[4:]
 DEFAULT_METHODS = ("als", "bpr", "lightfm", "cornac_bpr", "cornac_ease", "heat", "heat_budget")
@@ -143,6 +144,10 @@ def load_split(dataset: str, data: str, val_fraction: float, quick: bool) -> Spl
         dm = InteractionsDataModule(data, val_fraction=0.0)
         dm.setup("fit")
         return Split("gowalla", tuple(dm.train_csr), tuple(dm.test_csr), dm.num_items, val_fraction)
+    if dataset in CATALOGUES:
+        dm = InteractionsDataModule(val_fraction=0.0, **CATALOGUES[dataset].datamodule_kwargs())
+        dm.setup("fit")
+        return Split(dataset, tuple(dm.train_csr), tuple(dm.test_csr), dm.num_items or 0, val_fraction)
     if dataset == "synthetic_fresh":
         # a catalogue nothing was tuned on: other size, density, popularity skew, clusters and seed
         users, items, per_user, extra = 6000, 4000, 25, {"alpha": 1.0, "num_clusters": 50, "seed": 1}
@@ -734,7 +739,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--dataset",
         default="gowalla",
         help="comma list of gowalla, synthetic (dense, 3000 x 1500), synthetic_fresh (6000 x 4000), "
-        "synthetic_holdout (12000 x 8000, scored once), synthetic_holdout2 (20000 x 15000, scored once)",
+        "synthetic_holdout (12000 x 8000, scored once), synthetic_holdout2 (20000 x 15000, scored once), the "
+        "development suite's catalogues (benchmarks/interaction_suite.py), 'suite' for gowalla and all of them but "
+        "the aside catalogue",
     )
     parser.add_argument("--name", default=NAME, help="stem of the results files (another stem keeps the stored run)")
     parser.add_argument(
@@ -777,7 +784,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = sorted(set(methods) - set(ALL_METHODS))
     if unknown:
         raise SystemExit(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
-    datasets = args.dataset.split(",")
+    datasets = ["gowalla", *SUITE] if args.dataset == "suite" else args.dataset.split(",")
     unknown_data = sorted(set(datasets) - set(DATASETS))
     if unknown_data:
         raise SystemExit(f"unknown datasets {unknown_data}; choose from {', '.join(DATASETS)}")

@@ -135,3 +135,27 @@ def test_merge_runs_puts_stored_runs_side_by_side_with_their_numbers_and_command
     (hvp.RESULTS_DIR / "m_held.json").write_text(json.dumps(held_out))
     with pytest.raises(ValueError, match="another protocol"):
         hvp.merge_runs(["m_short", "m_held"])
+
+
+def test_suite_catalogues_split_with_their_stated_shape_and_keep_the_aside_out() -> None:
+    from benchmarks.interaction_suite import ASIDE, CATALOGUES, SUITE
+
+    assert not set(ASIDE) & set(SUITE) and set(CATALOGUES) <= set(hvp.DATASETS)
+    densities = []
+    for name in ("suite_very_dense", "suite_dense"):
+        split = hvp.load_split(name, "", 0.1, quick=False)
+        assert split is not None and split.name == name
+        info = split.describe()
+        assert (info["users"], info["items"]) == (CATALOGUES[name].users, CATALOGUES[name].items)
+        assert info["val"] > 0 and info["test"] > 0
+        densities.append(info["density"])
+    assert densities[0] > densities[1]  # the suite spans density
+    # `--dataset suite` never includes the catalogue kept aside for the final, single scoring
+    seen: list[str] = []
+    original = hvp.load_split
+    try:
+        hvp.load_split = lambda ds, *a, **k: seen.append(ds) or None  # type: ignore[assignment]
+        hvp.main(["--dataset", "suite", "--methods", "als", "--budgets", "1", "--name", "suite_smoke"])
+    finally:
+        hvp.load_split = original  # type: ignore[assignment]
+    assert seen == ["gowalla", *SUITE]

@@ -369,3 +369,15 @@ def test_seconds_budget_schedule_runs_on_the_clock() -> None:
     assert clock.final_lr == 0.0 and len(clock.ends) > 2  # stopped by the decay, not by a step count
     assert 0.6 <= clock.train_seconds < 0.6 + 10 * clock.seconds_per_step + 0.5
     assert model.hparams.lr_schedule == "constant"  # the decay came from the fit's callback
+
+
+def test_the_search_can_choose_between_the_losses() -> None:
+    """HEAT's softmax loss (with gradient clipping) is a grid value like any other SimpleXModule argument."""
+    dm = _data()
+    grid = {**TINY_GRID, "loss": ["ccl", "softmax"], "grad_clip": [0.1]}
+    fit = fit_simplex_within_budget(
+        dm, budget_epochs=6, search_fraction=0.5, grid=grid, num_configs=2, threads=1, batch_size=128
+    )
+    assert {t.config["loss"] for t in fit.trials} == {"ccl", "softmax"}
+    assert fit.model.config.loss == fit.config["loss"] and fit.model.config.grad_clip == 0.1
+    assert fit.final_lr == 0.0 and 0.0 < fit.val_recall <= 1.0

@@ -1,0 +1,66 @@
+"""The development suite of interaction data sets for HEAT's recipe: generated catalogues that span what a user's data
+may look like, beside the real Gowalla split.
+
+Each catalogue is a seeded :func:`~lightning_sdp.datamodules.interactions.readers.synthetic_interactions` draw
+(power-law item popularity with exponent ``alpha``, users in ``num_clusters`` taste clusters, about
+``per_user`` items per user), split per user into train and test by ``InteractionsDataModule``; the benchmarks carve
+validation out of train. They span density (0.05% to 9% of all user-item pairs after de-duplication), items per
+user (14 to 71 on average), popularity skew (``alpha`` 0.5 to 1.1) and cluster structure (one cluster, i.e.
+popularity only, to 100).
+
+``ASIDE`` was defined together with the suite, before any run on any of them, and is kept out of every choice: it is
+scored once, after a rule for the recipe's defaults has been derived on the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Catalogue:
+    """One generated catalogue of the suite (the arguments of ``InteractionsDataModule`` for synthetic data)."""
+
+    users: int
+    items: int
+    per_user: int
+    alpha: float
+    num_clusters: int
+    seed: int
+    what: str
+
+    def datamodule_kwargs(self) -> dict[str, Any]:
+        return {
+            "num_users": self.users,
+            "num_items": self.items,
+            "interactions_per_user": self.per_user,
+            "alpha": self.alpha,
+            "num_clusters": self.num_clusters,
+            "seed": self.seed,
+        }
+
+    def nominal_density(self) -> float:
+        return min(self.per_user, self.items // 2) / self.items
+
+    def describe(self) -> dict[str, Any]:
+        return {**asdict(self), "nominal_density": self.nominal_density()}
+
+
+SUITE: dict[str, Catalogue] = {
+    "suite_sparse_skewed": Catalogue(20_000, 30_000, 22, 1.1, 100, 11, "sparse (0.05%), steep popularity"),
+    "suite_mid_flat": Catalogue(8_000, 4_000, 20, 0.5, 40, 12, "0.4%, flat popularity"),
+    "suite_popularity_only": Catalogue(5_000, 3_000, 25, 1.0, 1, 16, "0.7%, no taste clusters"),
+    "suite_long_histories": Catalogue(3_000, 5_000, 150, 0.9, 30, 15, "1.4%, 71 items per user"),
+    "suite_dense": Catalogue(2_000, 1_000, 130, 0.8, 20, 13, "dense (4.9%), the size of a small public set"),
+    "suite_very_dense": Catalogue(1_000, 400, 90, 0.6, 10, 14, "very dense (9%), few items"),
+}
+
+# Scored once, at the end; never used to choose anything.
+ASIDE: dict[str, Catalogue] = {
+    "suite_aside": Catalogue(6_000, 2_500, 35, 0.7, 60, 17, "held out: 0.8%, 60 clusters"),
+}
+
+CATALOGUES: dict[str, Catalogue] = {**SUITE, **ASIDE}
+
+__all__ = ["ASIDE", "CATALOGUES", "SUITE", "Catalogue"]

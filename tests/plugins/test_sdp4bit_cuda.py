@@ -1,8 +1,9 @@
 """SDP4Bit on one CUDA device with NCCL (``benchmarks/gpu_checks.py`` runs these on a GPU machine).
 
 One process cannot exercise the quantised exchange (a world of one sends nothing, and NCCL refuses two ranks on one
-GPU), so these check the CUDA half of the strategy: NCCL set-up, the flat shards on the device, the Triton codec
-being picked, and that training equals DDP's (the strategy SDP4Bit replaces; it feeds the same distributed sampler).
+GPU; with one process the strategy steps like plain training and shards nothing), so these check the CUDA side of
+the single-process path: NCCL set-up, the model on the device, the user's optimizer left as it is, and that training
+equals DDP's (the strategy SDP4Bit replaces; it feeds the same distributed sampler).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class _Seen(Callback):
 
     def on_train_batch_end(self, trainer, *args) -> None:
         self.backend = dist.get_backend() if dist.is_initialized() else None
-        self.ops = type(getattr(trainer.strategy, "_ops", None)).__name__
+        self.sharded = bool(getattr(trainer.strategy, "buckets", []))
         self.param_device = next(trainer.lightning_module.parameters()).device.type
 
 
@@ -70,7 +71,7 @@ def test_single_gpu_nccl_training_equals_ddp(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", str(find_free_port()))
     try:
         seen, sdp = _fit(SDP4BitStrategy(process_group_backend="nccl"))
-        assert (seen.backend, seen.ops, seen.param_device) == ("nccl", "TritonOps", "cuda")  # auto: fused kernels
+        assert (seen.backend, seen.sharded, seen.param_device) == ("nccl", False, "cuda")  # one process: plain
         _, ddp = _fit(DDPStrategy(process_group_backend="nccl"))
     finally:
         if dist.is_initialized():
@@ -80,3 +81,11 @@ def test_single_gpu_nccl_training_equals_ddp(monkeypatch):
     for name, value in ddp.items():
         assert not torch.equal(value, start[name].float()), f"{name} did not train"
         torch.testing.assert_close(sdp[name], value, rtol=1e-4, atol=1e-5, msg=f"{name} differs")
+
+
+@pytest.mark.triton
+def test_auto_backend_picks_the_fused_kernels_on_cuda():
+    # with several processes the codec runs on the device (one process never quantises, see above)
+    from lightning_sdp.plugins.sdp4bit.exchange import TritonOps
+
+    assert isinstance(SDP4BitStrategy(parallel_devices=[torch.device("cuda", 0)])._select_ops(), TritonOps)

@@ -41,6 +41,25 @@ def _torch_class(name: str) -> type | None:
     return cls if isinstance(cls, type) else None
 
 
+def check_trainable(module: Module, optimizers: list[Optimizer]) -> None:
+    """Refuse a ``fit`` that SDP4Bit cannot run: no optimizer (Lightning's stand-in), or nothing to train."""
+    from lightning.pytorch.core.optimizer import _MockOptimizer
+
+    if not optimizers or any(isinstance(opt, _MockOptimizer) for opt in optimizers):
+        raise ValueError(
+            "SDP4BitStrategy needs an optimizer: `configure_optimizers` returned None, so Lightning would train "
+            "without one, and SDP4Bit exchanges the gradients and updates the weights inside the optimizer step. "
+            "Return an optimizer from `configure_optimizers` (e.g. `torch.optim.AdamW(self.parameters())`), also "
+            "with manual optimization, or run a model without one with `trainer.validate`/`test`/`predict`."
+        )
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ValueError(
+            "SDP4BitStrategy has nothing to train: no parameter of the LightningModule requires a gradient. "
+            "Unfreeze at least one parameter before `fit` (or use `trainer.validate`/`test`/`predict` to run a "
+            "frozen model)."
+        )
+
+
 def check_optimizer(optimizer: Optimizer, allow_any: bool = False) -> None:
     """Raise a clear error for optimizers that cannot run on a flat shard.
 
@@ -450,6 +469,19 @@ def _consolidate_bucket(
     return index
 
 
+def single_process_state(optimizer: Optimizer, state: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """:func:`consolidate_state`'s layout for one process: the optimizer's own ``state_dict()`` plus the ``"sdp4bit"``
+    section.
+
+    With one process the optimizer is the user's own, so its state dict already has the consolidated layout
+    (per-parameter state, parameters numbered in param-group order); the section adds the fp32 weights as the
+    "master" weights and ``extra`` (the step counters), so the checkpoint equals what several processes save.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    masters = {i: p.detach().float().clone() for i, p in enumerate(params)}
+    return {**state, "sdp4bit": {"master": masters, **extra}}
+
+
 def load_consolidated_state(optimizer: Optimizer, buckets: list[FlatBucket], saved: dict[str, Any]) -> None:
     """Cut a consolidated (unsharded) optimizer state for this rank and load it into the sharded optimizer.
 
@@ -512,12 +544,18 @@ def _load_bucket(optimizer: Optimizer, bucket: FlatBucket, ids: list[int], saved
     keys = set().union(*(e.keys() for e in entries)) if entries else set()
     for k in sorted(keys):
         values = [e.get(k) for e in entries]
-        first = values[0]
-        per_param = all(
-            isinstance(v, Tensor) and v.shape == p.shape and v.dim() > 0
-            for v, p in zip(values, bucket.params, strict=True)
+        # a plain optimizer's state (e.g. one saved by a single process) has no entry for a parameter that never
+        # got a gradient: such a parameter starts from fresh state, as torch would start it
+        present = [(v, p) for v, p in zip(values, bucket.params, strict=True) if v is not None]
+        first = present[0][0] if present else None
+        per_param = bool(present) and all(
+            isinstance(v, Tensor) and v.shape == p.shape and v.dim() > 0 for v, p in present
         )
         if per_param:
+            values = [
+                v if v is not None else _fresh_state(optimizer, bucket, k, p)
+                for v, p in zip(values, bucket.params, strict=True)
+            ]
             new_state[k] = bucket.shard_of(values).to(bucket.master.device)
         elif isinstance(first, Tensor) and first.dim() == 0:
             new_state[k] = first.clone().to(bucket.master.device)
@@ -552,6 +590,13 @@ _FRESH_STATE_FROM_GROUP = {"step_size": "lr"}
 # What :func:`snapshot_absent` saves for one bucket: its group index, the bucket, the shard ranges of the absent
 # parameters, their master values and their optimizer state (``{"": None}``: no state yet, reset to fresh values).
 AbsentSnapshot = tuple[int, FlatBucket, list[tuple[int, int]], Tensor, dict[str, Tensor | None]]
+
+
+def _fresh_state(optimizer: Optimizer, bucket: FlatBucket, key: str, param: Tensor) -> Tensor:
+    """The value state ``key`` of a parameter that has none yet starts from (zeros, or Rprop's learning rate)."""
+    fresh = _FRESH_STATE_FROM_GROUP.get(key)
+    value = float(optimizer.param_groups[bucket.group_index][fresh]) if fresh else 0.0
+    return torch.full(param.shape, value, dtype=torch.float32)
 
 
 def _is_shard_state(value: Any, bucket: FlatBucket) -> bool:

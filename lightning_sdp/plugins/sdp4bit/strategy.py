@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -42,6 +41,8 @@ from lightning_sdp.plugins.sdp4bit.precision import ClipKind, ShardedClippingPre
 from lightning_sdp.plugins.sdp4bit.sharding import (
     AbsentSnapshot,
     FlatBucket,
+    check_optimizer,
+    check_trainable,
     clip_shard_grads,
     consolidate_state,
     load_consolidated_state,
@@ -50,6 +51,7 @@ from lightning_sdp.plugins.sdp4bit.sharding import (
     shard_grad_norms,
     shard_new_groups,
     shard_optimizer,
+    single_process_state,
     snapshot_absent,
     use_shards,
 )
@@ -72,6 +74,12 @@ class SDP4BitStrategy(DDPStrategy):
     differences (qWD) against the weights every rank already holds. The model is not wrapped in
     ``DistributedDataParallel``; the initial weights are broadcast from rank 0.
 
+    With one process (world size 1 at ``fit``) nothing is communicated: the strategy warns once and steps like plain
+    training, leaving the model, the user's optimizer (still checked as above) and the precision plugin as they are.
+    No ``sdp4bit/*`` metric is logged, :attr:`comm_stats` stays empty and ``nonfinite_gradients`` is not applied.
+    Checkpoints keep the multi-process format (the optimizer's own state plus the ``"sdp4bit"`` section), so a
+    checkpoint saved by one process resumes under several and vice versa.
+
     Args:
         weight_compression: ``"qwd"`` (default, quantised weight differences), ``"qw"`` (quantise the weights
             themselves, as ZeRO++/QSDP do) or ``"none"`` (all-gather in the model dtype).
@@ -88,7 +96,8 @@ class SDP4BitStrategy(DDPStrategy):
             ``num_nodes`` real nodes give the inter-node level. Set it (e.g. 2 with ``devices=4``) to emulate several
             nodes on one host.
         nonfinite_gradients: ``"raise"`` (default; names the parameters) or ``"skip"`` (skip the optimizer step on
-            all ranks with a warning; counted in ``sdp4bit/skipped_steps``) when a gradient holds NaN/Inf.
+            all ranks with a warning; counted in ``sdp4bit/skipped_steps``) when a gradient holds NaN/Inf. Not
+            applied with one process.
         seed: seed of the stochastic rounding (reseeded from ``(seed, step, rank)`` every step).
         kernel_backend: ``"auto"`` (Triton on CUDA when installed, else torch), ``"torch"`` or ``"triton"``.
         track_drift: compute ``sdp4bit/weight_drift`` = ``||w_master - w_model|| / ||w_master||`` every step (one
@@ -114,7 +123,7 @@ class SDP4BitStrategy(DDPStrategy):
         log_metrics: log the ``sdp4bit/*`` scalars (bits per element, bytes per step, skipped steps, codec time,
             weight drift) with ``LightningModule.log``, so loggers get them every ``log_every_n_steps`` as any
             ``self.log(on_step=True)`` value (default ``True``). ``False`` logs none; :attr:`comm_stats` still
-            counts.
+            counts. With one process none are logged either way (nothing is communicated).
         accelerator: see :class:`~lightning.pytorch.strategies.DDPStrategy`.
         parallel_devices: see ``DDPStrategy``.
         cluster_environment: see ``DDPStrategy``.
@@ -132,8 +141,8 @@ class SDP4BitStrategy(DDPStrategy):
         config: the SDP4Bit options above, checked (an :class:`SDP4BitConfig`).
         comm_stats: bytes and values sent per collective (last step and whole run), and the quantise/dequantise
             time on the CPU (``codec_seconds``). With ``overlap_param_gather`` a step's weight all-gather is
-            counted in the step that waits for it (the next one).
-        topology: the intra/inter-node process groups (set at ``fit``).
+            counted in the step that waits for it (the next one). Empty with one process.
+        topology: the intra/inter-node process groups (set at ``fit``; the trivial one with one process).
         skipped_steps: optimizer steps skipped for a non-finite gradient (``nonfinite_gradients="skip"``).
         weight_drift: the last measured ``||w_master - w_model|| / ||w_master||`` (``track_drift``).
     """
@@ -205,6 +214,8 @@ class SDP4BitStrategy(DDPStrategy):
         self._pending_clip: dict[int, tuple[ClipKind, float]] = {}
         self._absent: dict[int, list[int]] = {}
         self._restore: list[AbsentSnapshot] = []
+        # World size 1 at `fit`: nothing is sharded and the steps take Lightning's plain path (see the docstring).
+        self._single_process = False
 
     # ------------------------------------------------------------------------------------------------ set-up
 
@@ -250,12 +261,11 @@ class SDP4BitStrategy(DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        if self.world_size == 1:
-            rank_zero_warn(
-                "SDP4BitStrategy runs with a single process: nothing is communicated, so nothing is compressed. "
-                "Training proceeds normally (sharding over one rank)."
-            )
         self._check_trainable()
+        self._single_process = self.world_size == 1
+        if self._single_process:
+            self._setup_single_process()
+            return
         self._setup_exchange()
         names = self._param_names()
         self._buckets = {}
@@ -272,21 +282,24 @@ class SDP4BitStrategy(DDPStrategy):
             self.precision_plugin = ShardedClippingPrecision(self.precision_plugin, self._clip_shards)
 
     def _check_trainable(self) -> None:
-        module = self.lightning_module
-        assert module is not None
-        if any(isinstance(unwrap_optimizer(opt), _MockOptimizer) for opt in self.optimizers) or not self.optimizers:
-            raise ValueError(
-                "SDP4BitStrategy needs an optimizer: `configure_optimizers` returned None, so Lightning would train "
-                "without one, and SDP4Bit exchanges the gradients and updates the weights inside the optimizer step. "
-                "Return an optimizer from `configure_optimizers` (e.g. `torch.optim.AdamW(self.parameters())`), also "
-                "with manual optimization, or run a model without one with `trainer.validate`/`test`/`predict`."
-            )
-        if not any(p.requires_grad for p in module.parameters()):
-            raise ValueError(
-                "SDP4BitStrategy has nothing to train: no parameter of the LightningModule requires a gradient. "
-                "Unfreeze at least one parameter before `fit` (or use `trainer.validate`/`test`/`predict` to run a "
-                "frozen model)."
-            )
+        assert self.lightning_module is not None
+        check_trainable(self.lightning_module, [unwrap_optimizer(opt) for opt in self.optimizers])
+
+    def _setup_single_process(self) -> None:
+        """World size 1: leave the model, the optimizers and the precision plugin as they are (plain training).
+
+        The optimizers are still checked (a checkpoint of this run must resume under several processes), and the
+        checkpoints keep the consolidated format (:meth:`optimizer_state`).
+        """
+        rank_zero_warn(
+            "SDP4BitStrategy runs with a single process: nothing is communicated, so nothing is compressed and "
+            "the strategy steps like plain training (your optimizer and precision plugin as they are, no "
+            "`sdp4bit/*` metrics). Checkpoints stay interchangeable with multi-process runs."
+        )
+        for opt in self.optimizers:
+            check_optimizer(unwrap_optimizer(opt), self.config.allow_any_optimizer)
+        self._buckets = {}
+        self.topology = Topology.single()
 
     def _setup_exchange(self) -> None:
         """Process groups, kernels, rounding streams and worker threads of this ``fit``."""
@@ -387,7 +400,10 @@ class SDP4BitStrategy(DDPStrategy):
             )
         buckets = self._buckets_of(optimizer)
         if buckets is None:
-            return super().optimizer_step(optimizer, closure, lightning_module, **kwargs)
+            output = super().optimizer_step(optimizer, closure, lightning_module, **kwargs)
+            if self._single_process:
+                self._step += 1  # saved in checkpoints: a multi-process resume seeds its rounding from it
+            return output
         assert self._rng is not None
         raw = unwrap_optimizer(optimizer)
         self._sync_groups(raw, buckets)
@@ -566,6 +582,10 @@ class SDP4BitStrategy(DDPStrategy):
             norm_type: the p of the p-norm; ``"inf"`` for the max norm.
             group_separator: separator between ``grad_{p}_norm`` and the parameter name.
         """
+        if not self._buckets:  # one process (or not fitting): the parameters' ``.grad`` are the gradients
+            from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
+
+            return cast(dict[str, Tensor], lightning_grad_norm(module, norm_type, group_separator))
         self._wait_all_weights()
         norm_type = float(norm_type)
         if norm_type <= 0:
@@ -609,21 +629,39 @@ class SDP4BitStrategy(DDPStrategy):
         self._wait_all_weights()
         buckets = self._buckets_of(optimizer)
         if buckets is None:
-            return super().optimizer_state(optimizer)
+            state = super().optimizer_state(optimizer)
+            if self._single_process:
+                extra = {"step": self._step, "skipped_steps": self.skipped_steps, "world_size": self.world_size}
+                state = single_process_state(unwrap_optimizer(optimizer), state, extra)
+            return state
         raw = unwrap_optimizer(optimizer)
         self._sync_groups(raw, buckets)
         extra = {"step": self._step, "skipped_steps": self.skipped_steps, "world_size": self.world_size}
         return consolidate_state(raw, buckets, extra)
 
+    def _load_extra(self, state: dict[str, Any]) -> None:
+        extra = state.get("sdp4bit", {})
+        self._step = int(extra.get("step", self._step))
+        self.skipped_steps = int(extra.get("skipped_steps", self.skipped_steps))
+
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Cut the consolidated state for this world size; set every rank's weights to the exact master weights."""
+        """Cut the consolidated state for this world size; set every rank's weights to the exact master weights.
+
+        With one process the state is loaded into the user's optimizer as Lightning does (``load_state_dict``);
+        the model's weights come from the checkpoint's ``state_dict``, which holds the master weights.
+        """
         self._wait_all_weights()
         states = checkpoint["optimizer_states"]
         if len(states) != len(self.optimizers):
             raise ValueError(
                 f"The checkpoint holds {len(states)} optimizer states, the model configures {len(self.optimizers)}."
             )
+        if self._single_process:
+            super().load_optimizer_state_dict(checkpoint)
+            for state in states:
+                self._load_extra(state)
+            return
         for opt, state in zip(self.optimizers, states, strict=True):
             buckets = self._buckets_of(opt)
             if buckets is None:
@@ -632,9 +670,7 @@ class SDP4BitStrategy(DDPStrategy):
             raw = unwrap_optimizer(opt)
             self._sync_groups(raw, buckets)
             load_consolidated_state(raw, buckets, state)
-            extra = state.get("sdp4bit", {})
-            self._step = int(extra.get("step", self._step))
-            self.skipped_steps = int(extra.get("skipped_steps", self.skipped_steps))
+            self._load_extra(state)
             with torch.no_grad():
                 for bucket in buckets:
                     bucket.model_flat.copy_(bucket.full_master())
@@ -719,7 +755,14 @@ class SDP4BitStrategy(DDPStrategy):
         self._wait_all_weights()
         buckets = self._buckets_of(optimizer)
         if buckets is None:
-            raise ValueError("This optimizer is not sharded by SDP4BitStrategy.")
+            raise ValueError(
+                "This optimizer is not sharded by SDP4BitStrategy"
+                + (
+                    " (with one process nothing is sharded: the optimizer steps the parameters)."
+                    if self._single_process
+                    else "."
+                )
+            )
         return [b.master for b in buckets]
 
 

@@ -177,19 +177,29 @@ def ccl_loss(
     Returns:
         The loss, reduced as asked.
     """
+    pos, neg = _cosines(p, e_pos, e_neg, dropout_mask)
+    loss = torch.relu(1.0 - pos) + negative_weight * torch.relu(neg - margin).mean(-1)
+    return _reduce(loss, reduction, "ccl_loss")
+
+
+def _cosines(p: Tensor, e_pos: Tensor, e_neg: Tensor, dropout_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(B,)`` cosines with the positives and ``(B, n)`` with the negatives (the user side after dropout)."""
     p_hat = F.normalize(p, dim=-1, eps=_EPS)
     if dropout_mask is not None:
         p_hat = p_hat * dropout_mask
     pos = (p_hat * F.normalize(e_pos, dim=-1, eps=_EPS)).sum(-1)
     neg = torch.bmm(F.normalize(e_neg, dim=-1, eps=_EPS), p_hat.unsqueeze(-1)).squeeze(-1)
-    loss = torch.relu(1.0 - pos) + negative_weight * torch.relu(neg - margin).mean(-1)
+    return pos, neg
+
+
+def _reduce(loss: Tensor, reduction: str, name: str) -> Tensor:
     if reduction == "mean":
         return loss.mean()
     if reduction == "sum":
         return loss.sum()
     if reduction == "none":
         return loss
-    raise ValueError(f"ccl_loss: unknown reduction {reduction!r}; use 'mean', 'sum' or 'none'.")
+    raise ValueError(f"{name}: unknown reduction {reduction!r}; use 'mean', 'sum' or 'none'.")
 
 
 def softmax_cosine_loss(
@@ -220,20 +230,10 @@ def softmax_cosine_loss(
     """
     if not temperature > 0:
         raise ValueError(f"softmax_cosine_loss: temperature must be positive, got {temperature}.")
-    p_hat = F.normalize(p, dim=-1, eps=_EPS)
-    if dropout_mask is not None:
-        p_hat = p_hat * dropout_mask
-    pos = (p_hat * F.normalize(e_pos, dim=-1, eps=_EPS)).sum(-1, keepdim=True)
-    neg = torch.bmm(F.normalize(e_neg, dim=-1, eps=_EPS), p_hat.unsqueeze(-1)).squeeze(-1)
-    logits = torch.cat([pos, neg], dim=-1) / temperature
+    pos, neg = _cosines(p, e_pos, e_neg, dropout_mask)
+    logits = torch.cat([pos.unsqueeze(-1), neg], dim=-1) / temperature
     loss = torch.logsumexp(logits, dim=-1) - logits[:, 0]
-    if reduction == "mean":
-        return loss.mean()
-    if reduction == "sum":
-        return loss.sum()
-    if reduction == "none":
-        return loss
-    raise ValueError(f"softmax_cosine_loss: unknown reduction {reduction!r}; use 'mean', 'sum' or 'none'.")
+    return _reduce(loss, reduction, "softmax_cosine_loss")
 
 
 class _ClipGradient(torch.autograd.Function):

@@ -21,7 +21,6 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_sdp.datamodules.interactions.csr import check_csr
 from lightning_sdp.kernels import cf_reference as ref
 from lightning_sdp.metrics import NDCGAtK, RecallAtK
 from lightning_sdp.models.simplex import kernel
@@ -33,9 +32,10 @@ from lightning_sdp.models.simplex.recommend import (
     IdsLike,
     Recommendations,
     as_ids,
+    checked_known_csr,
     remaining_items,
-    rows_of_ids,
     top_k_recommendations,
+    user_rows,
 )
 from lightning_sdp.models.simplex.step_log import StepLogWindow, is_log_step
 from lightning_sdp.schedules import LinearDecay
@@ -646,62 +646,16 @@ class SimpleXModule(LightningModule):
 
     def _user_rows(self, ids: Tensor, raw_ids: bool) -> Tensor:
         """Table rows of the user ids given to :meth:`recommend` (checked)."""
-        if raw_ids:
-            if self._raw_user_ids is None or self._raw_item_ids is None:
-                raise ValueError(
-                    "SimpleXModule.recommend(raw_ids=True): this model has no raw ids; they come from training on a "
-                    "CSV/TSV file with InteractionsDataModule (or set_raw_ids()). With a LightGCN folder or synthetic "
-                    "data the ids are the table rows: pass raw_ids=False."
-                )
-            rows, found = rows_of_ids(self._raw_user_ids, ids.cpu())
-            if not bool(found.all()):
-                unknown = ids[~found.to(ids.device)].unique()
-                raise ValueError(
-                    f"SimpleXModule.recommend: {len(unknown)} user id(s) are not in the training data (e.g. "
-                    f"{unknown[:5].tolist()}); a collaborative-filtering model can only rank for users it was trained "
-                    "on. Drop them (recommend popular items instead) or retrain with their interactions."
-                )
-            return rows
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_users):
-            bad = ids[(ids < 0) | (ids >= self.num_users)].unique()
-            hint = (
-                " (these look like ids of the data file: pass raw_ids=True)" if self._raw_user_ids is not None else ""
-            )
-            raise ValueError(
-                f"SimpleXModule.recommend: user ids must be rows in [0, {self.num_users}), got {bad[:5].tolist()}"
-                f"{hint}."
-            )
-        return ids.cpu()
+        raw = (self._raw_user_ids, self._raw_item_ids) if raw_ids else None
+        return user_rows(ids, self.num_users, raw, has_raw_ids=self._raw_user_ids is not None)
 
     def _known_csr(
         self, known: tuple[np.ndarray | Tensor, np.ndarray | Tensor] | None
     ) -> tuple[np.ndarray, np.ndarray]:
         """The CSR of items :meth:`recommend` must not return: ``known``, else the training interactions."""
-        if known is None:
-            if self._histories is None:
-                raise ValueError(
-                    "SimpleXModule.recommend: exclude_known=True but the model holds no training interactions (it was "
-                    "built without a datamodule, or loaded from a checkpoint written before they were saved); call "
-                    "model.set_interactions(*dm.train_csr), pass known=(indptr, indices), or exclude_known=False."
-                )
-            return self._histories.train_indptr, self._histories.train_indices
-        parts = [x.cpu().numpy() if isinstance(x, Tensor) else np.asarray(x) for x in known]
-        if len(parts) != 2:
-            raise ValueError(
-                f"SimpleXModule.recommend: known must be a CSR (indptr, indices), got {len(parts)} arrays."
-            )
-        indptr, indices = check_csr(parts[0], parts[1], "SimpleXModule.recommend(known=...)")
-        if len(indptr) != self.num_users + 1:
-            raise ValueError(
-                f"SimpleXModule.recommend: known must have a row for each of the {self.num_users} users "
-                f"({self.num_users + 1} offsets), got {len(indptr)} offsets; pass e.g. dm.train_csr."
-            )
-        if len(indices) and (indices.min() < 0 or indices.max() >= self.num_items):
-            raise ValueError(
-                f"SimpleXModule.recommend: known item ids must be rows in [0, {self.num_items}), got "
-                f"[{indices.min()}, {indices.max()}]."
-            )
-        return indptr, indices
+        h = self._histories
+        training = None if h is None else (h.train_indptr, h.train_indices)
+        return checked_known_csr(known, self.num_users, self.num_items, training)
 
     def _recommend_rows(
         self,

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_sdp.datamodules.interactions.csr import check_csr
 from lightning_sdp.kernels import cf_reference as ref
 from lightning_sdp.models.simplex.evaluation import DEFAULT_ITEM_CHUNK
 
@@ -96,6 +97,77 @@ def remaining_items(num_items: int, known_indptr: Tensor, known_items: Tensor) -
     return num_items - torch.bincount(distinct, minlength=batch)
 
 
+def user_rows(
+    ids: Tensor, num_users: int, raw: tuple[Tensor | None, Tensor | None] | None, has_raw_ids: bool
+) -> Tensor:
+    """Table rows of user ids: ``ids`` themselves (checked against ``num_users``), or, with ``raw`` the model's
+    ``(raw_user_ids, raw_item_ids)``, the rows of those original ids (all must be known).
+
+    Args:
+        ids: the user ids asked for.
+        num_users: rows of the user table.
+        raw: the model's original ids when the caller passed ``raw_ids=True``, else ``None``.
+        has_raw_ids: whether the model has original ids at all (for the hint of an out-of-range row).
+    """
+    if raw is not None:
+        raw_users, raw_items = raw
+        if raw_users is None or raw_items is None:
+            raise ValueError(
+                "SimpleXModule.recommend(raw_ids=True): this model has no raw ids; they come from training on a "
+                "CSV/TSV file with InteractionsDataModule (or set_raw_ids()). With a LightGCN folder or synthetic "
+                "data the ids are the table rows: pass raw_ids=False."
+            )
+        rows, found = rows_of_ids(raw_users, ids.cpu())
+        if not bool(found.all()):
+            unknown = ids[~found.to(ids.device)].unique()
+            raise ValueError(
+                f"SimpleXModule.recommend: {len(unknown)} user id(s) are not in the training data (e.g. "
+                f"{unknown[:5].tolist()}); a collaborative-filtering model can only rank for users it was trained "
+                "on. Drop them (recommend popular items instead) or retrain with their interactions."
+            )
+        return rows
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_users):
+        bad = ids[(ids < 0) | (ids >= num_users)].unique()
+        hint = " (these look like ids of the data file: pass raw_ids=True)" if has_raw_ids else ""
+        raise ValueError(
+            f"SimpleXModule.recommend: user ids must be rows in [0, {num_users}), got {bad[:5].tolist()}{hint}."
+        )
+    return ids.cpu()
+
+
+def checked_known_csr(
+    known: tuple[np.ndarray | Tensor, np.ndarray | Tensor] | None,
+    num_users: int,
+    num_items: int,
+    training: tuple[np.ndarray, np.ndarray] | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The items never to recommend as a numpy CSR ``(indptr, indices)``: ``known`` (checked: ``num_users`` rows of
+    item ids below ``num_items``), else the model's ``training`` interactions (an error when it has none)."""
+    if known is None:
+        if training is None:
+            raise ValueError(
+                "SimpleXModule.recommend: exclude_known=True but the model holds no training interactions (it was "
+                "built without a datamodule, or loaded from a checkpoint written before they were saved); call "
+                "model.set_interactions(*dm.train_csr), pass known=(indptr, indices), or exclude_known=False."
+            )
+        return training
+    parts = [x.cpu().numpy() if isinstance(x, Tensor) else np.asarray(x) for x in known]
+    if len(parts) != 2:
+        raise ValueError(f"SimpleXModule.recommend: known must be a CSR (indptr, indices), got {len(parts)} arrays.")
+    indptr, indices = check_csr(parts[0], parts[1], "SimpleXModule.recommend(known=...)")
+    if len(indptr) != num_users + 1:
+        raise ValueError(
+            f"SimpleXModule.recommend: known must have a row for each of the {num_users} users "
+            f"({num_users + 1} offsets), got {len(indptr)} offsets; pass e.g. dm.train_csr."
+        )
+    if len(indices) and (indices.min() < 0 or indices.max() >= num_items):
+        raise ValueError(
+            f"SimpleXModule.recommend: known item ids must be rows in [0, {num_items}), got "
+            f"[{indices.min()}, {indices.max()}]."
+        )
+    return indptr, indices
+
+
 def top_k_recommendations(
     user_vectors: Tensor,
     item_normalized: Tensor,
@@ -174,4 +246,13 @@ def top_k_recommendations(
     return Recommendations(candidate_items.gather(1, order), best)
 
 
-__all__ = ["IdsLike", "Recommendations", "as_ids", "remaining_items", "rows_of_ids", "top_k_recommendations"]
+__all__ = [
+    "IdsLike",
+    "Recommendations",
+    "as_ids",
+    "checked_known_csr",
+    "remaining_items",
+    "rows_of_ids",
+    "top_k_recommendations",
+    "user_rows",
+]

@@ -41,18 +41,15 @@ class _Probe(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+def _trainer(accelerator, **kw) -> Trainer:
+    """A quiet one-step Trainer on one device."""
+    quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    return Trainer(accelerator=accelerator, devices=1, max_steps=1, **quiet, **kw)
+
+
 def _fit(accelerator, **kw) -> tuple[Trainer, _Probe]:
     model = _Probe()
-    trainer = Trainer(
-        accelerator=accelerator,
-        devices=1,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kw,
-    )
+    trainer = _trainer(accelerator, **kw)
     trainer.fit(model)
     return trainer, model
 
@@ -297,15 +294,7 @@ def test_a_bad_omp_num_threads_is_refused_with_what_to_set(monkeypatch, value):
 
 # ---------------------------------------------------------------------------------------------- other modules
 def test_a_module_other_than_simplex_is_warned_once_that_only_threads_are_set():
-    trainer = Trainer(
-        accelerator=HEATAccelerator(num_threads=1),
-        devices=1,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = _trainer(HEATAccelerator(num_threads=1))
     with pytest.warns(UserWarning, match=r"_Probe is not a SimpleXModule.*only sets the thread count \(1 per") as seen:
         for _ in range(2):  # each fit sets the accelerator up again
             trainer.fit(_Probe())
@@ -322,15 +311,6 @@ def test_simplex_modules_are_not_warned(recwarn):
         pass
 
     for model in (SimpleXModule(dim=8, num_negatives=4), _MySimpleX(dim=8, num_negatives=4, backend="reference")):
-        trainer = Trainer(
-            accelerator=HEATAccelerator(num_threads=1),
-            devices=1,
-            max_steps=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-        )
+        trainer = _trainer(HEATAccelerator(num_threads=1), limit_val_batches=0)
         trainer.fit(model, InteractionsDataModule(num_users=40, num_items=30, batch_size=64))
     assert not [w for w in recwarn if "is not a SimpleXModule" in str(w.message)]

@@ -89,6 +89,7 @@ def _model(dm: InteractionsDataModule, aggregator: str, dim: int, negatives: int
         dm.num_items,
         dim=dim,
         g=0.8,
+        loss="ccl",
         aggregator=aggregator,
         num_negatives=negatives,
         max_history=100,

@@ -70,6 +70,7 @@ def run(name: str, g: float, args: argparse.Namespace, dm: InteractionsDataModul
     model = SimpleXModule(
         dim=args.dim,
         g=g,
+        loss="ccl",
         margin=0.9,
         negative_weight=args.negative_weight,
         num_negatives=args.negatives,

@@ -120,6 +120,7 @@ def train(name: str, cfg: dict[str, object], dm: InteractionsDataModule) -> dict
         dm.num_items,
         dim=int(cfg["dim"]),
         g=float(cfg["g"]),
+        loss="ccl",
         margin=float(cfg["margin"]),
         negative_weight=float(cfg["negative_weight"]),
         num_negatives=int(cfg["negatives"]),

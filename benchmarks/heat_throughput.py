@@ -47,6 +47,7 @@ def _model(
         dim=dim,
         g=g,
         num_negatives=negatives,
+        loss="ccl",
         negative_weight=150.0,
         margin=0.9,
         max_history=100,

@@ -47,6 +47,7 @@ from lightning_sdp.models.simplex import SimpleXModule
 from lightning_sdp.plugins.heat import set_cpu_threads
 from lightning_sdp.recipes import (
     DEFAULT_GRID,
+    SOFTMAX_GRID,
     WIDE_GRID,
     SimpleXRunner,
     evaluate_ranking,
@@ -58,25 +59,18 @@ NAME = "heat_vs_peers"
 RESULTS = RESULTS_DIR  # where write_results puts the files
 EASE_MAX_ITEMS = 15_000
 ITERATIVE = ("als", "bpr", "lightfm", "cornac_bpr", "reference")
-# HEAT's budgeted recipe, by the arguments it gets beside the budget: the default; the earlier recipe (its search
-# ranks trials by their last validation score, not the score extrapolated to the final length, and may cut the
-# anchor configuration early); the wide grid; the final fit as three warm restarts whose best snapshot on validation
-# is kept; HEAT's softmax loss
+# HEAT's budgeted recipe, by the arguments it gets beside the budget: the default (its grid chosen from the training
+# data); the cosine contrastive loss's grid whatever the data; HEAT's softmax loss's grid whatever the data; the
+# earlier recipe (its search ranks trials by their last validation score, not the score extrapolated to the final
+# length, and may cut the anchor configuration early); the wide CCL grid; the final fit as three warm restarts whose
+# best snapshot on validation is kept
 BUDGETED: dict[str, dict[str, Any]] = {
     "heat_budget": {},
+    "heat_budget_ccl": {"grid": DEFAULT_GRID},
+    "heat_budget_softmax": {"grid": SOFTMAX_GRID},
     "heat_budget_last": {"selection": "last", "keep_anchor": False},
     "heat_budget_wide": {"grid": WIDE_GRID},
     "heat_budget_cycles": {"cycles": 3},
-    # HEAT's own loss (softmax over cos/0.07, gradient clipping 0.1) in place of CCL; margins and weights drop out
-    "heat_budget_softmax": {
-        "grid": {
-            "dim": [128, 64, 256],
-            "num_negatives": [200, 64],
-            "lr": [0.1, 0.3, 0.03],
-            "loss": ["softmax"],
-            "grad_clip": [0.1],
-        },
-    },
 }
 SCHEDULED = ("heat", "heat_attention", *BUDGETED)
 DATASETS = ("gowalla", "synthetic", "synthetic_fresh", "synthetic_holdout", "synthetic_holdout2", *CATALOGUES)

@@ -24,6 +24,7 @@ def train(backend: str, data: str | None, epochs: int) -> dict[str, float]:
     model = SimpleXModule(
         dim=64,
         g=1.0,
+        loss="ccl",  # SimpleX's cosine contrastive loss; the default "auto" chooses it or HEAT's softmax from the data
         margin=0.9,
         negative_weight=150.0,
         num_negatives=64,

@@ -37,7 +37,7 @@ def run(out: Path, quick: bool) -> dict[str, Any]:
         print(f"HEAT part: {backend} SimpleX, batch {batch}, {steps} steps on the synthetic interactions")
         dm = InteractionsDataModule(None, batch_size=batch)
         model = SimpleXModule(
-            dim=64, g=1.0, margin=0.9, negative_weight=150.0, num_negatives=64, backend=backend,
+            dim=64, g=1.0, loss="ccl", margin=0.9, negative_weight=150.0, num_negatives=64, backend=backend,
             lr=0.5 if backend == "fused" else 1e-3,
         )  # fmt: skip
         timer = BatchTimer()

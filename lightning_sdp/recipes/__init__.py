@@ -7,6 +7,7 @@ is the full-ranking evaluator it scores with.
 """
 
 from lightning_sdp.metrics import evaluate_ranking
+from lightning_sdp.models.simplex.auto import CCL_GRID, SOFTMAX_GRID, auto_grid
 from lightning_sdp.recipes.budget import BudgetedFit, fit_simplex_within_budget
 from lightning_sdp.recipes.plan import BudgetPlan
 from lightning_sdp.recipes.runner import BASE_SETTINGS, SimpleXRunner, default_batch_size
@@ -24,8 +25,10 @@ from lightning_sdp.recipes.search import (
 
 __all__ = [
     "BASE_SETTINGS",
+    "CCL_GRID",
     "DEFAULT_GRID",
     "MIN_SPAN_RATIO",
+    "SOFTMAX_GRID",
     "WIDE_GRID",
     "BudgetPlan",
     "BudgetedFit",
@@ -33,6 +36,7 @@ __all__ = [
     "SuccessiveHalving",
     "Trial",
     "ValidationScorer",
+    "auto_grid",
     "default_batch_size",
     "evaluate_ranking",
     "extrapolate_recall",

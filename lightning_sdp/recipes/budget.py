@@ -36,11 +36,11 @@ import numpy as np
 
 from lightning_sdp.datamodules.interactions import merge_csr, split_validation
 from lightning_sdp.models.simplex import SimpleXModule
+from lightning_sdp.models.simplex.auto import auto_grid, explain
 from lightning_sdp.recipes.clocks import _FitClock
 from lightning_sdp.recipes.plan import BudgetPlan, shape_key
 from lightning_sdp.recipes.runner import SimpleXRunner, default_batch_size
 from lightning_sdp.recipes.search import (
-    DEFAULT_GRID,
     SuccessiveHalving,
     Trial,
     ValidationScorer,
@@ -65,6 +65,7 @@ class BudgetedFit:
     (NaN when there was no search). ``max_steps`` and ``cycle_steps`` count the final fit's steps: planned for an
     epoch budget, counted for a seconds budget (whose schedule runs on the clock). The final model's
     ``hparams.lr_schedule`` is then ``"constant"``: the decay was applied by the fit's callback, not the module.
+    ``grid`` is the search space used (given, or chosen for ``data_stats``, the training split's statistics).
     """
 
     model: SimpleXModule
@@ -88,6 +89,8 @@ class BudgetedFit:
     refit: bool = False
     train_positives: int = 0
     selection: str = "extrapolate"
+    grid: dict[str, list[Any]] = field(default_factory=dict)
+    data_stats: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         """JSON-friendly summary (no model)."""
@@ -285,7 +288,9 @@ def fit_simplex_within_budget(
         budget_epochs: budget in epochs over the training positives (deterministic; no probe).
         search_fraction: share of the budget spent on the search; ``0`` trains the anchor configuration directly.
             Default 0.3.
-        grid: :class:`SimpleXModule` argument -> candidates; default :data:`~lightning_sdp.recipes.DEFAULT_GRID`.
+        grid: :class:`SimpleXModule` argument -> candidates; ``None`` (default) chooses it from the training data
+            (:func:`~lightning_sdp.models.simplex.auto.auto_grid`: HEAT's softmax loss from 0.15% density up, the
+            cosine contrastive loss's :data:`~lightning_sdp.recipes.DEFAULT_GRID` below), said in ``notes``.
         num_configs: configurations tried: the anchor, the anchor at the grid's smallest ``dim`` and
             ``num_negatives``, then a seeded sample of the rest of the grid that covers every value first
             (:func:`~lightning_sdp.recipes.sample_configs`); fewer (from the front) when the search
@@ -341,7 +346,10 @@ def fit_simplex_within_budget(
     batch_size = default_batch_size(len(train[1])) if batch_size is None else batch_size
     runner = SimpleXRunner(train, num_items, batch_size, threads, seed, dict(model_kwargs or {}))
     scorer = ValidationScorer(train, val, num_items, k, _user_sample(val, max_eval_users, seed))
-    search_grid: Mapping[str, Sequence[Any]] = grid or DEFAULT_GRID
+    if grid is None:
+        notes.append(f"grid chosen for the training data: {explain(runner.stats)}")
+        _log.info("fit_simplex_within_budget: %s.", notes[-1])
+    search_grid: Mapping[str, Sequence[Any]] = auto_grid(runner.stats) if grid is None else grid
     _warm_up(runner, scorer, search_grid)
     # the budget starts after loading and the one-time warm-ups
     plan = BudgetPlan.create(budget_seconds, budget_epochs, search_fraction, runner.steps_per_epoch)
@@ -380,4 +388,6 @@ def fit_simplex_within_budget(
         refit=refit,
         train_positives=len(final_runner.pairs),
         selection=selection,
+        grid={k: list(v) for k, v in search_grid.items()},
+        data_stats=runner.stats.to_dict(),
     )

@@ -14,7 +14,8 @@ from torch.utils.data import DataLoader
 
 from lightning_sdp.datamodules.interactions import PositivePairs
 from lightning_sdp.datamodules.sampling import EpochSeededBatchSampler
-from lightning_sdp.models.simplex import SimpleXModule
+from lightning_sdp.models.simplex import SimpleXConfig, SimpleXModule
+from lightning_sdp.models.simplex.auto import InteractionStats
 from lightning_sdp.plugins.heat import HEATAccelerator
 from lightning_sdp.recipes.clocks import _FitClock, _WallClockLinearDecay
 
@@ -53,10 +54,14 @@ class SimpleXRunner:
         self.num_users = len(train[0]) - 1
         self.pairs = PositivePairs.from_csr(*train)
         self.steps_per_epoch = math.ceil(len(self.pairs) / batch_size)
+        self.stats = InteractionStats.from_csr(*train, num_items)
 
     def model(self, config: dict[str, Any], lr_schedule: Literal["constant", "linear"] = "linear") -> SimpleXModule:
         """A fresh fused model of ``config`` (over :data:`BASE_SETTINGS` and ``model_kwargs``) on the training CSR."""
         settings = {**BASE_SETTINGS, **self.model_kwargs, **config}
+        # "auto" arguments resolved here once for the runner's data, not by every trial's model (and its log line)
+        resolved = SimpleXConfig(**settings).with_data(self.stats)
+        settings.update({name: getattr(resolved, name) for name in ("loss", "grad_clip")})
         if settings.get("sampler") is None:  # HEAT's tile sampler pays off only when the tile is a small share
             settings["sampler"] = "tile" if self.num_items >= 8 * 512 else "uniform"
         model = SimpleXModule(

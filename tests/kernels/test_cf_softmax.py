@@ -265,13 +265,16 @@ def test_module_fused_step_equals_reference_step_with_softmax_and_clipping(g):
 def test_config_validates_the_loss_options():
     from lightning_sdp.models.simplex import SimpleXConfig, SimpleXModule
 
-    assert SimpleXConfig().loss == "ccl" and SimpleXConfig().grad_clip is None
+    assert SimpleXConfig().loss == "auto" and SimpleXConfig().grad_clip == "auto"  # chosen from the data
+    assert SimpleXConfig().loss_name == "ccl" and SimpleXConfig().grad_clip_value is None  # before any data
     with pytest.raises(ValueError, match="temperature must be positive"):
         SimpleXModule(loss="softmax", temperature=0.0)
     with pytest.raises(ValueError, match="grad_clip must be positive"):
         SimpleXModule(grad_clip=-0.1)
-    with pytest.raises(ValueError, match="loss must be 'ccl' or 'softmax'"):
+    with pytest.raises(ValueError, match="loss must be 'auto', 'ccl' or 'softmax'"):
         SimpleXModule(loss="bpr")
+    with pytest.raises(ValueError, match="grad_clip must be a positive number, None .*or 'auto'"):
+        SimpleXModule(grad_clip="0.1")
     with pytest.raises(ValueError, match="grad_clip.*aggregator='mean'"):
         SimpleXModule(g=0.8, aggregator="user_attention", grad_clip=0.1)
     SimpleXModule(g=1.0, aggregator="user_attention", grad_clip=0.1)  # MF: no aggregator, nothing to refuse

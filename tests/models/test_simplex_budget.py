@@ -32,7 +32,7 @@ def test_the_recipe_and_its_evaluator_are_public_where_users_look() -> None:
         importlib.import_module("lightning_sdp.models.simplex_budget")
 
 
-TINY_GRID = {"dim": [16], "num_negatives": [8], "lr": [0.1, 0.3, 1.0], "margin": [0.9]}
+TINY_GRID = {"dim": [16], "num_negatives": [8], "lr": [0.1, 0.3, 1.0], "margin": [0.9], "loss": ["ccl"]}
 
 
 class _NoTestData(InteractionsDataModule):

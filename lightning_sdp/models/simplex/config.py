@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, NoReturn
+
+from lightning_sdp.models.simplex.auto import SOFTMAX_GRAD_CLIP, InteractionStats, auto_settings
 
 Aggregator = Literal["mean", "user_attention", "self_attention"]
 Backend = Literal["fused", "reference"]
 Optimizer = Literal["auto", "adam", "sgd", "rowwise_adagrad"]
 Loss = Literal["ccl", "softmax"]
+Auto = Literal["auto"]
 
 _DEFAULT_LR = {"adam": 1e-4, "sgd": 0.05, "rowwise_adagrad": 0.1}
 
@@ -48,9 +51,9 @@ class SimpleXConfig:
     dropout: float = 0.0
     k: int = 20
     seed: int = 0
-    loss: Loss = "ccl"
+    loss: Loss | Auto = "auto"
     temperature: float = 0.07
-    grad_clip: float | None = None
+    grad_clip: float | Auto | None = "auto"
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -79,9 +82,9 @@ class SimpleXConfig:
             self._fail(f"sampler must be 'uniform' or 'tile', got {self.sampler!r}.")
         if self.sampler == "tile" and self.backend != "fused":
             self._fail("the tile sampler is part of the fused kernel; use backend='fused'.")
-        if self.loss not in ("ccl", "softmax"):
-            self._fail(f"loss must be 'ccl' or 'softmax', got {self.loss!r}.")
-        if self.grad_clip is not None and self.uses_history and self.aggregator != "mean":
+        if self.loss not in ("auto", "ccl", "softmax"):
+            self._fail(f"loss must be 'auto', 'ccl' or 'softmax', got {self.loss!r}.")
+        if self.grad_clip_value is not None and self.uses_history and self.aggregator != "mean":
             # the attention keys pass gradient to the item rows summed over a batch, not sample by sample
             self._fail(
                 f"grad_clip clips per-sample gradients, which the {self.aggregator!r} aggregator does not form; use "
@@ -116,8 +119,39 @@ class SimpleXConfig:
             self._fail(f"dropout must be in [0, 1), got {self.dropout}.")
         if not self.temperature > 0:
             self._fail(f"temperature must be positive, got {self.temperature}.")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            self._fail(f"grad_clip must be positive or None (no clipping), got {self.grad_clip}.")
+        if isinstance(self.grad_clip, str) and self.grad_clip != "auto":
+            self._fail(f"grad_clip must be a positive number, None (no clipping) or 'auto', got {self.grad_clip!r}.")
+        if self.grad_clip_value is not None and not self.grad_clip_value > 0:
+            self._fail(f"grad_clip must be positive, None (no clipping) or 'auto', got {self.grad_clip}.")
+
+    @property
+    def loss_name(self) -> str:
+        """The loss trained: ``"auto"`` not yet resolved from the data (see :meth:`with_data`) trains CCL."""
+        return "ccl" if self.loss == "auto" else self.loss
+
+    @property
+    def grad_clip_value(self) -> float | None:
+        """The clipping bound applied: ``"auto"`` not yet resolved from the data clips nothing."""
+        return None if self.grad_clip == "auto" else self.grad_clip
+
+    @property
+    def auto_fields(self) -> tuple[str, ...]:
+        """The arguments still ``"auto"``, resolved from the training interactions by :meth:`with_data`."""
+        return tuple(name for name in ("loss", "grad_clip") if getattr(self, name) == "auto")
+
+    def with_data(self, stats: InteractionStats | None) -> SimpleXConfig:
+        """This config with its ``"auto"`` arguments chosen for the training data (:func:`.auto.auto_settings`).
+
+        ``grad_clip="auto"`` follows the loss that is trained (the chosen one, or the one given), and never clips
+        under an attention aggregator with ``g < 1``, which forms no per-sample gradients to clip.
+        """
+        chosen = auto_settings(stats)
+        loss = chosen["loss"] if self.loss == "auto" else self.loss
+        grad_clip = self.grad_clip
+        if grad_clip == "auto":
+            attention = self.uses_history and self.aggregator != "mean"
+            grad_clip = SOFTMAX_GRAD_CLIP if loss == "softmax" and not attention else None
+        return replace(self, loss=loss, grad_clip=grad_clip)
 
     @property
     def optimizer_name(self) -> str:

@@ -119,16 +119,16 @@ def fused_step(
         chunks,
         losses,
     )
-    if config.loss == "ccl" and config.grad_clip is None:
+    if config.loss_name == "ccl" and config.grad_clip_value is None:
         # the loss options are keyword-only and left out for plain CCL: that call keeps the positional form of
         # earlier kernels, which benchmarks load from git and swap in (benchmarks/heat_attention_throughput.py)
         cf_numba.fused_sgd_step(*args)
     else:
         cf_numba.fused_sgd_step(
             *args,
-            loss=cf_numba.LOSSES[config.loss],
+            loss=cf_numba.LOSSES[config.loss_name],
             temperature=float(config.temperature),
-            grad_clip=0.0 if config.grad_clip is None else float(config.grad_clip),
+            grad_clip=0.0 if config.grad_clip_value is None else float(config.grad_clip_value),
         )
     return torch.from_numpy(losses)
 

@@ -18,12 +18,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_sdp.kernels import cf_reference as ref
 from lightning_sdp.metrics import NDCGAtK, RecallAtK
 from lightning_sdp.models.simplex import kernel
+from lightning_sdp.models.simplex.auto import InteractionStats, explain
 from lightning_sdp.models.simplex.backends import make_backend
 from lightning_sdp.models.simplex.config import Aggregator, Backend, Loss, Optimizer, SimpleXConfig
 from lightning_sdp.models.simplex.evaluation import DEFAULT_ITEM_CHUNK, batch_csr, rank_and_score
@@ -60,9 +62,8 @@ class SimpleXModule(LightningModule):
         g: gate between the user row and the aggregated history; ``1.0`` is MF-CCL. SimpleX uses 0.8. Default 1.0.
         aggregator: SimpleX's behaviour aggregator (the official ``BehaviorAggregator``): ``"mean"`` (``h = mean_k
             e_k``), ``"user_attention"`` (``h = sum_k a_k e_k``, ``a = softmax_k(e_u . tanh(W_k e_k + b_k))``) or
-            ``"self_attention"`` (the same with a learned query ``q`` instead of ``e_u``). ``W_k`` is initialised
-            xavier-normal, ``b_k`` zero and ``q`` xavier-normal, as the official code does; they train with ``V``'s
-            learning rate. Default ``"mean"``.
+            ``"self_attention"`` (a learned query ``q`` instead of ``e_u``); ``W_k``, ``q`` xavier-normal and ``b_k``
+            zero as in the official code, trained at ``V``'s rate. Default ``"mean"``.
         margin: negative margin ``m`` (CCL only). Default 0.9.
         negative_weight: ``w``, the weight of the negative term (CCL only). Default 150.
         num_negatives: ``n`` uniform negatives per positive, drawn with replacement. Default 64.
@@ -71,48 +72,44 @@ class SimpleXModule(LightningModule):
             Default ``"fused"``.
         optimizer: ``"auto"`` (Adam for the reference backend, SGD for fused), ``"adam"`` (reference only),
             ``"sgd"`` or ``"rowwise_adagrad"`` (one Adagrad accumulator per table row, so rows stay independent).
-            The fused kernel applies the update per sample (Hogwild); the reference applies it per batch to the mean
-            loss. The aggregator parameters always get plain SGD except under Adam. Default ``"auto"``.
+            The fused kernel updates per sample (Hogwild), the reference per batch; the aggregator parameters get
+            plain SGD except under Adam. Default ``"auto"``.
         lr: learning rate; ``None`` gives 1e-4 for Adam (the SimpleX setting), 0.05 for SGD and 0.1 for row-wise
             Adagrad. Default ``None``.
         adagrad_eps: row-wise Adagrad's ``eps``. Default 1e-8.
-        lr_schedule: ``"constant"`` or ``"linear"`` (decay per step from ``lr`` to 0 over the whole fit,
-            ``trainer.estimated_stepping_batches``; set ``max_epochs``). Per-sample SGD on the scale-invariant cosine
-            loss keeps a noise floor at a constant rate; decaying it reaches a better optimum. Default ``"constant"``.
-        row_norm: after every training step, rescale every user and item row to this L2 norm (SGD projected onto a
-            sphere), or ``None`` to leave the norms free. The cosine loss does not depend on row norms, so this changes
-            only the optimiser's dynamics: a row's effective step stays ``lr / row_norm**2`` instead of shrinking as
-            the row grows (popular items grow fastest and would stop adapting). Default ``None``.
+        lr_schedule: ``"constant"`` or ``"linear"`` (from ``lr`` to 0 over ``trainer.estimated_stepping_batches``;
+            set ``max_epochs``): a decaying rate gets below per-sample SGD's noise floor. Default ``"constant"``.
+        row_norm: after every step, rescale every row to this L2 norm (SGD projected onto a sphere: a row's step
+            stays ``lr / row_norm**2`` instead of shrinking as popular rows grow), or ``None``. Default ``None``.
         weight_decay: L2 on the touched user, positive and negative rows (each occurrence). Default 0.
-        init_std: standard deviation of the normal initialisation of the tables; ``None`` gives 1e-4 for Adam (the
-            SimpleX setting) and 0.1 for SGD (a cosine loss gives gradients ``~1/|e|``, so SGD needs rows that are
-            not tiny). Default ``None``.
+        init_std: standard deviation of the tables' normal initialisation; ``None`` gives 1e-4 for Adam (SimpleX)
+            and 0.1 for SGD (a cosine loss's gradients scale as ``1/|e|``). Default ``None``.
         sampler: ``"uniform"`` over all items or ``"tile"`` (HEAT: each thread draws from a tile of ``tile_size``
             items redrawn every ``tile_refresh`` samples); the tile sampler exists only in the fused backend.
         tile_size: items per tile. Default 512.
         tile_refresh: samples between tile redraws. Default 2048.
         v_sync: the fused kernel applies each thread's aggregator gradients every this many samples. Default 32.
-        aggregator_lr_scale: learning rate of the aggregator parameters (``V``, and ``W_k``, ``b_k``, ``q``)
-            relative to ``lr`` (both backends). They are shared by every sample, so per-sample SGD moves them far
-            more often than any embedding row; a smaller scale slows them down. Default 1.0.
+        aggregator_lr_scale: learning rate of the aggregator parameters (``V``, ``W_k``, ``b_k``, ``q``: shared by
+            every sample, so per-sample SGD moves them far more often than any row) relative to ``lr``. Default 1.0.
         aggregator_weight_decay: L2 on ``V`` per sample (both backends). With many negatives, per-sample SGD grows
             ``V`` along history directions the items have since left, until it drowns the history term (recall
             peaks, then collapses); a small decay removes those stale directions. Default 0.
-        dropout: dropout rate on the user vector during training (SimpleX's ``net_dropout``). As in the official
-            code it applies to the cosine-normalised user vector, with inverted scaling ``1 / (1 - rate)``, before
-            the dot products with the items; never during evaluation. Default 0.
+        dropout: dropout rate on the cosine-normalised user vector during training, inverted scaling (SimpleX's
+            ``net_dropout``, as in the official code); never during evaluation. Default 0.
         k: cut-off of the logged Recall@K / NDCG@K. Default 20.
         seed: seed of the initialisation, the history subsets and the negative samplers. Default 0.
-        loss: ``"ccl"`` (SimpleX's cosine contrastive loss above; uses ``margin`` and ``negative_weight``) or
-            ``"softmax"`` (the loss HEAT's C++ code trains: cross-entropy of the positive among itself and its ``n``
-            negatives over ``cos / temperature``; ``margin`` and ``negative_weight`` are ignored). Default ``"ccl"``.
+        loss: ``"ccl"`` (SimpleX's cosine contrastive loss above), ``"softmax"`` (HEAT's code's loss: cross-entropy
+            of the positive among itself and its negatives over ``cos / temperature``; no margin or weight) or
+            ``"auto"``: ``"softmax"`` when the training interactions fill at least 0.15% of all user-item pairs,
+            else ``"ccl"`` (:mod:`~lightning_sdp.models.simplex.auto`), logged and saved as a hyper-parameter.
+            Default ``"auto"``.
         temperature: softmax temperature (``loss="softmax"`` only; HEAT's code uses 0.07). Default 0.07.
         grad_clip: clip each coordinate of every embedding row's per-sample gradient (user, positive, negatives,
             history rows; loss plus weight decay) to ``[-grad_clip, grad_clip]`` before the update, as HEAT's SGD
-            does (0.1 in its Gowalla config); either loss, both backends (the reference clips each sample's
-            gradient, then averages over the batch). Not Lightning's ``gradient_clip_val``, which clips the batch
-            gradient. ``V`` is not clipped; with ``g < 1`` it needs the mean aggregator. ``None`` turns it off.
-            Default ``None``.
+            does; either loss, both backends (the reference clips each sample's gradient, then averages). Not
+            Lightning's ``gradient_clip_val`` (batch gradient). ``V`` is not clipped; with ``g < 1`` it needs the
+            mean aggregator. ``None``: off; ``"auto"``: 0.1 (HEAT's Gowalla value) under the softmax loss, else off.
+            Default ``"auto"``.
     """
 
     # buffers registered in __init__; declared so type checkers see Tensors, not nn.Module.__getattr__'s union
@@ -148,9 +145,9 @@ class SimpleXModule(LightningModule):
         k: int = 20,
         seed: int = 0,
         dropout: float = 0.0,
-        loss: Loss = "ccl",
+        loss: Loss | Literal["auto"] = "auto",
         temperature: float = 0.07,
-        grad_clip: float | None = None,
+        grad_clip: float | Literal["auto"] | None = "auto",
     ) -> None:
         super().__init__()
         self.config = SimpleXConfig(
@@ -270,12 +267,17 @@ class SimpleXModule(LightningModule):
         """Give the model the training interactions (CSR): histories and the items to mask when ranking.
 
         Called from :meth:`setup` with the datamodule's ``train_csr()``; call it yourself when training without an
-        :class:`~lightning_sdp.datamodules.InteractionsDataModule`.
+        :class:`~lightning_sdp.datamodules.InteractionsDataModule`. The ``"auto"`` arguments are chosen for them.
 
         Args:
             indptr: ``(num_users + 1,)`` offsets.
             indices: item ids of each user's training items.
         """
+        if self.config.auto_fields:  # resolve them for these interactions, keep them as hyper-parameters, say why
+            stats, fields = InteractionStats.from_csr(indptr, indices, self.num_items), self.config.auto_fields
+            self.config = self.config.with_data(stats)
+            self.hparams.update({name: getattr(self.config, name) for name in fields})
+            rank_zero_info(f"SimpleXModule: {explain(stats)}; grad_clip={self.config.grad_clip}.")
         c = self.config
         self._histories = UserHistories.from_csr(
             indptr, indices, self.num_users, self.num_items, c.max_history, c.seed, padded=c.uses_history
@@ -390,9 +392,9 @@ class SimpleXModule(LightningModule):
             self.attention_bias,
             self.attention_query,
             dropout_mask,
-            loss=c.loss,
+            loss=c.loss_name,
             temperature=c.temperature,
-            grad_clip=c.grad_clip,
+            grad_clip=c.grad_clip_value,
         )
 
     @torch.no_grad()

@@ -39,7 +39,7 @@ from lightning_sdp.plugins.heat import set_cpu_threads
 NAME = "heat_softmax_loss"
 LOSSES: dict[str, dict[str, Any]] = {
     "ccl": {"loss": "ccl", "margin": 0.9, "negative_weight": 150.0},
-    "softmax": {"loss": "softmax", "temperature": 0.07},
+    "softmax": {"loss": "softmax", "temperature": 0.07, "grad_clip": None},
     "softmax+clip": {"loss": "softmax", "temperature": 0.07, "grad_clip": 0.1},
 }
 

@@ -342,6 +342,24 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def machine_limit(
+    row: dict[str, Any], ddp: dict[str, Any] | None, bandwidth_mbit: float, world: int, cores: int
+) -> tuple[float, float]:
+    """The step this machine allows a method, and the method's fraction of it: ``(limit_s, limit_s / step_s)``.
+
+    The limit is the larger of DDP's CPU-bound step (DDP's CPU time per step per rank x ranks / cores: the same
+    arithmetic with no communication cost of its own) and the method's measured wire bytes per node over the link
+    rate (its own traffic at full link speed). NaN when DDP or the wire bytes were not measured.
+    """
+    nan = float("nan")
+    cpu_s = ddp.get("cpu_s_per_step_per_rank") if ddp else None
+    wire = row.get("wire_bytes_per_step_per_node")
+    if cpu_s is None or wire is None or not row.get("median_step_s"):
+        return nan, nan
+    limit = max(cpu_s * world / cores, 8.0 * wire / (bandwidth_mbit * 1e6))
+    return limit, limit / row["median_step_s"]
+
+
 def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dict, str, Any]:
     import matplotlib
 
@@ -364,6 +382,7 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
             if r is None:
                 continue
             d = by.get(("ddp", bw))
+            limit, fraction = machine_limit(r, d, bw, args.world, _cores())
             wire, acct = r["wire_bytes_per_step_per_node"], r["accounted_inter_bytes_per_step_per_node"]
             dwire = d["wire_bytes_per_step_per_node"] if d else None
             table.append({
@@ -375,6 +394,7 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
                 "wire / accounted": wire / acct if wire and acct else "",
                 "CPU s/step/rank": r.get("cpu_s_per_step_per_rank", float("nan")),
                 "CPU-bound step (s)": r.get("cpu_s_per_step_per_rank", float("nan")) * args.world / _cores(),
+                "limit step (s)": limit, "fraction of limit": fraction,
                 "load": round(r["load_avg_1m"], 1),
             })  # fmt: skip
     quality = []
@@ -391,28 +411,28 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
             "gap vs ddp (%)": 100 * (q["val_loss"] / ddp_val - 1) if ddp_val and q["val_loss"] else float("nan"),
             f"train loss at step {check + 1} identical at every bandwidth": all(same),
         })  # fmt: skip
-    speedups = []
+    speedups, fractions = [], []
     for m in methods:
         row: dict[str, Any] = {"method": m}
+        share: dict[str, Any] = {"method": m}
         for bw in bws:
             r, d = by.get((m, bw)), by.get(("ddp", bw))
             row[f"{bw:g}"] = d["median_step_s"] / r["median_step_s"] if r and d else float("nan")
+            share[f"{bw:g}"] = machine_limit(r, d, bw, args.world, _cores())[1] if r else float("nan")
         speedups.append(row)
+        fractions.append(share)
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for row in speedups:
-        ys = [row[f"{bw:g}"] for bw in bws]
-        style = "-" if row["method"].startswith("sdp4bit") else "--"
-        ax.plot(bws, ys, style, marker="o", label=row["method"], lw=2 if row["method"].startswith("sdp4bit") else 1)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set(
-        xscale="log",
-        xlabel="inter-node bandwidth per direction (Mbit/s, tc tbf)",
-        ylabel="speed-up over DDP",
-        title=f"GPT {args.n_layer}x{args.n_head}x{args.n_embd}, {args.nodes} nodes x {args.nproc} CPU processes",
-    )
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax, rows_, ylabel in ((axes[0], speedups, "speed-up over DDP"), (axes[1], fractions, "fraction of the limit")):
+        for row in rows_:
+            ys = [row[f"{bw:g}"] for bw in bws]
+            sdp = row["method"].startswith("sdp4bit")
+            ax.plot(bws, ys, "-" if sdp else "--", marker="o", label=row["method"], lw=2 if sdp else 1)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set(xscale="log", xlabel="inter-node bandwidth per direction (Mbit/s, tc tbf)", ylabel=ylabel)
+        ax.grid(alpha=0.3, which="both")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"GPT {args.n_layer}x{args.n_head}x{args.n_embd}, {args.nodes} nodes x {args.nproc} CPU processes")
     fig.tight_layout()
 
     params = next((r["params"] for r in ok if r.get("params")), None)
@@ -434,6 +454,15 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
         "",
         markdown_table(speedups, floatfmt="{:.2f}"),
         "",
+        "## Fraction of the machine's limit",
+        "",
+        "The step the machine allows each method: the larger of DDP's CPU-bound step (DDP's CPU time per step per "
+        f"rank x {args.world} ranks / {_cores()} cores, measured in the same run at the same bandwidth) and the "
+        "method's own measured wire bytes per node over the link rate; the fraction is that step over the "
+        "method's measured median step (1.0: nothing left to gain on this machine).",
+        "",
+        markdown_table(fractions, floatfmt="{:.2f}"),
+        "",
         f"## Quality (validation on {args.val_batches} batches per rank, trained at {quality_bw:g} Mbit/s)",
         "",
         markdown_table(quality),
@@ -445,8 +474,8 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
     ]
     if failed:
         md += ["## Methods that did not run", ""] + [f"- `{m}`: {e}" for m, e in failed.items()] + [""]
-    payload = {"args": vars(args), "rows": rows, "speedups": speedups, "quality": quality, "table": table,
-               "failed": failed}  # fmt: skip
+    payload = {"args": vars(args), "rows": rows, "speedups": speedups, "fractions_of_limit": fractions,
+               "quality": quality, "table": table, "failed": failed}  # fmt: skip
     return payload, "\n".join(md), fig
 
 

@@ -10,6 +10,7 @@ pytest.importorskip("numba", reason="HEAT's fused backend needs the cpu extra (n
 
 from benchmarks import (
     heat_attention_throughput,
+    heat_fused_gap,
     heat_gowalla_quality,
     heat_gowalla_tuning,
     heat_refit,
@@ -153,3 +154,15 @@ def test_gowalla_quality_combine_keeps_each_run_with_its_setting_and_command(tmp
         assert repeated["name"] == stem
     again = heat_gowalla_quality.combine_runs([RESULTS_DIR / "gowalla_quality_combined.json"])
     assert again["results"] == combined["results"] and again["sources"] == combined["sources"]
+
+
+@pytest.mark.bench
+@pytest.mark.slow
+def test_fused_gap_quick_scores_every_variant_with_both_losses() -> None:
+    heat_fused_gap.main(["--quick", "--seeds", "0"])
+    rows = _quick_results("heat_fused_gap")["rows"]
+    assert [r["loss"] for r in rows] == ["ccl", "softmax"]
+    for row in rows:
+        assert all(0.0 < row[v] <= 1.0 for v in heat_fused_gap.VARIANTS)  # every variant learned something
+        assert row["2t/1t"] == pytest.approx(row["fused_2t"] / row["fused_1t"])
+        assert row["fused_1t_spread"] == 0.0  # one seed

@@ -13,7 +13,13 @@ from typing import Any
 
 import pytest
 
-from benchmarks.sdp4bit_throughput import _expected_node_egress, _hooked_ddp_strategy, _parser, _run_method
+from benchmarks.sdp4bit_throughput import (
+    _expected_node_egress,
+    _hooked_ddp_strategy,
+    _parser,
+    _run_method,
+    machine_limit,
+)
 from tests._distributed import run_distributed
 
 pytestmark = pytest.mark.bench
@@ -65,6 +71,19 @@ def test_expected_node_egress_counts_inter_all_to_all_and_one_ring_edge() -> Non
     # two-stage all-gather: each rank's inter-node stage leaves the node, the intra-node stage does not
     ranks = [{"weight_inter": 100.0, "weight_intra": 200.0, "grad_inter": 40.0}] * 2
     assert _expected_node_egress(ranks) == 2 * 100.0 + 2 * 40.0
+
+
+def test_machine_limit_is_the_larger_of_ddp_cpu_work_and_the_methods_own_wire_time() -> None:
+    ddp = {"cpu_s_per_step_per_rank": 0.2, "median_step_s": 1.8, "wire_bytes_per_step_per_node": 20e6}
+    # 4 ranks on 2 cores: DDP's arithmetic allows 0.4 s; 1.25 MB at 100 Mbit/s is 0.1 s on the wire
+    fast_wire = {"median_step_s": 0.5, "wire_bytes_per_step_per_node": 1.25e6}
+    assert machine_limit(fast_wire, ddp, 100.0, 4, 2) == pytest.approx((0.4, 0.8))
+    # 12.5 MB at 50 Mbit/s is 2 s: the link, not the cores, is the limit
+    slow_link = {"median_step_s": 2.5, "wire_bytes_per_step_per_node": 12.5e6}
+    assert machine_limit(slow_link, ddp, 50.0, 4, 2) == pytest.approx((2.0, 0.8))
+    assert machine_limit(ddp, ddp, 100.0, 4, 2)[0] == pytest.approx(1.6)  # DDP itself: its 20 MB take 1.6 s
+    assert all(math.isnan(x) for x in machine_limit(fast_wire, None, 100.0, 4, 2))  # no DDP run: no limit
+    assert all(math.isnan(x) for x in machine_limit({"median_step_s": 0.5}, ddp, 100.0, 4, 2))
 
 
 def _run_methods(rank: int, world: int, data: str, methods: list[str]) -> list[dict[str, Any]]:

@@ -30,7 +30,7 @@ from lightning.pytorch import Trainer
 from benchmarks._common import machine_info, machine_line, markdown_table, write_results
 from benchmarks.interaction_suite import SUITE
 from lightning_sdp.datamodules.interactions import InteractionsDataModule
-from lightning_sdp.models.simplex import SimpleXModule
+from lightning_sdp.models.simplex import InteractionStats, SimpleXModule
 from lightning_sdp.plugins.heat import HEATAccelerator
 
 NAME = "heat_fused_gap"
@@ -91,8 +91,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for name in names:
         dm = _datamodule(name, args.quick)
-        indptr = dm.train_csr[0]
-        density = (indptr[-1]) / ((len(indptr) - 1) * dm.num_items)
+        density = InteractionStats.from_csr(*dm.train_csr, dm.num_items).density
         for loss in LOSSES:
             row: dict[str, Any] = {"data": name, "density": float(density), "loss": loss, "epochs": epochs}
             for variant in VARIANTS:

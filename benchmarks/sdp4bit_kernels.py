@@ -1,4 +1,4 @@
-"""SDP4Bit fused Triton kernels: equality with the torch reference and memory bandwidth (needs a CUDA GPU).
+"""SDP4Bit fused kernels (Triton on a GPU, numba on the CPU): equality with the torch reference and bandwidth.
 
 For each fused kernel the script checks the result against the plain-torch reference (bit-exact with explicit
 rounding offsets; dequantise-sum-Hadamard to float tolerance), then times it at ``--numel`` elements (64M by
@@ -8,10 +8,13 @@ on the same device. The target: at least half of the copy bandwidth.
 Writes ``benchmarks/results/sdp4bit_kernels.{json,md}``.
 
     .venv/bin/python -m benchmarks.sdp4bit_kernels                 # on a GPU
+    .venv/bin/python -m benchmarks.sdp4bit_kernels --backend numba --threads 1   # the CPU codec, one core
     TRITON_INTERPRET=1 .venv/bin/python -m benchmarks.sdp4bit_kernels --quick   # CPU smoke run of the script only
 
-``--quick`` uses a few thousand elements (the CPU interpreter is slow) and writes ``sdp4bit_kernels_quick.*``;
-its timings say nothing about a GPU.
+``--backend numba`` times the numba kernels on CPU tensors (4M elements by default, about the gradient of the
+benchmark GPT; the copy bandwidth is measured with the same number of threads) and writes
+``sdp4bit_kernels_cpu.*``. ``--quick`` uses a few thousand elements (the CPU interpreter is slow) and writes
+``sdp4bit_kernels_quick.*``; its timings say nothing about a GPU.
 """
 
 from __future__ import annotations
@@ -39,18 +42,33 @@ def _time(fn: Callable[[], object], device: torch.device, repeats: int) -> float
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--numel", type=int, default=64 * 2**20)
+    parser.add_argument("--backend", choices=("triton", "numba"), default=None, help="default: triton on a GPU")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads of torch and numba (numba backend)")
+    parser.add_argument("--numel", type=int, default=None, help="default 64M on a GPU, 4M with numba")
     parser.add_argument("--peers", type=int, default=2, help="K contributions summed by the receive kernels")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     from lightning_sdp.kernels import quantization as ref
-    from lightning_sdp.kernels import triton_quant as tq
     from lightning_sdp.kernels.quantization import QuantFormat, RoundingSource
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not args.quick:
-        raise SystemExit("No CUDA device: run with --quick (under TRITON_INTERPRET=1) to smoke-test the script only.")
+    backend = args.backend or ("triton" if torch.cuda.is_available() or args.quick else "numba")
+    if backend == "numba":
+        from lightning_sdp.kernels import numba_quant as tq
+
+        device = torch.device("cpu")
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        args.threads = torch.get_num_threads()
+        args.numel = args.numel or 4 * 2**20
+    else:
+        from lightning_sdp.kernels import triton_quant as tq  # type: ignore[no-redef]
+
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if device.type == "cpu" and not args.quick:
+            raise SystemExit("No CUDA device: --backend numba times the CPU codec; --quick smoke-tests this script.")
+        args.numel = args.numel or 64 * 2**20
+    args.backend = backend
     if args.quick:
         args.numel, args.repeats = 2 * 2048, 1
     n, k = args.numel, args.peers
@@ -136,7 +154,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                      "target >= 0.5": verdict, "torch reference ms": 1e3 * ref_sec,
                      "speed-up over reference": ref_sec / sec})  # fmt: skip
     md = [
-        f"# SDP4Bit fused kernels ({device.type}, {n} elements, K={k})",
+        f"# SDP4Bit fused kernels ({backend} on {device.type}, {n} elements, K={k}"
+        + (f", {args.threads} threads)" if backend == "numba" else ")"),
         "",
         "Equality with the torch reference: "
         + ", ".join(f"{c}: {'ok' if v else 'MISMATCH'}" for c, v in checks.items()),
@@ -147,10 +166,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.quick:
         md.insert(1, "\nSmoke run of the script under the CPU interpreter: the timings mean nothing.\n")
     payload = {"args": vars(args), "checks": checks, "rows": rows, "machine": machine_info()}
-    write_results("sdp4bit_kernels" + ("_quick" if args.quick else ""), payload, "\n".join(md))
+    stem = "sdp4bit_kernels" + ("_cpu" if backend == "numba" else "") + ("_quick" if args.quick else "")
+    write_results(stem, payload, "\n".join(md))
     print("\n".join(md))
     if not all(checks.values()):
-        raise SystemExit("a Triton kernel disagrees with the torch reference")
+        raise SystemExit(f"a {backend} kernel disagrees with the torch reference")
 
 
 if __name__ == "__main__":

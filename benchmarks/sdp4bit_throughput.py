@@ -11,7 +11,9 @@ every method:
 - ``fsdp2``: ``fully_shard`` (per Transformer block and the root) through Lightning's ModelParallelStrategy;
 - ``sdp4bit_none_none``, ``sdp4bit_qwd_tlq_hs``, ``sdp4bit_qw_ulq``: SDP4BitStrategy (weights/gradients);
   ``..._sequential``: the same with ``overlap=False`` (exchange after backward), to show what overlap buys;
-  ``..._fwd``: the same with ``overlap_param_gather=True`` (the weight all-gather runs on into the next forward).
+  ``..._fwd``: the same with ``overlap_param_gather=True`` (the weight all-gather runs on into the next forward);
+  ``..._torchcodec``: the same with the plain-torch codec (``kernel_backend="torch"``) instead of the default
+  numba kernels, to show what the fused CPU codec buys.
 
 Lightning's ``DDPStrategy(ddp_comm_hook=...)`` registers a hook only on CUDA devices (on a CPU it is silently not
 applied), so the DDP peers here register theirs with ``DistributedDataParallel.register_comm_hook`` themselves;
@@ -64,6 +66,7 @@ METHODS = [
     "sdp4bit_qwd_tlq_hs_sequential",
     "sdp4bit_none_none_fwd",
     "sdp4bit_qwd_tlq_hs_fwd",
+    "sdp4bit_qwd_tlq_hs_torchcodec",
 ]
 BANDWIDTHS = [50.0, 100.0, 200.0, 500.0, 1000.0, 10000.0]
 QUICK_METHODS = ["ddp", "ddp_fp16", "sdp4bit_qwd_tlq_hs"]
@@ -147,10 +150,11 @@ def _build(method: str, args: argparse.Namespace, vocab_size: int) -> tuple[Any,
         name = method.removeprefix("sdp4bit_")
         overlap = not name.endswith("_sequential")
         forward_gather = name.endswith("_fwd")
-        weights, grads = name.removesuffix("_sequential").removesuffix("_fwd").split("_", 1)
+        backend = "torch" if name.endswith("_torchcodec") else "auto"
+        weights, grads = name.removesuffix("_sequential").removesuffix("_fwd").removesuffix("_torchcodec").split("_", 1)
         strategy = SDP4BitStrategy(
             weight_compression=weights, gradient_compression=grads, seed=args.seed, timeout=timeout, overlap=overlap,
-            overlap_param_gather=forward_gather,
+            overlap_param_gather=forward_gather, kernel_backend=backend,
         )  # fmt: skip
         return GPT(**hp), strategy
     raise ValueError(f"Unknown method {method!r}; choose from {METHODS}.")

@@ -3,8 +3,8 @@ beside the linters, which leave the second core idle).
 
 1. Imports the heavy libraries the suite's processes import, so Python writes their bytecode once (the Makefile
    installs packages with ``pip --no-compile``) instead of every test worker compiling the same modules at once.
-2. Compiles HEAT's numba kernels into their on-disk cache (``lightning_sdp/kernels/__pycache__``) by running them on
-   tiny inputs of the types the package passes, so no test worker waits for the compilation.
+2. Compiles HEAT's and SDP4Bit's numba kernels into their on-disk cache (``lightning_sdp/kernels/__pycache__``) by
+   running them on tiny inputs of the types the package passes, so no test worker waits for the compilation.
 
 Nothing here is required: a test that runs first simply compiles what it needs itself.
 """
@@ -69,6 +69,23 @@ def compile_kernels() -> None:
             enable_progress_bar=False, enable_model_summary=False,
         )  # fmt: skip
         trainer.fit(model, data)
+    compile_codec()
+
+
+def compile_codec() -> None:
+    """SDP4Bit's numba codec: each kernel once (its arguments have one type signature whatever the format)."""
+    import torch
+
+    from lightning_sdp.kernels import numba_quant
+    from lightning_sdp.kernels.quantization import QuantFormat
+
+    fmt = QuantFormat(4, 64)
+    x = torch.randn(128)
+    payload, scales = numba_quant.encode(x, fmt, reference=torch.zeros(128))
+    numba_quant.dequantize_add_(x, payload, scales, fmt)
+    rows, row_scales = payload.expand(2, -1).contiguous(), scales.expand(2, -1).contiguous()
+    numba_quant.dequantize_sum_requantize(rows, row_scales, fmt, fmt)
+    numba_quant.dequantize_sum_hadamard(rows, row_scales, fmt, 32)
 
 
 def main() -> None:

@@ -44,7 +44,7 @@ def _quantize_store(
     ROWS: tl.constexpr, GROUP: tl.constexpr, QMAX: tl.constexpr, NOISE: tl.constexpr, PACK: tl.constexpr,
 ):  # fmt: skip
     absmax = tl.max(tl.abs(v), axis=1)
-    scale = tl.where(absmax > 0, tl.math.div_rn(absmax, tl.full((ROWS,), QMAX, tl.float32)), 1.0)
+    scale = tl.where(absmax == 0, 1.0, tl.math.div_rn(absmax, tl.full((ROWS,), QMAX, tl.float32)))
     if NOISE == 0:
         u = 0.5
     elif NOISE == 1:

@@ -4,7 +4,8 @@ SDP4Bit (Jia et al., "SDP4Bit: Toward 4-bit Communication Quantization in Sharde
 Training", NeurIPS 2024, arXiv 2410.15526) sends weights and gradients as low-bit integer codes plus one fp32
 scale per group of ``G`` contiguous values:
 
-* ``scale = absmax(group) / (2^(b-1) - 1)`` (an all-zero group gets scale 1 and codes 0),
+* ``scale = absmax(group) / (2^(b-1) - 1)`` (an all-zero group gets scale 1 and codes 0; a group holding NaN or
+  Inf gets a non-finite scale, which is how callers detect it),
 * ``code = floor(x / scale + u)`` clamped to ``±(2^(b-1) - 1)`` (±7 for 4 bits, ±127 for 8 bits), where ``u`` is
   uniform in ``[0, 1)`` for stochastic rounding (unbiased: ``E[code * scale] = x``) or ``0.5`` for
   round-to-nearest,
@@ -25,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -153,6 +155,50 @@ class RoundingSource:
         return scaled.add_(self.offsets(scaled.numel(), scaled.device).view(scaled.shape))
 
 
+_MASK64 = 2**64 - 1
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _splitmix64_int(z: int) -> int:
+    """The splitmix64 finaliser (Steele et al.) on a Python int taken modulo 2**64."""
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser on a uint64 array (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
+    return z ^ (z >> np.uint64(31))
+
+
+def counter_key(seed: int) -> int:
+    """The 64-bit key of the counter stream of ``seed``, as the signed integer the kernels take."""
+    key = _splitmix64_int((int(seed) * _GOLDEN + 1) & _MASK64)
+    return key - 2**64 if key >= 2**63 else key
+
+
+def counter_uniforms(seed: int, numel: int) -> Tensor:
+    """Offsets ``0 .. numel-1`` of the counter-based stream of ``seed``: fp32 in ``[0, 1)``, 24 random bits each.
+
+    Offset ``i`` is the top 24 bits of ``splitmix64(key + (i + 1) * golden)`` (``key`` from :func:`counter_key`),
+    a hash of the seed and the index: any offset can be made on its own, by any thread, in any order. The numba
+    codec draws its stochastic-rounding offsets this way; passing these as ``RoundingSource(noise=...)`` makes the
+    reference compute the same codes.
+
+    Args:
+        seed: the call's seed (``RoundingSource.seed``).
+        numel: number of offsets.
+    """
+    index = np.arange(1, numel + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = np.uint64(counter_key(seed) % 2**64) + index * np.uint64(_GOLDEN)
+    bits = _splitmix64(z) >> np.uint64(40)
+    return torch.from_numpy(bits.astype(np.float32) * np.float32(2.0**-24))
+
+
 def quantize(x: Tensor, fmt: QuantFormat, rounding: RoundingSource | Rounding = "stochastic") -> tuple[Tensor, Tensor]:
     """Quantise a flat tensor group-wise to integer codes.
 
@@ -173,7 +219,8 @@ def quantize(x: Tensor, fmt: QuantFormat, rounding: RoundingSource | Rounding = 
     # a divisor on the device, not a Python number: CUDA divides by a host scalar as a multiply by its reciprocal,
     # which can differ from the division (here and in the fused kernels) in the last bit
     divisor = torch.full((), level, dtype=absmax.dtype, device=absmax.device)
-    scales = torch.where(absmax > 0, absmax / divisor, torch.ones_like(absmax))
+    # an all-zero group gets scale 1; one holding NaN (or an overflow) keeps a non-finite scale the caller can see
+    scales = torch.where(absmax == 0, torch.ones_like(absmax), absmax / divisor)
     scaled = groups / scales[:, None]  # the only float temporary; what follows works in place
     codes = RoundingSource.of(rounding).add_(scaled).floor_().clamp_(-level, level)
     return codes.to(torch.int8).view(-1), scales

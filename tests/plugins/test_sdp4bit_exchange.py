@@ -6,11 +6,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_sdp._imports import _NUMBA_AVAILABLE
 from lightning_sdp.kernels import quantization as q
 from lightning_sdp.kernels.hadamard import hadamard_transform
 from lightning_sdp.kernels.quantization import QuantFormat
 from lightning_sdp.plugins.sdp4bit.exchange import (
     CommStats,
+    NumbaOps,
     RoundingRNG,
     TorchOps,
     all_gather_weights,
@@ -59,13 +61,17 @@ def _simulate(flats, fmt, n_inter, n_intra):
     return hadamard_transform(total, fmt.hadamard) / fmt.hadamard if fmt.hadamard else total
 
 
-def _gradient_checks(rank: int, world: int, intra: int) -> dict:
+def _ops(name: str) -> TorchOps:
+    return NumbaOps() if name == "numba" else TorchOps()
+
+
+def _gradient_checks(rank: int, world: int, intra: int, ops_name: str = "torch") -> dict:
     topo = build_topology(rank, world, intra)
     s = 4 * G
     numel = world * s
     flats = [_grads(k, numel, world) for k in range(world)]
     exact = torch.stack(flats).sum(0)[rank * s : (rank + 1) * s]
-    ops, rng = TorchOps(), RoundingRNG(0, rank, torch.device("cpu"))
+    ops, rng = _ops(ops_name), RoundingRNG(0, rank, torch.device("cpu"))
     out: dict = {"intra": topo.intra_size, "inter": topo.inter_size}
     for mode in MODES:
         fmt = gradient_format(mode, 8, 4, 32)
@@ -103,12 +109,12 @@ def _gradient_checks(rank: int, world: int, intra: int) -> dict:
     return out
 
 
-def _weight_checks(rank: int, world: int) -> dict:
+def _weight_checks(rank: int, world: int, ops_name: str = "torch") -> dict:
     topo = build_topology(rank, world, 2)
     s = 2048
     init = torch.randn(world * s, generator=torch.Generator().manual_seed(7))
     gen = torch.Generator().manual_seed(rank)
-    ops, rng = TorchOps(), RoundingRNG(0, rank, torch.device("cpu"))
+    ops, rng = _ops(ops_name), RoundingRNG(0, rank, torch.device("cpu"))
     # the same exchange as one ring over every rank (no two-stage groups), for the two-stage path to match
     flat_topo = dataclasses.replace(topo, weight_inter_group=None, weight_intra_group=None, owned_groups=[])
     out = {"two_stage": topo.weight_inter_group is not None and topo.weight_intra_group is not None}
@@ -148,6 +154,14 @@ def _all_checks(rank: int, world: int) -> dict:
         "intra_only": _gradient_checks(rank, world, world),
         "inter_only": _gradient_checks(rank, world, 1),
         "weights": _weight_checks(rank, world),
+        **(
+            {
+                "2x2_numba": _gradient_checks(rank, world, 2, "numba"),
+                "weights_numba": _weight_checks(rank, world, "numba"),
+            }
+            if _NUMBA_AVAILABLE
+            else {}
+        ),
     }
 
 
@@ -157,18 +171,29 @@ def results():
     return run_distributed(_all_checks, 4, timeout=240)
 
 
+@pytest.fixture(scope="module", params=["torch", "numba"])
+def codec(request):
+    """Which codec the exchange ran with: the torch reference or the numba kernels."""
+    if request.param == "numba" and not _NUMBA_AVAILABLE:
+        pytest.skip("numba is not installed (the cpu extra)")
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def grad_results(results):
-    return [r["2x2"] for r in results]
+def grad_results(results, codec):
+    return [r["2x2" if codec == "torch" else "2x2_numba"] for r in results]
 
 
 @pytest.mark.slow
-def test_two_level_topology_and_routing(grad_results):
+def test_two_level_topology_and_routing(grad_results, codec):
+    # the numba codec's Hadamard butterfly sums in another order than the model's matrix product: float rounding
+    # (a misrouted shard or a flipped code is off by a quantisation step, > 0.1 here)
+    tolerance = 1e-5 if codec == "torch" else 1e-4
     for rank, res in enumerate(grad_results):
         assert (res["intra"], res["inter"]) == (2, 2)
         for mode in MODES:
             # nearest rounding: exactly the single-process model of the two-level algorithm
-            assert res[mode]["sim_diff"] < 1e-5, (rank, mode, res[mode]["sim_diff"])
+            assert res[mode]["sim_diff"] < tolerance, (rank, mode, res[mode]["sim_diff"])
         assert res["none"]["rel_err"] < 1e-6
 
 
@@ -205,8 +230,8 @@ def test_single_level_topologies(results):
 
 
 @pytest.mark.slow
-def test_weight_exchange_qwd_vs_qw(results):
-    for res in (r["weights"] for r in results):
+def test_weight_exchange_qwd_vs_qw(results, codec):
+    for res in (r["weights" if codec == "torch" else "weights_numba"] for r in results):
         for mode in ("qwd", "qw", "none"):
             assert res[mode]["identical"], mode  # every rank holds bit-identical model weights
         assert res["two_stage"]

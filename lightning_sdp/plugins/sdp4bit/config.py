@@ -31,7 +31,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "gradient_compression": GRADIENT_MODES,
     "rounding": ("stochastic", "nearest"),
     "nonfinite_gradients": ("raise", "skip"),
-    "kernel_backend": ("auto", "torch", "triton"),
+    "kernel_backend": ("auto", "torch", "triton", "numba"),
 }
 
 
@@ -56,7 +56,7 @@ class SDP4BitConfig:
     intra_node_size: int | None = None
     nonfinite_gradients: Literal["raise", "skip"] = "raise"
     seed: int = 0
-    kernel_backend: Literal["auto", "torch", "triton"] = "auto"
+    kernel_backend: Literal["auto", "torch", "triton", "numba"] = "auto"
     track_drift: bool = True
     allow_any_optimizer: bool = False
     bucket_size_mb: float | None = 4.0

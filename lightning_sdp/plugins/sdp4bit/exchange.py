@@ -23,6 +23,7 @@ model weights, so all ranks stay bit-identical and the quantisation error is cor
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -288,15 +289,17 @@ class TimedOps(TorchOps):
         self._timed(self.ops.dequantize_add_, *args, **kwargs)
 
 
-class TritonOps(TorchOps):
-    """The same steps through the fused Triton kernels (CUDA)."""
+class FusedOps(TorchOps):
+    """The same steps through fused kernels that take the reference's arguments (one pass over memory each).
 
-    name = "triton"
+    Args:
+        kernels: the kernel module (:mod:`~lightning_sdp.kernels.triton_quant` or
+            :mod:`~lightning_sdp.kernels.numba_quant`).
+        name: what the backend is called in logs.
+    """
 
-    def __init__(self) -> None:
-        from lightning_sdp.kernels import triton_quant
-
-        self._k = triton_quant
+    def __init__(self, kernels: Any, name: str) -> None:
+        self._k, self.name = kernels, name
 
     def encode(
         self, x: Tensor, bits: int, group: int, rounding: Rounding, rng: RoundingRNG,
@@ -321,6 +324,59 @@ class TritonOps(TorchOps):
 
     def dequantize_add_(self, target: Tensor, payload: Tensor, scales: Tensor, bits: int, group: int) -> None:
         self._k.dequantize_add_(target, payload, scales, QuantFormat(bits, group))
+
+
+class TritonOps(FusedOps):
+    """The fused Triton kernels (CUDA; CPU tensors under ``TRITON_INTERPRET=1``)."""
+
+    def __init__(self) -> None:
+        from lightning_sdp.kernels import triton_quant
+
+        super().__init__(triton_quant, "triton")
+
+
+class NumbaOps(FusedOps):
+    """The fused, multi-threaded numba kernels (CPU), stochastic rounding from a counter-based stream."""
+
+    def __init__(self) -> None:
+        from lightning_sdp.kernels import numba_quant
+
+        super().__init__(numba_quant, "numba")
+
+
+def select_ops(backend: str, device: torch.device, *group_sizes: int) -> TorchOps:
+    """The codec of ``kernel_backend=backend`` for tensors on ``device``: Triton, numba or the torch reference.
+
+    ``"auto"`` takes the Triton kernels for CUDA tensors (when installed and every group size is a power of two),
+    the numba kernels for CPU tensors (when installed), else the reference. A named backend that cannot run raises.
+
+    Args:
+        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"numba"``.
+        device: where the buffers live.
+        group_sizes: the quantisation group sizes in use.
+    """
+    from lightning_sdp._imports import _NUMBA_AVAILABLE, _TRITON_AVAILABLE
+
+    if backend == "torch":
+        return TorchOps()
+    if backend == "numba":
+        if device.type != "cpu":
+            raise ValueError(f"kernel_backend='numba' runs on CPU tensors, not {device}; use 'auto' or 'triton'.")
+        return NumbaOps()  # raises with the install hint when numba is missing
+    pow2 = all(size & (size - 1) == 0 for size in group_sizes)
+    if backend == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "kernel_backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter)."
+            )
+        if not pow2:
+            raise ValueError(f"kernel_backend='triton' needs power-of-two group sizes, got {list(group_sizes)}.")
+        return TritonOps()
+    if device.type == "cuda" and _TRITON_AVAILABLE and pow2:
+        return TritonOps()
+    if device.type == "cpu" and _NUMBA_AVAILABLE:
+        return NumbaOps()
+    return TorchOps()
 
 
 def _all_to_all(out: Tensor, inp: Tensor, group: Any) -> None:

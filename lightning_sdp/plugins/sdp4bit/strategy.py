@@ -34,7 +34,7 @@ from typing_extensions import override
 
 from lightning_sdp._registry import register_class_aliases
 from lightning_sdp.plugins.sdp4bit.config import SDP4BitConfig
-from lightning_sdp.plugins.sdp4bit.exchange import CommStats, RoundingRNG, TimedOps, TorchOps, TritonOps
+from lightning_sdp.plugins.sdp4bit.exchange import CommStats, RoundingRNG, TimedOps, TorchOps, select_ops
 from lightning_sdp.plugins.sdp4bit.formats import GradientCompression, WeightCompression
 from lightning_sdp.plugins.sdp4bit.overlap import ExchangeContext, GradientOverlap, Pipeline, WeightOverlap
 from lightning_sdp.plugins.sdp4bit.precision import ClipKind, ShardedClippingPrecision
@@ -99,7 +99,8 @@ class SDP4BitStrategy(DDPStrategy):
             all ranks with a warning; counted in ``sdp4bit/skipped_steps``) when a gradient holds NaN/Inf. Not
             applied with one process.
         seed: seed of the stochastic rounding (reseeded from ``(seed, step, rank)`` every step).
-        kernel_backend: ``"auto"`` (Triton on CUDA when installed, else torch), ``"torch"`` or ``"triton"``.
+        kernel_backend: ``"auto"`` (Triton on CUDA when installed, numba on CPU when installed, else torch),
+            ``"torch"``, ``"triton"`` or ``"numba"``.
         track_drift: compute ``sdp4bit/weight_drift`` = ``||w_master - w_model|| / ||w_master||`` every step (one
             small all-reduce).
         allow_any_optimizer: accept optimizers that are not (subclasses of) the element-wise ``torch.optim`` ones;
@@ -163,7 +164,7 @@ class SDP4BitStrategy(DDPStrategy):
         intra_node_size: int | None = None,
         nonfinite_gradients: Literal["raise", "skip"] = "raise",
         seed: int = 0,
-        kernel_backend: Literal["auto", "torch", "triton"] = "auto",
+        kernel_backend: Literal["auto", "torch", "triton", "numba"] = "auto",
         track_drift: bool = True,
         allow_any_optimizer: bool = False,
         bucket_size_mb: float | None = 4.0,
@@ -326,25 +327,8 @@ class SDP4BitStrategy(DDPStrategy):
         self._weights.setup(context, defer=self._pipeline.threaded and self.config.overlap_param_gather and automatic)
 
     def _select_ops(self) -> TorchOps:
-        from lightning_sdp._imports import _TRITON_AVAILABLE
-
         cfg = self.config
-        if cfg.kernel_backend == "torch":
-            return TorchOps()
-        if cfg.kernel_backend == "triton":
-            if self.root_device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-                raise ValueError(
-                    "kernel_backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter)."
-                )
-            for name, size in (("weight_group_size", cfg.weight_group_size),
-                               ("gradient_group_size", cfg.gradient_group_size)):  # fmt: skip
-                if size & (size - 1):
-                    raise ValueError(f"kernel_backend='triton' needs {name} to be a power of two, got {size}.")
-            return TritonOps()
-        pow2 = all(s & (s - 1) == 0 for s in (cfg.weight_group_size, cfg.gradient_group_size))
-        if self.root_device.type == "cuda" and _TRITON_AVAILABLE and pow2:
-            return TritonOps()
-        return TorchOps()
+        return select_ops(cfg.kernel_backend, self.root_device, cfg.weight_group_size, cfg.gradient_group_size)
 
     def _param_names(self) -> dict[int, str]:
         assert self.lightning_module is not None

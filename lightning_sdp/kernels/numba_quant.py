@@ -388,13 +388,7 @@ def dequantize_add_(target: Tensor, payload: Tensor, scales: Tensor, fmt: QuantF
 
 
 def _rows(payloads: Tensor, scales: Tensor, fmt: QuantFormat) -> tuple[np.ndarray, np.ndarray, int]:
-    if payloads.dim() != 2 or scales.dim() != 2 or payloads.shape[0] != scales.shape[0] or payloads.shape[0] < 1:
-        raise ValueError(
-            f"payloads and scales must be (K, ...) with the same K >= 1, got {tuple(payloads.shape)} and "
-            f"{tuple(scales.shape)}."
-        )
-    numel = 2 * payloads.shape[1] if fmt.bits == 4 else payloads.shape[1]
-    fmt.check_scales(numel, scales[0])
+    _, numel = fmt.check_rows(payloads, scales)
     return payloads.contiguous().numpy(), scales.float().contiguous().numpy(), numel
 
 

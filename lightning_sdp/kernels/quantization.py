@@ -104,6 +104,18 @@ class QuantFormat:
                 f"{numel} codes need {groups} scales for group_size={self.group_size}, got {scales.numel()}."
             )
 
+    def check_rows(self, payloads: Tensor, scales: Tensor) -> tuple[int, int]:
+        """Raise unless ``payloads`` ``(K, nbytes)`` and ``scales`` ``(K, ngroups)`` are ``K >= 1`` matching wire rows;
+        return ``(K, values per row)`` (the fused codecs' receive steps take such rows)."""
+        if payloads.dim() != 2 or scales.dim() != 2 or payloads.shape[0] != scales.shape[0] or payloads.shape[0] < 1:
+            raise ValueError(
+                f"payloads and scales must be (K, ...) with the same K >= 1, got {tuple(payloads.shape)} and "
+                f"{tuple(scales.shape)}."
+            )
+        numel = 2 * payloads.shape[1] if self.bits == 4 else payloads.shape[1]
+        self.check_scales(numel, scales[0])
+        return payloads.shape[0], numel
+
 
 @dataclass(frozen=True, eq=False)
 class RoundingSource:

@@ -164,15 +164,6 @@ def dequantize_add_(target: Tensor, payload: Tensor, scales: Tensor, fmt: QuantF
     return target
 
 
-def _check_rows(payloads: Tensor, scales: Tensor, fmt: QuantFormat) -> tuple[int, int]:
-    if payloads.dim() != 2 or scales.dim() != 2 or payloads.shape[0] != scales.shape[0]:
-        raise ValueError("payloads and scales must be (K, ...) tensors with the same K.")
-    n = payloads.shape[1] * (2 if fmt.bits == 4 else 1)
-    if scales.shape[1] * fmt.group_size != n:
-        raise ValueError(f"{scales.shape[1]} scales per row do not cover {n} values with group {fmt.group_size}.")
-    return payloads.shape[0], n
-
-
 def dequantize_sum_requantize(
     payloads: Tensor,
     scales: Tensor,
@@ -191,7 +182,7 @@ def dequantize_sum_requantize(
     """
     kernels = _kernels()
     _pow2(fmt_out.group_size, "group_size")
-    k, n = _check_rows(payloads, scales, fmt_in)
+    k, n = fmt_in.check_rows(payloads, scales)
     fmt_out.num_groups(n, "sum")
     device = payloads.device
     mode, noise_t, seed = _noise_args(n, rounding, device)
@@ -219,7 +210,7 @@ def dequantize_sum_hadamard(
     """
     kernels = _kernels()
     _pow2(fmt.group_size, "group_size")
-    k, n = _check_rows(payloads, scales, fmt)
+    k, n = fmt.check_rows(payloads, scales)
     hb = _hadamard_block(fmt.group_size, hadamard_size)
     out = torch.empty(n, dtype=torch.float32, device=payloads.device)
     kernels["dequant_sum_hadamard"][_grid(n // fmt.group_size, fmt.group_size)](

@@ -115,7 +115,7 @@ def _four_process_run(rank: int, world: int, tmp: str) -> dict:
 
     # 2. SDP4Bit defaults (qwd + tlq_hs) on 2 emulated nodes x 2; uninterrupted, then 2 + 2 epochs with a checkpoint
     def sdp():
-        return SDP4BitStrategy(intra_node_size=2, weight_group_size=256, gradient_group_size=128, seed=1)
+        return SDP4BitStrategy("qwd", "tlq_hs", intra_node_size=2, weight_group_size=256, gradient_group_size=128, seed=1)
 
     module = _module()
     strategy = sdp()
@@ -158,7 +158,7 @@ def _four_process_run(rank: int, world: int, tmp: str) -> dict:
 
     # 4. NaN in one rank's gradient: skipped on every rank (counted), or raised naming the parameter
     module = _module(nan_at_step=1)
-    strategy = SDP4BitStrategy(intra_node_size=2, nonfinite_gradients="skip", weight_group_size=256)
+    strategy = SDP4BitStrategy("qwd", "tlq_hs", intra_node_size=2, nonfinite_gradients="skip", weight_group_size=256)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = _trainer(strategy, world, max_epochs=2)
@@ -168,11 +168,11 @@ def _four_process_run(rank: int, world: int, tmp: str) -> dict:
     out["skip_identical"] = _identical_on_all_ranks(_flat_params(module.net))
     out["skip_global_step"] = trainer.global_step
     module = _module(partial_at_step=1)
-    _trainer(SDP4BitStrategy(intra_node_size=2, weight_group_size=256), world, max_epochs=2).fit(module)
+    _trainer(SDP4BitStrategy("qwd", "tlq_hs", intra_node_size=2, weight_group_size=256), world, max_epochs=2).fit(module)
     out["partial_identical"] = _identical_on_all_ranks(_flat_params(module.net))
     module = _module(nan_at_step=1)
     try:
-        _trainer(SDP4BitStrategy(intra_node_size=2, weight_group_size=256), world, max_epochs=2).fit(module)
+        _trainer(SDP4BitStrategy("qwd", "tlq_hs", intra_node_size=2, weight_group_size=256), world, max_epochs=2).fit(module)
         out["raised"] = ""
     except FloatingPointError as err:
         out["raised"] = str(err)
@@ -187,7 +187,7 @@ def _four_process_run(rank: int, world: int, tmp: str) -> dict:
     dm.setup("fit")
     torch.manual_seed(0)
     gpt = GPT(vocab_size=dm.vocab_size, n_layer=1, n_head=2, n_embd=32, block_size=16, max_steps=3, warmup_steps=1)
-    strategy = SDP4BitStrategy(intra_node_size=2, weight_group_size=256)
+    strategy = SDP4BitStrategy("qwd", "tlq_hs", intra_node_size=2, weight_group_size=256)
     trainer = pl.Trainer(
         strategy=strategy, devices=world, accelerator="cpu", max_steps=3, precision="bf16-true", limit_val_batches=1,
         val_check_interval=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -215,7 +215,7 @@ def _two_process_resume(rank: int, world: int, tmp: str) -> dict:
 
     ckpt = torch.load(f"{tmp}/sdp4bit_w4.ckpt", weights_only=False)
     module = _module()
-    strategy = SDP4BitStrategy(weight_group_size=256, seed=1)
+    strategy = SDP4BitStrategy("qwd", "tlq_hs", weight_group_size=256, seed=1)
     trainer = _trainer(strategy, world, max_epochs=2)  # already reached: restore only
     trainer.fit(module, ckpt_path=f"{tmp}/sdp4bit_w4.ckpt")
     state = strategy.optimizer_state(trainer.optimizers[0])
@@ -229,7 +229,7 @@ def _two_process_resume(rank: int, world: int, tmp: str) -> dict:
         for i, p in zip(order, module.net.parameters(), strict=True)
     )
     module = _module()
-    strategy = SDP4BitStrategy(weight_group_size=256, seed=1)
+    strategy = SDP4BitStrategy("qwd", "tlq_hs", weight_group_size=256, seed=1)
     trainer = _trainer(strategy, world, max_epochs=3)
     trainer.fit(module, ckpt_path=f"{tmp}/sdp4bit_w4.ckpt")
     return {

@@ -143,7 +143,7 @@ def _run(rank: int, world: int) -> dict:
         return DDPStrategy(find_unused_parameters=True)
 
     def sdp(*modes, **kwargs):
-        return SDP4BitStrategy(*modes, weight_group_size=256, **kwargs)
+        return SDP4BitStrategy(*(modes or ("qwd", "tlq_hs")), weight_group_size=256, **kwargs)
 
     out: dict = {"init": _state(_module())}
     # items 1 and 4: frozen / unused parameters with AdamW (weight decay) and SGD (momentum); grad_norm at the hook

@@ -144,7 +144,7 @@ def _run(rank: int, world: int, tmp: str) -> dict:
 
     def sdp(**kwargs) -> SDP4BitStrategy:
         return SDP4BitStrategy(
-            intra_node_size=2, weight_group_size=256, gradient_group_size=128, seed=3, bucket_size_mb=BUCKET_MB,
+            "qwd", "tlq_hs", intra_node_size=2, weight_group_size=256, gradient_group_size=128, seed=3, bucket_size_mb=BUCKET_MB,
             **kwargs,
         )  # fmt: skip
 

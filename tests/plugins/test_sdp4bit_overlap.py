@@ -85,7 +85,7 @@ def _run(rank: int, world: int, tmp: str) -> dict:
     def sdp(overlap: bool, **kwargs):
         kwargs.setdefault("bucket_size_mb", BUCKET_MB)
         return SDP4BitStrategy(
-            intra_node_size=2, weight_group_size=256, gradient_group_size=128, seed=5, overlap=overlap,
+            "qwd", "tlq_hs", intra_node_size=2, weight_group_size=256, gradient_group_size=128, seed=5, overlap=overlap,
             nonfinite_gradients="skip", **kwargs,
         )  # fmt: skip
 

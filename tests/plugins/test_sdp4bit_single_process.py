@@ -195,7 +195,7 @@ def _two_processes(rank: int, world: int, tmp: str) -> dict:
     # a. the 1-process checkpoint, restored only (max_steps already reached): consolidated again, unchanged
     saved = torch.load(f"{tmp}/one.ckpt", weights_only=False)["optimizer_states"][0]
     module = _module(unused=True)
-    strategy = SDP4BitStrategy(weight_group_size=256)
+    strategy = SDP4BitStrategy("qwd", "tlq_hs", weight_group_size=256)
     trainer = _fit(module, strategy, world, ckpt_path=f"{tmp}/one.ckpt")
     state = strategy.optimizer_state(trainer.optimizers[0])
     out["same_state"] = all(
@@ -209,7 +209,7 @@ def _two_processes(rank: int, world: int, tmp: str) -> dict:
     out["restored_step"] = strategy._step
     # b. the same checkpoint, trained on for 3 more steps (8 samples per step: 4 per rank)
     module = _module(unused=True)
-    strategy = SDP4BitStrategy(weight_group_size=256)
+    strategy = SDP4BitStrategy("qwd", "tlq_hs", weight_group_size=256)
     trainer = _fit(module, strategy, world, ckpt_path=f"{tmp}/one.ckpt", max_steps=STEPS + 3)
     out["resumed_global_step"] = trainer.global_step
     out["resumed_losses"] = module.losses
@@ -224,7 +224,7 @@ def _two_processes(rank: int, world: int, tmp: str) -> dict:
     module = _module(unused=True)
     logger = CSVLogger(f"{tmp}/logs_rank{rank}")
     trainer = _trainer(
-        SDP4BitStrategy(weight_group_size=256), world, gradient_clip_val=CLIP, callbacks=[Look()], logger=logger,
+        SDP4BitStrategy("qwd", "tlq_hs", weight_group_size=256), world, gradient_clip_val=CLIP, callbacks=[Look()], logger=logger,
         log_every_n_steps=2,
     )  # fmt: skip
     users = trainer.precision_plugin

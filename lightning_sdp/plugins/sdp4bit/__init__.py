@@ -14,7 +14,7 @@ from lightning_sdp._lazy import lazy_exports
 
 _EXPORTS = {
     "SDP4BitStrategy": "lightning_sdp.plugins.sdp4bit.strategy",
-    "grad_norm": "lightning_sdp.plugins.sdp4bit.strategy",
+    "grad_norm": "lightning_sdp.plugins.sdp4bit.norms",
     "SDP4BitConfig": "lightning_sdp.plugins.sdp4bit.config",
     "WeightFormat": "lightning_sdp.plugins.sdp4bit.formats",
     "GradientFormat": "lightning_sdp.plugins.sdp4bit.formats",

@@ -14,6 +14,7 @@ from lightning_sdp.plugins.sdp4bit.formats import (
     GradientFormat,
     WeightCompression,
     WeightFormat,
+    WeightMode,
     gradient_format,
 )
 
@@ -23,12 +24,12 @@ MAX_GROUP_SIZE = 2**16
 MAX_HADAMARD_SIZE = 1024
 _INTS = (
     "weight_bits", "weight_group_size", "gradient_intra_bits", "gradient_inter_bits", "gradient_group_size",
-    "hadamard_size", "seed",
+    "hadamard_size", "seed", "auto_trial_steps", "auto_recheck_every_n_steps",
 )  # fmt: skip
 _FLAGS = ("track_drift", "allow_any_optimizer", "overlap", "overlap_param_gather", "log_metrics")
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "weight_compression": WEIGHT_MODES,
-    "gradient_compression": GRADIENT_MODES,
+    "weight_compression": ("auto", *WEIGHT_MODES),
+    "gradient_compression": ("auto", *GRADIENT_MODES),
     "rounding": ("stochastic", "nearest"),
     "nonfinite_gradients": ("raise", "skip"),
     "kernel_backend": ("auto", "torch", "triton", "numba"),
@@ -40,12 +41,12 @@ class SDP4BitConfig:
     """What SDP4Bit compresses and how it overlaps; the arguments of :class:`SDP4BitStrategy` of the same names.
 
     Construction checks every value once: a wrong type raises ``TypeError``, a wrong value ``ValueError``, each
-    naming the argument and what to pass instead. :attr:`weight_format`, :attr:`gradient_format` and
-    :attr:`alignment` are derived from the options.
+    naming the argument and what to pass instead. :attr:`weight_candidates`, :attr:`gradient_candidates`,
+    :attr:`weight_format`, :attr:`gradient_format` and :attr:`alignment` are derived from the options.
     """
 
-    weight_compression: WeightCompression = "qwd"
-    gradient_compression: GradientCompression = "tlq_hs"
+    weight_compression: WeightCompression = "auto"
+    gradient_compression: GradientCompression = "auto"
     weight_bits: int = 4
     weight_group_size: int = 2048
     gradient_intra_bits: int = 8
@@ -63,6 +64,8 @@ class SDP4BitConfig:
     overlap: bool = True
     overlap_param_gather: bool = False
     log_metrics: bool = True
+    auto_trial_steps: int = 3
+    auto_recheck_every_n_steps: int = 1000
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -76,7 +79,13 @@ class SDP4BitConfig:
         for name in ("weight_group_size", "gradient_group_size"):
             _check_group_size(name, getattr(self, name))
         _check_hadamard_size(self.hadamard_size)
-        if self.gradient_compression == "tlq_hs" and self.gradient_group_size % self.hadamard_size:
+        if self.auto_trial_steps < 1:
+            raise ValueError(f"auto_trial_steps must be at least 1, got {self.auto_trial_steps}.")
+        if self.auto_recheck_every_n_steps < 0:
+            raise ValueError(
+                f"auto_recheck_every_n_steps must be >= 0 (0: choose once), got {self.auto_recheck_every_n_steps}."
+            )
+        if self.gradient_compression in ("tlq_hs", "auto") and self.gradient_group_size % self.hadamard_size:
             raise ValueError(
                 f"gradient_group_size ({self.gradient_group_size}) must be a multiple of hadamard_size "
                 f"({self.hadamard_size}) so that every quantisation group holds whole Hadamard blocks."
@@ -103,28 +112,60 @@ class SDP4BitConfig:
             )
 
     @property
+    def auto(self) -> bool:
+        """Whether either compression is ``"auto"`` (chosen while training from what the strategy measures)."""
+        return "auto" in (self.weight_compression, self.gradient_compression)
+
+    @property
+    def weight_candidates(self) -> list[WeightFormat]:
+        """The weight formats the all-gather may use, most compressed first.
+
+        One for a fixed mode; for ``"auto"``: ``weight_bits`` qWD, then uncompressed (``"qw"`` sends as many bytes
+        as qWD and loses more, so it is never chosen).
+        """
+        modes: list[WeightMode] = ["qwd", "none"] if self.weight_compression == "auto" else [self.weight_compression]
+        return [WeightFormat(mode, self.weight_bits, self.weight_group_size) for mode in modes]
+
+    @property
+    def gradient_candidates(self) -> list[GradientFormat]:
+        """The gradient formats the reduce-scatter may use, most compressed first.
+
+        One for a fixed mode; for ``"auto"``: TLq-HS with the configured bits (8-bit intra / 4-bit inter by
+        default), TLq-HS with the intra-node bits at both levels, then fp32.
+        """
+        if self.gradient_compression != "auto":
+            return [self.gradient_format]
+        intra, inter, hadamard = self.gradient_intra_bits, self.gradient_inter_bits, self.hadamard_size
+        out = [GradientFormat(intra, inter, hadamard), GradientFormat(intra, intra, hadamard)]
+        return [*dict.fromkeys(out), GradientFormat(None, None, None)]
+
+    @property
     def weight_format(self) -> WeightFormat:
-        """Mode, bits and group size of the weight all-gather."""
-        return WeightFormat(self.weight_compression, self.weight_bits, self.weight_group_size)
+        """Mode, bits and group size of the weight all-gather (with ``"auto"``: the first candidate, qWD)."""
+        return self.weight_candidates[0]
 
     @property
     def gradient_format(self) -> GradientFormat:
-        """Bit widths and Hadamard block of the gradient reduce-scatter (``"ulq"``: 4 bits at every level)."""
+        """Bit widths and Hadamard block of the gradient reduce-scatter (``"ulq"``: 4 bits at every level; with
+        ``"auto"``: the first candidate, TLq-HS)."""
+        if self.gradient_compression == "auto":
+            return self.gradient_candidates[0]
         return gradient_format(
             self.gradient_compression, self.gradient_intra_bits, self.gradient_inter_bits, self.hadamard_size
         )
 
     @property
     def alignment(self) -> int:
-        """Every shard is a multiple of this many values (groups, Hadamard blocks, int4 byte pairs)."""
-        grads = self.gradient_format
+        """Every shard is a multiple of this many values (groups, Hadamard blocks, int4 byte pairs) for every
+        candidate format, so ``"auto"`` can switch formats without re-sharding."""
         sizes = [2]
-        if self.weight_format.quantized:
+        if any(w.quantized for w in self.weight_candidates):
             sizes.append(self.weight_group_size)
-        if grads.quantized:
-            sizes.append(self.gradient_group_size)
-        if grads.hadamard:
-            sizes.append(grads.hadamard)
+        for grads in self.gradient_candidates:
+            if grads.quantized:
+                sizes.append(self.gradient_group_size)
+            if grads.hadamard:
+                sizes.append(grads.hadamard)
         return math.lcm(*sizes)
 
     @property

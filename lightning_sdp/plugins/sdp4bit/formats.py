@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-WeightCompression = Literal["qwd", "qw", "none"]
-GradientCompression = Literal["tlq_hs", "tlq", "ulq", "none"]
+WeightMode = Literal["qwd", "qw", "none"]
+WeightCompression = Literal["auto", "qwd", "qw", "none"]
+GradientCompression = Literal["auto", "tlq_hs", "tlq", "ulq", "none"]
+# the fixed modes; ``"auto"`` chooses among some of them while training (see ``auto``)
 WEIGHT_MODES = ("qwd", "qw", "none")
 GRADIENT_MODES = ("tlq_hs", "tlq", "ulq", "none")
 
@@ -26,7 +28,7 @@ class WeightFormat:
         group_size: values per fp32 scale (unused for ``"none"``).
     """
 
-    mode: WeightCompression
+    mode: WeightMode
     bits: int
     group_size: int
 
@@ -39,6 +41,10 @@ class WeightFormat:
     def differences(self) -> bool:
         """Whether the codes are differences to the reconstructed weights (qWD), so errors do not accumulate."""
         return self.mode == "qwd"
+
+    def describe(self) -> str:
+        """The format in words, e.g. ``"4-bit qwd"`` or ``"uncompressed"``."""
+        return f"{self.bits}-bit {self.mode}" if self.quantized else "uncompressed"
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,13 @@ class GradientFormat:
         """Whether any level is quantised."""
         return self.intra_bits is not None
 
+    def describe(self) -> str:
+        """The format in words, e.g. ``"8-bit intra / 4-bit inter, Hadamard 32"`` or ``"fp32"``."""
+        if not self.quantized:
+            return "fp32"
+        hadamard = f", Hadamard {self.hadamard}" if self.hadamard else ""
+        return f"{self.intra_bits}-bit intra / {self.inter_bits}-bit inter{hadamard}"
+
 
 def gradient_format(mode: str, intra_bits: int, inter_bits: int, hadamard_size: int) -> GradientFormat:
     """The :class:`GradientFormat` of ``gradient_compression=mode``.
@@ -75,3 +88,20 @@ def gradient_format(mode: str, intra_bits: int, inter_bits: int, hadamard_size: 
     if mode == "none":
         return GradientFormat(None, None, None)
     raise ValueError(f"gradient_compression must be one of {GRADIENT_MODES}, got {mode!r}.")
+
+
+@dataclass
+class ActiveFormats:
+    """The formats the next exchanges use: fixed for fixed modes, switched between optimizer steps by ``"auto"``.
+
+    Every exchange reads them when it is launched and keeps what it read, so a switch never changes an exchange in
+    flight. Weight formats can switch at any step: qWD encodes against the weights every rank holds, whatever
+    format brought them.
+
+    Attributes:
+        weight: the weight all-gather's format.
+        gradient: the gradient reduce-scatter's format.
+    """
+
+    weight: WeightFormat
+    gradient: GradientFormat

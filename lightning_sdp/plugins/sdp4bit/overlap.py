@@ -43,6 +43,7 @@ from lightning_sdp.plugins.sdp4bit.exchange import (
     first_level_bits,
     max_safe_scale,
 )
+from lightning_sdp.plugins.sdp4bit.formats import ActiveFormats, GradientFormat
 from lightning_sdp.plugins.sdp4bit.sharding import FlatBucket, all_reduce_sum
 from lightning_sdp.plugins.sdp4bit.topology import Topology
 
@@ -126,6 +127,7 @@ class ExchangeContext:
         ops: torch or Triton kernels.
         stats: the strategy's byte accounting.
         pipeline: the worker threads (or the inline pipeline).
+        formats: the formats of the next exchanges (switched between steps by ``"auto"``).
     """
 
     config: SDP4BitConfig
@@ -136,6 +138,7 @@ class ExchangeContext:
     ops: TorchOps
     stats: CommStats
     pipeline: Pipeline
+    formats: ActiveFormats
 
 
 @dataclass
@@ -258,7 +261,7 @@ class GradientOverlap:
         if not any(p.requires_grad for p in bucket.params):
             self._jobs[pos] = None  # frozen bucket: nothing to exchange (the same on every rank)
             return
-        cfg, fmt = ctx.config, ctx.config.gradient_format
+        cfg, fmt = ctx.config, ctx.formats.gradient
         flat = bucket.gather_grads(ctx.world_size)
         key = len(order) - 1 - pos  # the bucket's index in the optimizer, whatever the launch order
         exchange = GradientExchange(
@@ -274,7 +277,7 @@ class GradientOverlap:
                 job.finite = _all_finite(flat)
                 encoded = exchange.encode()
                 if encoded is not None and job.finite:
-                    job.overflow = self._overflow_names(bucket, encoded[1], limit)
+                    job.overflow = self._overflow_names(bucket, encoded[1], limit, fmt)
             finally:
                 job.checked.set()
             exchange.first()
@@ -282,12 +285,12 @@ class GradientOverlap:
         job.future = ctx.pipeline.submit(first, exchange.second)
         self._jobs[pos] = job
 
-    def _overflow_names(self, bucket: FlatBucket, scales: Tensor, limit: float) -> list[str]:
+    def _overflow_names(self, bucket: FlatBucket, scales: Tensor, limit: float, fmt: GradientFormat) -> list[str]:
         bad = ~(torch.isfinite(scales) & (scales <= limit))
         if not bool(bad.any()):
             return []
         assert self._ctx is not None
-        fmt, g = self._ctx.config.gradient_format, self._ctx.config.gradient_group_size
+        g = self._ctx.config.gradient_group_size
         qmax = quantization.qmax(first_level_bits(self._ctx.topology, fmt))
         what = "after the Hadamard transform" if fmt.hadamard else "as quantised"
         out: list[str] = []
@@ -425,7 +428,7 @@ class WeightOverlap:
         """Queue the all-gather of every bucket, in forward order (the caller waits unless :attr:`defer`)."""
         ctx = self._ctx
         assert ctx is not None
-        cfg, fmt = ctx.config, ctx.config.weight_format
+        cfg, fmt = ctx.config, ctx.formats.weight
         futures = []
         self._covered = set()
         self._forward_started = False

@@ -26,16 +26,17 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sdp._registry import register_class_aliases
+from lightning_sdp.plugins.sdp4bit.auto import AutoCompression, Decision, build_auto
 from lightning_sdp.plugins.sdp4bit.config import SDP4BitConfig
 from lightning_sdp.plugins.sdp4bit.exchange import CommStats, RoundingRNG, TimedOps, TorchOps, select_ops
-from lightning_sdp.plugins.sdp4bit.formats import GradientCompression, WeightCompression
+from lightning_sdp.plugins.sdp4bit.formats import ActiveFormats, GradientCompression, WeightCompression
 from lightning_sdp.plugins.sdp4bit.overlap import ExchangeContext, GradientOverlap, Pipeline, WeightOverlap
 from lightning_sdp.plugins.sdp4bit.precision import ClipKind, ShardedClippingPrecision
 from lightning_sdp.plugins.sdp4bit.sharding import (
@@ -81,10 +82,14 @@ class SDP4BitStrategy(DDPStrategy):
     checkpoint saved by one process resumes under several and vice versa.
 
     Args:
-        weight_compression: ``"qwd"`` (default, quantised weight differences), ``"qw"`` (quantise the weights
-            themselves, as ZeRO++/QSDP do) or ``"none"`` (all-gather in the model dtype).
-        gradient_compression: ``"tlq_hs"`` (default), ``"tlq"`` (two levels, no Hadamard), ``"ulq"`` (4 bits at
-            every level, no Hadamard) or ``"none"`` (fp32 hierarchical reduce-scatter).
+        weight_compression: ``"auto"`` (default: chosen while training, see below), ``"qwd"`` (quantised weight
+            differences), ``"qw"`` (quantise the weights themselves, as ZeRO++/QSDP do) or ``"none"`` (all-gather
+            in the model dtype).
+        gradient_compression: ``"auto"`` (default), ``"tlq_hs"`` (the paper's), ``"tlq"`` (two levels, no
+            Hadamard), ``"ulq"`` (4 bits at every level, no Hadamard) or ``"none"`` (fp32 hierarchical
+            reduce-scatter). ``"auto"`` times each level's link at set-up, then tries qWD or uncompressed weights
+            with TLq-HS (bits as set, or the intra bits at both levels) or fp32 gradients for a few steps each (not
+            those whose wire time exceeds the best step so far), keeps the fastest and logs it (docs/sdp4bit.md).
         weight_bits: bits of the weight codes (4 or 8; default 4).
         weight_group_size: values per fp32 scale for weights (default 2048).
         gradient_intra_bits: bits inside a node (default 8).
@@ -125,6 +130,9 @@ class SDP4BitStrategy(DDPStrategy):
             weight drift) with ``LightningModule.log``, so loggers get them every ``log_every_n_steps`` as any
             ``self.log(on_step=True)`` value (default ``True``). ``False`` logs none; :attr:`comm_stats` still
             counts. With one process none are logged either way (nothing is communicated).
+        auto_trial_steps: with ``"auto"``, optimizer steps timed per candidate (default 3, after one to settle).
+        auto_recheck_every_n_steps: with ``"auto"``, optimizer steps between a choice and the next round of
+            trials (default 1000; 0: choose once per ``fit``).
         accelerator: see :class:`~lightning.pytorch.strategies.DDPStrategy`.
         parallel_devices: see ``DDPStrategy``.
         cluster_environment: see ``DDPStrategy``.
@@ -146,14 +154,15 @@ class SDP4BitStrategy(DDPStrategy):
         topology: the intra/inter-node process groups (set at ``fit``; the trivial one with one process).
         skipped_steps: optimizer steps skipped for a non-finite gradient (``nonfinite_gradients="skip"``).
         weight_drift: the last measured ``||w_master - w_model|| / ||w_master||`` (``track_drift``).
+        auto_decisions: the choices ``"auto"`` made in this ``fit`` (formats, step times, links).
     """
 
     strategy_name = "sdp4bit"
 
     def __init__(
         self,
-        weight_compression: WeightCompression = "qwd",
-        gradient_compression: GradientCompression = "tlq_hs",
+        weight_compression: WeightCompression = "auto",
+        gradient_compression: GradientCompression = "auto",
         weight_bits: int = 4,
         weight_group_size: int = 2048,
         gradient_intra_bits: int = 8,
@@ -171,6 +180,8 @@ class SDP4BitStrategy(DDPStrategy):
         overlap: bool = True,
         overlap_param_gather: bool = False,
         log_metrics: bool = True,
+        auto_trial_steps: int = 3,
+        auto_recheck_every_n_steps: int = 1000,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -187,7 +198,8 @@ class SDP4BitStrategy(DDPStrategy):
             hadamard_size=hadamard_size, rounding=rounding, intra_node_size=intra_node_size,
             nonfinite_gradients=nonfinite_gradients, seed=seed, kernel_backend=kernel_backend, track_drift=track_drift,
             allow_any_optimizer=allow_any_optimizer, bucket_size_mb=bucket_size_mb, overlap=overlap,
-            overlap_param_gather=overlap_param_gather, log_metrics=log_metrics,
+            overlap_param_gather=overlap_param_gather, log_metrics=log_metrics, auto_trial_steps=auto_trial_steps,
+            auto_recheck_every_n_steps=auto_recheck_every_n_steps,
         )  # fmt: skip
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
@@ -203,6 +215,8 @@ class SDP4BitStrategy(DDPStrategy):
         self._ops: TorchOps = TorchOps()
         self._rng: RoundingRNG | None = None
         self._pipeline = Pipeline(threaded=False)
+        self._formats = ActiveFormats(self.config.weight_format, self.config.gradient_format)
+        self._auto: AutoCompression | None = None
         self._gradients = GradientOverlap()
         self._weights = WeightOverlap()
         # Hadamard blocks never straddle two parameters (a zero gradient stays exactly zero). A measurement knob, not
@@ -228,7 +242,7 @@ class SDP4BitStrategy(DDPStrategy):
     @property
     def _param_alignment(self) -> int:
         """Every parameter starts at a multiple of this in the flat buffer (the Hadamard block, when one is used)."""
-        hadamard = self.config.gradient_format.hadamard
+        hadamard = max(g.hadamard or 0 for g in self.config.gradient_candidates)
         if hadamard and self.world_size > 1 and self._align_hadamard_blocks:
             return hadamard
         return 1
@@ -263,6 +277,7 @@ class SDP4BitStrategy(DDPStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         self._check_trainable()
+        self._auto = None
         self._single_process = self.world_size == 1
         if self._single_process:
             self._setup_single_process()
@@ -278,6 +293,16 @@ class SDP4BitStrategy(DDPStrategy):
             )  # fmt: skip
             self._warn_padding(self._buckets[id(raw)])
         self._index_params()
+        if self.config.auto:
+            cfg, topo = self.config, self.topology
+            assert topo is not None and self.lightning_module is not None
+            itemsize = max(p.element_size() for p in self.lightning_module.parameters())
+            self._auto = build_auto(
+                cfg.weight_candidates, cfg.gradient_candidates, topo, [b.shard_size for b in self._all_buckets()],
+                itemsize, cfg.gradient_group_size, self.root_device, cfg.auto_trial_steps,
+                cfg.auto_recheck_every_n_steps, self._wait_all_weights,
+            )  # fmt: skip
+            self._auto_seen_step = -1
         # Global-norm and value clipping on the shards (Lightning clips through the precision plugin).
         if not isinstance(self.precision_plugin, ShardedClippingPrecision):
             self.precision_plugin = ShardedClippingPrecision(self.precision_plugin, self._clip_shards)
@@ -318,9 +343,11 @@ class SDP4BitStrategy(DDPStrategy):
             self._ops = TimedOps(self._ops, self.comm_stats)  # sdp4bit/codec_ms: quantise/dequantise time per step
         self._rng = RoundingRNG(self.config.seed, self.global_rank, self.root_device)
         self._pipeline = Pipeline(threaded=self.config.overlap and self.world_size > 1)
+        self._formats = ActiveFormats(self.config.weight_format, self.config.gradient_format)
         context = ExchangeContext(
-            self.config, topo, self.world_size, self.root_device, self._rng, self._ops, self.comm_stats, self._pipeline
-        )
+            self.config, topo, self.world_size, self.root_device, self._rng, self._ops, self.comm_stats, self._pipeline,
+            self._formats,
+        )  # fmt: skip
         assert self.lightning_module is not None
         automatic = self.lightning_module.automatic_optimization
         self._gradients.setup(context)
@@ -603,6 +630,8 @@ class SDP4BitStrategy(DDPStrategy):
             metrics["sdp4bit/codec_ms"] = 1e3 * stats.codec_seconds
         if self.config.track_drift and not math.isnan(self.weight_drift):
             metrics["sdp4bit/weight_drift"] = self.weight_drift
+        if self._auto is not None:
+            metrics.update(self._auto.metrics())
         module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
     # ------------------------------------------------------------------------------------------------ checkpoints
@@ -679,6 +708,23 @@ class SDP4BitStrategy(DDPStrategy):
     # ------------------------------------------------------------------------------------------------ hooks
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """With ``"auto"``: time the optimizer steps and switch formats between them (see ``auto``)."""
+        super().on_train_batch_start(batch, batch_idx)
+        if self._auto is None or self._step == self._auto_seen_step:
+            return  # not a new optimizer step (gradient accumulation)
+        self._auto_seen_step, decided = self._step, len(self._auto.decisions)
+        active = self._auto.observe(self._step)
+        self._formats.weight, self._formats.gradient = active.weight, active.gradient
+        if len(self._auto.decisions) > decided:
+            rank_zero_info(self._auto.decisions[-1].describe())
+
+    @property
+    def auto_decisions(self) -> list[Decision]:
+        """The choices of ``"auto"`` in this ``fit``, oldest first (empty with fixed formats or one process)."""
+        return [] if self._auto is None else list(self._auto.decisions)
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Wait for the buckets whose parameters are read outside their module's forward, then as DDP."""
         self._weights.wait_eager()
@@ -748,33 +794,6 @@ class SDP4BitStrategy(DDPStrategy):
                 )
             )
         return [b.master for b in buckets]
-
-
-def grad_norm(
-    module: Module, norm_type: float | int | str, group_separator: str = "/", strategy: Any = None
-) -> dict[str, Tensor]:
-    """Drop-in for :func:`lightning.pytorch.utilities.grad_norm` that also works under :class:`SDP4BitStrategy`.
-
-    SDP4Bit reduces the gradients into flat shards and drops the parameters' ``.grad`` before
-    ``on_before_optimizer_step``; this returns the norms of the reduced gradients (what DDP's ``.grad`` holds), with
-    the same keys. Under any other strategy it calls Lightning's ``grad_norm``. Under SDP4Bit it is a collective:
-    call it on every rank (hooks run on every rank).
-
-    Args:
-        module: the module to report (usually ``self`` in a LightningModule hook).
-        norm_type: the p of the p-norm; ``"inf"`` for the max norm.
-        group_separator: separator in the keys (default ``"/"``).
-        strategy: the strategy; default ``module.trainer.strategy`` for a LightningModule.
-    """
-    from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
-
-    if strategy is None:
-        trainer = getattr(module, "_trainer", None)
-        strategy = getattr(trainer, "strategy", None)
-    if isinstance(strategy, SDP4BitStrategy) and strategy._buckets:
-        return strategy.grad_norm(module, norm_type, group_separator)
-    # Lightning annotates its values as ``float`` but returns 0-dim tensors (``p.grad.norm(...)``), as we do
-    return cast(dict[str, Tensor], lightning_grad_norm(module, norm_type, group_separator))
 
 
 # When this module is what first imports lightning.pytorch, the import hook ran before the class existed.

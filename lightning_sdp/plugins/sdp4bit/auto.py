@@ -1,0 +1,325 @@
+"""``"auto"`` compression: the formats that make this run's step shortest, chosen from what the run measures.
+
+How much compression pays depends on the link (a 50 Mbit/s link between nodes wants 4-bit codes, a 10 Gbit/s one
+may not), on the CPU or GPU that runs the codec, and on the model. :class:`AutoCompression` therefore measures:
+
+1. At set-up, :func:`probe_links` times an all-to-all on each level's process group (intra-node, inter-node), all
+   ranks at once as in training, doubling the message until it takes long enough to time; with the exact bytes
+   each format sends (:func:`wire_bytes`), every candidate gets a lower bound on its step: its time on the wire.
+2. Over the first optimizer steps the candidates are tried in order of that bound, each for ``trial_steps`` steps
+   after one to settle, and their median step times are agreed across ranks (the slowest rank's). A candidate
+   whose wire time alone exceeds the best step measured so far is not tried.
+3. The fastest measured candidate is kept (of those within 3% of it, the least compressed: as fast, and exact),
+   the same on every rank since every rank decides from the same agreed numbers, and tried again every
+   ``recheck_every`` steps.
+
+Every trial step is a real training step; only its format differs. Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_sdp.plugins.sdp4bit.formats import GradientFormat, WeightFormat
+from lightning_sdp.plugins.sdp4bit.topology import Topology
+
+# Step times this close are one another's noise on a shared machine; the less compressed of two such is then
+# preferred (same speed, exact values).
+EQUAL_WITHIN = 0.03
+# A probe message is timed once it takes at least this long (or reaches the largest size).
+_PROBE_SECONDS = 0.05
+_PROBE_BYTES = (2**16, 2**24)
+
+Agree = Callable[[Sequence[float]], list[float]]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One weight format and one gradient format used together."""
+
+    weight: WeightFormat
+    gradient: GradientFormat
+
+    def describe(self) -> str:
+        """In words, e.g. ``"weights 4-bit qwd, gradients 8-bit intra / 4-bit inter, Hadamard 32"``."""
+        return f"weights {self.weight.describe()}, gradients {self.gradient.describe()}"
+
+    @property
+    def exactness(self) -> tuple[int, int]:
+        """Larger for less compression: bits per weight value, bits per gradient value between nodes."""
+        weight = 32 if not self.weight.quantized else self.weight.bits
+        gradient = 32 if not self.gradient.quantized else (self.gradient.inter_bits or 32)
+        return weight, gradient
+
+
+@dataclass(frozen=True)
+class LinkSpeeds:
+    """Bytes per second each rank moved at each level while every rank sent at once (``None``: no such level)."""
+
+    intra: float | None
+    inter: float | None
+
+    def describe(self) -> str:
+        """In words, in Mbit/s per rank."""
+        parts = [f"{name} {speed * 8 / 1e6:,.0f} Mbit/s" for name, speed in (("intra-node", self.intra),
+                 ("inter-node", self.inter)) if speed is not None]  # fmt: skip
+        return ", ".join(parts) or "no link"
+
+
+def probe_links(topo: Topology, device: torch.device, agree: Agree) -> LinkSpeeds:
+    """Time an all-to-all on each level's group, all ranks at once (a collective on every rank).
+
+    Args:
+        topo: the process topology (its intra- and inter-node groups).
+        device: where the messages live (the strategy's root device).
+        agree: element-wise maximum of a list of floats over all ranks (so every rank reads the slowest time).
+    """
+
+    def level(group: Any, size: int) -> float | None:
+        if group is None or size < 2:
+            return None
+        nbytes = _PROBE_BYTES[0]
+        warm = True
+        while True:
+            numel = max(size, nbytes // 4 // size * size)
+            send = torch.zeros(numel, device=device)
+            recv = torch.empty_like(send)
+            if warm:  # the first collective on a group sets up its connections
+                dist.all_to_all_single(recv, send, group=group)
+                warm = False
+            agree([0.0])  # start together, so the ranks share the link as they do in training
+            start = time.perf_counter()
+            dist.all_to_all_single(recv, send, group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            elapsed = agree([time.perf_counter() - start])[0]
+            moved = 4 * numel * (size - 1) / size
+            if elapsed >= _PROBE_SECONDS or 4 * numel >= _PROBE_BYTES[1]:
+                return moved / max(elapsed, 1e-9)
+            nbytes *= 4
+
+    inter_group = topo.inter_group if topo.intra_size > 1 else topo.world_group
+    return LinkSpeeds(level(topo.intra_group, topo.intra_size), level(inter_group, topo.inter_size))
+
+
+def wire_bytes(
+    candidate: Candidate, topo: Topology, shard_sizes: Sequence[int], weight_itemsize: int, gradient_group: int
+) -> tuple[float, float]:
+    """Bytes this rank sends per optimizer step at each level, ``(intra, inter)``, as the exchange sends them.
+
+    Args:
+        candidate: the formats.
+        topo: the process topology.
+        shard_sizes: values per rank of every bucket.
+        weight_itemsize: bytes of one model weight (uncompressed all-gather).
+        gradient_group: values per gradient scale.
+    """
+    nodes, local, world = topo.inter_size, topo.intra_size, topo.world_size
+    grad, weight = candidate.gradient, candidate.weight
+
+    def grad_bytes(values: float, bits: int | None) -> float:
+        return 4.0 * values if bits is None else values * (bits / 8 + 4 / gradient_group)
+
+    intra = inter = 0.0
+    for s in shard_sizes:
+        if local > 1:
+            intra += (local - 1) / local * grad_bytes(world * s, grad.intra_bits)
+            if nodes > 1:
+                inter += (nodes - 1) / nodes * grad_bytes(nodes * s, grad.inter_bits)
+        elif nodes > 1:
+            inter += (nodes - 1) / nodes * grad_bytes(world * s, grad.inter_bits)
+        row = s * (weight.bits / 8 + 4 / weight.group_size) if weight.quantized else s * weight_itemsize
+        if nodes > 1 and local > 1:
+            inter += (nodes - 1) * row
+            intra += (local - 1) * nodes * row
+        elif nodes > 1:
+            inter += (world - 1) * row
+        else:
+            intra += (world - 1) * row
+    return intra, inter
+
+
+def distinct_candidates(
+    weights: Sequence[WeightFormat], gradients: Sequence[GradientFormat], topo: Topology
+) -> list[Candidate]:
+    """Every pair of formats, without those that would send the same codes on this topology (with one node the
+    inter-node bits are never used)."""
+    seen: dict[tuple[Any, ...], Candidate] = {}
+    for w in weights:
+        for g in gradients:
+            key = (w, g.intra_bits if topo.intra_size > 1 else None, g.inter_bits if topo.inter_size > 1 else None,
+                   g.hadamard)  # fmt: skip
+            seen.setdefault(key, Candidate(w, g))
+    return list(seen.values())
+
+
+@dataclass
+class Decision:
+    """One choice of ``"auto"``: when, what, and the step times (s) it was chosen from."""
+
+    step: int
+    chosen: Candidate
+    measured: dict[str, float]
+    links: LinkSpeeds
+    skipped: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        """The decision in words, as logged."""
+        others = "; ".join(f"{name}: {seconds:.3f} s" for name, seconds in self.measured.items())
+        text = f"SDP4Bit auto (step {self.step}): {self.chosen.describe()}. Step times tried: {others}."
+        if self.skipped:
+            text += f" Not tried (their wire time alone is longer): {'; '.join(self.skipped)}."
+        return f"{text} Links: {self.links.describe()}."
+
+
+class AutoCompression:
+    """Tries the candidate formats over the first optimizer steps and keeps the fastest (see the module docstring).
+
+    Call :meth:`observe` on every rank at the start of every optimizer step, then exchange with :attr:`active`.
+
+    Args:
+        candidates: the formats to choose from.
+        wire_seconds: each candidate's time on the wire per step (a lower bound on its step).
+        trial_steps: steps timed per candidate (after one to settle; two for the first, which also warms up).
+        recheck_every: optimizer steps between a decision and the next round of trials (0: never).
+        agree: element-wise maximum of a list of floats over all ranks.
+        links: the measured link speeds (reported with each decision).
+        remeasure: called before a recheck; returns fresh ``(wire_seconds, links)``.
+    """
+
+    def __init__(
+        self,
+        candidates: Sequence[Candidate],
+        wire_seconds: Sequence[float],
+        trial_steps: int,
+        recheck_every: int,
+        agree: Agree,
+        links: LinkSpeeds,
+        remeasure: Callable[[], tuple[list[float], LinkSpeeds]] | None = None,
+    ) -> None:
+        if not candidates or len(candidates) != len(wire_seconds):
+            raise ValueError("AutoCompression needs one wire time per candidate, and at least one candidate.")
+        self.candidates, self.wire = list(candidates), list(wire_seconds)
+        self.trial_steps, self.recheck_every = trial_steps, recheck_every
+        self.agree, self.links, self.remeasure = agree, links, remeasure
+        self.decisions: list[Decision] = []
+        self._last: float | None = None
+        self._start_trials(settle=2)
+
+    @property
+    def trialling(self) -> bool:
+        """Whether candidates are being timed (the formats may change at the next step)."""
+        return self._current is not None
+
+    def _start_trials(self, settle: int) -> None:
+        order = sorted(range(len(self.candidates)), key=lambda i: (self.wire[i], i))
+        self._queue = order[1:]
+        self._current: int | None = order[0]
+        self._settle = settle
+        self._durations: list[float] = []
+        self._measured: dict[int, float] = {}
+        self._skipped: list[int] = []
+        self.active = self.candidates[order[0]]
+        self._decided_at: int | None = None
+
+    def observe(self, step: int, now: float | None = None) -> Candidate:
+        """Note that optimizer step ``step`` starts (a collective when a trial ends); returns the formats to use."""
+        now = time.perf_counter() if now is None else now
+        elapsed, self._last = (None if self._last is None else now - self._last), now
+        if self._current is None:
+            if self.recheck_every and self._decided_at is not None and step - self._decided_at >= self.recheck_every:
+                if self.remeasure is not None:
+                    self.wire, self.links = self.remeasure()
+                self._start_trials(settle=1)
+            return self.active
+        if elapsed is not None:
+            if self._settle:
+                self._settle -= 1
+            else:
+                self._durations.append(elapsed)
+        if len(self._durations) >= self.trial_steps:
+            self._finish_trial(step)
+        return self.active
+
+    def _finish_trial(self, step: int) -> None:
+        assert self._current is not None
+        self._measured[self._current] = self.agree([statistics.median(self._durations)])[0]
+        best = min(self._measured.values())
+        self._skipped += [i for i in self._queue if self.wire[i] >= best]
+        self._queue = [i for i in self._queue if self.wire[i] < best]
+        if self._queue:
+            self._current = self._queue.pop(0)
+            self.active = self.candidates[self._current]
+            self._settle, self._durations = 1, []
+            return
+        close = [i for i, t in self._measured.items() if t <= best * (1 + EQUAL_WITHIN)]
+        chosen = max(close, key=lambda i: (self.candidates[i].exactness, -self._measured[i]))
+        self.active, self._current, self._decided_at = self.candidates[chosen], None, step
+        measured = {self.candidates[i].describe(): t for i, t in sorted(self._measured.items(), key=lambda x: x[1])}
+        skipped = [f"{self.candidates[i].describe()} ({self.wire[i]:.3f} s)" for i in self._skipped]
+        self.decisions.append(Decision(step, self.active, measured, self.links, skipped))
+
+    def metrics(self) -> dict[str, float]:
+        """``sdp4bit/auto_*`` scalars: whether candidates are being tried, the links in Mbit/s per rank."""
+        out = {"sdp4bit/auto_trialling": float(self.trialling)}
+        for name, speed in (("intra", self.links.intra), ("inter", self.links.inter)):
+            if speed is not None:
+                out[f"sdp4bit/link_{name}_mbit_s"] = speed * 8 / 1e6
+        return out
+
+
+def build_auto(
+    weights: Sequence[WeightFormat],
+    gradients: Sequence[GradientFormat],
+    topo: Topology,
+    shard_sizes: Sequence[int],
+    weight_itemsize: int,
+    gradient_group: int,
+    device: torch.device,
+    trial_steps: int,
+    recheck_every: int,
+    before_probe: Callable[[], None] = lambda: None,
+) -> AutoCompression:
+    """Probe the links (a collective) and return the controller that chooses among ``weights x gradients``.
+
+    Args:
+        weights: candidate weight formats.
+        gradients: candidate gradient formats.
+        topo: the process topology.
+        shard_sizes: values per rank of every bucket.
+        weight_itemsize: bytes of one model weight.
+        gradient_group: values per gradient scale.
+        device: the strategy's root device.
+        trial_steps: see :class:`AutoCompression`.
+        recheck_every: see :class:`AutoCompression`.
+        before_probe: called before a recheck's probe (wait for the exchanges in flight).
+    """
+    candidates = distinct_candidates(weights, gradients, topo)
+
+    def agree(values: Sequence[float]) -> list[float]:
+        tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
+        if dist.is_available() and dist.is_initialized() and topo.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.tolist()
+
+    def measure() -> tuple[list[float], LinkSpeeds]:
+        links = probe_links(topo, device, agree)
+        seconds = []
+        for candidate in candidates:
+            intra, inter = wire_bytes(candidate, topo, shard_sizes, weight_itemsize, gradient_group)
+            seconds.append(intra / (links.intra or float("inf")) + inter / (links.inter or float("inf")))
+        return seconds, links
+
+    def remeasure() -> tuple[list[float], LinkSpeeds]:
+        before_probe()
+        return measure()
+
+    seconds, links = measure()
+    return AutoCompression(candidates, seconds, trial_steps, recheck_every, agree, links, remeasure)

@@ -1,0 +1,283 @@
+"""``"auto"`` compression: the controller on a simulated clock, the byte model against the exchange's own
+accounting, and a 4-process fit that tries every candidate, agrees on one and keeps the replicas identical."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_sdp.plugins.sdp4bit.auto import (
+    EQUAL_WITHIN,
+    AutoCompression,
+    Candidate,
+    LinkSpeeds,
+    distinct_candidates,
+    wire_bytes,
+)
+from lightning_sdp.plugins.sdp4bit.config import SDP4BitConfig
+from lightning_sdp.plugins.sdp4bit.topology import Topology
+from tests._distributed import run_distributed
+
+CONFIG = SDP4BitConfig(weight_group_size=256)
+LINKS = LinkSpeeds(intra=1e9, inter=1e7)
+
+
+def _candidates(topo: Topology) -> list[Candidate]:
+    return distinct_candidates(CONFIG.weight_candidates, CONFIG.gradient_candidates, topo)
+
+
+def _grid() -> Topology:
+    return Topology(rank=0, world_size=4, intra_size=2, inter_size=2)
+
+
+def _drive(auto: AutoCompression, step_time, steps: int) -> list[Candidate]:
+    """Run ``steps`` optimizer steps on a simulated clock; ``step_time(candidate)`` is each step's duration."""
+    now, used = 0.0, []
+    for step in range(steps):
+        active = auto.observe(step, now)
+        used.append(active)
+        now += step_time(active)
+    return used
+
+
+def test_candidates_and_defaults():
+    assert SDP4BitConfig().weight_compression == "auto" and SDP4BitConfig().gradient_compression == "auto"
+    grid = _candidates(_grid())
+    assert len(grid) == 6  # {qwd, none} x {8/4, 8/8, fp32}
+    assert [c.describe() for c in grid][0] == "weights 4-bit qwd, gradients 8-bit intra / 4-bit inter, Hadamard 32"
+    one_node = _candidates(Topology(rank=0, world_size=2, intra_size=2, inter_size=1))
+    assert len(one_node) == 4  # the inter-node bits are never used: 8/4 and 8/8 send the same codes
+    fixed = SDP4BitConfig("qwd", "none")
+    assert len(distinct_candidates(fixed.weight_candidates, fixed.gradient_candidates, _grid())) == 1
+    # every candidate fits the shards of the others: no re-sharding when auto switches
+    assert CONFIG.alignment == math.lcm(256, 128, 32, 2)
+
+
+def test_wire_bytes_orders_by_compression():
+    topo, shards = _grid(), [4096, 1024]
+    by_name = {c.describe(): sum(wire_bytes(c, topo, shards, 4, 128)) for c in _candidates(topo)}
+    exact = by_name["weights uncompressed, gradients fp32"]
+    paper = by_name["weights 4-bit qwd, gradients 8-bit intra / 4-bit inter, Hadamard 32"]
+    # 2 nodes x 2: the fp32 reduce-scatter sends 8 bytes a shard value inside the node and 4 across, the
+    # all-gather 8 inside and 4 across
+    assert exact == pytest.approx(24 * sum(shards))
+    assert paper < by_name["weights 4-bit qwd, gradients 8-bit intra / 8-bit inter, Hadamard 32"] < exact
+
+
+def _auto(seconds_on_wire: list[float], trial_steps: int = 3, recheck: int = 0, remeasure=None) -> AutoCompression:
+    candidates = _candidates(_grid())
+    return AutoCompression(candidates, seconds_on_wire, trial_steps, recheck, lambda v: list(v), LINKS, remeasure)
+
+
+def test_slow_link_tries_only_what_can_win():
+    # 0.5 s of compute; the wire alone takes longer than the best step for every candidate but the first two
+    wire = [0.05, 0.09, 2.0, 1.1, 1.2, 4.0]
+    auto = _auto(wire)
+    used = _drive(auto, lambda c: 0.5 + wire[auto.candidates.index(c)], 40)
+    assert not auto.trialling and len(auto.decisions) == 1
+    decision = auto.decisions[0]
+    assert decision.chosen == auto.candidates[0]
+    assert len(decision.measured) == 2 and len(decision.skipped) == 4
+    assert set(used) == set(auto.candidates[:2])  # nothing else ran, not even for one step
+    assert decision.step == 2 + 3 + 1 + 3  # settle 2 + 3 timed, then settle 1 + 3 timed
+    assert all(c == decision.chosen for c in used[decision.step :])
+
+
+def test_fast_link_tries_everything_and_keeps_the_fastest():
+    wire = [0.001] * 6
+    compute = [0.40, 0.41, 0.30, 0.35, 0.36, 0.38]  # fp32 gradients with qwd weights is fastest here
+    auto = _auto(wire)
+    _drive(auto, lambda c: compute[auto.candidates.index(c)], 60)
+    decision = auto.decisions[0]
+    assert len(decision.measured) == 6 and not decision.skipped
+    assert decision.chosen == auto.candidates[compute.index(min(compute))]
+    assert "SDP4Bit auto" in decision.describe() and "Links" in decision.describe()
+
+
+def test_equal_speeds_prefer_the_less_compressed():
+    wire = [0.001] * 6
+    fastest = 0.300
+    compute = [fastest, 0.5, 0.5, 0.5, 0.5, fastest * (1 + EQUAL_WITHIN / 2)]  # the last is exact on both sides
+    auto = _auto(wire)
+    _drive(auto, lambda c: compute[auto.candidates.index(c)], 60)
+    assert auto.decisions[0].chosen == auto.candidates[5]
+    assert auto.decisions[0].chosen.exactness == (32, 32)
+
+
+def test_a_step_outside_the_pattern_does_not_decide():
+    # one long step (validation, a checkpoint) inside a trial: the median of three ignores it
+    wire = [0.001] * 6
+    compute = [0.40, 0.41, 0.30, 0.35, 0.36, 0.38]
+    auto = _auto(wire)
+    now = 0.0
+    for step in range(60):
+        active = auto.observe(step, now)
+        now += compute[auto.candidates.index(active)] + (5.0 if step == 13 else 0.0)
+    assert auto.decisions[0].chosen == auto.candidates[2]
+
+
+def test_recheck_measures_again_and_follows_a_changed_link():
+    calls = []
+    slow_now = [False]
+
+    def remeasure():
+        calls.append(1)
+        return ([0.001] * 6 if not slow_now[0] else [0.05, 0.09, 2.0, 1.1, 1.2, 4.0]), LINKS
+
+    auto = _auto([0.001] * 6, trial_steps=2, recheck=10, remeasure=remeasure)
+    wire_cost = {True: [0.05, 0.09, 2.0, 1.1, 1.2, 4.0], False: [0.0] * 6}
+
+    def step_time(c):
+        return 0.3 + (0.01 if c == auto.candidates[5] else 0.1) + wire_cost[slow_now[0]][auto.candidates.index(c)]
+
+    now = 0.0
+    for step in range(200):
+        if step == 60:
+            slow_now[0] = True
+        now += step_time(auto.observe(step, now))
+    assert calls and len(auto.decisions) >= 3
+    assert auto.decisions[0].chosen == auto.candidates[5]  # fast link: uncompressed is cheapest
+    assert auto.decisions[-1].chosen == auto.candidates[0]  # slow link: the paper's formats
+    assert auto.decisions[1].step - auto.decisions[0].step >= 10
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="auto_trial_steps"):
+        SDP4BitConfig(auto_trial_steps=0)
+    with pytest.raises(ValueError, match="auto_recheck_every_n_steps"):
+        SDP4BitConfig(auto_recheck_every_n_steps=-1)
+    with pytest.raises(ValueError, match="weight_compression"):
+        SDP4BitConfig(weight_compression="automatic")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="one wire time per candidate"):
+        AutoCompression(_candidates(_grid()), [0.0], 1, 0, lambda v: list(v), LINKS)
+
+
+# ---------------------------------------------------------------------------------------------- 4 processes
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    return TensorDataset(x, torch.sin(x @ torch.randn(8, 4, generator=g)))
+
+
+def _module():
+    import lightning.pytorch as pl
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 4))
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            loss = nn.functional.mse_loss(self.net(batch[0]), batch[1])
+            self.losses.append(float(loss.detach()))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.02)
+
+        def train_dataloader(self):
+            sampler = DistributedSampler(_data(), self.trainer.world_size, self.trainer.global_rank, shuffle=False)
+            return DataLoader(_data(), batch_size=4, sampler=sampler)
+
+    return Tiny()
+
+
+def _auto_run(rank: int, world: int, tmp: str) -> dict:
+    import lightning.pytorch as pl
+
+    from lightning_sdp.plugins.sdp4bit import SDP4BitStrategy
+
+    class Record(pl.Callback):
+        def __init__(self) -> None:
+            self.rows: list[tuple[Candidate, int]] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            s = trainer.strategy
+            self.rows.append((Candidate(s._formats.weight, s._formats.gradient), s.comm_stats.bytes_per_step))
+
+    def fit(strategy, steps, ckpt=None):
+        record = Record()
+        trainer = pl.Trainer(
+            strategy=strategy, devices=world, accelerator="cpu", max_steps=steps, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            use_distributed_sampler=False, callbacks=[record], log_every_n_steps=1,
+        )  # fmt: skip
+        module = _module()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, ckpt_path=ckpt)
+        return trainer, module, record
+
+    strategy = SDP4BitStrategy(
+        intra_node_size=2, weight_group_size=256, auto_trial_steps=1, auto_recheck_every_n_steps=4
+    )
+    trainer, module, record = fit(strategy, 30)
+    topo, buckets = strategy.topology, strategy.buckets
+    assert topo is not None
+    shards = [b.shard_size for b in buckets]
+    itemsize = next(module.parameters()).element_size()
+    expected = [sum(wire_bytes(c, topo, shards, itemsize, 128)) for c, _ in record.rows]
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    replicas = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(replicas, flat)
+    out = {
+        "decisions": [d.describe().split(" Step times")[0] for d in strategy.auto_decisions],
+        "measured": [len(d.measured) + len(d.skipped) for d in strategy.auto_decisions],
+        "used": sorted({c.describe() for c, _ in record.rows}),
+        "bytes": [b for _, b in record.rows],
+        "expected": expected,
+        "replicas_equal": all(torch.equal(replicas[0], r) for r in replicas),
+        "losses": module.losses,
+        "metrics": sorted(k for k in trainer.callback_metrics if k.startswith("sdp4bit/")),
+        "links": [strategy._auto.links.intra, strategy._auto.links.inter],
+    }
+    trainer.save_checkpoint(f"{tmp}/auto.ckpt")
+    resumed = SDP4BitStrategy(intra_node_size=2, weight_group_size=256, auto_trial_steps=1)
+    _, module2, record2 = fit(resumed, 34, ckpt=f"{tmp}/auto.ckpt")
+    out["resumed_steps"] = len(record2.rows)
+    out["resumed_first"] = record2.rows[0][0].describe()
+    out["resumed_losses"] = module2.losses
+    return out
+
+
+@pytest.fixture(scope="module")
+def auto_four(tmp_path_factory):
+    return run_distributed(_auto_run, 4, str(tmp_path_factory.mktemp("auto")), init_group=False, timeout=300)
+
+
+@pytest.mark.slow
+def test_every_rank_tries_every_candidate_and_agrees(auto_four):
+    first = auto_four[0]
+    assert len(first["decisions"]) >= 2  # a decision, then a recheck 4 steps later
+    assert all(r["decisions"] == first["decisions"] for r in auto_four)  # the same choice everywhere
+    assert first["measured"][0] == 6  # tried, or skipped by its wire time (on loopback: tried)
+    assert len(first["used"]) == 6
+    assert all(r["replicas_equal"] for r in auto_four)
+
+
+@pytest.mark.slow
+def test_the_byte_model_is_what_the_exchange_sends(auto_four):
+    for r in auto_four:
+        for sent, model in zip(r["bytes"], r["expected"], strict=True):
+            assert sent == pytest.approx(model, rel=2e-3, abs=8)
+
+
+@pytest.mark.slow
+def test_training_goes_on_across_switches_and_resumes(auto_four):
+    r = auto_four[0]
+    assert all(math.isfinite(v) for v in r["losses"])
+    assert sum(r["losses"][-4:]) < sum(r["losses"][:4])
+    assert r["resumed_steps"] == 4  # 30 -> 34: the step count is resumed
+    assert r["resumed_first"].startswith("weights 4-bit qwd")  # trials start over on resume, most compressed first
+    assert {"sdp4bit/auto_trialling", "sdp4bit/link_intra_mbit_s", "sdp4bit/link_inter_mbit_s"} <= set(r["metrics"])
+    assert all(speed > 0 for speed in r["links"])

@@ -103,6 +103,12 @@ def _identical_on_all_ranks(t: torch.Tensor) -> bool:
     return all(torch.equal(everyone[0], e) for e in everyone)
 
 
+def _paper_formats(**kwargs):
+    from lightning_sdp.plugins.sdp4bit import SDP4BitStrategy
+
+    return SDP4BitStrategy("qwd", "tlq_hs", intra_node_size=2, weight_group_size=256, **kwargs)
+
+
 def _four_process_run(rank: int, world: int, tmp: str) -> dict:
     from lightning_sdp.plugins.sdp4bit import SDP4BitStrategy
 
@@ -115,7 +121,9 @@ def _four_process_run(rank: int, world: int, tmp: str) -> dict:
 
     # 2. SDP4Bit defaults (qwd + tlq_hs) on 2 emulated nodes x 2; uninterrupted, then 2 + 2 epochs with a checkpoint
     def sdp():
-        return SDP4BitStrategy("qwd", "tlq_hs", intra_node_size=2, weight_group_size=256, gradient_group_size=128, seed=1)
+        return SDP4BitStrategy(
+            "qwd", "tlq_hs", intra_node_size=2, weight_group_size=256, gradient_group_size=128, seed=1
+        )
 
     module = _module()
     strategy = sdp()
@@ -168,11 +176,11 @@ def _four_process_run(rank: int, world: int, tmp: str) -> dict:
     out["skip_identical"] = _identical_on_all_ranks(_flat_params(module.net))
     out["skip_global_step"] = trainer.global_step
     module = _module(partial_at_step=1)
-    _trainer(SDP4BitStrategy("qwd", "tlq_hs", intra_node_size=2, weight_group_size=256), world, max_epochs=2).fit(module)
+    _trainer(_paper_formats(), world, max_epochs=2).fit(module)
     out["partial_identical"] = _identical_on_all_ranks(_flat_params(module.net))
     module = _module(nan_at_step=1)
     try:
-        _trainer(SDP4BitStrategy("qwd", "tlq_hs", intra_node_size=2, weight_group_size=256), world, max_epochs=2).fit(module)
+        _trainer(_paper_formats(), world, max_epochs=2).fit(module)
         out["raised"] = ""
     except FloatingPointError as err:
         out["raised"] = str(err)

@@ -9,7 +9,11 @@ every method:
 - ``powersgd_r1`` / ``powersgd_r4``: DDP with torch's PowerSGD hook (rank 1 / 4, error feedback, warm start);
 - ``zero_ddp``: DDP with torch's ``ZeroRedundancyOptimizer`` (AdamW state sharded, parameters broadcast);
 - ``fsdp2``: ``fully_shard`` (per Transformer block and the root) through Lightning's ModelParallelStrategy;
-- ``sdp4bit_none_none``, ``sdp4bit_qwd_tlq_hs``, ``sdp4bit_qw_ulq``: SDP4BitStrategy (weights/gradients);
+- ``sdp4bit_auto``: SDP4BitStrategy's default, ``"auto"`` compression (timed from its decision on; the steps it
+  spent trying candidates are reported apart, with their cost spread over the re-check interval);
+- ``sdp4bit_none_none``, ``sdp4bit_qwd_tlq_hs``, ``sdp4bit_qw_ulq``, ``sdp4bit_qwd_none``,
+  ``sdp4bit_none_tlq_hs``: SDP4BitStrategy with fixed weights/gradients formats; ``..._g8``: TLq-HS with 8 bits
+  between nodes too (with the others, every format ``"auto"`` may choose);
   ``..._sequential``: the same with ``overlap=False`` (exchange after backward), to show what overlap buys;
   ``..._fwd``: the same with ``overlap_param_gather=True`` (the weight all-gather runs on into the next forward);
   ``..._torchcodec``: the same with the plain-torch codec (``kernel_backend="torch"``) instead of the default
@@ -59,8 +63,13 @@ METHODS = [
     "powersgd_r4",
     "zero_ddp",
     "fsdp2",
+    "sdp4bit_auto",
     "sdp4bit_none_none",
     "sdp4bit_qwd_tlq_hs",
+    "sdp4bit_qwd_none",
+    "sdp4bit_none_tlq_hs",
+    "sdp4bit_qwd_tlq_hs_g8",
+    "sdp4bit_none_tlq_hs_g8",
     "sdp4bit_qw_ulq",
     "sdp4bit_none_none_sequential",
     "sdp4bit_qwd_tlq_hs_sequential",
@@ -69,6 +78,9 @@ METHODS = [
     "sdp4bit_qwd_tlq_hs_torchcodec",
 ]
 BANDWIDTHS = [50.0, 100.0, 200.0, 500.0, 1000.0, 10000.0]
+# extra steps an "auto" timing run may spend trying candidates before its timed window
+AUTO_TRIAL_ALLOWANCE = 60
+AUTO_RECHECK = 1000  # SDP4BitStrategy's default auto_recheck_every_n_steps
 QUICK_METHODS = ["ddp", "ddp_fp16", "sdp4bit_qwd_tlq_hs"]
 QUICK_BANDWIDTHS = [100.0, 1000.0]
 
@@ -151,10 +163,12 @@ def _build(method: str, args: argparse.Namespace, vocab_size: int) -> tuple[Any,
         overlap = not name.endswith("_sequential")
         forward_gather = name.endswith("_fwd")
         backend = "torch" if name.endswith("_torchcodec") else "auto"
-        weights, grads = name.removesuffix("_sequential").removesuffix("_fwd").removesuffix("_torchcodec").split("_", 1)
+        inter_bits = 8 if name.endswith("_g8") else 4
+        modes = name.removesuffix("_sequential").removesuffix("_fwd").removesuffix("_torchcodec").removesuffix("_g8")
+        weights, grads = ("auto", "auto") if modes == "auto" else modes.split("_", 1)
         strategy = SDP4BitStrategy(
             weight_compression=weights, gradient_compression=grads, seed=args.seed, timeout=timeout, overlap=overlap,
-            overlap_param_gather=forward_gather, kernel_backend=backend,
+            overlap_param_gather=forward_gather, kernel_backend=backend, gradient_inter_bits=inter_bits,
         )  # fmt: skip
         return GPT(**hp), strategy
     raise ValueError(f"Unknown method {method!r}; choose from {METHODS}.")
@@ -185,15 +199,23 @@ def _expected_node_egress(per_rank: list[dict[str, float]]) -> float:
 class _Meter(StepTimer):
     """Step times (``StepTimer``), the rank's training losses, and the byte counters at the timed window's ends.
 
+    With SDP4Bit's ``"auto"`` the window starts two steps after its first decision (the trials before it are timed
+    apart) and, when ``timed`` is given, training stops after ``timed`` steps of it.
+
     Args:
         warmup: the counters are read at the end of step ``warmup`` ("start") and of the last step ("end").
         strategy: the run's strategy (SDP4Bit's accounting is read when it has one).
         ifname: this node's shaped interface, read by its local rank 0 (``None`` outside the emulated cluster).
+        timed: with ``"auto"``, the number of steps to time after its decision (``None``: up to ``max_steps``).
     """
 
-    def __init__(self, warmup: int, strategy: Any, ifname: str | None) -> None:
+    def __init__(self, warmup: int, strategy: Any, ifname: str | None, timed: int | None = None) -> None:
         super().__init__()
-        self.warmup, self.strategy, self.ifname = warmup, strategy, ifname
+        self.warmup, self.strategy, self.ifname, self.timed = warmup, strategy, ifname, timed
+        self.auto = bool(getattr(getattr(strategy, "config", None), "auto", False))
+        self.fallback = warmup
+        if self.auto:
+            self.warmup = -1  # set at the decision
         self.losses: list[float] = []
         self.marks: dict[str, tuple[int | None, dict[str, float] | None]] = {}
         self.cpu: dict[str, float] = {}
@@ -208,10 +230,16 @@ class _Meter(StepTimer):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         self.losses.append(float(outputs["loss"]))
-        if trainer.global_step == self.warmup:
-            self._mark("start")
-        if trainer.global_step == trainer.max_steps:
+        if self.auto and self.warmup < 0 and self.strategy.auto_decisions:
+            self.warmup = self.strategy.auto_decisions[0].step + 2
+        undecided = self.auto and self.warmup < 0
+        if trainer.global_step == self.warmup or (undecided and trainer.global_step == self.fallback):
+            self._mark("start")  # without a decision (a short run), the fixed warm-up
+        decided = self.auto and self.warmup > 0
+        stop = decided and self.timed is not None and trainer.global_step == self.warmup + self.timed
+        if trainer.global_step == trainer.max_steps or stop:
             self._mark("end")
+            trainer.should_stop = trainer.should_stop or stop
 
 
 def _run_method(method: str, bandwidth: float, steps: int, validate: bool, args: argparse.Namespace) -> dict:
@@ -226,7 +254,12 @@ def _run_method(method: str, bandwidth: float, steps: int, validate: bool, args:
     model, strategy = _build(method, args, dm.vocab_size)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     ifname = os.environ.get("EMULATED_CLUSTER_IFNAME")
-    meter = _Meter(args.warmup, strategy, ifname if local_rank == 0 else None)
+    auto = method == "sdp4bit_auto"
+    meter = _Meter(
+        args.warmup, strategy, ifname if local_rank == 0 else None, None if validate else steps - args.warmup
+    )
+    if auto and not validate:
+        steps += AUTO_TRIAL_ALLOWANCE
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=args.nproc, num_nodes=args.nodes, max_steps=steps,
         limit_val_batches=args.val_batches if validate else 0, val_check_interval=steps,
@@ -238,13 +271,14 @@ def _run_method(method: str, bandwidth: float, steps: int, validate: bool, args:
     wall = time.perf_counter() - t0
     val = float(trainer.callback_metrics["val/loss"]) if validate and "val/loss" in trainer.callback_metrics else None
     # end-to-end intervals of the steps after the warm-up (each holds a whole step, its communication included)
-    durations = [b - a for a, b in zip(meter.ends[args.warmup - 1 :], meter.ends[args.warmup :], strict=False)]
-    cpu_per_step = (meter.cpu["end"] - meter.cpu["start"]) / (steps - args.warmup)
+    warmup = meter.warmup if meter.warmup > 0 else args.warmup
+    durations = [b - a for a, b in zip(meter.ends[warmup - 1 :], meter.ends[warmup:], strict=False)]
+    timed = len(durations)
+    cpu_per_step = (meter.cpu["end"] - meter.cpu["start"]) / timed
     mine = {"marks": meter.marks, "rank": dist.get_rank(), "local_rank": local_rank, "cpu_s_per_step": cpu_per_step,
             "node": int(os.environ.get("GROUP_RANK", os.environ.get("EMULATED_CLUSTER_NODE", "0")))}  # fmt: skip
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    timed = steps - args.warmup
     wire = [e["marks"]["end"][0] - e["marks"]["start"][0] for e in everyone if e["marks"]["end"][0] is not None]
     node_ranks: dict[int, list[dict[str, float]]] = {}
     for e in everyone:
@@ -254,10 +288,24 @@ def _run_method(method: str, bandwidth: float, steps: int, validate: bool, args:
     acct_nodes = {node: _expected_node_egress(ranks) for node, ranks in node_ranks.items()}
     tokens_per_step = args.batch * args.block * args.world
     median = statistics.median(durations)
+    extra: dict[str, Any] = {}
+    if auto:
+        decisions = strategy.auto_decisions
+        trial = [b - a for a, b in zip(meter.ends[: warmup - 1], meter.ends[1:warmup], strict=False)]
+        extra = {
+            "auto_choice": decisions[0].chosen.describe() if decisions else "undecided",
+            "auto_decided_at_step": decisions[0].step if decisions else None,
+            "auto_measured": decisions[0].measured if decisions else {},
+            "auto_skipped": decisions[0].skipped if decisions else [],
+            "auto_links": vars(decisions[0].links) if decisions else {},
+            # what the steps spent trying cost beyond the chosen format's pace (the first step, warm-up, left out)
+            "auto_trial_cost_s": sum(trial) - len(trial) * median,
+        }
     return {
+        **extra,
         "method": method,
         "bandwidth_mbit": bandwidth,
-        "steps": steps,
+        "steps": len(meter.ends),
         "timed_steps": timed,
         "median_step_s": median,
         "tokens_per_s": tokens_per_step / median,
@@ -415,6 +463,23 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
             "gap vs ddp (%)": 100 * (q["val_loss"] / ddp_val - 1) if ddp_val and q["val_loss"] else float("nan"),
             f"train loss at step {check + 1} identical at every bandwidth": all(same),
         })  # fmt: skip
+    autos = []
+    for bw in bws:
+        a, d = by.get(("sdp4bit_auto", bw)), by.get(("ddp", bw))
+        fixed = {m: by[(m, bw)]["median_step_s"] for m in methods if m.startswith("sdp4bit_") and m != "sdp4bit_auto"
+                 and (m, bw) in by}  # fmt: skip
+        if a is None:
+            continue
+        best = min(fixed, key=fixed.__getitem__) if fixed else None
+        autos.append({
+            "Mbit/s": f"{bw:g}", "chosen": a.get("auto_choice"), "decided at step": a.get("auto_decided_at_step"),
+            "s/step": a["median_step_s"], "vs best fixed": fixed[best] / a["median_step_s"] if best else float("nan"),
+            "best fixed": best or "", "vs ddp": d["median_step_s"] / a["median_step_s"] if d else float("nan"),
+            "trial cost (s)": a.get("auto_trial_cost_s", float("nan")),
+            f"trial cost over {AUTO_RECHECK} steps (%)": 100 * a.get("auto_trial_cost_s", float("nan"))
+            / (AUTO_RECHECK * a["median_step_s"]),
+            "skipped (wire time too long)": len(a.get("auto_skipped", [])),
+        })  # fmt: skip
     speedups, fractions = [], []
     for m in methods:
         row: dict[str, Any] = {"method": m}
@@ -467,6 +532,15 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
         "",
         markdown_table(fractions, floatfmt="{:.2f}"),
         "",
+        "## `auto` against the best fixed setting",
+        "",
+        "Each `sdp4bit_auto` run is timed from two steps after its decision; the steps it spent trying candidates "
+        "before that cost the seconds below beyond the chosen format's pace (once per fit, and again at every "
+        f"re-check, by default every {AUTO_RECHECK} steps). Best fixed: the fastest other SDP4Bit method of this run "
+        "at that bandwidth.",
+        "",
+        markdown_table(autos, floatfmt="{:.3g}") if autos else "(not run)",
+        "",
         f"## Quality (validation on {args.val_batches} batches per rank, trained at {quality_bw:g} Mbit/s)",
         "",
         markdown_table(quality),
@@ -479,7 +553,7 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
     if failed:
         md += ["## Methods that did not run", ""] + [f"- `{m}`: {e}" for m, e in failed.items()] + [""]
     payload = {"args": vars(args), "rows": rows, "speedups": speedups, "fractions_of_limit": fractions,
-               "quality": quality, "table": table, "failed": failed}  # fmt: skip
+               "quality": quality, "table": table, "auto": autos, "failed": failed}  # fmt: skip
     return payload, "\n".join(md), fig
 
 

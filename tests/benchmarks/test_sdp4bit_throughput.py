@@ -131,3 +131,28 @@ def test_worker_runs_zero_and_sdp4bit_and_accounts_sdp4bit_bytes(tmp_path: Path)
     zero, sdp4bit = results[0]
     assert zero["accounted_inter_bytes_per_step_per_node"] is None  # only SDP4Bit keeps its own accounting
     assert sdp4bit["accounted_inter_bytes_per_step_per_node"] > 0  # one node: the weight all-gather's ring edge
+
+
+def _run_auto(rank: int, world: int, data: str) -> dict[str, Any]:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    args = _parser().parse_args(
+        ["--data", data, "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block", "16", "--batch", "2",
+         "--warmup", "1", "--warmup-lr", "1", "--nodes", "1", "--nproc", str(world)]
+    )  # fmt: skip
+    args.world = world
+    return _run_method("sdp4bit_auto", 1000.0, steps=4, validate=False, args=args)
+
+
+@pytest.mark.slow
+def test_auto_is_timed_after_its_decision(tmp_path: Path) -> None:
+    data = tmp_path / "input.txt"
+    data.write_text("".join(chr(97 + (i * 5) % 26) + (" " if i % 4 == 0 else "") for i in range(4000)))
+    row = run_distributed(_run_auto, 2, str(data), init_group=False, timeout=300)[0]
+    decided = row["auto_decided_at_step"]
+    assert decided is not None and row["auto_choice"] != "undecided"
+    assert len(row["auto_measured"]) + len(row["auto_skipped"]) == 4  # one node: {qwd, none} x {8-bit, fp32}
+    assert row["timed_steps"] == 3  # the timing run's 4 steps less 1 of warm-up, all after the decision
+    assert row["steps"] == decided + 2 + 3  # then training stopped
+    assert math.isfinite(row["auto_trial_cost_s"])

@@ -137,6 +137,19 @@ class CommStats:
         """Bytes this rank sent in the last step, all collectives together."""
         return sum(s.bytes for s in self.last.values())
 
+    def metrics(self, codec: bool) -> dict[str, float]:
+        """The last step's ``sdp4bit/*`` scalars: bits per element of each collective, bytes, and (``codec``) the
+        quantise/dequantise milliseconds."""
+        out = {
+            "sdp4bit/weight_bits_per_element": self.bits_per_element("weight"),
+            "sdp4bit/grad_bits_per_element_intra": self.bits_per_element("grad_intra"),
+            "sdp4bit/grad_bits_per_element_inter": self.bits_per_element("grad_inter"),
+            "sdp4bit/bytes_per_step": float(self.bytes_per_step),
+        }
+        if codec:
+            out["sdp4bit/codec_ms"] = 1e3 * self.codec_seconds
+        return out
+
     def as_dict(self) -> dict[str, Any]:
         """Plain-dict summary (JSON friendly)."""
         return {

@@ -429,6 +429,8 @@ class WeightOverlap:
         ctx = self._ctx
         assert ctx is not None
         cfg, fmt = ctx.config, ctx.formats.weight
+        # uncompressed fp32 weights arrive exactly: the drift is 0 without computing it (no norms, no all-reduce)
+        drift = cfg.track_drift and (fmt.quantized or any(b.dtype != torch.float32 for b in buckets))
         futures = []
         self._covered = set()
         self._forward_started = False
@@ -438,14 +440,16 @@ class WeightOverlap:
                 bucket.model_flat, bucket.master.detach(), ctx.topology, fmt.mode, fmt.bits, fmt.group_size,
                 cfg.rounding, ctx.rng.child(len(buckets) + index), ctx.ops, stats, ctx.topology.world_group,
             )  # fmt: skip
-            future = ctx.pipeline.submit(_no_grad(exchange.send), _no_grad(self._finish(bucket, exchange)))
+            future = ctx.pipeline.submit(_no_grad(exchange.send), _no_grad(self._finish(bucket, exchange, drift)))
             self._jobs[id(bucket)] = future
             self._stats.append(stats)
             futures.append(future)
-        if cfg.track_drift:
+        if drift:
             self._drift_job = ctx.pipeline.submit(lambda: None, self._reduce_drift(futures))
+        elif cfg.track_drift:
+            self._drift_job = Done(0.0)
 
-    def _finish(self, bucket: FlatBucket, exchange: WeightExchange) -> Callable[[], Tensor]:
+    def _finish(self, bucket: FlatBucket, exchange: WeightExchange, drift: bool) -> Callable[[], Tensor]:
         assert self._ctx is not None
         ctx = self._ctx
 
@@ -453,7 +457,7 @@ class WeightOverlap:
             exchange.apply()
             bucket.store_to_params()
             sq = torch.zeros(2, dtype=torch.float64, device=ctx.device)
-            if ctx.config.track_drift:
+            if drift:
                 mine = bucket.model_flat[bucket.lo : bucket.lo + bucket.shard_size].float()
                 # vector_norm accumulates in float64 without making a float64 copy
                 sq[0] = torch.linalg.vector_norm(bucket.master.detach() - mine, dtype=torch.float64).square()

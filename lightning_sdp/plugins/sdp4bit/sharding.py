@@ -149,22 +149,42 @@ class FlatBucket:
         self.device = params[0].device
         self.model_flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
         self.grad_flat = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
+        # every step copies through these two buffers' views: made once
+        self._cached_views = {id(flat): self._make_views(flat) for flat in (self.model_flat, self.grad_flat)}
         self.load_from_params()
         self.master = self.model_flat[self.lo : self.lo + self.shard_size].float().clone()
+        # the parameters become views of the flat model buffer, so the weight all-gather writes them in place (no
+        # copy per step); should something give a parameter other storage, store_to_params copies instead
+        for p, view in zip(params, self._cached_views[id(self.model_flat)], strict=True):
+            p.data = view
 
     def views(self, flat: Tensor) -> list[Tensor]:
         """Per-parameter views of a flat buffer with this bucket's layout."""
+        cached = self._cached_views.get(id(flat))
+        return cached if cached is not None and cached[0]._base is flat else self._make_views(flat)
+
+    def _make_views(self, flat: Tensor) -> list[Tensor]:
         return [flat[a : a + n].view_as(p) for a, n, p in zip(self.offsets[:-1], self.numels, self.params, strict=True)]
+
+    def _detached_copies(self) -> tuple[list[Tensor], list[Tensor]]:
+        """(parameters, their views of the model buffer) for the parameters that do not alias their view."""
+        pairs = [(p.detach(), v) for p, v in zip(self.params, self.views(self.model_flat), strict=True)
+                 if p.data_ptr() != v.data_ptr()]  # fmt: skip
+        return [p for p, _ in pairs], [v for _, v in pairs]
 
     @torch.no_grad()
     def load_from_params(self) -> None:
         """Copy the parameters into the flat model buffer (the padding stays zero)."""
-        torch._foreach_copy_(self.views(self.model_flat), [p.detach() for p in self.params])
+        params, views = self._detached_copies()
+        if params:
+            torch._foreach_copy_(views, params)
 
     @torch.no_grad()
     def store_to_params(self) -> None:
-        """Copy the flat model buffer back into the parameters."""
-        torch._foreach_copy_([p.data for p in self.params], self.views(self.model_flat))
+        """Copy the flat model buffer into the parameters that do not already live in it."""
+        params, views = self._detached_copies()
+        if params:
+            torch._foreach_copy_(params, views)
 
     @torch.no_grad()
     def gather_grads(self, divisor: int = 1) -> Tensor:

@@ -614,20 +614,17 @@ class SDP4BitStrategy(DDPStrategy):
         return out
 
     def _log_metrics(self) -> None:
-        """``self.log`` the ``sdp4bit/*`` scalars (Lightning writes them to the loggers every log_every_n_steps)."""
+        """``self.log`` the ``sdp4bit/*`` scalars on the steps Lightning writes to the loggers (every
+        ``log_every_n_steps``) and on the last one (``self.log`` costs about a millisecond a value)."""
         module = self.lightning_module
-        if not self.config.log_metrics or module is None or getattr(module, "_trainer", None) is None:
+        trainer = getattr(module, "_trainer", None)
+        if not self.config.log_metrics or module is None or trainer is None:
             return
-        stats = self.comm_stats
-        metrics = {
-            "sdp4bit/weight_bits_per_element": stats.bits_per_element("weight"),
-            "sdp4bit/grad_bits_per_element_intra": stats.bits_per_element("grad_intra"),
-            "sdp4bit/grad_bits_per_element_inter": stats.bits_per_element("grad_inter"),
-            "sdp4bit/bytes_per_step": float(stats.bytes_per_step),
-            "sdp4bit/skipped_steps": float(self.skipped_steps),
-        }
-        if isinstance(self._ops, TimedOps):
-            metrics["sdp4bit/codec_ms"] = 1e3 * stats.codec_seconds
+        last = trainer.is_last_batch or 0 < trainer.max_steps <= trainer.global_step + 1
+        if not (trainer._logger_connector.should_update_logs or last):
+            return
+        metrics = self.comm_stats.metrics(codec=isinstance(self._ops, TimedOps))
+        metrics["sdp4bit/skipped_steps"] = float(self.skipped_steps)
         if self.config.track_drift and not math.isnan(self.weight_drift):
             metrics["sdp4bit/weight_drift"] = self.weight_drift
         if self._auto is not None:

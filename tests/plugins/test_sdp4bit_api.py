@@ -341,3 +341,24 @@ def test_a_module_without_configure_optimizers_gets_lightnings_error(single_proc
 
     with pytest.raises(MisconfigurationException, match=r"No `configure_optimizers\(\)` method defined"):
         _trainer(SDP4BitStrategy()).fit(NoMethod())
+
+
+def test_parameters_live_in_the_flat_buffer_and_fall_back_to_copies():
+    from lightning_sdp.plugins.sdp4bit.sharding import FlatBucket
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(5))]
+    before = [p.detach().clone() for p in params]
+    bucket = FlatBucket(params, ["w", "b"], world_size=2, rank=0, alignment=8)
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    # the weight all-gather writes the flat buffer: the parameters see it without a copy
+    bucket.model_flat[: bucket.numel].add_(1.0)
+    assert torch.equal(params[0], before[0] + 1) and torch.equal(params[1], before[1] + 1)
+    # a parameter given other storage (e.g. by user code) is copied into and out of the buffer instead
+    params[1].data = torch.zeros(5)
+    bucket.store_to_params()
+    assert torch.equal(params[1], before[1] + 1)
+    params[1].data.fill_(7.0)
+    bucket.load_from_params()
+    assert torch.equal(bucket.views(bucket.model_flat)[1], torch.full((5,), 7.0))
+    assert torch.equal(bucket.model_flat[bucket.numel :], torch.zeros(bucket.padded - bucket.numel))  # padding

@@ -6,10 +6,10 @@ may not), on the CPU or GPU that runs the codec, and on the model. :class:`AutoC
 1. At set-up, :func:`probe_links` times an all-to-all on each level's process group (intra-node, inter-node), all
    ranks at once as in training, doubling the message until it takes long enough to time; with the exact bytes
    each format sends (:func:`wire_bytes`), every candidate gets a lower bound on its step: its time on the wire.
-2. Over the first optimizer steps the candidates are tried in order of that bound, each for ``trial_steps`` steps
-   after one to settle, and their median step times are agreed across ranks (the slowest rank's). A candidate
-   whose wire time alone exceeds the best step measured so far is not tried. The first candidate, timed while the
-   run warms up, is timed again at the end when it was not the fastest.
+2. Over the first optimizer steps the candidate with the least wire time runs for ``trial_steps`` steps (after two
+   to settle); the candidates whose wire time alone exceeds its step are not tried. It and the others then run in
+   rounds of one step each, ``trial_steps`` rounds after one to settle, so that a machine whose speed drifts
+   slows every candidate alike; median step times are agreed across ranks (the slowest rank's).
 3. The fastest measured candidate is kept (of those within 3% of it, the least compressed: as fast, and exact),
    the same on every rank since every rank decides from the same agreed numbers, and tried again every
    ``recheck_every`` steps.
@@ -183,12 +183,13 @@ class Decision:
 class AutoCompression:
     """Tries the candidate formats over the first optimizer steps and keeps the fastest (see the module docstring).
 
-    Call :meth:`observe` on every rank at the start of every optimizer step, then exchange with :attr:`active`.
+    Call :meth:`observe` on every rank at the start of every optimizer step, then exchange with the formats it
+    returns (:attr:`active`).
 
     Args:
         candidates: the formats to choose from.
         wire_seconds: each candidate's time on the wire per step (a lower bound on its step).
-        trial_steps: steps timed per candidate (after one to settle; two for the first, which also warms up).
+        trial_steps: steps timed per candidate.
         recheck_every: optimizer steps between a decision and the next round of trials (0: never).
         agree: element-wise maximum of a list of floats over all ranks.
         links: the measured link speeds (reported with each decision).
@@ -217,57 +218,64 @@ class AutoCompression:
     @property
     def trialling(self) -> bool:
         """Whether candidates are being timed (the formats may change at the next step)."""
-        return self._current is not None
+        return self._schedule is not None
 
     def _start_trials(self, warm_up: bool) -> None:
-        order = sorted(range(len(self.candidates)), key=lambda i: (self.wire[i], i))
-        self._queue = order[1:]
-        self._current: int | None = order[0]
-        # the first steps of a fit are slow (allocations, first calls): the first candidate settles longer and, when
-        # it is not the fastest, is timed again at the end
-        self._settle, self._retry_first = (2, True) if warm_up else (1, False)
-        self._durations: list[float] = []
+        self._order = sorted(range(len(self.candidates)), key=lambda i: (self.wire[i], i))
+        # first the candidate with the least wire time alone (after the fit's slow first steps), for pruning
+        first = self._order[0]
+        self._schedule: list[int] | None = [first] * ((2 if warm_up else 1) + self.trial_steps)
+        self._timed_from, self._position = len(self._schedule) - self.trial_steps, 0
+        self._samples: dict[int, list[float]] = {}
         self._measured: dict[int, float] = {}
         self._skipped: list[int] = []
-        self.active = self.candidates[order[0]]
+        self._pruned = False
+        self.active = self.candidates[first]
         self._decided_at: int | None = None
 
     def observe(self, step: int, now: float | None = None) -> Candidate:
         """Note that optimizer step ``step`` starts (a collective when a trial ends); returns the formats to use."""
         now = time.perf_counter() if now is None else now
         elapsed, self._last = (None if self._last is None else now - self._last), now
-        if self._current is None:
+        if self._schedule is None:
             if self.recheck_every and self._decided_at is not None and step - self._decided_at >= self.recheck_every:
                 if self.remeasure is not None:
                     self.wire, self.links = self.remeasure()
                 self._start_trials(warm_up=False)
             return self.active
-        if elapsed is not None:
-            if self._settle:
-                self._settle -= 1
-            else:
-                self._durations.append(elapsed)
-        if len(self._durations) >= self.trial_steps:
-            self._finish_trial(step)
+        if elapsed is None:  # the first step of the fit: nothing ran yet
+            return self.active
+        # the step that just ended ran the candidate at the current position of the schedule
+        if self._position >= self._timed_from:
+            self._samples.setdefault(self._schedule[self._position], []).append(elapsed)
+        self._position += 1
+        if self._position == len(self._schedule):
+            self._end_of_schedule(step)
+        if self._schedule is not None:
+            self.active = self.candidates[self._schedule[self._position]]
         return self.active
 
-    def _finish_trial(self, step: int) -> None:
-        assert self._current is not None
-        self._measured[self._current] = self.agree([statistics.median(self._durations)])[0]
+    def _end_of_schedule(self, step: int) -> None:
+        """Agree on the medians; after the first candidate, prune by wire time and interleave the rest with it."""
+        ids = list(self._samples)
+        medians = self.agree([statistics.median(self._samples[i]) for i in ids])
+        self._measured = dict(zip(ids, medians, strict=True))
         best = min(self._measured.values())
-        self._skipped += [i for i in self._queue if self.wire[i] >= best]
-        self._queue = [i for i in self._queue if self.wire[i] < best]
-        first = next(iter(self._measured))
-        if not self._queue and self._retry_first and len(self._measured) > 1 and self._measured[first] > best:
-            self._queue, self._retry_first = [first], False
-        if self._queue:
-            self._current = self._queue.pop(0)
-            self.active = self.candidates[self._current]
-            self._settle, self._durations = 1, []
-            return
+        if not self._pruned:
+            self._pruned = True
+            rest = self._order[1:]
+            self._skipped = [i for i in rest if self.wire[i] >= best]
+            survivors = [i for i in rest if self.wire[i] < best]
+            if survivors:
+                # rounds of one step per candidate, the first round to settle: a machine whose speed drifts slows
+                # every candidate alike
+                ring = [self._order[0], *survivors]
+                self._schedule = ring * (1 + self.trial_steps)
+                self._timed_from, self._position, self._samples = len(ring), 0, {}
+                return
         close = [i for i, t in self._measured.items() if t <= best * (1 + EQUAL_WITHIN)]
         chosen = max(close, key=lambda i: (self.candidates[i].exactness, -self._measured[i]))
-        self.active, self._current, self._decided_at = self.candidates[chosen], None, step
+        self.active, self._schedule, self._decided_at = self.candidates[chosen], None, step
         measured = {self.candidates[i].describe(): t for i, t in sorted(self._measured.items(), key=lambda x: x[1])}
         skipped = [f"{self.candidates[i].describe()} ({self.wire[i]:.3f} s)" for i in self._skipped]
         self.decisions.append(Decision(step, self.active, measured, self.links, skipped))

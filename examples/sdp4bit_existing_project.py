@@ -55,8 +55,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--intra-node-size", type=int, default=2)
-    parser.add_argument("--weights", default="qwd", choices=["qwd", "qw", "none"])
-    parser.add_argument("--grads", default="tlq_hs", choices=["tlq_hs", "tlq", "ulq", "none"])
+    parser.add_argument("--weights", default="qwd", choices=["auto", "qwd", "qw", "none"])
+    parser.add_argument("--grads", default="tlq_hs", choices=["auto", "tlq_hs", "tlq", "ulq", "none"])
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
     strategy = SDP4BitStrategy(

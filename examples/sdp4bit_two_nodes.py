@@ -1,8 +1,9 @@
 """Two "nodes" on one machine: ``torchrun --nnodes=2 --nproc-per-node=2`` started twice on loopback.
 
 SDP4Bit's gradient exchange is hierarchical: 8-bit all-to-all among the processes of a node, 4-bit all-to-all
-between nodes. This script shows that the strategy reads the topology from the launcher (processes per node and
-number of nodes) without any ``intra_node_size`` override. Run from the repository root:
+between nodes (the default compression, ``"auto"``, runs these formats first while it times its candidates). This
+script shows that the strategy reads the topology from the launcher (processes per node and number of nodes)
+without any ``intra_node_size`` override. Run from the repository root:
 
     .venv/bin/python examples/sdp4bit_two_nodes.py --launch
 

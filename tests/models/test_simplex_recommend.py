@@ -165,6 +165,10 @@ def test_trainer_predict_and_checkpoint_round_trip(tmp_path):
     known = merge_csr(dm.train_csr, dm.val_csr)
     want = model.recommend(test_users, k=5, known=known)
     assert torch.equal(torch.cat([b.items for b in batches]), want.items)
+    # the datamodule's own predict batches: every user, the same exclusions
+    batches = trainer.predict(model, datamodule=dm)
+    want = model.recommend(users, k=5, known=known)
+    assert torch.equal(torch.cat([b.items for b in batches]), want.items)
 
     ckpt = tmp_path / "model.ckpt"
     trainer.save_checkpoint(ckpt)

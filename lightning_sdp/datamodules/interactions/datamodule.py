@@ -513,6 +513,15 @@ class InteractionsDataModule(LightningDataModule):
         self._check_setup()
         return self._eval_loader(self._test_users, self.test_csr, self._known_for_test)  # type: ignore[arg-type]
 
+    @override
+    def predict_dataloader(self) -> DataLoader:
+        """Every user, in row order, for ``trainer.predict(model, datamodule=dm)``: recommendations that leave out each
+        user's training and validation items (the batches of :meth:`test_dataloader`, with every user)."""
+        self._check_setup()
+        assert self.num_users is not None  # set by setup()
+        users = np.arange(self.num_users, dtype=np.int64)
+        return self._eval_loader(users, self.test_csr, self._known_for_test)  # type: ignore[arg-type]
+
     # ---------------------------------------------------------------------------------------------- checkpoints
     def _train_config(self) -> dict[str, Any]:
         """What fixes the order of the training batches: the training pairs (hashed), batch size, seed, shuffling."""

@@ -275,6 +275,10 @@ def test_config_validates_the_loss_options():
         SimpleXModule(loss="bpr")
     with pytest.raises(ValueError, match="grad_clip must be a positive number, None .*or 'auto'"):
         SimpleXModule(grad_clip="0.1")
+    with pytest.raises(ValueError, match="grad_clip must be a positive number, None .*or 'auto'"):
+        SimpleXModule(grad_clip=True)  # type: ignore[arg-type]  # a flag is not a threshold
+    with pytest.raises(ValueError, match="grad_clip must be a positive number, None .*or 'auto'.*'0.1'"):
+        SimpleXModule(g=0.8, aggregator="user_attention", grad_clip="0.1")  # the type first, not the aggregator
     with pytest.raises(ValueError, match="grad_clip.*aggregator='mean'"):
         SimpleXModule(g=0.8, aggregator="user_attention", grad_clip=0.1)
     SimpleXModule(g=1.0, aggregator="user_attention", grad_clip=0.1)  # MF: no aggregator, nothing to refuse

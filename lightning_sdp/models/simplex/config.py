@@ -84,6 +84,10 @@ class SimpleXConfig:
             self._fail("the tile sampler is part of the fused kernel; use backend='fused'.")
         if self.loss not in ("auto", "ccl", "softmax"):
             self._fail(f"loss must be 'auto', 'ccl' or 'softmax', got {self.loss!r}.")
+        clip = self.grad_clip
+        number = isinstance(clip, (int, float)) and not isinstance(clip, bool)
+        if clip != "auto" and clip is not None and not number:
+            self._fail(f"grad_clip must be a positive number, None (no clipping) or 'auto', got {clip!r}.")
         if self.grad_clip_value is not None and self.uses_history and self.aggregator != "mean":
             # the attention keys pass gradient to the item rows summed over a batch, not sample by sample
             self._fail(
@@ -119,8 +123,6 @@ class SimpleXConfig:
             self._fail(f"dropout must be in [0, 1), got {self.dropout}.")
         if not self.temperature > 0:
             self._fail(f"temperature must be positive, got {self.temperature}.")
-        if isinstance(self.grad_clip, str) and self.grad_clip != "auto":
-            self._fail(f"grad_clip must be a positive number, None (no clipping) or 'auto', got {self.grad_clip!r}.")
         if self.grad_clip_value is not None and not self.grad_clip_value > 0:
             self._fail(f"grad_clip must be positive, None (no clipping) or 'auto', got {self.grad_clip}.")
 

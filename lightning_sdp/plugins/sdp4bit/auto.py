@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_sdp.kernels.quantization import QuantFormat
 from lightning_sdp.plugins.sdp4bit.formats import GradientFormat, WeightFormat
 from lightning_sdp.plugins.sdp4bit.topology import Topology
 
@@ -126,8 +127,11 @@ def wire_bytes(
     grad, weight = candidate.gradient, candidate.weight
 
     def grad_bytes(values: float, bits: int | None) -> float:
-        return 4.0 * values if bits is None else values * (bits / 8 + 4 / gradient_group)
+        return 4.0 * values if bits is None else values * QuantFormat(bits, gradient_group).bits_per_value / 8
 
+    weight_value = (
+        QuantFormat(weight.bits, weight.group_size).bits_per_value / 8 if weight.quantized else weight_itemsize
+    )
     intra = inter = 0.0
     for s in shard_sizes:
         if local > 1:
@@ -136,7 +140,7 @@ def wire_bytes(
                 inter += (nodes - 1) / nodes * grad_bytes(nodes * s, grad.inter_bits)
         elif nodes > 1:
             inter += (nodes - 1) / nodes * grad_bytes(world * s, grad.inter_bits)
-        row = s * (weight.bits / 8 + 4 / weight.group_size) if weight.quantized else s * weight_itemsize
+        row = s * weight_value
         if nodes > 1 and local > 1:
             inter += (nodes - 1) * row
             intra += (local - 1) * nodes * row

@@ -89,7 +89,7 @@ class SDP4BitStrategy(DDPStrategy):
             Hadamard), ``"ulq"`` (4 bits at every level, no Hadamard) or ``"none"`` (fp32 hierarchical
             reduce-scatter). ``"auto"`` times each level's link at set-up, then tries qWD or uncompressed weights
             with TLq-HS (bits as set, or the intra bits at both levels) or fp32 gradients for a few steps each (not
-            those whose wire time exceeds the best step so far), keeps the fastest and logs it (docs/sdp4bit.md).
+            those whose wire time exceeds the first one's step), keeps the fastest and logs it (docs/sdp4bit.md).
         weight_bits: bits of the weight codes (4 or 8; default 4).
         weight_group_size: values per fp32 scale for weights (default 2048).
         gradient_intra_bits: bits inside a node (default 8).
@@ -130,7 +130,7 @@ class SDP4BitStrategy(DDPStrategy):
             weight drift) with ``LightningModule.log``, so loggers get them every ``log_every_n_steps`` as any
             ``self.log(on_step=True)`` value (default ``True``). ``False`` logs none; :attr:`comm_stats` still
             counts. With one process none are logged either way (nothing is communicated).
-        auto_trial_steps: with ``"auto"``, optimizer steps timed per candidate (default 3, after one to settle).
+        auto_trial_steps: with ``"auto"``, optimizer steps timed per candidate (default 3, after those to settle).
         auto_recheck_every_n_steps: with ``"auto"``, optimizer steps between a choice and the next round of
             trials (default 1000; 0: choose once per ``fit``).
         accelerator: see :class:`~lightning.pytorch.strategies.DDPStrategy`.
@@ -615,7 +615,7 @@ class SDP4BitStrategy(DDPStrategy):
 
     def _log_metrics(self) -> None:
         """``self.log`` the ``sdp4bit/*`` scalars on the steps Lightning writes to the loggers (every
-        ``log_every_n_steps``) and on the last one (``self.log`` costs about a millisecond a value)."""
+        ``log_every_n_steps``) and on the last one (``self.log`` is too costly to call every step)."""
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None)
         if not self.config.log_metrics or module is None or trainer is None:

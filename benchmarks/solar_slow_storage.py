@@ -61,7 +61,10 @@ def _child(mode: str, path: str, samples: int, epochs: int, batch: int, buffer: 
         reader = HDF5Reader(
             path, KEYS, max_gap=int(parts[2]), io_threads=1 if "serial" in opts else 4, readahead="ra" in opts
         )
-        loader = SolarLoader(schedule, 0, reader, KEYS[0], KEYS[1:], read_window=int(parts[1]))
+        # epochs are measured one by one, each after a cache drop: no reading into the next epoch
+        loader = SolarLoader(
+            schedule, 0, reader, KEYS[0], KEYS[1:], read_window=int(parts[1]), read_across_epochs=False
+        )
     if headroom_mib > 0:
         group.limit_memory(headroom_mib * 2**20)
     for epoch in range(epochs):

@@ -9,18 +9,22 @@ pass for all), samples/s, bytes and requests the
 device served (cgroup counters, all ranks), peak RSS (rank 0); and the final validation loss (the same held-out
 file, read unthrottled by a plain DataLoader for every loader).
 
-Loaders (``--loaders``):
+Every loader gets the same memory (``--buffer-fraction`` of the samples, over all ranks): SOLAR's ``buffer_size``
+(its buffer and read-ahead together), the DataLoaders' prefetched batches (``prefetch_factor`` = the budget's
+samples per rank / (workers x batch), at least 2), litdata's ``max_cache_size``, webdataset's shuffle buffer. Loaders
+(``--loaders``):
 
 - ``dl0``, ``dl2``, ``dl4``: ``torch.utils.data.DataLoader`` + h5py per-sample reads, ``DistributedSampler``
   (exact per-epoch permutation), 0/2/4 workers.
 - ``torchdata``: ``torchdata.stateful_dataloader.StatefulDataLoader``, same dataset and sampler, 2 workers.
 - ``litdata``: ``litdata.StreamingDataset(shuffle=True)`` over chunks written by ``litdata.optimize`` (conversion
   time reported separately); chunk-level shuffle, not an exact per-sample permutation. 2 workers.
-- ``webdataset``: tar shards (written once, time reported) read with ``shardshuffle`` + a 256-sample shuffle
-  buffer (not an exact permutation), 2 workers.
-- ``solar``: ``SolarDataModule`` defaults (``--solar-workers`` reader processes per rank, default 1; the "auto" read
-  plan: 16 steps' reads per sorted request list, gaps up to 128 KiB read through); ``solar_exact``: with
-  ``read_window=1, max_gap=0`` (reads exactly the planned misses: the fewest bytes, more requests).
+- ``webdataset``: tar shards (written once, time reported) read with ``shardshuffle`` + a shuffle buffer of the
+  budget's samples (not an exact permutation), 2 workers.
+- ``solar``: ``SolarDataModule`` defaults: the read plan chosen for the probed device, read by a background thread
+  that goes on into the next epoch. ``solar_workers``: the same, read by one worker process per rank, one epoch at a
+  time (what the thread buys). ``solar_exact``: ``read_window=1, max_gap=0`` (reads exactly the planned misses: the
+  fewest bytes, more requests).
 - ``memory``: the ceiling, not a loader: the whole file read into memory before ``fit`` (not timed), then a
   ``DataLoader`` over tensors with the same ``DistributedSampler``. No loader can beat its epoch time, which is the
   training and validation compute alone.
@@ -47,7 +51,23 @@ from typing import Any
 from lightning.pytorch import Callback, LightningDataModule, Trainer
 
 KEYS = ["diffraction", "amplitude", "phase"]
-LOADERS = ["memory", "dl0", "dl2", "dl4", "torchdata", "litdata", "webdataset", "solar", "solar_exact"]
+LOADERS = ["memory", "dl0", "dl2", "dl4", "torchdata", "litdata", "webdataset", "solar", "solar_workers", "solar_exact"]
+
+
+SHUFFLES = {
+    "memory": "exact",
+    "dl0": "exact",
+    "dl2": "exact",
+    "dl4": "exact",
+    "torchdata": "exact",
+    "litdata": "chunks",
+    "webdataset": "shards + buffer",
+    "solar": "exact",
+    "solar_workers": "exact",
+    "solar_exact": "exact",
+    "solar_previous": "exact",
+}
+"""How each loader shuffles: an exact per-epoch permutation of the samples, or an approximation of one."""
 
 
 # ----------------------------------------------------------------------------------------------------- child side
@@ -92,7 +112,9 @@ def _h5py_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
     ds = PerSampleHDF5Dataset(cfg["h5"], KEYS[0], KEYS[1:])
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
     workers = int(loader[2:]) if loader.startswith("dl") else 2
-    extra = {"persistent_workers": True} if workers else {}
+    # equal memory: the workers may hold as many prefetched batches as the budget's samples allow (at least 2)
+    prefetch = max(2, cfg["budget_per_rank"] // max(1, workers * cfg["batch"]))
+    extra = {"persistent_workers": True, "prefetch_factor": prefetch} if workers else {}
     if loader == "torchdata":
         from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -105,8 +127,10 @@ def _litdata_loader(cfg: dict[str, Any]) -> Any:
 
     # litdata copies chunks into cache_dir; keep that on the throttled device too, or later epochs would read the
     # copies from the unthrottled disk
+    # equal memory: litdata keeps at most the budget's bytes of chunks in its cache
+    budget = f"{max(1, cfg['budget_bytes_per_rank'] // 10**6)}MB"
     ds = StreamingDataset(
-        cfg["litdata"], cache_dir=cfg["litdata_cache"], shuffle=True, drop_last=True, seed=0, max_cache_size="64MB"
+        cfg["litdata"], cache_dir=cfg["litdata_cache"], shuffle=True, drop_last=True, seed=0, max_cache_size=budget
     )
     return StreamingDataLoader(ds, batch_size=cfg["batch"], num_workers=2, collate_fn=_lit_collate)
 
@@ -127,7 +151,7 @@ def _webdataset_loader(cfg: dict[str, Any], world: int) -> Any:
             seed=0,
         )
         .repeat()
-        .shuffle(256)
+        .shuffle(cfg["budget_per_rank"])  # equal memory: a shuffle buffer of the budget's samples
         .decode()
         .to_tuple("x.npy", "y.npy")
         .map(lambda s: (torch.from_numpy(s[0]), torch.from_numpy(s[1])))
@@ -175,7 +199,8 @@ def _solar_datamodule(cfg: dict[str, Any]) -> Any:
         KEYS[1:],
         batch_size=cfg["batch"],
         buffer_size=cfg["buffer"],
-        num_workers=cfg["solar_workers"],
+        # solar_workers: the same plan read by a worker process per rank, one epoch at a time (no read-ahead thread)
+        num_workers=1 if cfg["loader"] == "solar_workers" else cfg["solar_workers"],
         seed=0,
         log_metrics=False,
         batch_format="dict",  # PtychoNN's loss_scale: the global-mean gradient with SOLAR's unequal local batches
@@ -183,6 +208,12 @@ def _solar_datamodule(cfg: dict[str, Any]) -> Any:
     )
     dm.val_dataloader = lambda: _val_loader(cfg)  # the same held-out set for every loader
     return dm
+
+
+def _solar_wait(trainer: Trainer) -> dict[str, float]:
+    """Rank 0's seconds waiting for SOLAR batches and reading in this epoch (empty for other loaders)."""
+    stats = getattr(trainer.train_dataloader, "epoch_stats", None)
+    return {"wait_s_rank0": stats.wait_s, "read_s_rank0": stats.read_s} if stats is not None else {}
 
 
 class _Probe(Callback):
@@ -235,6 +266,7 @@ class _Probe(Callback):
                     "device_mib": (self.group.device_read_bytes() - self.b0) / 2**20,
                     "device_requests": self.group.device_read_requests() - self.r0,
                     "peak_rss_mib_rank0": _peak_rss_mib(),
+                    **_solar_wait(trainer),
                 }
             )
         self._drop_and_start(trainer)
@@ -243,7 +275,15 @@ class _Probe(Callback):
         if trainer.global_rank == 0:
             val = trainer.callback_metrics.get("val/loss")
             with open(self.out, "w") as fh:
-                json.dump({"epochs": self.rows, "val_loss": float(val) if val is not None else None}, fh)
+                plan = getattr(trainer.datamodule, "read_plan", None)
+                json.dump(
+                    {
+                        "epochs": self.rows,
+                        "val_loss": float(val) if val is not None else None,
+                        "read_plan": plan.describe() if plan is not None else None,
+                    },
+                    fh,
+                )
 
 
 def _train(cfg: dict[str, Any]) -> None:
@@ -329,6 +369,43 @@ def _convert_webdataset(src: str, dst_dir: Path, n: int, shards: int) -> tuple[l
     return paths, time.perf_counter() - t0
 
 
+def _summarise(rows: list[dict[str, Any]], rank_counts: list[int], loaders: list[str]) -> list[dict[str, Any]]:
+    """One row per (ranks, loader): means over the epochs after the first, relative to the best DataLoader and to
+    the in-memory ceiling of the same rank count."""
+    summary = []
+    for ranks in rank_counts:
+
+        def later_epochs(*loaders: str, ranks: int = ranks) -> list[dict[str, Any]]:
+            return [r for r in rows if r["ranks"] == ranks and r["loader"] in loaders and r.get("epoch", 0) > 0]
+
+        best_dl = max((r["samples_per_s"] for r in later_epochs("dl0", "dl2", "dl4")), default=float("nan"))
+        ceiling = [r["samples_per_s"] for r in later_epochs("memory")]
+        memory = sum(ceiling) / len(ceiling) if ceiling else float("nan")
+        for loader in loaders:
+            later = later_epochs(loader)
+            if not later:
+                summary.append({"P": ranks, "loader": loader, "samples/s": "failed"})
+                continue
+            sps = sum(r["samples_per_s"] for r in later) / len(later)
+            summary.append(
+                {
+                    "P": ranks,
+                    "loader": loader,
+                    "samples/s": round(sps, 1),
+                    "vs best DataLoader": round(sps / best_dl, 2),
+                    "of in-memory ceiling": round(sps / memory, 2),
+                    "epoch s": round(sum(r["seconds"] for r in later) / len(later), 2),
+                    "samples/epoch": round(sum(r["samples"] for r in later) / len(later)),
+                    "device MiB/epoch": round(sum(r["device_mib"] for r in later) / len(later), 1),
+                    "device requests/epoch": round(sum(r["device_requests"] for r in later) / len(later)),
+                    "peak RSS MiB (rank 0)": round(max(r["peak_rss_mib_rank0"] for r in later)),
+                    "final val loss": round(later[-1]["val_loss"], 4) if later[-1]["val_loss"] is not None else None,
+                    "shuffle": SHUFFLES.get(loader, "?"),
+                }
+            )
+    return summary
+
+
 # ------------------------------------------------------------------------------------------------------ controller
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -340,11 +417,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--buffer-fraction", type=float, default=0.25)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--loaders", nargs="+", default=LOADERS)
-    parser.add_argument("--solar-workers", type=int, default=1, help="SOLAR reader processes per rank")
+    parser.add_argument("--solar-workers", type=int, default=0, help="SOLAR reader processes per rank (0: a thread)")
     parser.add_argument("--bps", default="40MB")
     parser.add_argument("--iops", type=int, default=400)
     parser.add_argument("--readahead-kb", type=int, default=None)
     parser.add_argument("--timeout", type=int, default=600, help="seconds per (loader, ranks) run")
+    parser.add_argument(
+        "--previous-tree",
+        default=None,
+        help="a checkout of an older version (e.g. git worktree add /tmp/prev <commit>): loader solar_previous runs "
+        "its SOLAR defaults (one reader process per rank) in the same run",
+    )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--name", default="solar_vs_loaders")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -358,17 +441,19 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.quick:
         # tiny: one rank, the plain DataLoader and SOLAR with its read window (well under a minute)
-        args.samples, args.epochs, args.ranks, args.size, args.batch = 256, 2, [1], 32, 16
+        args.samples, args.epochs, args.ranks, args.size, args.batch = 256, 2, [1], 64, 16
         args.loaders = ["dl0", "solar"]
         args.name += "_quick"
     buffer = int(round(args.buffer_fraction * args.samples))
     rows: list[dict[str, Any]] = []
+    plans: dict[str, str] = {}
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
         src = str(make_ptycho_h5(Path(tmp) / "train.h5", args.samples, args.size, seed=0))
         val = str(make_ptycho_h5(Path(tmp) / "val.h5", 256, args.size, seed=1))
         file_mib = os.path.getsize(src) / 2**20
+        sample_nbytes = os.path.getsize(src) // args.samples
         try:
             storage = stack.enter_context(
                 ThrottledStorage(f"{max(256, int(4 * file_mib) + 64)}MiB", args.bps, args.iops, args.readahead_kb)
@@ -402,12 +487,19 @@ def main(argv: list[str] | None = None) -> int:
                     "litdata_cache": str(storage.mount / "litcache"),
                     "wds": wds_paths,
                     "buffer": buffer,
+                    "budget_per_rank": buffer // ranks,
+                    "budget_bytes_per_rank": buffer // ranks * sample_nbytes,
                     "size": args.size,
                     "channels": args.channels,
                     "solar_workers": args.solar_workers,
                     "out": str(out),
                     "train_samples": (args.samples // (ranks * args.batch)) * ranks * args.batch,
                 }
+                tree = REPO_ROOT
+                if loader == "solar_previous":  # an older checkout's SOLAR defaults, run by its own child code
+                    if args.previous_tree is None:
+                        raise SystemExit("solar_previous needs --previous-tree (a checkout of the older version)")
+                    tree, cfg["loader"], cfg["solar_workers"] = Path(args.previous_tree), "solar", 1
                 cmd = [sys.executable, "-m", "benchmarks.solar_vs_loaders", "--child", json.dumps(cfg)]
                 t0 = time.perf_counter()
                 try:
@@ -415,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
                         cmd,
                         capture_output=True,
                         text=True,
-                        cwd=REPO_ROOT,
+                        cwd=tree,
                         timeout=args.timeout,
                         env={**os.environ, **storage.env()},
                         preexec_fn=storage.group_join,
@@ -430,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
                 result = json.loads(out.read_text())
                 for e in result["epochs"]:
                     rows.append({"ranks": ranks, "loader": loader, **e, "val_loss": result["val_loss"]})
+                if result.get("read_plan"):
+                    plans[f"{loader} P={ranks}"] = result["read_plan"]
                 print(
                     f"P={ranks} {loader}: "
                     + " ".join(
@@ -438,40 +532,13 @@ def main(argv: list[str] | None = None) -> int:
                     + f" val {result['val_loss']:.4f} ({time.perf_counter() - t0:.0f}s)",
                     flush=True,
                 )
-    summary = []
-    for ranks in args.ranks:
-
-        def later_epochs(*loaders: str, ranks: int = ranks) -> list[dict[str, Any]]:
-            return [r for r in rows if r["ranks"] == ranks and r["loader"] in loaders and r.get("epoch", 0) > 0]
-
-        best_dl = max((r["samples_per_s"] for r in later_epochs("dl0", "dl2", "dl4")), default=float("nan"))
-        ceiling = [r["samples_per_s"] for r in later_epochs("memory")]
-        memory = sum(ceiling) / len(ceiling) if ceiling else float("nan")
-        for loader in args.loaders:
-            later = later_epochs(loader)
-            if not later:
-                summary.append({"P": ranks, "loader": loader, "samples/s": "failed"})
-                continue
-            sps = sum(r["samples_per_s"] for r in later) / len(later)
-            summary.append(
-                {
-                    "P": ranks,
-                    "loader": loader,
-                    "samples/s": round(sps, 1),
-                    "vs best DataLoader": round(sps / best_dl, 2),
-                    "of in-memory ceiling": round(sps / memory, 2),
-                    "epoch s": round(sum(r["seconds"] for r in later) / len(later), 2),
-                    "samples/epoch": round(sum(r["samples"] for r in later) / len(later)),
-                    "device MiB/epoch": round(sum(r["device_mib"] for r in later) / len(later), 1),
-                    "device requests/epoch": round(sum(r["device_requests"] for r in later) / len(later)),
-                    "peak RSS MiB (rank 0)": round(max(r["peak_rss_mib_rank0"] for r in later)),
-                    "final val loss": round(later[-1]["val_loss"], 4) if later[-1]["val_loss"] is not None else None,
-                }
-            )
+    summary = _summarise(rows, args.ranks, args.loaders)
     md = (
         f"Training PtychoNN (base channels {args.channels}, depth 2, {args.size}x{args.size}) through Trainer with P "
-        f"real DDP processes (gloo, CPU). File {file_mib:.1f} MiB ({args.samples} samples); SOLAR buffer {buffer} "
-        f"samples (C/N = {buffer / args.samples:.2f}: at most {(1 - buffer / args.samples) * file_mib:.1f} MiB/epoch); "
+        f"real DDP processes (gloo, CPU). File {file_mib:.1f} MiB ({args.samples} samples). Every loader gets the "
+        f"same memory, {buffer} samples ({buffer * sample_nbytes / 2**20:.1f} MiB, C/N = {buffer / args.samples:.2f}) "
+        "over all ranks: SOLAR's buffer_size (buffer and read-ahead together), the DataLoaders' and torchdata's "
+        "prefetched batches (prefetch_factor), litdata's max_cache_size, webdataset's shuffle buffer; "
         f"local batch {args.batch}; {args.epochs} epochs; page cache dropped before every epoch. Device: {facts}. "
         f"Conversions (unthrottled source, written to the device): {conversions}. Columns are means over the epochs "
         "after the first; an epoch runs from the previous epoch's end (cache dropped) to this one's end and includes "
@@ -482,7 +549,9 @@ def main(argv: list[str] | None = None) -> int:
         "file read into memory before fit (not timed), so its epoch is the compute alone; a loader's speed-up over "
         "the DataLoader cannot exceed memory's.\n\n"
         + markdown_table(summary)
-        + f"\n\nWall time {time.perf_counter() - start:.0f} s.\n"
+        + "\n\nSOLAR's read plans, chosen at setup from the probed device:\n\n"
+        + "".join(f"- {k}: {v}\n" for k, v in plans.items())
+        + f"\nWall time {time.perf_counter() - start:.0f} s.\n"
     )
     print(md)
     write_results(
@@ -491,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
             "args": vars(args),
             "device": facts,
             "conversions": conversions,
+            "read_plans": plans,
             "summary": summary,
             "epochs": rows,
             "machine": machine_info(),

@@ -14,9 +14,8 @@ from lightning_sdp.callbacks import SolarMetrics
 from lightning_sdp.datamodules.solar import EpochStats, SolarDataModule, SolarLoader, StepStats, make_ptycho_h5
 from lightning_sdp.datamodules.solar.reader import (
     FileChangedError,
+    check_read_option,
     data_fingerprint,
-    resolve_max_gap,
-    resolve_read_window,
 )
 from lightning_sdp.models.ptychonn import PtychoNN
 
@@ -93,8 +92,10 @@ def test_standalone_loader_serves_file_rows_every_sample_once(ptycho):
         assert sorted(seen) == list(range(96))
         if epoch == 0:
             assert sum(hits) == 0
-    assert sum(hits) == 24  # C/N of the second epoch, served from the store
-    assert len(loader.store) == 24
+    buffer = dm.schedule.buffer_size  # the buffer's share of buffer_size=24; the read-ahead holds the rest
+    assert 0 < buffer < 24 and buffer + dm.read_plan.read_ahead_samples == 24
+    assert sum(hits) == buffer  # C/N of the second epoch, served from the store
+    assert len(loader.store) == buffer
 
 
 def test_worker_processes_give_identical_batches(ptycho):
@@ -128,9 +129,10 @@ def test_fit_follows_schedule_and_logs_metrics(ptycho):
         "val/loss",
     ):
         assert key in m
-    assert float(m["solar/epoch_hit_rate"]) == pytest.approx(24 / 72)  # C/N in the second epoch
+    buffer = dm.schedule.buffer_size
+    assert float(m["solar/epoch_hit_rate"]) == pytest.approx(buffer / 72)  # C/N in the second epoch
     sample_bytes = 3 * 16 * 16 * 4
-    assert float(m["solar/epoch_storage_bytes"]) == (72 - 24) * sample_bytes
+    assert float(m["solar/epoch_storage_bytes"]) == (72 - buffer) * sample_bytes
     assert float(m["solar/epoch_samples_per_s"]) > 0 and float(m["solar/epoch_load_time_s"]) > 0
 
 
@@ -145,9 +147,10 @@ def test_loader_stats_are_typed_and_serialise_with_the_dict_keys(ptycho):
             pass
     step, epoch_stats = loader.last_stats, loader.epoch_stats
     assert isinstance(step, StepStats) and isinstance(epoch_stats, EpochStats)
-    assert epoch_stats.steps == 12 and epoch_stats.samples == 96 and epoch_stats.hits == 24
-    assert epoch_stats.reads == 96 - 24 and epoch_stats.storage_bytes == (96 - 24) * 3 * 16 * 16 * 4
-    assert epoch_stats.hit_rate == pytest.approx(0.25)
+    buffer = dm.schedule.buffer_size
+    assert epoch_stats.steps == 12 and epoch_stats.samples == 96 and epoch_stats.hits == buffer > 0
+    assert epoch_stats.reads == 96 - buffer and epoch_stats.storage_bytes == (96 - buffer) * 3 * 16 * 16 * 4
+    assert epoch_stats.hit_rate == pytest.approx(buffer / 96)
     assert epoch_stats.samples_per_s == pytest.approx(96 / epoch_stats.wall_s)
     assert list(step.to_dict()) == [
         "samples", "hits", "hit_rate", "reads", "bytes", "wait_s", "read_s", "samples_per_s",
@@ -496,26 +499,40 @@ def test_tsp_epoch_order_needs_a_horizon_and_follows_it(ptycho):
     assert sorted(dm.schedule._order) == [0, 1, 2]
 
 
-def test_auto_read_plan_is_sized_from_the_sample_bytes():
-    # 48 KiB samples of three 16 KiB rows, local batch 32: 16 steps (24 MiB <= 32 MiB), gaps of 8 rows (128 KiB)
-    assert resolve_read_window("auto", 32, 48 * 1024) == 16
-    assert resolve_max_gap("auto", 16 * 1024) == 8
-    # big samples: the window shrinks to stay within its memory bound, never below one step
-    assert resolve_read_window("auto", 32, 4 * 2**20) == 1
-    assert resolve_read_window("auto", 8, 1024 * 1024) == 4
-    assert resolve_max_gap("auto", 1 * 2**20) == 0
-    assert resolve_read_window(3, 32, 1) == 3 and resolve_max_gap(5, 1) == 5
-    for bad in (0, -2, "big"):
+def test_read_options_are_auto_or_ints_checked_up_front():
+    assert check_read_option("read_window", "auto", 1) is None
+    assert check_read_option("read_window", 3, 1) == 3 and check_read_option("max_gap", 0, 0) == 0
+    for bad in (0, -2, "big", True):
         with pytest.raises(ValueError, match="read_window must be 'auto' or an int >= 1"):
-            resolve_read_window(bad, 32, 1)
+            check_read_option("read_window", bad, 1)
     with pytest.raises(ValueError, match="max_gap must be 'auto' or an int >= 0"):
         SolarDataModule("unused.h5", max_gap=-1)
+    with pytest.raises(ValueError, match="storage must be 'probe' or a StorageProfile"):
+        SolarDataModule("unused.h5", storage="fast")
+    with pytest.raises(ValueError, match="requests_per_s must be a positive number"):
+        SolarDataModule("unused.h5", storage={"bandwidth_bytes_per_s": 1e8, "requests_per_s": 0})
 
 
-def test_auto_read_plan_yields_the_exact_plans_batches_in_fewer_requests(ptycho):
+def test_buffer_and_read_ahead_share_the_memory_budget(ptycho):
+    dm = _dm(ptycho, buffer_size=48, max_epochs=2, storage={"bandwidth_bytes_per_s": 4e7, "requests_per_s": 400})
+    dm.setup("fit")
+    plan = dm.read_plan
+    assert plan.buffer_samples + plan.read_ahead_samples == 48 and plan.read_ahead_samples > 0
+    assert dm.schedule.buffer_size == plan.buffer_samples
+    loader = dm.train_dataloader()
+    for _ in loader:
+        pass
+    assert (
+        0
+        < loader.peak_read_ahead_bytes
+        <= max(loader.read_ahead_bytes, plan.read_window * 2 * dm.batch_size * dm.info.sample_nbytes)
+    )
+
+
+def test_read_window_and_gaps_yield_the_exact_plans_batches_in_fewer_requests(ptycho):
     out, stats, requests = [], [], []
-    for kw in ({"read_window": 1, "max_gap": 0}, {}):
-        dm = _dm(ptycho, max_epochs=2, **kw)
+    for gap in (0, 8):
+        dm = _dm(ptycho, max_epochs=2, read_window=4, max_gap=gap)
         dm.setup("fit")
         loader = dm.train_dataloader()
         batches = []
@@ -526,12 +543,12 @@ def test_auto_read_plan_yields_the_exact_plans_batches_in_fewer_requests(ptycho)
         stats.append(loader.epoch_stats)
         requests.append(loader.reader.requests)
         loader.close()
-    exact, auto = out
-    assert len(exact) == len(auto) == 24
-    for a, b in zip(exact, auto, strict=True):
+    exact, merged = out
+    assert len(exact) == len(merged) == 24
+    for a, b in zip(exact, merged, strict=True):
         assert torch.equal(a["index"], b["index"]) and torch.equal(a["input"], b["input"])
         assert torch.equal(a["target"], b["target"])
-    # same plan (hit rate C/N), more bytes (whole windows) in fewer requests
-    assert stats[0].hits == stats[1].hits == 24
+    # same plan (hit rate C/N), more bytes (gap rows) in fewer requests
+    assert stats[0].hits == stats[1].hits == dm.schedule.buffer_size
     assert stats[1].storage_bytes >= stats[0].storage_bytes
     assert requests[1] < requests[0]

@@ -52,7 +52,7 @@ def _ddp_gradient(rank, world_size, path):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    dm = SolarDataModule(path, batch_size=8, buffer_size=32, max_epochs=2, **KEYS)
+    dm = SolarDataModule(path, batch_size=8, buffer_size=64, max_epochs=2, **KEYS)
     dm.rank, dm.world_size = rank, world_size
     dm.setup("fit")
     digest = _plan_digest(dm.schedule, 2)

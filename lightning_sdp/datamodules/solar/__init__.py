@@ -36,6 +36,10 @@ _EXPORTS = {
     "FileIdentity": "lightning_sdp.datamodules.solar.reader",
     "data_fingerprint": "lightning_sdp.datamodules.solar.reader",
     "make_ptycho_h5": "lightning_sdp.datamodules.solar.ptycho",
+    "StorageProfile": "lightning_sdp.datamodules.solar.readplan",
+    "ReadPlan": "lightning_sdp.datamodules.solar.readplan",
+    "plan_reads": "lightning_sdp.datamodules.solar.readplan",
+    "probe_storage": "lightning_sdp.datamodules.solar.readplan",
     "simulate_ptycho": "lightning_sdp.datamodules.solar.ptycho",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

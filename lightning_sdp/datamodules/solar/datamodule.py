@@ -10,13 +10,14 @@ import logging
 import math
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule, Trainer
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
@@ -38,14 +39,23 @@ from lightning_sdp.datamodules.solar.reader import (
     HDF5Reader,
     StorageThrottle,
     check_h5_path,
+    check_read_option,
     data_fingerprint,
     inspect_h5,
-    resolve_max_gap,
-    resolve_read_window,
+)
+from lightning_sdp.datamodules.solar.readplan import (
+    FAST_LOCAL_STORAGE,
+    ReadPlan,
+    StorageProfile,
+    page_cache_holds,
+    plan_reads,
+    probe_storage,
 )
 from lightning_sdp.datamodules.solar.schedule import EPOCH_ORDERS, SolarSchedule, even_split
 
 _log = logging.getLogger(__name__)
+DEFAULT_READ_AHEAD_BYTES = 64 * 2**20
+"""Read-ahead per rank when no ``buffer_size`` is given."""
 
 
 def _check_int(name: str, value: object, low: int | None, meaning: str = "") -> None:
@@ -106,10 +116,13 @@ class SolarDataModule(LightningDataModule):
         input_key: dataset holding the inputs (first axis = samples). Default ``"x"``.
         target_key: dataset (or list of datasets) holding the targets. Default ``"y"``.
         batch_size: nominal per-rank batch size ``B`` (global batch ``P * B``). Default 32.
-        buffer_size: buffer for all ranks together: an int number of samples, or bytes as a string (``"8GB"``,
-            ``"512MiB"``). 0 (default) disables buffering; more than the data caches everything.
-        num_workers: reader processes per rank for training (0: read in the main process). Validation is read in
-            the rank's own process. Default 0.
+        buffer_size: the loaders' memory for all ranks together: an int number of samples, or bytes as a string
+            (``"8GB"``, ``"512MiB"``). The buffer and the read-ahead share it (:attr:`read_plan` says how); more than
+            the data caches everything. 0 (default): no buffer, and up to 64 MiB per rank of read-ahead.
+        num_workers: reader processes per rank for training. 0 (default): a background thread of the rank's
+            process reads the plan's next windows while the model trains, on into the next epoch, within the
+            read-ahead's share of ``buffer_size``; with workers, each reads ``prefetch_factor`` windows ahead within
+            one epoch. Validation is read in the rank's own process.
         eviction: ``"belady"`` (default), ``"lru"``, ``"fifo"``, ``"solar"`` (consumed-first FIFO) or
             ``"artifact_fifo"`` (the SOLAR artifact's rule, transcribed).
         reroute: serve buffered samples on the rank holding them. Default True.
@@ -134,17 +147,22 @@ class SolarDataModule(LightningDataModule):
             warns): use ``"dict"`` with ``loss = batch["loss_scale"] * per_sample_losses.sum()``, or
             ``balance=False`` for equal local batches.
         max_gap: merge read runs separated by at most this many unrequested samples (read and dropped: one longer
-            request instead of two). Default ``"auto"``: gaps of up to 128 KiB of the largest dataset's rows
-            (8 rows of 16 KiB), about what a request's fixed cost buys on slow storage. 0: exact bytes.
+            request instead of two). Default ``"auto"``: chosen with ``read_window`` for the device (see
+            ``storage``). 0: exact bytes.
         io_threads: threads per reader process that issue a step's run reads concurrently (contiguous HDF5
             layouts; chunked data uses h5py hyperslab reads one after another). Default 4.
         read_window: steps whose reads are issued together as one sorted, coalesced request list (the plan knows
             them ahead). Larger windows give fewer, longer device requests (with ``max_gap``) at the cost of
-            holding ``read_window`` steps of samples per request in flight. Default ``"auto"``: as many steps as
-            fit in 32 MiB of samples, at most 16 (16 steps of 32 samples of 48 KiB). ``read_window=1,
-            max_gap=0`` reads exactly the planned misses (the fewest bytes: ``1 - C/N`` of the file per epoch) in
-            more, shorter requests; the auto plan reads more bytes in far fewer requests, which is faster where a
-            request has a fixed cost (a device limited in read IOPS, a parallel file system).
+            holding two windows of read samples, taken from the buffer's share of ``buffer_size``. Default
+            ``"auto"``: the window and gap of least predicted device time per epoch
+            (:func:`~lightning_sdp.datamodules.solar.readplan.plan_reads`), weighing bytes against requests with the
+            device's measured bandwidth and request rate. ``read_window=1, max_gap=0`` reads exactly the planned
+            misses (the fewest bytes) in more, shorter requests.
+        storage: the device, for the ``"auto"`` plan. ``"probe"`` (default): rank 0 times random reads of the
+            training file at setup (about 1.5 s on a slow device; files under 8 MiB are assumed fast and not probed)
+            and shares the result; or a
+            :class:`~lightning_sdp.datamodules.solar.readplan.StorageProfile` (or a dict of its fields:
+            ``bandwidth_bytes_per_s``, ``requests_per_s``, ``overlap``).
         readahead: let the kernel's readahead act on the training reads. Default False: reads are positional
             reads advised ``POSIX_FADV_RANDOM``, so the device serves the planned bytes only (with readahead the
             device read the whole file every epoch and the buffer saved nothing).
@@ -182,6 +200,7 @@ class SolarDataModule(LightningDataModule):
         max_gap: int | Literal["auto"] = "auto",
         io_threads: int = 4,
         read_window: int | Literal["auto"] = "auto",
+        storage: Literal["probe"] | StorageProfile | dict[str, Any] = "probe",
         readahead: bool = False,
         validate: Literal["warn", "raise", "off"] = "warn",
         prefetch_factor: int = 2,
@@ -231,10 +250,19 @@ class SolarDataModule(LightningDataModule):
         self.batch_format = batch_format
         self.max_gap, self.prefetch_factor, self.drop_last = max_gap, prefetch_factor, drop_last
         self.io_threads = io_threads
-        # checked now, sized from the samples' bytes in setup
-        resolve_read_window(read_window, batch_size, 1)
-        resolve_max_gap(max_gap, 1)
+        # checked now, chosen for the device in setup when "auto"
+        check_read_option("read_window", read_window, 1)
+        check_read_option("max_gap", max_gap, 0)
         self.read_window, self.readahead, self.validate = read_window, readahead, validate
+        if isinstance(storage, dict):
+            storage = StorageProfile(**storage)
+        if storage != "probe" and not isinstance(storage, StorageProfile):
+            raise ValueError(
+                f"storage must be 'probe' or a StorageProfile (or a dict of its fields: bandwidth_bytes_per_s, "
+                f"requests_per_s, overlap), got {storage!r}"
+            )
+        self.storage = storage
+        self.read_plan: ReadPlan | None = None
         self.log_metrics = log_metrics
         self.schedule: SolarSchedule | None = None
         self.info: DatasetInfo | None = None
@@ -334,14 +362,64 @@ class SolarDataModule(LightningDataModule):
             )
         if capacity > self.num_train:
             _log.info("SolarDataModule: buffer (%d samples) holds the whole training set", capacity)
+        self.read_plan = self._plan_reads(capacity)
+        rank_zero_info(f"SolarDataModule read plan: {self.read_plan.describe()}")
+        self._build_schedule(self.read_plan)
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self.load_state_dict(state)
+
+    def _plan_reads(self, capacity: int) -> ReadPlan:
+        """Window, gap and the memory split (buffer + read-ahead = ``buffer_size``) for this device."""
+        assert self.info is not None
+        window = check_read_option("read_window", self.read_window, 1)
+        gap = check_read_option("max_gap", self.max_gap, 0)
+        storage = self.storage if isinstance(self.storage, StorageProfile) else FAST_LOCAL_STORAGE
+        if self.storage == "probe" and (window is None or gap is None):
+            storage = self._probe()
+        sample = self.info.sample_nbytes
+        with_buffer = capacity > 0
+        # no buffer_size: the read-ahead alone, at most DEFAULT_READ_AHEAD_BYTES per rank
+        memory = capacity if with_buffer else self.world_size * max(1, DEFAULT_READ_AHEAD_BYTES // sample)
+        trainer = self.trainer
+        return plan_reads(
+            num_samples=self.num_train,
+            world_size=self.world_size,
+            ranks_per_device=int(getattr(trainer, "num_devices", 1) or 1) if trainer is not None else 1,
+            batch_size=self.batch_size,
+            memory_samples=memory,
+            row_nbytes=list(self.info.row_nbytes.values()),
+            storage=storage,
+            read_window=window,
+            max_gap=gap,
+            balance=self.balance,
+            with_buffer=with_buffer,
+            page_cache=page_cache_holds(os.path.getsize(self.path)),
+        )
+
+    def _probe(self) -> StorageProfile:
+        """The training file's device, probed on rank 0 and shared, so every rank plans the same schedule."""
+        trainer = self.trainer
+        distributed = trainer is not None and self.world_size > 1
+        profile = probe_storage(self.path, self.io_threads) if self.rank == 0 or not distributed else None
+        if distributed:
+            assert trainer is not None
+            profile = trainer.strategy.broadcast(profile, src=0)
+        assert profile is not None
+        return profile
+
+    def _build_schedule(self, plan: ReadPlan) -> None:
         g = self.world_size * self.batch_size
         steps = self.num_train // g if self.drop_last else -(-self.num_train // g)
+        if self.train_loader is not None:
+            self.train_loader.close()
+        self.train_loader = None
         self.schedule = SolarSchedule(
             num_samples=self.num_train,
-            num_epochs=self._num_epochs(trainer, max(steps, 1)),
+            num_epochs=self._num_epochs(self.trainer, max(steps, 1)),
             world_size=self.world_size,
             local_batch_size=self.batch_size,
-            buffer_size=capacity,
+            buffer_size=plan.buffer_samples,
             seed=self.seed,
             eviction=self.eviction,
             reroute=self.reroute,
@@ -350,9 +428,6 @@ class SolarDataModule(LightningDataModule):
             max_local_batch=self.max_local_batch,
             drop_last=self.drop_last,
         )
-        if self._pending_state is not None:
-            state, self._pending_state = self._pending_state, None
-            self.load_state_dict(state)
 
     def _held_out_samples(self, path: str, role: str) -> int:
         """Samples of a separate validation or test file, after checking its per-sample shapes and dtypes against
@@ -384,17 +459,17 @@ class SolarDataModule(LightningDataModule):
 
     @property
     def resolved_read_window(self) -> int:
-        """``read_window`` in steps (``"auto"`` sized from the sample bytes; after ``setup``)."""
+        """``read_window`` in steps (``"auto"``: the read plan's; after ``setup``)."""
         self._require_setup()
-        assert self.info is not None
-        return resolve_read_window(self.read_window, self.batch_size, self.info.sample_nbytes)
+        assert self.read_plan is not None
+        return self.read_plan.read_window
 
     @property
     def resolved_max_gap(self) -> int:
-        """``max_gap`` in rows (``"auto"`` sized from the largest dataset's row bytes; after ``setup``)."""
+        """``max_gap`` in rows (``"auto"``: the read plan's; after ``setup``)."""
         self._require_setup()
-        assert self.info is not None
-        return resolve_max_gap(self.max_gap, max(self.info.row_nbytes.values()))
+        assert self.read_plan is not None
+        return self.read_plan.max_gap
 
     def _require_setup(self) -> None:
         if self.schedule is None:
@@ -429,6 +504,7 @@ class SolarDataModule(LightningDataModule):
                 trainer=lambda: self.trainer,
                 batch_format=self.batch_format,
                 read_window=self.resolved_read_window,
+                read_ahead_bytes=self._read_ahead_bytes(),
             )
         if self._pending_position is not None:
             self.train_loader.load_state_dict(self._pending_position)
@@ -436,6 +512,12 @@ class SolarDataModule(LightningDataModule):
         return self.train_loader
 
     _pending_position: dict[str, Any] | None = None
+
+    def _read_ahead_bytes(self) -> int:
+        """This rank's share of the plan's read-ahead, in bytes."""
+        assert self.read_plan is not None and self.info is not None
+        share = even_split(self.read_plan.read_ahead_samples, self.world_size)[self.rank]
+        return int(share) * self.info.sample_nbytes
 
     def _eval_loader(self, ids: np.ndarray, path: str) -> DataLoader:
         """This rank's even share of ``ids`` (in file order), in batches of ``val_batch_size``."""
@@ -490,8 +572,10 @@ class SolarDataModule(LightningDataModule):
             if self.train_loader is not None
             else {"epoch": 0, "step": 0, "schedule_hash": self.schedule.schedule_hash}
         )
+        assert self.read_plan is not None
         return {
             "config": self.schedule.config,
+            "read_plan": _plan_state(self.read_plan),
             "schedule_hash": self.schedule.schedule_hash,
             "position": position,
             "data": {**(self._fingerprint or {}), "path": self.path},
@@ -510,6 +594,19 @@ class SolarDataModule(LightningDataModule):
         if self.schedule is None:
             self._pending_state = state_dict
             return
+        saved_plan = state_dict.get("read_plan")
+        if saved_plan is not None and self.read_plan is not None and saved_plan != _plan_state(self.read_plan):
+            memory = {k: v["buffer_samples"] + v["read_ahead_samples"] for k, v in
+                      (("checkpoint", saved_plan), ("now", _plan_state(self.read_plan)))}  # fmt: skip
+            if memory["checkpoint"] != memory["now"]:
+                raise ValueError(
+                    f"the checkpoint's SOLAR memory budget does not match this configuration (buffer_size: "
+                    f"checkpoint {memory['checkpoint']} vs now {memory['now']} samples, buffer and read-ahead "
+                    "together). Resume with the same buffer_size, or start a new run."
+                )
+            # the same options, but the device measured differently: keep the checkpoint's plan and schedule
+            self.read_plan = replace(self.read_plan, **saved_plan)
+            self._build_schedule(self.read_plan)
         saved, current = state_dict.get("config", {}), self.schedule.config
         diff = {
             k: (saved.get(k), current.get(k))
@@ -589,6 +686,16 @@ class SolarDataModule(LightningDataModule):
     def teardown(self, stage: str) -> None:
         if self.train_loader is not None and stage == "fit":
             self.train_loader.close()
+
+
+def _plan_state(plan: ReadPlan) -> dict[str, int]:
+    """What of a read plan a resumed run must reuse: the schedule's buffer and the reader's window and gap."""
+    return {
+        "read_window": plan.read_window,
+        "max_gap": plan.max_gap,
+        "buffer_samples": plan.buffer_samples,
+        "read_ahead_samples": plan.read_ahead_samples,
+    }
 
 
 def _add_note(exception: BaseException, note: str) -> None:

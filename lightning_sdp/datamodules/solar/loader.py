@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from lightning_sdp.datamodules.solar.prefetch import ReadAhead
 from lightning_sdp.datamodules.solar.reader import HDF5Reader
 from lightning_sdp.datamodules.solar.schedule import SolarSchedule
 
@@ -329,6 +330,12 @@ class SolarLoader:
         read_window: steps whose reads are issued as one request list (sorted, coalesced over all of them). The
             plan knows every step's reads, so merging ``W`` steps gives longer runs and fewer device requests, at
             the cost of holding up to ``W`` steps of read samples (times ``prefetch_factor`` per worker). Default 1.
+        read_ahead_bytes: with ``num_workers=0``, a background thread reads the coming windows, into the next epoch,
+            while at most this many bytes of read samples are held (the window being trained on included; one
+            window is always allowed). ``None``: two windows of ``W * batch`` samples. Default ``None``.
+        read_across_epochs: the read-ahead thread goes on into the next epoch's first windows (through the end of
+            the epoch and validation). ``False`` stops at the epoch's end (a loading-only benchmark that measures
+            epochs one by one). Default ``True``.
     """
 
     def __init__(
@@ -343,6 +350,8 @@ class SolarLoader:
         trainer: Callable[[], Any] | None = None,
         batch_format: BatchFormat = "dict",
         read_window: int = 1,
+        read_ahead_bytes: int | None = None,
+        read_across_epochs: bool = True,
     ) -> None:
         check_batch_format(batch_format)
         if read_window < 1:
@@ -364,6 +373,10 @@ class SolarLoader:
         self._last_yield: float | None = None
         self.last_stats: StepStats | None = None
         self.epoch_stats = EpochStats()
+        window_bytes = self.read_window * schedule.local_batch_size * reader.info.sample_nbytes
+        self.read_ahead_bytes = int(read_ahead_bytes) if read_ahead_bytes is not None else 2 * window_bytes
+        self._read_ahead: ReadAhead | None = None
+        self.read_across_epochs = bool(read_across_epochs)
 
     def __len__(self) -> int:
         return self.schedule.steps_per_epoch
@@ -442,20 +455,62 @@ class SolarLoader:
             requests.append((sp.step, reads))
         return requests
 
+    def _windows(self, per_step: list[tuple[int, np.ndarray]]) -> list[tuple[int, np.ndarray]]:
+        """``(first step, ids)`` per read window: ``read_window`` steps' reads joined into one request."""
+        w = self.read_window
+        return [
+            (per_step[i][0], np.concatenate([r for _, r in per_step[i : i + w]])) for i in range(0, len(per_step), w)
+        ]
+
+    def _read_for_thread(self, key: tuple[int, int], ids: np.ndarray) -> tuple[dict[str, torch.Tensor], int]:
+        before = self.reader.bytes_read
+        rows = self.reader.read(ids)
+        return {k: torch.from_numpy(v) for k, v in rows.items()}, self.reader.bytes_read - before
+
+    def _thread_results(self, epoch: int, windows: list[tuple[int, np.ndarray]]) -> Iterator[dict[str, Any]]:
+        """This epoch's window results from the read-ahead thread, which then reads on into the next epoch."""
+        if self._read_ahead is None:
+            sample_nbytes = self.reader.info.sample_nbytes
+            self._read_ahead = ReadAhead(self._read_for_thread, sample_nbytes, self.read_ahead_bytes)
+        ra = self._read_ahead
+        keys = [(epoch, step) for step, _ in windows]
+        if ra.queued_keys != keys:  # not the continuation of what was queued (first epoch, resume, a jump)
+            ra.reset()
+            for key, (_, ids) in zip(keys, windows, strict=True):
+                ra.submit(key, ids)
+        if self.read_across_epochs and epoch + 1 < self.schedule.num_epochs:
+            # the next epoch continues from the plan's buffer, which then holds every planned hit: no refills
+            nxt = self.schedule.epoch_plan(epoch + 1)
+            for step, ids in self._windows([(sp.step, sp.ranks[self.rank].reads) for sp in nxt]):
+                ra.submit((epoch + 1, step), ids)
+        for _ in windows:
+            res = ra.get()
+            # a window read before the file changed holds the old samples; refuse the change at once all the same
+            self.reader.check_unchanged()
+            yield {
+                "tag": res.key[1],
+                "ids": res.ids,
+                "data": res.data,
+                "bytes": res.nbytes,
+                "seconds": res.seconds,
+                "result": res,
+            }
+
     def _generate(self, epoch: int, start: int) -> Iterator[dict[str, torch.Tensor] | tuple[torch.Tensor, ...]]:
         plan = self.schedule.epoch_plan(epoch)
         self.schedule.release(epoch)
         steps = plan[start:]
-        per_step = self._requests(steps)
-        w = self.read_window
-        self._sampler.requests = [
-            (per_step[i][0], np.concatenate([r for _, r in per_step[i : i + w]])) for i in range(0, len(per_step), w)
-        ]
+        windows = self._windows(self._requests(steps))
         self.epoch_stats = EpochStats()
         epoch_start = time.perf_counter()
         if not steps:
             return
-        results = iter(self._dataloader())
+        w = self.read_window
+        if self.num_workers == 0:
+            results: Iterator[dict[str, Any]] = self._thread_results(epoch, windows)
+        else:
+            self._sampler.requests = windows
+            results = iter(self._dataloader())
         self._last_yield = None
         shapes = self.reader.info.shapes
         dtypes = self.reader.info.dtypes
@@ -465,6 +520,7 @@ class SolarLoader:
             rs = sp.ranks[self.rank]
             t0 = time.perf_counter()
             fresh = i % w == 0
+            window_done = (i + 1) % w == 0 or i + 1 == len(steps)
             if fresh:
                 res = next(results)
                 if res["tag"] != sp.step:
@@ -475,13 +531,13 @@ class SolarLoader:
             out = {}
             for key in (self.input_key, *self.target_keys):
                 arr = torch.empty((n, *shapes[key]), dtype=torch.from_numpy(np.empty(0, dtypes[key])).dtype)
-                from_read = [(i, read_pos[x]) for i, x in enumerate(ids.tolist()) if x in read_pos]
+                from_read = [(row, read_pos[x]) for row, x in enumerate(ids.tolist()) if x in read_pos]
                 if from_read:
                     dst, src = zip(*from_read, strict=False)
                     arr[list(dst)] = res["data"][key][list(src)]
-                for i, x in enumerate(ids.tolist()):
+                for row, x in enumerate(ids.tolist()):
                     if x not in read_pos:
-                        arr[i] = self.store[x][key]
+                        arr[row] = self.store[x][key]
                 out[key] = arr
             for x in rs.evicts.tolist():
                 self.store.pop(x, None)
@@ -511,10 +567,20 @@ class SolarLoader:
             if last:
                 self._epoch_counter = epoch + 1
             batch = make_batch(out, self.input_key, self.target_keys, ids, sp.loss_scale, self.batch_format)
+            if window_done and "result" in res and self._read_ahead is not None:
+                self._read_ahead.release(res["result"])  # the window is trained on: its bytes go back
             self._last_yield = time.perf_counter()
             yield batch
 
+    @property
+    def peak_read_ahead_bytes(self) -> int:
+        """Most bytes of read samples the read-ahead thread held at once (0 without it)."""
+        return self._read_ahead.peak_held_bytes if self._read_ahead is not None else 0
+
     def close(self) -> None:
-        """Stop worker processes and drop the store."""
+        """Stop worker processes and the read-ahead thread, and drop the store."""
         self._loader = None
+        if self._read_ahead is not None:
+            self._read_ahead.close()
+            self._read_ahead = None
         self.store.clear()

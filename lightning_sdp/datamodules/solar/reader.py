@@ -82,43 +82,22 @@ def read_per_sample(dset: Any, ids: Sequence[int] | np.ndarray) -> np.ndarray:
     return out
 
 
-# "auto" read plan. A device request costs a fixed time on top of its bytes (2.5 ms at 400 IOPS, the transfer time
-# of ~100 KB at 40 MB/s; more on a parallel file system), so a gap of unrequested rows is worth reading when it is
-# smaller than about that many bytes. Windows of steps make the sorted id lists dense enough for gaps to be short;
-# their size is bounded in bytes because a window's samples are held in memory until its last step.
-AUTO_GAP_BYTES = 128 * 1024
-AUTO_WINDOW_BYTES = 32 * 2**20
-AUTO_WINDOW_MAX_STEPS = 16
-
-
-def resolve_max_gap(max_gap: int | str, row_nbytes: int) -> int:
-    """``max_gap`` in rows: ``"auto"`` merges gaps of up to :data:`AUTO_GAP_BYTES` of the largest row.
+def check_read_option(name: str, value: int | str, low: int) -> int | None:
+    """``value`` as an int, or ``None`` for ``"auto"`` (chosen by :func:`~.readplan.plan_reads` at ``setup``).
 
     Args:
-        max_gap: rows, or ``"auto"``.
-        row_nbytes: bytes of the largest dataset's row (runs are coalesced per dataset).
+        name: ``"read_window"`` (steps, ``low`` 1) or ``"max_gap"`` (rows, ``low`` 0).
+        value: what the user gave.
+        low: the least int allowed.
+
+    Raises:
+        ValueError: neither ``"auto"`` nor an int of at least ``low``.
     """
-    if max_gap == "auto":
-        return int(AUTO_GAP_BYTES // max(int(row_nbytes), 1))
-    if isinstance(max_gap, str) or int(max_gap) < 0:
-        raise ValueError(f"max_gap must be 'auto' or an int >= 0, got {max_gap!r}")
-    return int(max_gap)
-
-
-def resolve_read_window(read_window: int | str, batch_size: int, sample_nbytes: int) -> int:
-    """``read_window`` in steps: ``"auto"`` takes as many steps as fit in :data:`AUTO_WINDOW_BYTES` (1 to 16).
-
-    Args:
-        read_window: steps, or ``"auto"``.
-        batch_size: nominal local batch size.
-        sample_nbytes: bytes of one sample over all keys.
-    """
-    if read_window == "auto":
-        steps = AUTO_WINDOW_BYTES // max(int(batch_size) * int(sample_nbytes), 1)
-        return int(min(AUTO_WINDOW_MAX_STEPS, max(1, steps)))
-    if isinstance(read_window, str) or int(read_window) < 1:
-        raise ValueError(f"read_window must be 'auto' or an int >= 1 step, got {read_window!r}")
-    return int(read_window)
+    if value == "auto":
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < low:
+        raise ValueError(f"{name} must be 'auto' or an int >= {low}, got {value!r}")
+    return int(value)
 
 
 VALIDATE_MODES = ("warn", "raise", "off")

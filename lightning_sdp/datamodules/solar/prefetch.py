@@ -1,0 +1,158 @@
+"""Reads that run beside training: a background thread issues the plan's read requests ahead, within a byte budget.
+
+The schedule knows every future read, so a thread can read the next windows while the model trains on the current
+one, and go on into the next epoch (through validation) instead of stopping at the epoch's end. The reads are
+positional reads and sleeps on the device, which release the GIL, so one thread in the training process suffices.
+What it holds (read, not yet trained on) is bounded by ``limit_bytes``, the read-ahead's share of the loader's memory.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class ReadResult:
+    """One request's rows and what reading it cost.
+
+    Args:
+        key: the request's key (``(epoch, first step)``).
+        ids: the sample ids read, in request order.
+        data: ``{dataset: (len(ids), ...) tensor}``.
+        nbytes: bytes the reader transferred (gap rows included).
+        seconds: seconds the read took.
+        held_bytes: bytes of ``data`` (counted against the budget until released).
+    """
+
+    key: tuple[int, int]
+    ids: np.ndarray
+    data: dict[str, Any]
+    nbytes: int
+    seconds: float
+    held_bytes: int
+
+
+class ReadAhead:
+    """A thread that reads queued requests in order, holding at most ``limit_bytes`` of unreleased results.
+
+    A request is read when the results held plus its own size fit in ``limit_bytes``, or when nothing is held (so
+    one request larger than the budget still makes progress). :meth:`get` returns results in queue order;
+    :meth:`release` gives a result's bytes back once the training loop is done with it.
+
+    Args:
+        read: ``read(key, ids) -> (data, bytes transferred)``.
+        sample_nbytes: bytes one sample takes in a result.
+        limit_bytes: the budget for results read and not yet released.
+    """
+
+    def __init__(
+        self,
+        read: Callable[[tuple[int, int], np.ndarray], tuple[dict[str, Any], int]],
+        sample_nbytes: int,
+        limit_bytes: int,
+    ) -> None:
+        self._read, self.sample_nbytes, self.limit_bytes = read, int(sample_nbytes), int(limit_bytes)
+        self._cond = threading.Condition()
+        self._pending: deque[tuple[tuple[int, int], np.ndarray]] = deque()
+        self._done: deque[ReadResult | BaseException] = deque()
+        self._held = 0
+        self._generation = 0
+        self._closed = False
+        self.peak_held_bytes = 0
+        self._thread = threading.Thread(target=self._run, name="solar-read-ahead", daemon=True)
+        self._thread.start()
+
+    @property
+    def queued_keys(self) -> list[tuple[int, int]]:
+        """Keys of the requests queued or read and not yet taken, in order."""
+        with self._cond:
+            done = [r.key for r in self._done if isinstance(r, ReadResult)]
+            return done + [k for k, _ in self._pending]
+
+    def submit(self, key: tuple[int, int], ids: np.ndarray) -> None:
+        """Queue one request (read after those queued before it)."""
+        with self._cond:
+            self._pending.append((key, np.asarray(ids, dtype=np.int64)))
+            self._cond.notify_all()
+
+    def get(self) -> ReadResult:
+        """The next result in queue order (waits for it); re-raises an error the read raised."""
+        with self._cond:
+            while not self._done:
+                if self._closed:
+                    raise RuntimeError("SOLAR read-ahead was closed")
+                if not self._pending and not self._busy:
+                    raise RuntimeError("SOLAR read-ahead: get() with no request queued")
+                self._cond.wait()
+            item = self._done.popleft()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def release(self, result: ReadResult) -> None:
+        """Give ``result``'s bytes back to the budget."""
+        with self._cond:
+            self._held -= result.held_bytes
+            result.held_bytes = 0
+            self._cond.notify_all()
+
+    def reset(self) -> None:
+        """Drop every queued request and every result not taken (a read in flight finishes and is dropped)."""
+        with self._cond:
+            self._pending.clear()
+            for item in self._done:
+                if isinstance(item, ReadResult):
+                    self._held -= item.held_bytes
+            self._done.clear()
+            self._generation += 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop the thread (after the read in flight) and drop everything."""
+        self.reset()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=60)
+
+    _busy = False
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not (self._pending and self._fits(len(self._pending[0][1]))):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                key, ids = self._pending.popleft()
+                generation, self._busy = self._generation, True
+                size = len(ids) * self.sample_nbytes
+                self._held += size
+                self.peak_held_bytes = max(self.peak_held_bytes, self._held)
+            item: ReadResult | BaseException
+            try:
+                t0 = time.perf_counter()
+                data, nbytes = self._read(key, ids)
+                item = ReadResult(key, ids, data, int(nbytes), time.perf_counter() - t0, size)
+            except BaseException as err:  # handed to the training loop, which raises it
+                item = err
+            with self._cond:
+                self._busy = False
+                if generation != self._generation:
+                    self._held -= size
+                else:
+                    if isinstance(item, BaseException):
+                        self._held -= size
+                    self._done.append(item)
+                self._cond.notify_all()
+
+    def _fits(self, samples: int) -> bool:
+        return self._held == 0 or self._held + samples * self.sample_nbytes <= self.limit_bytes

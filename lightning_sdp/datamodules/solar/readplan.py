@@ -1,0 +1,359 @@
+"""A read plan that knows the device: how many steps to read at once and which gaps to read through.
+
+A storage request costs a fixed time on top of its bytes (a seek, a network round trip, a token of a read-IOPS
+limit), so merging two runs of wanted rows into one request that also reads the rows between them pays when those
+rows cost less than a request. How many rows lie between two wanted rows depends on how many steps' reads are
+sorted together (the read window): the misses of ``W`` steps are a random subset of the file, denser as ``W``
+grows. A larger window holds more read samples in memory, and under one memory budget that memory is taken from
+the buffer, whose hit rate falls. :func:`plan_reads` weighs the three with a device's measured bandwidth and
+request rate (:func:`probe_storage`) and picks the window and gap of the least predicted device time per epoch.
+
+The prediction assumes what the schedule guarantees: a uniformly random permutation per epoch, a buffer at its hit
+rate bound (buffer / samples), and with ``balance`` each rank reading a contiguous slice of every step's sorted misses.
+Where the file fits in the memory left free (:func:`page_cache_holds`), a row read twice in an epoch is counted
+once: the OS page cache serves the second read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+READ_AHEAD_WINDOWS = 2
+"""Windows a rank holds besides its buffer: the one being trained on and the one being read."""
+WINDOW_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+GAP_CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+SPLIT_REQUEST_BYTES = 2**20
+"""A longer read reaches the device as several requests of about this size (the block layer's request limit)."""
+EQUAL_WITHIN = 0.02
+EQUAL_WITHIN_S = 0.05
+"""Plans within 2% or 50 ms per epoch of the fastest count as equally fast; the one holding less memory wins."""
+
+
+@dataclass(frozen=True)
+class StorageProfile:
+    """What one device (or file system) delivers to the readers of one node.
+
+    Args:
+        bandwidth_bytes_per_s: bytes per second of large reads.
+        requests_per_s: small random reads per second, issued as concurrently as the reader does (``io_threads``).
+        overlap: how a request's fixed cost and its transfer combine: 1 (a disk: seek, then transfer) adds them,
+            0 (a device with separate byte and request limits, e.g. a cgroup or cloud volume with an IOPS cap)
+            takes the larger. Default 1.
+        source: how it was obtained (``"probe"``, ``"default"``, ``"user"``), for logs.
+    """
+
+    bandwidth_bytes_per_s: float
+    requests_per_s: float
+    overlap: float = 1.0
+    source: str = "user"
+
+    def __post_init__(self) -> None:
+        for name in ("bandwidth_bytes_per_s", "requests_per_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"StorageProfile.{name} must be a positive number, got {value!r}")
+        if not (isinstance(self.overlap, (int, float)) and 0.0 <= self.overlap <= 1.0):
+            raise ValueError(f"StorageProfile.overlap must be in [0, 1], got {self.overlap!r}")
+
+    def seconds(self, nbytes: float, requests: float) -> float:
+        """Predicted device seconds for ``requests`` reads of ``nbytes`` in total."""
+        transfer, fixed = nbytes / self.bandwidth_bytes_per_s, requests / self.requests_per_s
+        return max(transfer, fixed) + self.overlap * min(transfer, fixed)
+
+    def describe(self) -> str:
+        """``"412 MB/s, 3,900 requests/s, overlap 0.1 (probe)"``."""
+        return (
+            f"{self.bandwidth_bytes_per_s / 1e6:.0f} MB/s, {self.requests_per_s:,.0f} requests/s, overlap "
+            f"{self.overlap:.2f} ({self.source})"
+        )
+
+
+FAST_LOCAL_STORAGE = StorageProfile(2e9, 50_000.0, 1.0, "default")
+"""Assumed when a file is too small to probe (it is served from the page cache after the first epoch anyway)."""
+PROBE_MIN_FILE_BYTES = 8 * 2**20
+_PROBED: dict[tuple[int, int], StorageProfile] = {}
+_PROBE_LOCK = threading.Lock()
+
+
+def probe_storage(path: str | os.PathLike, io_threads: int = 4, seed: int = 0) -> StorageProfile:
+    """Measure a file's device: small random reads per second and large-read bandwidth, at ``io_threads`` at once.
+
+    The file's cached pages are dropped first (``POSIX_FADV_DONTNEED``) and reads are advised random, so the reads
+    reach the device. It times pages, 64 KiB reads and 1 MiB reads at random offsets, each kind for
+    :data:`PROBE_PHASE_S` after a few untimed reads (a throttled device lets a burst through first) or until its
+    region of the file runs out: about a second and a half on a slow device, less on a fast one. The medium reads tell
+    how a request's fixed cost and its transfer combine (``overlap``). Results are kept per file
+    system for the life of the process. A file under 8 MiB is not probed (:data:`FAST_LOCAL_STORAGE`).
+
+    Args:
+        path: a file on the device (e.g. the training file).
+        io_threads: reads in flight at once, as the reader will issue them.
+        seed: seed of the probe's random offsets.
+    """
+    st = os.stat(path)
+    key = (int(st.st_dev), int(io_threads))
+    with _PROBE_LOCK:
+        if key in _PROBED:
+            return _PROBED[key]
+        if st.st_size < PROBE_MIN_FILE_BYTES or not hasattr(os, "posix_fadvise"):
+            return FAST_LOCAL_STORAGE
+        profile = _probe(os.fspath(path), int(st.st_size), max(1, int(io_threads)), seed)
+        _PROBED[key] = profile
+        return profile
+
+
+PROBE_PHASE_S = 0.4
+"""Seconds each kind of probe read is timed for (after its untimed burst), unless its region runs out first."""
+
+
+def _probe(path: str, size: int, threads: int, seed: int) -> StorageProfile:
+    rng = random.Random(seed)
+    page = 4096
+    quarter = size // 4 // page
+    # disjoint regions (large reads: first half; medium: third quarter; small: last quarter), so no read is served
+    # from pages another one brought in; offsets are drawn without repeats for the same reason
+    kinds = {"small": (page, 3 * quarter, 4 * quarter), "mid": (64 * 1024, 2 * quarter, 3 * quarter),
+             "big": (2**20, 0, 2 * quarter)}  # fmt: skip
+    fd = os.open(path, os.O_RDONLY)
+    seconds, nbytes, counts = {}, {}, {}
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+        def read(job: tuple[int, int]) -> int:
+            return len(os.pread(fd, job[1], job[0]))
+
+        with ThreadPoolExecutor(threads) as pool:
+            for name, (length, lo, hi) in kinds.items():
+                slots = range(lo, hi - length // page, length // page)
+                jobs = [(k * page, length) for k in rng.sample(slots, min(len(slots), 4096))]
+                warm, batch = max(2, len(jobs) // 16), 4 * threads
+                # a throttled device lets a burst through first: the first reads are not timed
+                list(pool.map(read, jobs[:warm]))
+                done, total, t0 = warm, 0, time.perf_counter()
+                while done < len(jobs) and (done == warm or time.perf_counter() - t0 < PROBE_PHASE_S):
+                    total += sum(pool.map(read, jobs[done : done + batch]))
+                    done += len(jobs[done : done + batch])
+                seconds[name] = max(time.perf_counter() - t0, 1e-6)
+                nbytes[name], counts[name] = total, done - warm
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    rate = counts["small"] / seconds["small"]
+    # 1 MiB reads are bound by the transfer (their fixed cost, where it adds, makes the bandwidth conservative)
+    bandwidth = nbytes["big"] / seconds["big"]
+    transfer, fixed = nbytes["mid"] / bandwidth, counts["mid"] / rate
+    overlap = (seconds["mid"] - max(transfer, fixed)) / max(min(transfer, fixed), 1e-9)
+    return StorageProfile(bandwidth, rate, float(min(1.0, max(0.0, overlap))), "probe")
+
+
+def available_memory() -> int:
+    """Bytes this process's memory cgroup (v1 or v2) and the machine (``MemAvailable``) leave free; 0: unknown."""
+    free = []
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    free.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    for limit, usage in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        with contextlib.suppress(OSError, ValueError):
+            cap = int(open(limit).read().strip())
+            if cap < 2**60:
+                free.append(max(0, cap - int(open(usage).read().strip())))
+    return min(free) if free else 0
+
+
+def page_cache_holds(file_bytes: int) -> bool:
+    """Whether the OS page cache can keep ``file_bytes`` for an epoch: at most half the memory left free."""
+    return 0 < 2 * file_bytes <= available_memory()
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """How a rank reads: the window, the gap and the memory split, with the prediction that chose them.
+
+    Args:
+        read_window: steps whose reads are sorted and issued together.
+        max_gap: unwanted rows read through between two wanted runs.
+        buffer_samples: the buffer's share of the memory budget, over all ranks.
+        read_ahead_samples: the read-ahead's share, over all ranks (``READ_AHEAD_WINDOWS`` windows per rank).
+        predicted_epoch_s: predicted device seconds per epoch (all ranks of a node share the device).
+        predicted_bytes: predicted bytes per epoch per rank.
+        predicted_requests: predicted device requests per epoch per rank.
+        storage: the device profile used.
+    """
+
+    read_window: int
+    max_gap: int
+    buffer_samples: int
+    read_ahead_samples: int
+    predicted_epoch_s: float
+    predicted_bytes: float
+    predicted_requests: float
+    storage: StorageProfile
+
+    def describe(self) -> str:
+        """One line for logs."""
+        return (
+            f"read window {self.read_window} steps, gaps up to {self.max_gap} rows read through, buffer "
+            f"{self.buffer_samples} + read-ahead {self.read_ahead_samples} samples; predicted "
+            f"{self.predicted_epoch_s:.2f} s of device time per epoch ({self.predicted_bytes / 2**20:.1f} MiB, "
+            f"{self.predicted_requests:,.0f} requests per rank) on {self.storage.describe()}"
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready fields."""
+        return {**asdict(self), "storage": asdict(self.storage)}
+
+
+def window_reads(
+    *,
+    num_samples: int,
+    world_size: int,
+    batch_size: int,
+    buffer_samples: int,
+    read_window: int,
+    max_gaps: Sequence[int],
+    balance: bool = True,
+    seed: int = 0,
+) -> list[tuple[float, float, float]]:
+    """Per ``max_gap``: ``(runs, rows transferred, distinct rows)`` one rank reads in one epoch.
+
+    One epoch of a rank is drawn from the model the schedule guarantees: its misses are a random ``1 - hit`` of its
+    id range (the whole file, or with ``balance`` a contiguous ``1 / world_size`` of it), taken in random order,
+    ``read_window`` steps of them at a time; each window's ids are sorted and merged into runs across gaps of up to
+    ``max_gap`` unwanted rows. Rows transferred count every read; distinct rows count a row read twice in the epoch
+    once (the page cache served the second read).
+
+    Args:
+        num_samples: training samples.
+        world_size: ranks.
+        batch_size: nominal local batch.
+        buffer_samples: buffer over all ranks (hit rate ``buffer_samples / num_samples``).
+        read_window: steps per window.
+        max_gaps: the gaps to evaluate, in rows.
+        balance: each rank reads a contiguous slice of the step's sorted misses.
+        seed: seed of the drawn epoch.
+    """
+    span = max(1, num_samples // world_size if balance else num_samples)
+    hit = min(1.0, buffer_samples / num_samples)
+    misses = int(round(span * (1 - hit)))
+    if misses == 0:
+        return [(0.0, 0.0, 0.0) for _ in max_gaps]
+    steps = max(1, math.ceil(num_samples / (world_size * batch_size)))
+    per_window = max(1, math.ceil(misses / math.ceil(steps / read_window)))
+    order = np.random.default_rng(seed).permutation(span)[:misses]
+    window = np.arange(misses) // per_window
+    by = np.lexsort((order, window))
+    ids, win = order[by], window[by]
+    step = np.diff(ids)
+    new_window = np.diff(win) != 0
+    out = []
+    for gap in max_gaps:
+        breaks = np.flatnonzero((step > gap + 1) | new_window)
+        starts = ids[np.concatenate(([0], breaks + 1))]
+        stops = ids[np.concatenate((breaks, [len(ids) - 1]))] + 1
+        delta = np.zeros(span + 1, dtype=np.int64)
+        np.add.at(delta, starts, 1)
+        np.add.at(delta, stops, -1)
+        distinct = int(np.count_nonzero(np.cumsum(delta)[:span]))
+        out.append((float(len(starts)), float(np.sum(stops - starts)), float(distinct)))
+    return out
+
+
+def plan_reads(
+    *,
+    num_samples: int,
+    world_size: int,
+    ranks_per_device: int,
+    batch_size: int,
+    memory_samples: int,
+    row_nbytes: Sequence[int],
+    storage: StorageProfile,
+    read_window: int | None = None,
+    max_gap: int | None = None,
+    balance: bool = True,
+    with_buffer: bool = True,
+    page_cache: bool = False,
+) -> ReadPlan:
+    """The read window and gap of least predicted device time, and the buffer / read-ahead split of the memory.
+
+    Each rank holds :data:`READ_AHEAD_WINDOWS` windows of read samples (about ``W * batch_size * (1 - hit rate)``
+    each) besides its share of the buffer; the buffer gets what remains of ``memory_samples``. A window that
+    leaves no buffer is still allowed (the buffer may be worth less than long requests). Among plans within
+    :data:`EQUAL_WITHIN` (or :data:`EQUAL_WITHIN_S`) of the fastest, the one holding the least read-ahead memory
+    wins, then the fewest bytes: on a fast device, the buffer's hit rate and exact reads.
+
+    Args:
+        num_samples: training samples.
+        world_size: ranks.
+        ranks_per_device: ranks that share one device (a node's ranks on a local disk).
+        batch_size: nominal local batch.
+        memory_samples: the loaders' memory over all ranks, in samples.
+        row_nbytes: bytes of one row of each dataset read.
+        storage: the device.
+        read_window: fixed window (``None``: chosen).
+        max_gap: fixed gap in rows (``None``: chosen).
+        balance: misses split as contiguous id slices across ranks (the schedule's ``balance``).
+        with_buffer: ``False``: no buffer; the whole memory is read-ahead.
+        page_cache: rows read twice in an epoch reach the device once (the OS page cache keeps the file for an
+            epoch: see :func:`page_cache_holds`); ``False``: every transferred row counts.
+    """
+    windows = [read_window] if read_window is not None else list(WINDOW_CANDIDATES)
+    gaps = [max_gap] if max_gap is not None else list(GAP_CANDIDATES)
+    sample_nbytes = sum(row_nbytes)
+    plans: list[ReadPlan] = []
+    for w in windows:
+        split = _split_memory(num_samples, world_size, batch_size, memory_samples, w, with_buffer)
+        if split is None and (plans or w != windows[0]):
+            continue  # its read-ahead alone exceeds the memory (the smallest window is always allowed)
+        read_ahead, buffer = split if split is not None else (memory_samples, 0)
+        reads = window_reads(
+            num_samples=num_samples,
+            world_size=world_size,
+            batch_size=batch_size,
+            buffer_samples=buffer,
+            read_window=w,
+            max_gaps=gaps,
+            balance=balance,
+        )
+        for g, (runs, rows, distinct) in zip(gaps, reads, strict=True):
+            nbytes = (distinct if page_cache else rows) * sample_nbytes
+            requests = runs * len(row_nbytes) + rows * sample_nbytes / SPLIT_REQUEST_BYTES
+            seconds = ranks_per_device * storage.seconds(nbytes, requests)
+            plans.append(ReadPlan(w, g, buffer, read_ahead, seconds, nbytes, requests, storage))
+    fastest = min(p.predicted_epoch_s for p in plans)
+    close = [p for p in plans if p.predicted_epoch_s <= max(fastest * (1 + EQUAL_WITHIN), fastest + EQUAL_WITHIN_S)]
+    return min(close, key=lambda p: (p.read_ahead_samples, p.predicted_bytes, p.read_window))
+
+
+def _split_memory(
+    num_samples: int, world_size: int, batch_size: int, memory: int, window: int, with_buffer: bool
+) -> tuple[int, int] | None:
+    """``(read-ahead, buffer)`` samples over all ranks for ``window`` steps under ``memory``; ``None``: no fit."""
+    full = READ_AHEAD_WINDOWS * window * batch_size * world_size
+    if not with_buffer:
+        return (full, 0) if full <= memory else None
+    # the read-ahead holds the misses only: (1 - hit) of its steps' samples, with hit = buffer / samples
+    read_ahead = min(memory, full)
+    for _ in range(4):  # fixed point of read_ahead = full * (1 - hit), hit = (memory - read_ahead) / N
+        buffer = max(0, memory - read_ahead)
+        read_ahead = math.ceil(full * (1 - min(1.0, buffer / num_samples)))
+    if read_ahead > memory:
+        return None
+    return read_ahead, memory - read_ahead

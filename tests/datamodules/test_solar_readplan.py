@@ -123,7 +123,8 @@ def _reader(delay=0.0, fail_on=None):
 
 
 def test_read_ahead_keeps_order_stays_within_its_budget_and_reads_while_the_consumer_works():
-    ra = ReadAhead(_reader(delay=0.01), sample_nbytes=100, limit_bytes=2 * 10 * 100)
+    window = 10 * 100
+    ra = ReadAhead(_reader(delay=0.01), sample_nbytes=100, limit_bytes=2 * window)
     keys = [(0, s) for s in range(6)]
     for k in keys:
         ra.submit(k, np.arange(10) + k[1])
@@ -132,10 +133,15 @@ def test_read_ahead_keeps_order_stays_within_its_budget_and_reads_while_the_cons
         res = ra.get()
         got.append(res.key)
         assert np.array_equal(res.data["x"], np.arange(10) + k[1])
-        time.sleep(0.02)  # training on the window: the thread reads the next one meanwhile
+        if k[1] < 5:  # while this window is trained on, the thread reads the next one, and no further
+            deadline = time.monotonic() + 10
+            while ra._held < 2 * window and time.monotonic() < deadline:
+                time.sleep(0.005)
+            time.sleep(0.05)
+            assert ra._held == 2 * window
         ra.release(res)
     assert got == keys
-    assert ra.peak_held_bytes == 2 * 10 * 100  # two windows at once, never three
+    assert ra.peak_held_bytes == 2 * window
     ra.close()
 
 

@@ -71,10 +71,11 @@ class ReadAhead:
 
     @property
     def queued_keys(self) -> list[tuple[int, int]]:
-        """Keys of the requests queued or read and not yet taken, in order."""
+        """Keys of the requests read and not yet taken, being read, and queued, in order."""
         with self._cond:
             done = [r.key for r in self._done if isinstance(r, ReadResult)]
-            return done + [k for k, _ in self._pending]
+            reading = [self._reading] if self._reading is not None else []
+            return done + reading + [k for k, _ in self._pending]
 
     def submit(self, key: tuple[int, int], ids: np.ndarray) -> None:
         """Queue one request (read after those queued before it)."""
@@ -111,6 +112,7 @@ class ReadAhead:
                 if isinstance(item, ReadResult):
                     self._held -= item.held_bytes
             self._done.clear()
+            self._reading = None  # its result is dropped when it arrives
             self._generation += 1
             self._cond.notify_all()
 
@@ -124,6 +126,7 @@ class ReadAhead:
             self._thread.join(timeout=60)
 
     _busy = False
+    _reading: tuple[int, int] | None = None
 
     def _run(self) -> None:
         while True:
@@ -133,7 +136,7 @@ class ReadAhead:
                 if self._closed:
                     return
                 key, ids = self._pending.popleft()
-                generation, self._busy = self._generation, True
+                generation, self._busy, self._reading = self._generation, True, key
                 size = len(ids) * self.sample_nbytes
                 self._held += size
                 self.peak_held_bytes = max(self.peak_held_bytes, self._held)
@@ -145,7 +148,7 @@ class ReadAhead:
             except BaseException as err:  # handed to the training loop, which raises it
                 item = err
             with self._cond:
-                self._busy = False
+                self._busy, self._reading = False, None
                 if generation != self._generation:
                     self._held -= size
                 else:

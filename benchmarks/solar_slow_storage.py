@@ -7,7 +7,9 @@ DDP ranks and training in the loop: :mod:`benchmarks.solar_vs_loaders`).
 
 Modes: ``dl<W>`` = DataLoader + h5py, per-sample reads, shuffled, W workers; ``solar:<window>:<gap>[:opts]`` =
 SolarLoader with a read window of ``window`` steps and ``max_gap``; opts ``ra`` (kernel readahead on, the old
-behaviour), ``nobuf`` (buffer 0: coalesced reads alone), ``serial`` (one read at a time, no threads).
+behaviour), ``nobuf`` (buffer 0: coalesced reads alone), ``serial`` (one read at a time, no threads);
+``solar:auto`` = the plan ``SolarDataModule`` chooses (probe, window, gap, the buffer's memory shared with the
+read-ahead thread). Every row gives its fraction of the device's bandwidth limit for ``1 - C/N`` of the file.
 
     sudo .venv/bin/python -m benchmarks.solar_slow_storage            # full run
     sudo .venv/bin/python -m benchmarks.solar_slow_storage --quick    # smoke run (under a minute)
@@ -27,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 KEYS = ["diffraction", "amplitude", "phase"]
 DEFAULT_MODES = [
@@ -39,7 +42,39 @@ DEFAULT_MODES = [
     "solar:1:0",
     "solar:16:8:nobuf",
     "solar:16:8",
+    "solar:auto",
 ]
+
+
+def _auto_loader(path: str, samples: int, epochs: int, batch: int, buffer: int) -> Any:
+    """A SolarLoader with the plan SolarDataModule would choose for this device and ``buffer`` samples of memory."""
+    from lightning_sdp.datamodules.solar import HDF5Reader, SolarLoader, SolarSchedule
+    from lightning_sdp.datamodules.solar.readplan import page_cache_holds, plan_reads, probe_storage
+
+    reader = HDF5Reader(path, KEYS, io_threads=4)
+    plan = plan_reads(
+        num_samples=samples,
+        world_size=1,
+        ranks_per_device=1,
+        batch_size=batch,
+        memory_samples=buffer,
+        row_nbytes=list(reader.info.row_nbytes.values()),
+        storage=probe_storage(path, 4),
+        page_cache=page_cache_holds(os.path.getsize(path)),
+    )
+    print(json.dumps({"mode": "solar:auto", "plan": plan.describe()}), flush=True)
+    reader.max_gap = plan.max_gap
+    schedule = SolarSchedule(samples, epochs, 1, batch, buffer_size=plan.buffer_samples, seed=0)
+    return SolarLoader(
+        schedule,
+        0,
+        reader,
+        KEYS[0],
+        KEYS[1:],
+        read_window=plan.read_window,
+        read_ahead_bytes=plan.read_ahead_samples * reader.info.sample_nbytes,
+        read_across_epochs=False,  # epochs are measured one by one, each after a cache drop
+    )
 
 
 def _child(mode: str, path: str, samples: int, epochs: int, batch: int, buffer: int, headroom_mib: int) -> None:
@@ -54,10 +89,11 @@ def _child(mode: str, path: str, samples: int, epochs: int, batch: int, buffer: 
     assert group is not None, "run through ThrottledStorage.run"
     parts = mode.split(":")
     opts = set(parts[3:])
-    schedule = SolarSchedule(samples, epochs, 1, batch, buffer_size=0 if "nobuf" in opts else buffer, seed=0)
-
     loader = None
-    if parts[0] == "solar":
+    if mode == "solar:auto":  # the plan SolarDataModule chooses: probe, window, gap and the memory split
+        loader = _auto_loader(path, samples, epochs, batch, buffer)
+    elif parts[0] == "solar":
+        schedule = SolarSchedule(samples, epochs, 1, batch, buffer_size=0 if "nobuf" in opts else buffer, seed=0)
         reader = HDF5Reader(
             path, KEYS, max_gap=int(parts[2]), io_threads=1 if "serial" in opts else 4, readahead="ra" in opts
         )
@@ -65,6 +101,8 @@ def _child(mode: str, path: str, samples: int, epochs: int, batch: int, buffer: 
         loader = SolarLoader(
             schedule, 0, reader, KEYS[0], KEYS[1:], read_window=int(parts[1]), read_across_epochs=False
         )
+    else:
+        schedule = SolarSchedule(samples, epochs, 1, batch, buffer_size=buffer, seed=0)
     if headroom_mib > 0:
         group.limit_memory(headroom_mib * 2**20)
     for epoch in range(epochs):
@@ -195,15 +233,16 @@ def main(argv=None) -> int:
         _child(m, p, int(s), int(e), int(b), int(c), int(h))
         return 0
     from benchmarks._common import REPO_ROOT, machine_info, markdown_table, write_results
-    from benchmarks._throttled_storage import ThrottledStorage
+    from benchmarks._throttled_storage import ThrottledStorage, parse_bytes
     from lightning_sdp.datamodules.solar.ptycho import make_ptycho_h5
 
     if args.quick:
         # tiny: a 3 MiB file, the baseline and SOLAR with and without a read window (under a minute)
-        args.samples, args.size, args.epochs, args.modes = 256, 32, 2, ["dl0", "solar:1:0", "solar:16:8"]
+        args.samples, args.size, args.epochs, args.modes = 256, 32, 2, ["dl0", "solar:1:0", "solar:16:8", "solar:auto"]
         args.name += "_quick"
     buffer = int(round(args.buffer_fraction * args.samples))
     rows = []
+    plans: dict[str, str] = {}
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
@@ -241,11 +280,17 @@ def main(argv=None) -> int:
             )
             for line in out.stdout.splitlines():
                 if line.startswith("{"):
-                    rows.append(json.loads(line))
+                    record = json.loads(line)
+                    if "plan" in record:
+                        plans[record["mode"]] = record["plan"]
+                    else:
+                        rows.append(record)
                     print(line, flush=True)
             if out.returncode:
                 print(f"{mode}: exit {out.returncode}\n{out.stderr[-2000:]}", flush=True)
     summary = []
+    sample_bytes = file_mib * 2**20 / args.samples
+    bandwidth_limit = parse_bytes(args.bps) / (sample_bytes * (1 - buffer / args.samples))
     base = [r["samples_per_s"] for r in rows if r["mode"] == "dl0" and r["epoch"] > 0]
     base_sps = sum(base) / len(base) if base else float("nan")
     for mode in args.modes:
@@ -261,6 +306,8 @@ def main(argv=None) -> int:
                 "device MiB/epoch": round(sum(r["device_mib"] for r in later) / len(later), 1),
                 "device requests/epoch": round(sum(r["device_requests"] for r in later) / len(later)),
                 "peak RSS MiB": round(max(r["peak_rss_mib"] for r in later)),
+                # the device's bandwidth limit for the bytes a buffer of C/N must leave to storage
+                "of bandwidth limit for (1 - C/N)": round(sps / bandwidth_limit, 2),
             }
         )
     md = (
@@ -271,12 +318,20 @@ def main(argv=None) -> int:
         f"{args.headroom_mib or 'uncapped'} MiB. Device: {facts}. 'later' = epochs after the first. Device bytes and "
         "requests from the blkio cgroup.\n\n"
         + markdown_table(summary)
+        + "".join(f"\n\n{mode} chose: {plan}" for mode, plan in plans.items())
         + f"\n\nWall time {time.perf_counter() - start:.0f} s.\n"
     )
     print(md)
     write_results(
         args.name,
-        {"args": vars(args), "device": facts, "summary": summary, "epochs": rows, "machine": machine_info()},
+        {
+            "args": vars(args),
+            "device": facts,
+            "summary": summary,
+            "epochs": rows,
+            "plans": plans,
+            "machine": machine_info(),
+        },
         md,
         None,
     )

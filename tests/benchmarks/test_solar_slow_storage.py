@@ -19,7 +19,9 @@ def test_quick_run_reads_fewer_device_requests_with_a_read_window():
     if payload is None:  # refused clearly: no root or no blkio cgroup
         return
     rows = {r["mode"]: r for r in payload["summary"]}
-    assert set(rows) == {"dl0", "solar:1:0", "solar:16:8"}, "every mode ran in its child process"
+    assert set(rows) == {"dl0", "solar:1:0", "solar:16:8", "solar:auto"}, "every mode ran in its child process"
+    assert "read window" in payload["plans"]["solar:auto"], "the planner's choice is reported"
+    assert all(0 < r["of bandwidth limit for (1 - C/N)"] for r in rows.values())
     assert all(r["device MiB/epoch"] > 0 for r in rows.values()), "the device served the reads (cache dropped)"
     # 16 steps' reads merged into a few long requests instead of one request per run of rows
     assert rows["solar:16:8"]["device requests/epoch"] < rows["solar:1:0"]["device requests/epoch"]

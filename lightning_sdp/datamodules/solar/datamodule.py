@@ -385,7 +385,7 @@ class SolarDataModule(LightningDataModule):
         return plan_reads(
             num_samples=self.num_train,
             world_size=self.world_size,
-            ranks_per_device=int(getattr(trainer, "num_devices", 1) or 1) if trainer is not None else 1,
+            ranks_per_device=trainer.num_devices if trainer is not None else 1,
             batch_size=self.batch_size,
             memory_samples=memory,
             row_nbytes=list(self.info.row_nbytes.values()),
@@ -595,14 +595,16 @@ class SolarDataModule(LightningDataModule):
             self._pending_state = state_dict
             return
         saved_plan = state_dict.get("read_plan")
-        if saved_plan is not None and self.read_plan is not None and saved_plan != _plan_state(self.read_plan):
-            memory = {k: v["buffer_samples"] + v["read_ahead_samples"] for k, v in
-                      (("checkpoint", saved_plan), ("now", _plan_state(self.read_plan)))}  # fmt: skip
-            if memory["checkpoint"] != memory["now"]:
+        assert self.read_plan is not None  # set with the schedule in setup
+        current_plan = _plan_state(self.read_plan)
+        if saved_plan is not None and saved_plan != current_plan:
+            saved_memory = saved_plan["buffer_samples"] + saved_plan["read_ahead_samples"]
+            memory = current_plan["buffer_samples"] + current_plan["read_ahead_samples"]
+            if saved_memory != memory:
                 raise ValueError(
                     f"the checkpoint's SOLAR memory budget does not match this configuration (buffer_size: "
-                    f"checkpoint {memory['checkpoint']} vs now {memory['now']} samples, buffer and read-ahead "
-                    "together). Resume with the same buffer_size, or start a new run."
+                    f"checkpoint {saved_memory} vs now {memory} samples, buffer and read-ahead together). Resume "
+                    "with the same buffer_size, or start a new run."
                 )
             # the same options, but the device measured differently: keep the checkpoint's plan and schedule
             self.read_plan = replace(self.read_plan, **saved_plan)

@@ -463,9 +463,8 @@ class SolarLoader:
         ]
 
     def _read_for_thread(self, key: tuple[int, int], ids: np.ndarray) -> tuple[dict[str, torch.Tensor], int]:
-        before = self.reader.bytes_read
-        rows = self.reader.read(ids)
-        return {k: torch.from_numpy(v) for k, v in rows.items()}, self.reader.bytes_read - before
+        item = ReadRequests(self.reader)[(key[1], ids)]  # the same read a worker process does
+        return item["data"], item["bytes"]
 
     def _thread_results(self, epoch: int, windows: list[tuple[int, np.ndarray]]) -> Iterator[dict[str, Any]]:
         """This epoch's window results from the read-ahead thread, which then reads on into the next epoch."""

@@ -89,7 +89,7 @@ class ReadAhead:
             while not self._done:
                 if self._closed:
                     raise RuntimeError("SOLAR read-ahead was closed")
-                if not self._pending and not self._busy:
+                if not self._pending and self._reading is None:
                     raise RuntimeError("SOLAR read-ahead: get() with no request queued")
                 self._cond.wait()
             item = self._done.popleft()
@@ -125,7 +125,6 @@ class ReadAhead:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=60)
 
-    _busy = False
     _reading: tuple[int, int] | None = None
 
     def _run(self) -> None:
@@ -136,7 +135,7 @@ class ReadAhead:
                 if self._closed:
                     return
                 key, ids = self._pending.popleft()
-                generation, self._busy, self._reading = self._generation, True, key
+                generation, self._reading = self._generation, key
                 size = len(ids) * self.sample_nbytes
                 self._held += size
                 self.peak_held_bytes = max(self.peak_held_bytes, self._held)
@@ -148,7 +147,7 @@ class ReadAhead:
             except BaseException as err:  # handed to the training loop, which raises it
                 item = err
             with self._cond:
-                self._busy, self._reading = False, None
+                self._reading = None
                 if generation != self._generation:
                     self._held -= size
                 else:

@@ -24,7 +24,8 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -172,9 +173,9 @@ def available_memory() -> int:
         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
     ):
         with contextlib.suppress(OSError, ValueError):
-            cap = int(open(limit).read().strip())
+            cap = int(Path(limit).read_text().strip())
             if cap < 2**60:
-                free.append(max(0, cap - int(open(usage).read().strip())))
+                free.append(max(0, cap - int(Path(usage).read_text().strip())))
     return min(free) if free else 0
 
 
@@ -215,10 +216,6 @@ class ReadPlan:
             f"{self.predicted_epoch_s:.2f} s of device time per epoch ({self.predicted_bytes / 2**20:.1f} MiB, "
             f"{self.predicted_requests:,.0f} requests per rank) on {self.storage.describe()}"
         )
-
-    def as_dict(self) -> dict[str, object]:
-        """JSON-ready fields."""
-        return {**asdict(self), "storage": asdict(self.storage)}
 
 
 def window_reads(

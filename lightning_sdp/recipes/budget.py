@@ -17,7 +17,9 @@ front. :func:`fit_simplex_within_budget` turns a wall-clock (or epoch) budget in
    Hutter, SGDR) of doubling length, each decaying to 0 and scored on validation, and the best snapshot is kept: so
    the training length is chosen on validation too (a longer schedule is not always better). Without restarts the
    final fit trains on the training *and* validation interactions (``refit``): validation has done its job once the
-   configuration is chosen, and the interactions it holds are worth training on.
+   configuration is chosen, and the interactions it holds are worth training on. A final fit that keeps validation
+   held out (``refit=False``) is scored on it at a few points of its schedule, and the best weights are returned
+   (:mod:`lightning_sdp.recipes.checkpoints`).
 
 The recipe never receives the test split: it carves validation out of the training interactions (or uses the
 datamodule's ``val_csr``), so the test split can be scored once, afterwards. :class:`BudgetPlan` holds the budget's
@@ -37,7 +39,8 @@ import numpy as np
 from lightning_sdp.datamodules.interactions import merge_csr, split_validation
 from lightning_sdp.models.simplex import SimpleXModule
 from lightning_sdp.models.simplex.auto import auto_grid, explain
-from lightning_sdp.recipes.clocks import _FitClock
+from lightning_sdp.recipes.checkpoints import _BestOnValidation, val_check_count
+from lightning_sdp.recipes.clocks import _FitClock, schedule_progress
 from lightning_sdp.recipes.plan import BudgetPlan, shape_key
 from lightning_sdp.recipes.runner import SimpleXRunner, default_batch_size
 from lightning_sdp.recipes.search import (
@@ -66,6 +69,8 @@ class BudgetedFit:
     epoch budget, counted for a seconds budget (whose schedule runs on the clock). The final model's
     ``hparams.lr_schedule`` is then ``"constant"``: the decay was applied by the fit's callback, not the module.
     ``grid`` is the search space used (given, or chosen for ``data_stats``, the training split's statistics).
+    ``check_steps`` / ``check_val_recall`` are the final fit's validation checks (its end last; empty when it had
+    none) and ``chosen_check`` the one whose weights were returned (``-1``: no checks).
     """
 
     model: SimpleXModule
@@ -91,6 +96,9 @@ class BudgetedFit:
     selection: str = "extrapolate"
     grid: dict[str, list[Any]] = field(default_factory=dict)
     data_stats: dict[str, Any] = field(default_factory=dict)
+    check_steps: list[int] = field(default_factory=list)
+    check_val_recall: list[float] = field(default_factory=list)
+    chosen_check: int = -1
 
     def summary(self) -> dict[str, Any]:
         """JSON-friendly summary (no model)."""
@@ -107,6 +115,9 @@ class _FinalFit:
     cycle_steps: list[int]
     cycle_val_recall: list[float]
     fit_seconds: float
+    check_steps: list[int]
+    check_val_recall: list[float]
+    chosen_check: int
 
     @property
     def chosen(self) -> int:
@@ -121,6 +132,7 @@ def _check_options(
     selection: str,
     cycles: int,
     refit: bool | None,
+    val_checks: int | None = None,
 ) -> bool:
     """Raise on a bad budget or option; return ``refit`` resolved (``None``: refit unless there are restarts)."""
     if (budget_seconds is None) == (budget_epochs is None):
@@ -145,7 +157,14 @@ def _check_options(
             f"fit_simplex_within_budget: cycles={cycles} chooses its snapshot on validation, so the final fit cannot "
             "train on validation; pass refit=False (or cycles=1)."
         )
-    return cycles == 1 if refit is None else refit
+    refit = cycles == 1 if refit is None else refit
+    if val_checks and (refit or cycles > 1):
+        raise ValueError(
+            f"fit_simplex_within_budget: val_checks={val_checks} scores the final fit on validation, which "
+            f"{'it trains on (refit)' if refit else 'the restart cycles already choose from'}; pass refit=False and "
+            "cycles=1, or leave val_checks=None."
+        )
+    return refit
 
 
 def _csr_of(source: Any, name: str) -> _CSR | None:
@@ -215,19 +234,33 @@ def _fit_final(
     scorer: ValidationScorer,
     config: dict[str, Any],
     cycles: int,
+    val_checks: int | None,
     notes: list[str],
 ) -> _FinalFit:
-    """Train ``config`` for what is left of the budget as ``cycles`` warm restarts on ``runner``'s data."""
+    """Train ``config`` for what is left of the budget as ``cycles`` warm restarts on ``runner``'s data.
+
+    One schedule on held-out data (no restarts, no refit) is scored on validation at ``val_checks`` points and at
+    its end, and the best weights are kept (:class:`~lightning_sdp.recipes.checkpoints._BestOnValidation`).
+    """
     if plan.timed and not plan.knows(config):
         plan.step_seconds[shape_key(config)] = search_runner.probe(config)
     cycle_steps, cycle_seconds = plan.final_cycles(config, cycles)
+    held_out = runner is search_runner and cycles == 1
+    checks = val_check_count(val_checks, cycle_seconds[0], plan.eval_seconds) if held_out else 0
+    checker = _BestOnValidation(lambda m: scorer.score(m, scorer.users)[0], checks, schedule_progress)
     snapshots: list[tuple[SimpleXModule, _FitClock]] = []
     cycle_val: list[float] = []
     fit_seconds = 0.0
     for i, (steps, seconds) in enumerate(zip(cycle_steps, cycle_seconds, strict=True)):
         guard = None if plan.budget_seconds is None else 2.0 * max(1.0, plan.budget_seconds - plan.elapsed())
         model, clock, wall = runner.fit(
-            config, steps, guard, init=snapshots[-1][0] if snapshots else None, cycle=i, seconds=seconds
+            config,
+            steps,
+            guard,
+            init=snapshots[-1][0] if snapshots else None,
+            cycle=i,
+            seconds=seconds,
+            callbacks=[checker] if checks else (),
         )
         cycle_steps[i] = len(clock.ends)
         fit_seconds += wall
@@ -237,7 +270,16 @@ def _fit_final(
         snapshots.append((model, clock))
         if cycles > 1:
             cycle_val.append(scorer.score(model, scorer.users)[0])
-    return _FinalFit(snapshots, cycle_steps, cycle_val, fit_seconds)
+    if checks:
+        checker.finish(snapshots[0][0], cycle_steps[0])
+        if checker.chosen < len(checker.steps) - 1:
+            notes.append(
+                f"the final fit's validation check at step {checker.steps[checker.chosen]} of {cycle_steps[0]} "
+                f"scored {checker.val_recall[checker.chosen]:.4f} against {checker.val_recall[-1]:.4f} at the end: "
+                "its weights are returned"
+            )
+            _log.info("fit_simplex_within_budget: %s.", notes[-1])
+    return _FinalFit(snapshots, cycle_steps, cycle_val, fit_seconds, checker.steps, checker.val_recall, checker.chosen)
 
 
 def _validation_of(
@@ -277,6 +319,7 @@ def fit_simplex_within_budget(
     refit: bool | None = None,
     selection: str = "extrapolate",
     keep_anchor: bool = True,
+    val_checks: int | None = None,
 ) -> BudgetedFit:
     """Choose SimpleX hyper-parameters on validation and train the winner so that its schedule ends in the budget.
 
@@ -329,6 +372,10 @@ def fit_simplex_within_budget(
             are short and cut configurations that start slowly but end ahead (a larger dimension), the weakness
             Hyperband (Li et al., JMLR 2018) hedges with a bracket of few configurations trained long; keeping
             the prior's best guess is that hedge at the cost of at most one trial per round. Default ``True``.
+        val_checks: validation checks inside a final fit on held-out data (``refit=False``, ``cycles=1``): the
+            schedule is scored at this many evenly spaced points and at its end, and the best weights are returned
+            (the fit is never cut short: the end of a linear decay is where it converges). ``None`` (default): up to
+            8, as many as cost at most 5% of the final fit's time in scoring; none with ``refit`` or restarts.
 
     Returns:
         A :class:`BudgetedFit` with the trained model, its settings, ``max_steps`` and every trial.
@@ -336,10 +383,11 @@ def fit_simplex_within_budget(
     Raises:
         ValueError: a missing, non-positive or doubled budget, a ``search_fraction`` outside ``[0, 1)``, or a budget
             too short for even one training step after the probe, ``cycles < 1``, ``refit=True`` with
-            ``cycles > 1``, or an unknown ``selection``.
+            ``cycles > 1``, an unknown ``selection``, or ``val_checks`` negative or given with ``refit`` or
+            restarts.
         TypeError: ``data`` is neither an interactions datamodule nor a CSR tuple.
     """
-    refit = _check_options(budget_seconds, budget_epochs, search_fraction, selection, cycles, refit)
+    refit = _check_options(budget_seconds, budget_epochs, search_fraction, selection, cycles, refit, val_checks)
     notes: list[str] = []
     train, val, found_items = _split_data(data, val, val_fraction, seed, notes)
     num_items = num_items if num_items is not None else found_items
@@ -363,7 +411,7 @@ def fit_simplex_within_budget(
         if refit
         else runner
     )
-    final = _fit_final(plan, runner, final_runner, scorer, best, cycles, notes)
+    final = _fit_final(plan, runner, final_runner, scorer, best, cycles, val_checks, notes)
     val_recall, val_ndcg = _validation_of(final, scorer, search.trials, best, refit, notes)
     model, clock = final.snapshots[final.chosen]
     return BudgetedFit(
@@ -390,4 +438,7 @@ def fit_simplex_within_budget(
         selection=selection,
         grid={k: list(v) for k, v in search_grid.items()},
         data_stats=runner.stats.to_dict(),
+        check_steps=final.check_steps,
+        check_val_recall=final.check_val_recall,
+        chosen_check=final.chosen_check,
     )

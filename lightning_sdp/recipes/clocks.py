@@ -77,6 +77,11 @@ class _WallClockLinearDecay(Callback):
         assert self.start is not None  # set at the first batch start
         return max(0.0, 1.0 - (self.clock() - self.start) / self.seconds)
 
+    @property
+    def progress(self) -> float:
+        """The share of the schedule's time elapsed (0 before the first batch, 1 at its end)."""
+        return 0.0 if self.start is None else 1.0 - self._fraction_left()
+
     def _set(self, trainer: Trainer, fraction: float) -> None:
         for optimizer, base in zip(trainer.optimizers, self.base, strict=True):
             for group, lr in zip(optimizer.param_groups, base, strict=True):
@@ -100,3 +105,12 @@ class _WallClockLinearDecay(Callback):
         if left <= 0.0:
             trainer.should_stop = True
         self._set(trainer, left)  # the rate the next step would use: 0 once the time is up
+
+
+def schedule_progress(trainer: Trainer) -> float:
+    """The share of a fit's schedule done: its :class:`_WallClockLinearDecay`'s clock when it has one, else its
+    steps over ``max_steps``."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, _WallClockLinearDecay):
+            return callback.progress
+    return trainer.global_step / max(1, trainer.max_steps)

@@ -2,7 +2,7 @@
 
 Successive halving tries the configurations in short trials, keeps the better half and trains it twice as long,
 until one is left. Every trial is a complete short run whose linear schedule decays to 0 inside its own share of
-the time, scored on the validation split only. The halves are ranked by the validation score each configuration's
+the time (on the clock, like the final fit, for a seconds budget), scored on the validation split only. The halves are ranked by the validation score each configuration's
 trials *extrapolate* to at the final fit's length (:func:`extrapolate_recall`): the final fit is several doublings
 longer than the last trial, and a larger dimension that is behind after a short schedule but gains more per
 doubling is the better choice for it.
@@ -363,8 +363,17 @@ class SuccessiveHalving:
         return float("nan"), steps
 
     def _trial(self, config: dict[str, Any], r: int, steps: int, share: float) -> Trial:
+        """Train and score one trial. A timed trial's schedule runs on the clock for its share less the Trainer's
+        set-up and the scoring (its steps are counted afterwards): a trial sized from a step-time estimate overran
+        its share by up to 2.4x under load and starved the trials after it in the round, which then lost to
+        configurations trained several times longer."""
         trial = Trial(dict(config), r, steps, share)
-        model, clock, fit_seconds = self.runner.fit(config, steps)
+        if self.plan.timed:
+            seconds = share - self.plan.overhead - self.plan.eval_seconds
+            model, clock, fit_seconds = self.runner.fit(config, -1, seconds=max(seconds, 1e-3))
+            trial.steps = steps = len(clock.ends)
+        else:
+            model, clock, fit_seconds = self.runner.fit(config, steps)
         self.plan.record_fit(config, clock, fit_seconds, steps)
         trial.train_seconds, trial.fit_seconds = clock.train_seconds, fit_seconds
         scored = time.perf_counter()

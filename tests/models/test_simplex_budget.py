@@ -381,3 +381,19 @@ def test_the_search_can_choose_between_the_losses() -> None:
     assert {t.config["loss"] for t in fit.trials} == {"ccl", "softmax"}
     assert fit.model.config.loss == fit.config["loss"] and fit.model.config.grad_clip == 0.1
     assert fit.final_lr == 0.0 and 0.0 < fit.val_recall <= 1.0
+
+
+def test_timed_trials_run_on_the_clock_whatever_the_step_estimate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trial sized from a wrong step-time estimate (here a million steps) still ends inside its share of the
+    search: its schedule decays on the clock, and its steps are counted afterwards."""
+    from lightning_sdp.recipes.plan import BudgetPlan
+
+    monkeypatch.setattr(BudgetPlan, "trial_steps", lambda self, config, seconds: 10**6 if seconds > 0 else 0)
+    fit = fit_simplex_within_budget(
+        _data(), budget_seconds=5.0, grid=TINY_GRID, num_configs=2, threads=1, batch_size=128, min_trial_seconds=0.2
+    )
+    assert fit.trials
+    for trial in fit.trials:
+        assert 1 <= trial.steps < 10**6
+        assert trial.train_seconds <= trial.seconds_allowed + 0.5  # one step past the end at most, plus slack
+    assert fit.final_lr == 0.0

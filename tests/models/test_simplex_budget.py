@@ -397,3 +397,31 @@ def test_timed_trials_run_on_the_clock_whatever_the_step_estimate(monkeypatch: p
         assert 1 <= trial.steps < 10**6
         assert trial.train_seconds <= trial.seconds_allowed + 0.5  # one step past the end at most, plus slack
     assert fit.final_lr == 0.0
+
+
+def test_a_held_out_final_fit_returns_its_best_check_on_validation() -> None:
+    dm = _data()
+    fit = fit_simplex_within_budget(
+        dm, budget_epochs=6, search_fraction=0.0, grid=TINY_GRID, threads=1, batch_size=128, refit=False, val_checks=4
+    )
+    assert len(fit.check_steps) == 5 and fit.check_steps[-1] == fit.max_steps
+    assert all(a < b for a, b in zip(fit.check_steps, fit.check_steps[1:], strict=False))
+    best = max(fit.check_val_recall)
+    assert fit.check_val_recall[fit.chosen_check] == best
+    assert fit.chosen_check == len(fit.check_steps) - 1 or best > fit.check_val_recall[-1]
+    # the model returned scores what its check scored (the search's user sample is every validation user here)
+    from lightning_sdp.metrics import evaluate_ranking
+
+    recall, _ = evaluate_ranking(fit.model.score, dm.train_csr, dm.val_csr, dm.num_items, 20)
+    assert recall == pytest.approx(best, abs=1e-6)
+    assert fit.final_lr == 0.0  # the checks never cut the schedule
+
+
+def test_checks_are_refused_where_validation_is_not_held_out() -> None:
+    dm = _data()
+    refit = fit_simplex_within_budget(dm, budget_epochs=2, search_fraction=0.0, grid=TINY_GRID, threads=1)
+    assert refit.refit and refit.check_steps == [] and refit.chosen_check == -1
+    with pytest.raises(ValueError, match="which it trains on"):
+        fit_simplex_within_budget(dm, budget_epochs=2, grid=TINY_GRID, val_checks=2)
+    with pytest.raises(ValueError, match="restart cycles already choose"):
+        fit_simplex_within_budget(dm, budget_epochs=2, grid=TINY_GRID, val_checks=2, cycles=2)

@@ -158,6 +158,7 @@ def _check_options(
             "train on validation; pass refit=False (or cycles=1)."
         )
     refit = cycles == 1 if refit is None else refit
+    val_check_count(val_checks, None, 1.0)  # refuses a negative count before the search spends the budget
     if val_checks and (refit or cycles > 1):
         raise ValueError(
             f"fit_simplex_within_budget: val_checks={val_checks} scores the final fit on validation, which "

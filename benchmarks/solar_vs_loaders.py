@@ -23,7 +23,8 @@ samples per rank / (workers x batch), at least 2), litdata's ``max_cache_size``,
   budget's samples (not an exact permutation), 2 workers.
 - ``solar``: ``SolarDataModule`` defaults: the read plan chosen for the probed device, read by a background thread
   that goes on into the next epoch. ``solar_workers``: the same, read by one worker process per rank, one epoch at a
-  time (what the thread buys). ``solar_exact``: ``read_window=1, max_gap=0`` (reads exactly the planned misses: the
+  time (what the thread buys). ``solar_nowarm``: the defaults with ``warm_page_cache=False`` (what streaming the file
+  into a cold page cache buys). ``solar_exact``: ``read_window=1, max_gap=0`` (reads exactly the planned misses: the
   fewest bytes, more requests).
 - ``memory``: the ceiling, not a loader: the whole file read into memory before ``fit`` (not timed), then a
   ``DataLoader`` over tensors with the same ``DistributedSampler``. No loader can beat its epoch time, which is the
@@ -51,7 +52,10 @@ from typing import Any
 from lightning.pytorch import Callback, LightningDataModule, Trainer
 
 KEYS = ["diffraction", "amplitude", "phase"]
-LOADERS = ["memory", "dl0", "dl2", "dl4", "torchdata", "litdata", "webdataset", "solar", "solar_workers", "solar_exact"]
+LOADERS = [
+    "memory", "dl0", "dl2", "dl4", "torchdata", "litdata", "webdataset", "solar", "solar_nowarm", "solar_workers",
+    "solar_exact",
+]  # fmt: skip
 
 
 SHUFFLES = {
@@ -63,6 +67,7 @@ SHUFFLES = {
     "litdata": "chunks",
     "webdataset": "shards + buffer",
     "solar": "exact",
+    "solar_nowarm": "exact",
     "solar_workers": "exact",
     "solar_exact": "exact",
     "solar_previous": "exact",
@@ -192,7 +197,9 @@ def _solar_datamodule(cfg: dict[str, Any]) -> Any:
     """``SolarDataModule`` with its defaults (``solar``) or the exact plan (``solar_exact``), shared validation set."""
     from lightning_sdp.datamodules.solar import SolarDataModule
 
-    window = {"read_window": 1, "max_gap": 0} if cfg["loader"] == "solar_exact" else {}
+    window: dict[str, Any] = {"read_window": 1, "max_gap": 0} if cfg["loader"] == "solar_exact" else {}
+    if cfg["loader"] == "solar_nowarm":  # the same plan without the page-cache warmer: what the warmer buys
+        window["warm_page_cache"] = False
     dm = SolarDataModule(
         cfg["h5"],
         KEYS[0],

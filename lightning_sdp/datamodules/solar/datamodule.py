@@ -166,6 +166,12 @@ class SolarDataModule(LightningDataModule):
         readahead: let the kernel's readahead act on the training reads. Default False: reads are positional
             reads advised ``POSIX_FADV_RANDOM``, so the device serves the planned bytes only (with readahead the
             device read the whole file every epoch and the buffer saved nothing).
+        warm_page_cache: when the plan's long runs count on the page cache (the file fits in free memory), each
+            epoch a thread per rank streams its share of the node's file into the page cache in long requests,
+            and the training reads use the shorter runs a cold device pays for (the plan's gap with every
+            transferred row counted), so a cold cache (the first epoch, or a file the OS dropped) does not stall a
+            window until nearly the whole file is read. Default ``"auto"``: on exactly then, when ``max_gap`` is
+            ``"auto"``; ``True``: on for any plan with gaps; ``False``: off.
         validate: ``"warn"`` (default; first non-finite sample per key), ``"raise"`` or ``"off"``: check that
             float samples are finite as they are read. HDF5 checksums are verified by HDF5 where datasets have them.
         prefetch_factor: read requests in flight per worker. Default 2.
@@ -202,6 +208,7 @@ class SolarDataModule(LightningDataModule):
         read_window: int | Literal["auto"] = "auto",
         storage: Literal["probe"] | StorageProfile | dict[str, Any] = "probe",
         readahead: bool = False,
+        warm_page_cache: bool | Literal["auto"] = "auto",
         validate: Literal["warn", "raise", "off"] = "warn",
         prefetch_factor: int = 2,
         drop_last: bool = False,
@@ -254,6 +261,10 @@ class SolarDataModule(LightningDataModule):
         check_read_option("read_window", read_window, 1)
         check_read_option("max_gap", max_gap, 0)
         self.read_window, self.readahead, self.validate = read_window, readahead, validate
+        if warm_page_cache not in (True, False, "auto"):
+            raise ValueError(f"warm_page_cache must be True, False or 'auto', got {warm_page_cache!r}")
+        self.warm_page_cache = warm_page_cache
+        self.cold_gap: int | None = None
         if isinstance(storage, dict):
             storage = StorageProfile(**storage)
         if storage != "probe" and not isinstance(storage, StorageProfile):
@@ -363,17 +374,39 @@ class SolarDataModule(LightningDataModule):
         if capacity > self.num_train:
             _log.info("SolarDataModule: buffer (%d samples) holds the whole training set", capacity)
         self.read_plan = self._plan_reads(capacity)
-        rank_zero_info(f"SolarDataModule read plan: {self.read_plan.describe()}")
+        self.cold_gap = self._plan_cold_gap(capacity, self.read_plan)
+        warming = (
+            ""
+            if self.cold_gap is None
+            else f"; file streamed into the page cache, reads across gaps up to {self.cold_gap}"
+        )
+        rank_zero_info(f"SolarDataModule read plan: {self.read_plan.describe()}{warming}")
         self._build_schedule(self.read_plan)
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
 
-    def _plan_reads(self, capacity: int) -> ReadPlan:
+    def _plan_cold_gap(self, capacity: int, plan: ReadPlan) -> int | None:
+        """The gap for runs the page cache does not hold yet (``None``: no warming), with the plan's window."""
+        if self.warm_page_cache is False or plan.max_gap == 0 or self.num_workers > 0:
+            return None
+        if self.warm_page_cache == "auto" and (
+            self.max_gap != "auto" or not page_cache_holds(os.path.getsize(self.path))
+        ):
+            return None  # a gap the user chose, or a plan that counts every transferred row (what a cold device pays)
+        cold = self._plan_reads(capacity, window=plan.read_window, page_cache=False).max_gap
+        return cold if cold < plan.max_gap else None  # the plan's runs are what a cold device pays for anyway
+
+    def _plan_reads(self, capacity: int, window: int | None = None, page_cache: bool | None = None) -> ReadPlan:
         """Window, gap and the memory split (buffer + read-ahead = ``buffer_size``) for this device."""
         assert self.info is not None
-        window = check_read_option("read_window", self.read_window, 1)
-        gap = check_read_option("max_gap", self.max_gap, 0)
+        if window is None:
+            window = check_read_option("read_window", self.read_window, 1)
+            gap = check_read_option("max_gap", self.max_gap, 0)
+        else:
+            gap = None
+        if page_cache is None:
+            page_cache = page_cache_holds(os.path.getsize(self.path))
         storage = self.storage if isinstance(self.storage, StorageProfile) else FAST_LOCAL_STORAGE
         if self.storage == "probe" and (window is None or gap is None):
             storage = self._probe()
@@ -394,7 +427,7 @@ class SolarDataModule(LightningDataModule):
             max_gap=gap,
             balance=self.balance,
             with_buffer=with_buffer,
-            page_cache=page_cache_holds(os.path.getsize(self.path)),
+            page_cache=page_cache,
         )
 
     def _probe(self) -> StorageProfile:
@@ -480,7 +513,8 @@ class SolarDataModule(LightningDataModule):
             path,
             [self.input_key, *self.target_keys],
             identity=self._identities.get(path),
-            max_gap=self.resolved_max_gap,
+            # with the warmer, runs merge across the gaps a cold device pays for; it streams the long runs
+            max_gap=self.cold_gap if self.cold_gap is not None and path == self.path else self.resolved_max_gap,
             throttle=self._storage_throttle,
             io_threads=self.io_threads,
             readahead=self.readahead,
@@ -505,6 +539,7 @@ class SolarDataModule(LightningDataModule):
                 batch_format=self.batch_format,
                 read_window=self.resolved_read_window,
                 read_ahead_bytes=self._read_ahead_bytes(),
+                warm_rows=self._warm_rows() if self.cold_gap is not None else None,
             )
         if self._pending_position is not None:
             self.train_loader.load_state_dict(self._pending_position)
@@ -512,6 +547,14 @@ class SolarDataModule(LightningDataModule):
         return self.train_loader
 
     _pending_position: dict[str, Any] | None = None
+
+    def _warm_rows(self) -> tuple[int, int]:
+        """This rank's share of the training rows for the page-cache warmer: the node's ranks split them."""
+        trainer = self.trainer
+        local_rank, local_ranks = (trainer.local_rank, trainer.num_devices) if trainer is not None else (0, 1)
+        sizes = even_split(self.num_train, local_ranks)
+        lo = int(sum(sizes[:local_rank]))
+        return lo, lo + int(sizes[local_rank])
 
     def _read_ahead_bytes(self) -> int:
         """This rank's share of the plan's read-ahead, in bytes."""

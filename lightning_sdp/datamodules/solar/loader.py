@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from lightning_sdp.datamodules.solar.prefetch import ReadAhead
-from lightning_sdp.datamodules.solar.reader import HDF5Reader
+from lightning_sdp.datamodules.solar.prefetch import PageCacheWarmer, ReadAhead
+from lightning_sdp.datamodules.solar.reader import HDF5Reader, coalesce_runs
 from lightning_sdp.datamodules.solar.schedule import SolarSchedule
 
 
@@ -336,6 +336,10 @@ class SolarLoader:
         read_across_epochs: the read-ahead thread goes on into the next epoch's first windows (through the end of
             the epoch and validation). ``False`` stops at the epoch's end (a loading-only benchmark that measures
             epochs one by one). Default ``True``.
+        warm_rows: ``(lo, hi)``: with ``num_workers=0``, at the start of every epoch a
+            :class:`~lightning_sdp.datamodules.solar.prefetch.PageCacheWarmer` streams rows ``lo..hi-1`` of the file
+            into the page cache in long requests, so the reader's short runs mostly copy from memory. Default
+            ``None``: no warming.
     """
 
     def __init__(
@@ -352,6 +356,7 @@ class SolarLoader:
         read_window: int = 1,
         read_ahead_bytes: int | None = None,
         read_across_epochs: bool = True,
+        warm_rows: tuple[int, int] | None = None,
     ) -> None:
         check_batch_format(batch_format)
         if read_window < 1:
@@ -377,6 +382,8 @@ class SolarLoader:
         self.read_ahead_bytes = int(read_ahead_bytes) if read_ahead_bytes is not None else 2 * window_bytes
         self._read_ahead: ReadAhead | None = None
         self.read_across_epochs = bool(read_across_epochs)
+        self.warm_rows = warm_rows
+        self._warmer: PageCacheWarmer | None = None
 
     def __len__(self) -> int:
         return self.schedule.steps_per_epoch
@@ -506,6 +513,7 @@ class SolarLoader:
             return
         w = self.read_window
         if self.num_workers == 0:
+            self._warm(windows)
             results: Iterator[dict[str, Any]] = self._thread_results(epoch, windows)
         else:
             self._sampler.requests = windows
@@ -571,6 +579,37 @@ class SolarLoader:
             self._last_yield = time.perf_counter()
             yield batch
 
+    def _warm(self, windows: list[tuple[int, np.ndarray]]) -> None:
+        """Start this epoch's pass of the page-cache warmer (made on first use; positional reads of a plain file).
+
+        The pass first reads the rows of the window after the two the read-ahead holds at the epoch's start (the
+        reader's runs; the read-ahead copies them from the page cache once memory frees up), then streams the rank's
+        share of the file.
+        """
+        if self.warm_rows is None:
+            return
+        layout = self.reader.direct_layout()
+        if self._warmer is None:
+            if layout is None or self.reader.throttle is not None:
+                self.warm_rows = None  # chunked or filtered datasets, or an emulated device: nothing to stream
+                return
+            reader = self.reader
+            self._warmer = PageCacheWarmer(
+                reader.path, layout, *self.warm_rows, yield_to=lambda: reader.reads_in_flight > 0
+            )
+        soon = [ids for _, ids in windows[2:3]]
+        first: list[tuple[int, int]] = []
+        if soon and layout is not None:
+            runs = coalesce_runs(np.unique(np.concatenate(soon)), self.reader.max_gap)
+            for offset, row in sorted(layout.values()):
+                first += [(offset + a * row, (b - a) * row) for a, b in runs]
+        self._warmer.start_pass(first)
+
+    @property
+    def warmed_device_bytes(self) -> int:
+        """Bytes the page-cache warmer read from the device (rows it found cached are not counted)."""
+        return self._warmer.device_bytes if self._warmer is not None else 0
+
     @property
     def peak_read_ahead_bytes(self) -> int:
         """Most bytes of read samples the read-ahead thread held at once (0 without it)."""
@@ -582,4 +621,7 @@ class SolarLoader:
         if self._read_ahead is not None:
             self._read_ahead.close()
             self._read_ahead = None
+        if self._warmer is not None:
+            self._warmer.close()
+            self._warmer = None
         self.store.clear()

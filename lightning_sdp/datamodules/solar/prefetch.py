@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,3 +158,121 @@ class ReadAhead:
 
     def _fits(self, samples: int) -> bool:
         return self._held == 0 or self._held + samples * self.sample_nbytes <= self.limit_bytes
+
+
+class PageCacheWarmer:
+    """A thread that reads rows ``[lo, hi)`` of every dataset once per pass, in file order, into the page cache.
+
+    A plan whose long reads count on the page cache pays when the cache is cold (the first epoch, or after the OS
+    dropped the file): then a window's rows lie all over the file, and reading its runs whole waits for nearly all of
+    it. This thread streams the rows instead, in long requests (bandwidth-bound, few requests), while the training
+    reads use short runs: those already streamed are copied from memory, the others read at the cost of a cold
+    device. Rows the page cache already holds are copied, not read again (``RWF_NOWAIT`` first): a warm pass costs a
+    memory copy. It only touches the page cache (one scratch chunk of its own), so it does not count against the
+    loader's memory.
+
+    Args:
+        path: the HDF5 file.
+        layout: ``{dataset: (file offset, row bytes)}`` of contiguous datasets.
+        lo: first row of this thread's share (a node's ranks split the file).
+        hi: end of the share (exclusive).
+        chunk_bytes: bytes per request (the block layer's request size).
+        yield_to: while it returns ``True`` (rows a step waits for are being read past the cache), the thread sends
+            no request, so those reads have the device to themselves. Default: never.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        layout: dict[str, tuple[int, int]],
+        lo: int,
+        hi: int,
+        chunk_bytes: int = 2**20,
+        yield_to: Callable[[], bool] | None = None,
+    ) -> None:
+        import os
+
+        self._os = os
+        self.fd = os.open(path, os.O_RDONLY)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)  # exactly the chunks asked for, no readahead
+        self.regions = sorted(layout.values())
+        self.lo, self.hi = int(lo), int(hi)
+        self.rows_per_chunk = max(1, chunk_bytes // max(row for _, row in self.regions))
+        self._scratch = bytearray(self.rows_per_chunk * max(row for _, row in self.regions))
+        self._cond = threading.Condition()
+        self._passes = 0  # passes asked for
+        self._first: list[tuple[int, int]] = []
+        self._closed = False
+        self._yield_to = yield_to or (lambda: False)
+        self.device_bytes = 0  # bytes that were not already cached
+        self.passes_done = 0
+        self._thread = threading.Thread(target=self._run, name="solar-page-cache", daemon=True)
+        self._thread.start()
+
+    def start_pass(self, first: Sequence[tuple[int, int]] = ()) -> None:
+        """Stream the share once more, from its first row (a pass in progress starts over).
+
+        Args:
+            first: ``(offset, length)`` byte ranges to read before the stream, in order (the rows of the windows the
+                read-ahead cannot hold yet: their reads start now, in the page cache, not when memory frees up).
+        """
+        with self._cond:
+            self._first = list(first)
+            self._passes += 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop after the chunk in flight and close the descriptor."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=60)
+        self._os.close(self.fd)
+
+    def _run(self) -> None:
+        done = 0
+        while True:
+            with self._cond:
+                while not self._closed and self._passes == done:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                done, first = self._passes, self._first
+            for offset, length in first:
+                with self._cond:
+                    if self._closed or self._passes != done:
+                        break
+                for start in range(offset, offset + length, len(self._scratch)):
+                    self._read(start, min(len(self._scratch), offset + length - start))
+            row = self.lo
+            while row < self.hi:
+                with self._cond:
+                    if self._closed or self._passes != done:
+                        break  # closed, or a new pass asked for: start over
+                if self._yield_to():
+                    time.sleep(0.002)
+                    continue
+                end = min(self.hi, row + self.rows_per_chunk)
+                for offset, nbytes in self.regions:
+                    self._read(offset + row * nbytes, (end - row) * nbytes)
+                row = end
+            else:
+                self.passes_done += 1
+
+    def _read(self, offset: int, length: int) -> None:
+        os = self._os
+        view = memoryview(self._scratch)[:length]
+        got = 0
+        if hasattr(os, "RWF_NOWAIT"):
+            try:
+                got = os.preadv(self.fd, [view], offset, os.RWF_NOWAIT)
+            except OSError:  # not cached (EAGAIN), or the file system lacks the flag
+                got = 0
+        while got < length:
+            n = os.preadv(self.fd, [view[got:]], offset + got)
+            if n == 0:
+                return
+            self.device_bytes += n
+            got += n

@@ -519,6 +519,7 @@ class HDF5Reader:
         self._layout: dict[str, tuple[int, int]] | None = None
         self.bytes_read = 0
         self.requests = 0
+        self.reads_in_flight = 0
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -580,11 +581,15 @@ class HDF5Reader:
 
         jobs = [(key, a, b, lo, hi) for key in self.keys for (a, b), (lo, hi) in zip(runs, bounds, strict=True)]
         jobs.sort(key=lambda j: layout[j[0]][0] + j[1] * layout[j[0]][1])  # file order: fewer seeks
-        if self._pool is None:
-            self.bytes_read += sum(job(*j) for j in jobs)
-        else:
-            futures = [self._pool.submit(job, *j) for j in jobs]
-            self.bytes_read += sum(fut.result() for fut in futures)
+        self.reads_in_flight += 1  # a hint for other threads (a page-cache warmer yields to the training reads)
+        try:
+            if self._pool is None:
+                self.bytes_read += sum(job(*j) for j in jobs)
+            else:
+                futures = [self._pool.submit(job, *j) for j in jobs]
+                self.bytes_read += sum(fut.result() for fut in futures)
+        finally:
+            self.reads_in_flight -= 1
         self.requests += len(jobs)
         return {k: v[inverse.reshape(-1)] for k, v in rows.items()}
 

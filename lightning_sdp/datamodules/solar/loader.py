@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_sdp.datamodules.solar.prefetch import PageCacheWarmer, ReadAhead
 from lightning_sdp.datamodules.solar.reader import HDF5Reader, coalesce_runs
+from lightning_sdp.datamodules.solar.readplan import READ_AHEAD_WINDOWS
 from lightning_sdp.datamodules.solar.schedule import SolarSchedule
 
 
@@ -597,18 +598,12 @@ class SolarLoader:
             self._warmer = PageCacheWarmer(
                 reader.path, layout, *self.warm_rows, yield_to=lambda: reader.reads_in_flight > 0
             )
-        soon = [ids for _, ids in windows[2:3]]
         first: list[tuple[int, int]] = []
-        if soon and layout is not None:
-            runs = coalesce_runs(np.unique(np.concatenate(soon)), self.reader.max_gap)
+        if len(windows) > READ_AHEAD_WINDOWS and layout is not None:
+            runs = coalesce_runs(np.unique(windows[READ_AHEAD_WINDOWS][1]), self.reader.max_gap)
             for offset, row in sorted(layout.values()):
                 first += [(offset + a * row, (b - a) * row) for a, b in runs]
         self._warmer.start_pass(first)
-
-    @property
-    def warmed_device_bytes(self) -> int:
-        """Bytes the page-cache warmer read from the device (rows it found cached are not counted)."""
-        return self._warmer.device_bytes if self._warmer is not None else 0
 
     @property
     def peak_read_ahead_bytes(self) -> int:

@@ -233,3 +233,60 @@ def test_bad_bucket_size_is_refused(value):
         SDP4BitStrategy(bucket_size_mb=value)
     with pytest.raises(TypeError, match="overlap must be a bool"):
         SDP4BitStrategy(overlap="yes")
+
+
+def _completion_order(module: nn.Module, groups: list[list[torch.Tensor]], bucket_numel: int, loss_fn) -> tuple:
+    """The buckets' predicted launch order and the order a real backward completes them (the reference)."""
+    from lightning_sdp.plugins.sdp4bit.overlap import launch_order
+    from lightning_sdp.plugins.sdp4bit.sharding import split_params
+
+    buckets = [run for group in groups for run in split_params(group, bucket_numel)]
+    bucket_of = {id(p): i for i, run in enumerate(buckets) for p in run}
+    waiting = [{id(p) for p in run} for run in buckets]
+    completed: list[int] = []
+
+    def done(param: torch.Tensor) -> None:
+        i = bucket_of[id(param)]
+        waiting[i].discard(id(param))
+        if not waiting[i]:
+            completed.append(i)
+
+    handles = [p.register_post_accumulate_grad_hook(done) for p in module.parameters()]
+    try:
+        loss_fn().backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    first_use = {id(p): i for i, p in enumerate(module.parameters())}
+    return launch_order(buckets, first_use), completed, len(buckets)
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt"])
+def test_buckets_launch_in_the_order_backward_completes_them(model):
+    """A weight-decay split puts every bias and norm in a group that spans the model: it completes last, so the
+    layers' buckets must not queue behind it (the reverse of the optimizer's order would put it first)."""
+    torch.manual_seed(int(torch.randint(0, 10_000, ())))
+    if model == "mlp":
+        module: nn.Module = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(16, 16), nn.LayerNorm(16))])
+        x = torch.randn(8, 16)
+
+        def loss_fn():
+            return module(x).square().mean()
+
+        numel = 300
+    else:
+        from lightning_sdp.models.gpt import GPT
+
+        module = GPT(vocab_size=11, n_layer=3, n_head=2, n_embd=16, block_size=8)  # tied embedding and head
+        idx = torch.randint(0, 11, (2, 8))
+
+        def loss_fn():
+            return module(idx).square().mean()
+
+        numel = 1500
+    params = list(module.parameters())
+    groups = [[p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]]
+    predicted, actual, n = _completion_order(module, groups, numel, loss_fn)
+    assert n >= 4 and sorted(predicted) == list(range(n))
+    assert predicted == actual
+    assert predicted[0] != n - 1, "the no-decay group's bucket (last in the optimizer) completes last, not first"

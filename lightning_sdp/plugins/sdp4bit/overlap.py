@@ -187,14 +187,39 @@ class _GradJob:
         return False
 
 
+def launch_order(buckets: list[list[Tensor]], first_use: dict[int, int]) -> list[int]:
+    """The order in which backward completes the buckets' gradients, predicted from the module's parameter order.
+
+    A parameter's gradient is complete once backward has gone back past its first use in forward, and modules
+    usually register their parameters in the order forward uses them. So a bucket completes when backward reaches
+    its earliest-registered parameter: the bucket whose earliest parameter comes last completes first. Buckets are
+    cut per param group, so a group that spans the whole model (e.g. the biases and norms of a weight-decay split)
+    completes only at the end of backward; queueing it first, as the reverse of the optimizer's order would, holds
+    back every exchange until backward is over. The order is the same on every rank (collectives must match).
+
+    Args:
+        buckets: each bucket's parameters, in the optimizer's bucket order.
+        first_use: ``id(param) -> position`` in ``module.parameters()``; a parameter not found counts as first
+            (it may complete last).
+
+    Returns:
+        Bucket indices, first to complete first; ties keep the reverse of the optimizer's order.
+    """
+
+    def earliest(i: int) -> int:
+        return min((first_use.get(id(p), -1) for p in buckets[i]), default=-1)
+
+    return sorted(range(len(buckets)), key=lambda i: (earliest(i), i), reverse=True)
+
+
 class GradientOverlap:
     """Launches each bucket's gradient reduce-scatter as soon as backward has produced its gradients.
 
     :meth:`start` arms a post-accumulate-grad hook on every trainable parameter (threaded pipeline only); the hook
-    launches, last bucket first, every bucket whose gradients are all complete. :meth:`finish` launches the buckets
-    still waiting (unused parameters, manual optimization, ``overlap=False``), then one small all-reduce agrees on
-    NaN/overflow, on buckets whose gradients changed after they were launched (exchanged again on every rank) and on
-    which parameters have a gradient on any rank.
+    launches, in the order backward completes them (:func:`launch_order`), every bucket whose gradients are all
+    complete. :meth:`finish` launches the buckets still waiting (unused parameters, manual optimization,
+    ``overlap=False``), then one small all-reduce agrees on NaN/overflow, on buckets whose gradients changed after
+    they were launched (exchanged again on every rank) and on which parameters have a gradient on any rank.
 
     Attributes:
         buckets_launched_in_backward: how many buckets left for the exchange while backward was still running.
@@ -211,6 +236,9 @@ class GradientOverlap:
         self._position: dict[int, int] = {}
         self._jobs: list[_GradJob | None] = []
         self._next_launch = 0
+        # each parameter's place in the module's parameter order; each bucket's index in its optimizer
+        self._first_use: dict[int, int] = {}
+        self._key: dict[int, int] = {}
 
     def setup(self, ctx: ExchangeContext) -> None:
         """Use ``ctx`` for the exchanges of this ``fit``."""
@@ -223,10 +251,15 @@ class GradientOverlap:
         self._hooks = {}
         self._ctx = None
 
+    def index(self, module: Module) -> None:
+        """Remember the module's parameter order, from which :meth:`start` predicts when each bucket completes."""
+        self._first_use = {id(p): i for i, p in enumerate(module.parameters())}
+
     def start(self, buckets: list[FlatBucket]) -> None:
-        """Arm the post-accumulate-grad hooks for this optimizer's buckets (launched last bucket first)."""
+        """Arm the post-accumulate-grad hooks for this optimizer's buckets (launched in :func:`launch_order`)."""
         assert self._ctx is not None
-        order = buckets[::-1]  # backward produces the gradients of the last parameters first
+        self._key = {id(b): i for i, b in enumerate(buckets)}
+        order = [buckets[i] for i in launch_order([b.params for b in buckets], self._first_use)]
         self._jobs = [None] * len(order)
         self._next_launch = 0
         self._pending = [{id(p) for p in b.params if p.requires_grad} for b in order]
@@ -263,7 +296,7 @@ class GradientOverlap:
             return
         cfg, fmt = ctx.config, ctx.formats.gradient
         flat = bucket.gather_grads(ctx.world_size)
-        key = len(order) - 1 - pos  # the bucket's index in the optimizer, whatever the launch order
+        key = self._key[id(bucket)]  # the bucket's index in the optimizer, whatever the launch order
         exchange = GradientExchange(
             flat, ctx.topology, fmt, cfg.gradient_group_size, cfg.rounding, ctx.rng.child(key), ctx.ops, ctx.stats
         )
@@ -356,7 +389,7 @@ class GradientOverlap:
         return float(sum(job is not None and job.bad for job in self._jobs))
 
     def _bad_names(self) -> list[str]:
-        jobs = [job for job in self._jobs[::-1] if job is not None]  # in parameter order
+        jobs = sorted((job for job in self._jobs if job is not None), key=lambda job: self._key[id(job.bucket)])
         names = [name for job in jobs if not job.finite for name in job.bucket.non_finite_names()]
         names += [name for job in jobs for name in job.overflow]
         if not names and any(not job.finite for job in jobs):

@@ -367,6 +367,7 @@ class SDP4BitStrategy(DDPStrategy):
     def _index_params(self) -> None:
         if self.lightning_module is not None:
             self._weights.index(self.lightning_module, self._all_buckets())
+            self._gradients.index(self.lightning_module)
 
     def _warn_padding(self, buckets: list[FlatBucket]) -> None:
         numel = sum(sum(b.numels) for b in buckets)

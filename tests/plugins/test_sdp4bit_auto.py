@@ -129,6 +129,20 @@ def test_equal_speeds_prefer_the_less_compressed():
     assert auto.decisions[0].chosen.exactness == (32, 32)
 
 
+def test_equal_trial_steps_do_not_hide_a_longer_wire_time():
+    # both survivors' trial steps take 0.57 s (the fit's first steps are slow), but 8 bits between nodes puts
+    # 0.15 s more on the wire than 4 bits: once the fit runs at its pace, the 4-bit codes win every step
+    wire = [0.05, 0.20, 2.0, 2.0, 2.0, 4.0]
+    auto = _auto(wire)
+    _drive(auto, lambda c: 0.57, 40)
+    decision = auto.decisions[0]
+    assert len(decision.measured) == 2 and decision.chosen == auto.candidates[0]
+    # with wire times within 3% of the step, the same tie goes to the less compressed, as before
+    auto = _auto([0.05, 0.06, 2.0, 2.0, 2.0, 4.0])
+    _drive(auto, lambda c: 0.57, 40)
+    assert auto.decisions[0].chosen == auto.candidates[1]
+
+
 def test_a_step_outside_the_pattern_does_not_decide():
     # one long step (validation, a checkpoint) inside a trial: the median of three ignores it
     wire = [0.001] * 6

@@ -10,9 +10,9 @@ may not), on the CPU or GPU that runs the codec, and on the model. :class:`AutoC
    to settle); the candidates whose wire time alone exceeds its step are not tried. It and the others then run in
    rounds of one step each, ``trial_steps`` rounds after one to settle, so that a machine whose speed drifts
    slows every candidate alike; median step times are agreed across ranks (the slowest rank's).
-3. The fastest measured candidate is kept (of those within 3% of it, the least compressed: as fast, and exact),
-   the same on every rank since every rank decides from the same agreed numbers, and tried again every
-   ``recheck_every`` steps.
+3. The fastest measured candidate is kept (of those within 3% of its step, measured and on the wire, the least
+   compressed: as fast, and exact), the same on every rank since every rank decides from the same agreed numbers,
+   and tried again every ``recheck_every`` steps.
 
 Every trial step is a real training step; only its format differs. Nothing here imports Lightning.
 """
@@ -277,7 +277,13 @@ class AutoCompression:
                 self._schedule = ring * (1 + self.trial_steps)
                 self._timed_from, self._position, self._samples = len(ring), 0, {}
                 return
-        close = [i for i, t in self._measured.items() if t <= best * (1 + EQUAL_WITHIN)]
+        fastest = min(self._measured, key=lambda i: (self._measured[i], i))
+        # equal only if the wire agrees: trial steps can all be slow (the fit's first steps), which hides a wire-time
+        # difference that every later step would pay
+        close = [
+            i for i, t in self._measured.items()
+            if t <= best * (1 + EQUAL_WITHIN) and self.wire[i] - self.wire[fastest] <= best * EQUAL_WITHIN
+        ]  # fmt: skip
         chosen = max(close, key=lambda i: (self.candidates[i].exactness, -self._measured[i]))
         self.active, self._schedule, self._decided_at = self.candidates[chosen], None, step
         measured = {self.candidates[i].describe(): t for i, t in sorted(self._measured.items(), key=lambda x: x[1])}

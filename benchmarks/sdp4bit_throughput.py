@@ -493,6 +493,10 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for ax, rows_, ylabel in ((axes[0], speedups, "speed-up over DDP"), (axes[1], fractions, "fraction of the limit")):
+        if not any(row[f"{bw:g}"] == row[f"{bw:g}"] for row in rows_ for bw in bws):  # all NaN: no DDP run
+            ax.text(0.5, 0.5, f"{ylabel}: needs ddp in --methods", ha="center", transform=ax.transAxes)
+            ax.set_axis_off()
+            continue
         for row in rows_:
             ys = [row[f"{bw:g}"] for bw in bws]
             sdp = row["method"].startswith("sdp4bit")

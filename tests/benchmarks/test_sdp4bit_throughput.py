@@ -6,6 +6,7 @@ here the worker side of it (one method's run, timing and byte accounting) runs i
 
 from __future__ import annotations
 
+import json
 import math
 from datetime import timedelta
 from pathlib import Path
@@ -19,6 +20,7 @@ from benchmarks.sdp4bit_throughput import (
     _parser,
     _run_method,
     machine_limit,
+    summarise,
 )
 from tests._distributed import run_distributed
 
@@ -156,3 +158,18 @@ def test_auto_is_timed_after_its_decision(tmp_path: Path) -> None:
     assert row["timed_steps"] == 3  # the timing run's 4 steps less 1 of warm-up, all after the decision
     assert row["steps"] == decided + 2 + 3  # then training stopped
     assert math.isfinite(row["auto_trial_cost_s"])
+
+
+def test_a_sweep_without_ddp_still_reports(tmp_path: Path) -> None:
+    """The rows of the stored sweep without DDP (e.g. alternating auto and a fixed setting): no ratios, no crash."""
+    stored = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "sdp4bit_throughput.json"
+    if not stored.exists():
+        pytest.skip("no stored sweep")
+    payload = json.loads(stored.read_text())
+    args = _parser().parse_args([])
+    vars(args).update(payload["args"])
+    args.methods = [m for m in args.methods if m != "ddp"]
+    rows = [r for r in payload["rows"] if r["method"] != "ddp"]
+    out, md, fig = summarise(rows, args)
+    assert "sdp4bit_auto" in md and fig is not None
+    assert all(math.isnan(v) for row in out["speedups"] for k, v in row.items() if k != "method")

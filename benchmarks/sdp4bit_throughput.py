@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -493,7 +494,7 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for ax, rows_, ylabel in ((axes[0], speedups, "speed-up over DDP"), (axes[1], fractions, "fraction of the limit")):
-        if not any(row[f"{bw:g}"] == row[f"{bw:g}"] for row in rows_ for bw in bws):  # all NaN: no DDP run
+        if all(math.isnan(row[f"{bw:g}"]) for row in rows_ for bw in bws):  # no DDP run: nothing to draw
             ax.text(0.5, 0.5, f"{ylabel}: needs ddp in --methods", ha="center", transform=ax.transAxes)
             ax.set_axis_off()
             continue

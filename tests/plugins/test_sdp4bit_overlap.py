@@ -265,7 +265,6 @@ def _completion_order(module: nn.Module, groups: list[list[torch.Tensor]], bucke
 def test_buckets_launch_in_the_order_backward_completes_them(model):
     """A weight-decay split puts every bias and norm in a group that spans the model: it completes last, so the
     layers' buckets must not queue behind it (the reverse of the optimizer's order would put it first)."""
-    torch.manual_seed(int(torch.randint(0, 10_000, ())))
     if model == "mlp":
         module: nn.Module = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(16, 16), nn.LayerNorm(16))])
         x = torch.randn(8, 16)

@@ -264,7 +264,8 @@ class AutoCompression:
         ids = list(self._samples)
         medians = self.agree([statistics.median(self._samples[i]) for i in ids])
         self._measured = dict(zip(ids, medians, strict=True))
-        best = min(self._measured.values())
+        fastest = min(self._measured, key=lambda i: (self._measured[i], i))
+        best = self._measured[fastest]
         if not self._pruned:
             self._pruned = True
             rest = self._order[1:]
@@ -277,7 +278,6 @@ class AutoCompression:
                 self._schedule = ring * (1 + self.trial_steps)
                 self._timed_from, self._position, self._samples = len(ring), 0, {}
                 return
-        fastest = min(self._measured, key=lambda i: (self._measured[i], i))
         # equal only if the wire agrees: trial steps can all be slow (the fit's first steps), which hides a wire-time
         # difference that every later step would pay
         close = [

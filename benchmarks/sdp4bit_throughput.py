@@ -347,8 +347,11 @@ def worker(args: argparse.Namespace) -> None:
             shape_interface(ifname, bandwidth)
         if dist.is_initialized():
             dist.barrier()
-        for method in args.methods:
-            quality = bandwidth == quality_bw
+        # rounds alternate the order (forward, reversed, ...) so that a machine drifting over the run shifts no
+        # method against the others; the summary keeps each method's median over rounds
+        schedule = [(r, m) for r in range(args.rounds) for m in (args.methods[:: -1 if r % 2 else 1])]
+        for round_, method in schedule:
+            quality = bandwidth == quality_bw and round_ == 0
             steps = args.steps if quality else args.timing_steps
             try:
                 result = _run_method(method, bandwidth, steps, quality, args)
@@ -358,6 +361,7 @@ def worker(args: argparse.Namespace) -> None:
                 print(f"[rank {rank}] {method} @ {bandwidth:g} Mbit/s failed:\n{result['traceback']}", flush=True)
                 if dist.is_initialized():
                     dist.barrier()
+            result["round"] = round_
             if rank == 0:
                 with out.open("a") as f:
                     f.write(json.dumps(result) + "\n")
@@ -378,7 +382,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     out.touch()
     target = ["-m", "benchmarks.sdp4bit_throughput", "--worker", "--out", str(out),
               "--bandwidths", *map(str, args.bandwidths), "--methods", *args.methods]  # fmt: skip
-    for name in ("data", "steps", "timing_steps", "warmup", "n_layer", "n_head", "n_embd", "block", "batch", "lr",
+    for name in ("data", "steps", "timing_steps", "warmup", "rounds", "n_layer", "n_head", "n_embd", "block", "batch", "lr",
                  "warmup_lr", "val_batches", "seed", "pg_timeout"):  # fmt: skip
         target += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
@@ -413,6 +417,25 @@ def machine_limit(
     return limit, limit / row["median_step_s"]
 
 
+def merge_rounds(rows: list[dict[str, Any]]) -> dict[tuple[str, float], dict[str, Any]]:
+    """One row per (method, bandwidth): the first round's row (its losses, validation and ``auto`` decision) with
+    the step time, CPU time and wire bytes replaced by their medians over the rounds (listed in ``rounds_*``)."""
+    runs: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for r in rows:
+        runs.setdefault((r["method"], r["bandwidth_mbit"]), []).append(r)
+    merged = {}
+    for key, group in runs.items():
+        group = sorted(group, key=lambda r: r.get("round", 0))
+        row = dict(group[0])
+        for field in ("median_step_s", "cpu_s_per_step_per_rank", "wire_bytes_per_step_per_node"):
+            values = [r[field] for r in group if r.get(field) is not None]
+            row[f"rounds_{field}"] = values
+            row[field] = statistics.median(values) if values else None
+        row["tokens_per_s"] = group[0]["tokens_per_s"] * group[0]["median_step_s"] / row["median_step_s"]
+        merged[key] = row
+    return merged
+
+
 def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dict, str, Any]:
     import matplotlib
 
@@ -421,7 +444,7 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
 
     ok = [r for r in rows if "error" not in r]
     failed = {r["method"]: r["error"] for r in rows if "error" in r}
-    by = {(r["method"], r["bandwidth_mbit"]): r for r in ok}
+    by = merge_rounds(ok)
     methods = [m for m in args.methods if any(k[0] == m for k in by)]
     bws = sorted({r["bandwidth_mbit"] for r in ok})
     quality_bw = max(args.bandwidths)
@@ -446,6 +469,7 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
                 "accounted MB/step/node": acct / 1e6 if acct is not None else "",
                 "wire / accounted": wire / acct if wire and acct else "",
                 "CPU s/step/rank": r.get("cpu_s_per_step_per_rank", float("nan")),
+                "CPU vs ddp": r["cpu_s_per_step_per_rank"] / d["cpu_s_per_step_per_rank"] if d else float("nan"),
                 "CPU-bound step (s)": r.get("cpu_s_per_step_per_rank", float("nan")) * args.world / _cores(),
                 "limit step (s)": limit, "fraction of limit": fraction,
                 "load": round(r["load_avg_1m"], 1),
@@ -517,7 +541,14 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
         f"{params} parameters; batch {args.batch} per rank ({args.batch * args.block * args.world} tokens per step); "
         f"{args.nodes} nodes x {args.nproc} processes; AdamW lr {args.lr}; data `{args.data}`; seed {args.seed}. "
         f"Timing: median step after {args.warmup} warm-up steps of {args.timing_steps} "
-        f"({args.steps} at {quality_bw:g} Mbit/s). Wire bytes: each node's interface counter (tx_bytes, all "
+        f"({args.steps} at {quality_bw:g} Mbit/s)"
+        + (
+            f"; every method ran {args.rounds} times per bandwidth, in alternating order (as listed, then reversed), "
+            "and each step time, CPU time and wire count is the median over those runs"
+            if args.rounds > 1
+            else ""
+        )
+        + ". Wire bytes: each node's interface counter (tx_bytes, all "
         "headers), per step, mean over nodes. Accounted: what SDP4Bit's comm_stats says each node sent to the "
         "other (its grad_inter all-to-all, plus its weight_inter stage when the weight all-gather runs in two "
         "stages, else one ring edge of the ring all-gather). CPU s/step/rank: process CPU time (all threads) per "
@@ -590,6 +621,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="steps of the quality run (highest bandwidth); default 150")
     p.add_argument("--timing-steps", type=int, default=None, help="steps of every other run (default 8)")
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of every method per bandwidth, in alternating order; the summary takes medians",
+    )
     p.add_argument("--data", default=str(SHARED_DATA / "tinyshakespeare" / "input.txt"))
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--nproc", type=int, default=2, help="processes per node")
@@ -625,6 +662,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
         raise SystemExit(f"Unknown method(s) {unknown}: choose from {METHODS}.")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}.")
     if args.warmup < 1 or min(args.steps, args.timing_steps) <= args.warmup + 1:
         raise SystemExit(
             f"--steps ({args.steps}) and --timing-steps ({args.timing_steps}) must exceed --warmup ({args.warmup}) "

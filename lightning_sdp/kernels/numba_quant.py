@@ -34,11 +34,16 @@ from typing import Any
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 from torch import Tensor
 
 from lightning_sdp._imports import require
 from lightning_sdp.kernels.quantization import (
+    _LOWBIAS1,
+    _LOWBIAS2,
+    _WEYL32,
     QuantFormat,
     Rounding,
     RoundingSource,
@@ -49,24 +54,31 @@ require("numba", feature="the SDP4Bit numba codec")
 
 # How a kernel gets its rounding offsets.
 _NEAREST, _EXPLICIT, _COUNTER = 0, 1, 2
-# splitmix64 constants as signed 64-bit integers: numba's int64 arithmetic wraps like uint64's, and the logical
-# right shifts are arithmetic shifts masked to the bits a uint64 shift keeps.
-_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
-_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
-_MIX2 = 0x94D049BB133111EB - 2**64
-_UNIT = np.float32(2.0**-24)
+_UNIT = 2.0**-24
 # Groups per parallel chunk at least: a chunk allocates one scratch group, so tiny chunks would cost more than work.
 _MIN_GROUPS_PER_CHUNK = 8
 
 
-@njit(inline="always")
-def _uniform(key: int, index: int) -> np.float32:
-    """Offset ``index`` of the counter stream of ``key``: the top 24 bits of splitmix64, as float32 in [0, 1)."""
-    z = key + (index + 1) * _GOLDEN
-    z = (z ^ ((z >> 30) & 0x3FFFFFFFF)) * _MIX1
-    z = (z ^ ((z >> 27) & 0x1FFFFFFFFF)) * _MIX2
-    z = z ^ ((z >> 31) & 0x1FFFFFFFF)
-    return np.float32((z >> 40) & 0xFFFFFF) * _UNIT
+@intrinsic
+def _uniform(typingctx: Any, key: Any, index: Any) -> Any:
+    """Offset ``index`` of the counter stream of ``key`` (:func:`counter_uniforms`), as float32 in [0, 1).
+
+    Written as LLVM IR in 32-bit integers: numba widens integer arithmetic to 64 bits, and AVX2 has no vector 64-bit
+    multiply, so the same hash in Python syntax runs one value at a time; in i32 a loop draws 8 offsets per
+    instruction.
+    """
+    i32 = ir.IntType(32)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        key_value, index_value = (builder.trunc(v, i32) if v.type.width > 32 else v for v in args)
+        z = builder.xor(builder.mul(index_value, ir.Constant(i32, _WEYL32)), key_value)
+        for shift, multiplier in ((16, _LOWBIAS1), (15, _LOWBIAS2)):
+            z = builder.mul(builder.xor(z, builder.lshr(z, ir.Constant(i32, shift))), ir.Constant(i32, multiplier))
+        z = builder.xor(z, builder.lshr(z, ir.Constant(i32, 16)))
+        top24 = builder.sitofp(builder.lshr(z, ir.Constant(i32, 8)), ir.FloatType())
+        return builder.fmul(top24, ir.Constant(ir.FloatType(), _UNIT))
+
+    return types.float32(key, index), codegen
 
 
 # Hot loops index with unsigned integers (``_u``): numba checks a signed index for wrap-around (a negative index
@@ -137,7 +149,7 @@ def _quantize_group(
     the absmax on the bit patterns (``src_bits``, the int32 view of ``src``) with the sign cleared (for non-negative
     floats integer order is float order, and a NaN's pattern exceeds every number's, so a NaN makes the scale NaN,
     which the caller's overflow check sees), the division, the offsets, then floor, clamp and store.
-    ``scratch`` is a float32 buffer of at least ``group + 1`` values whose int32 view is ``scratch.view(np.int32)``.
+    ``scratch`` is a float32 buffer of ``group + 2`` values (an even count, so that it has an int64 view).
     """
     top = 0
     for j in range(group):
@@ -155,7 +167,7 @@ def _quantize_group(
             scratch[_u(j)] = scratch[_u(j)] + noise[_u(base + j)]
     elif mode == _COUNTER:
         for j in range(group):
-            scratch[_u(j)] = scratch[_u(j)] + _uniform(key, base + j)
+            scratch[_u(j)] = scratch[_u(j)] + _uniform(key, base + j)  # type: ignore[call-arg]  # typed by numba
     else:
         half = np.float32(0.5)
         for j in range(group):
@@ -170,8 +182,13 @@ def _quantize_group(
         for j in range(group):
             payload[_u(base + j)] = np.uint8(scratch_bits[_u(j)] & 255)
         return
-    for j in range(0, group, 2):
-        payload[_u((base + j) >> 1)] = np.uint8((scratch_bits[_u(j)] & 15) | ((scratch_bits[_u(j + 1)] & 15) << 4))
+    # Two codes per byte, read as one int64 (little-endian: the even code in the low half) so the loop is not
+    # strided and vectorises.
+    pairs = scratch.view(np.int64)
+    first = base >> 1
+    for j in range(group >> 1):
+        v = pairs[_u(j)]
+        payload[_u(first + j)] = np.uint8((v & 15) | ((v >> 28) & 240))
 
 
 def _threads() -> int:
@@ -195,7 +212,7 @@ def _encode_py(
     for c in prange(chunks):
         buf = np.empty(group, np.float32)
         buf_bits = buf.view(np.int32)
-        scratch = np.empty(group + 1, np.float32)
+        scratch = np.empty(group + 2, np.float32)
         for g in range(c * per, min(n_groups, (c + 1) * per)):
             base = g * group
             if not subtract and hadamard <= 1:  # quantise straight from the input: no copy
@@ -227,7 +244,7 @@ def _sum_py(
     for c in prange(chunks):
         buf = np.empty(group, np.float32)
         buf_bits = buf.view(np.int32)
-        scratch = np.empty(group + 1, np.float32)
+        scratch = np.empty(group + 2, np.float32)
         for g in range(c * per, min(n_groups, (c + 1) * per)):
             base = g * group
             for j in range(group):

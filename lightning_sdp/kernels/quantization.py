@@ -178,37 +178,42 @@ def _splitmix64_int(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def _splitmix64(z: np.ndarray) -> np.ndarray:
-    """The splitmix64 finaliser on a uint64 array (wrapping arithmetic)."""
-    with np.errstate(over="ignore"):
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
-    return z ^ (z >> np.uint64(31))
+# The per-offset hash: a Weyl step then Wellons' "lowbias32" mixer, all in 32-bit arithmetic so that the numba
+# kernels' loops vectorise (AVX2 has 8-lane 32-bit multiplies and no 64-bit ones).
+_MASK32 = 2**32 - 1
+_WEYL32, _LOWBIAS1, _LOWBIAS2 = 0x9E3779B9, 0x7FEB352D, 0x846CA68B
 
 
 def counter_key(seed: int) -> int:
-    """The 64-bit key of the counter stream of ``seed``, as the signed integer the kernels take."""
-    key = _splitmix64_int((int(seed) * _GOLDEN + 1) & _MASK64)
-    return key - 2**64 if key >= 2**63 else key
+    """The 32-bit key of the counter stream of ``seed``: the top half of ``splitmix64`` of the seed."""
+    return _splitmix64_int((int(seed) * _GOLDEN + 1) & _MASK64) >> 32
 
 
 def counter_uniforms(seed: int, numel: int) -> Tensor:
     """Offsets ``0 .. numel-1`` of the counter-based stream of ``seed``: fp32 in ``[0, 1)``, 24 random bits each.
 
-    Offset ``i`` is the top 24 bits of ``splitmix64(key + (i + 1) * golden)`` (``key`` from :func:`counter_key`),
-    a hash of the seed and the index: any offset can be made on its own, by any thread, in any order. The numba
-    codec draws its stochastic-rounding offsets this way; passing these as ``RoundingSource(noise=...)`` makes the
-    reference compute the same codes.
+    Offset ``i`` is the top 24 bits of ``lowbias32((i * 0x9E3779B9 mod 2**32) XOR key)`` (``key`` from
+    :func:`counter_key`), a hash of the seed and the index: any offset can be made on its own, by any thread, in
+    any order, and distinct indices below ``2**32`` get distinct hashes. The key enters by XOR, not by addition,
+    so that two seeds' streams are not shifted copies of one sequence. The numba codec draws its stochastic-rounding
+    offsets this way; passing these as ``RoundingSource(noise=...)`` makes the reference compute the same codes.
 
     Args:
         seed: the call's seed (``RoundingSource.seed``).
         numel: number of offsets.
     """
-    index = np.arange(1, numel + 1, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        z = np.uint64(counter_key(seed) % 2**64) + index * np.uint64(_GOLDEN)
-    bits = _splitmix64(z) >> np.uint64(40)
-    return torch.from_numpy(bits.astype(np.float32) * np.float32(2.0**-24))
+    return _keyed_uniforms(counter_key(seed), numel)
+
+
+def _keyed_uniforms(key: int, numel: int) -> Tensor:
+    mask = np.uint64(_MASK32)
+    z = ((np.arange(numel, dtype=np.uint64) * np.uint64(_WEYL32)) & mask) ^ np.uint64(key)
+    z ^= z >> np.uint64(16)
+    z = (z * np.uint64(_LOWBIAS1)) & mask
+    z ^= z >> np.uint64(15)
+    z = (z * np.uint64(_LOWBIAS2)) & mask
+    z ^= z >> np.uint64(16)
+    return torch.from_numpy((z >> np.uint64(8)).astype(np.float32) * np.float32(2.0**-24))
 
 
 def quantize(x: Tensor, fmt: QuantFormat, rounding: RoundingSource | Rounding = "stochastic") -> tuple[Tensor, Tensor]:

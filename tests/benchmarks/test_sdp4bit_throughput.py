@@ -20,6 +20,7 @@ from benchmarks.sdp4bit_throughput import (
     _parser,
     _run_method,
     machine_limit,
+    merge_rounds,
     summarise,
 )
 from tests._distributed import run_distributed
@@ -173,3 +174,21 @@ def test_a_sweep_without_ddp_still_reports(tmp_path: Path) -> None:
     out, md, fig = summarise(rows, args)
     assert "sdp4bit_auto" in md and fig is not None
     assert all(math.isnan(v) for row in out["speedups"] for k, v in row.items() if k != "method")
+
+
+def test_rounds_merge_into_medians_and_keep_the_first_rounds_quality() -> None:
+    def row(method: str, round_: int, step: float, cpu: float) -> dict[str, Any]:
+        return {"method": method, "bandwidth_mbit": 100.0, "round": round_, "median_step_s": step,
+                "tokens_per_s": 1024 / step, "cpu_s_per_step_per_rank": cpu, "wire_bytes_per_step_per_node": 1e6,
+                "val_loss": 2.5 if round_ == 0 else None}  # fmt: skip
+
+    steps, cpus = [0.5, 0.9, 0.6], [0.2, 0.1, 0.4]
+    rows = [row("ddp", r, s, c) for r, (s, c) in enumerate(zip(steps, cpus, strict=True))]
+    rows += [row("sdp4bit_auto", 0, 0.3, 0.1)]
+    merged = merge_rounds(rows[::-1])  # any arrival order
+    ddp = merged[("ddp", 100.0)]
+    assert ddp["median_step_s"] == 0.6 and ddp["cpu_s_per_step_per_rank"] == 0.2
+    assert ddp["tokens_per_s"] == pytest.approx(1024 / 0.6)
+    assert ddp["val_loss"] == 2.5 and ddp["round"] == 0  # the quality run is the first round's
+    assert sorted(ddp["rounds_median_step_s"]) == sorted(steps)
+    assert merged[("sdp4bit_auto", 100.0)]["median_step_s"] == 0.3

@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from lightning_sdp.kernels import quantization as q
-from lightning_sdp.kernels.quantization import QuantFormat, RoundingSource, counter_uniforms
+from lightning_sdp.kernels.quantization import (
+    QuantFormat,
+    RoundingSource,
+    _keyed_uniforms,
+    counter_key,
+    counter_uniforms,
+)
 
 pytestmark = pytest.mark.numba
 
@@ -186,3 +192,12 @@ def test_select_ops_picks_the_codec_for_the_device():
         select_ops("numba", torch.device("cuda", 0), 2048, 128)
     with pytest.raises(ValueError, match="power-of-two group sizes|needs CUDA tensors"):
         select_ops("triton", cpu, 2048, 96)
+
+
+def test_counter_streams_of_two_keys_are_not_shifted_copies():
+    # With the key added to the Weyl step, a key larger by 5 * 0x9E3779B9 would give the stream shifted by 5.
+    key = counter_key(11)
+    u = _keyed_uniforms(key, 4096)
+    shifted_key = _keyed_uniforms((key + 5 * 0x9E3779B9) % 2**32, 4096)
+    assert (u[5:] == shifted_key[:-5]).float().mean() < 0.01
+    assert abs(float(torch.corrcoef(torch.stack((u[5:], shifted_key[:-5])))[0, 1])) < 0.1

@@ -29,6 +29,9 @@ included). At the highest bandwidth each method instead trains ``--steps`` steps
 of a method does not depend on the link, so this validation loss stands for every bandwidth (the script checks it:
 the training loss at step ``--timing-steps`` must be identical in every run of a method). For SDP4Bit the bytes
 its own accounting (``strategy.comm_stats``) says had to cross nodes are reported beside the measured ones.
+``--rounds N`` runs every method N times per bandwidth in alternating order and reports medians (only the first
+round trains ``--steps`` and validates): use it to compare settings a few percent apart on a machine whose speed
+drifts.
 
 Needs root (network namespaces). Run from the repository root::
 

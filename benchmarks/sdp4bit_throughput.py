@@ -223,6 +223,7 @@ class _Meter(StepTimer):
         self.losses: list[float] = []
         self.marks: dict[str, tuple[int | None, dict[str, float] | None]] = {}
         self.cpu: dict[str, float] = {}
+        self.threads: dict[str, dict[str, float]] = {}
 
     def _mark(self, name: str) -> None:
         from benchmarks.emulated_cluster import read_tx_bytes
@@ -230,6 +231,7 @@ class _Meter(StepTimer):
         self.marks[name] = (read_tx_bytes(self.ifname) if self.ifname else None, _sdp4bit_bytes(self.strategy))
         # the process's CPU time, all its threads (gloo's and the exchange threads' included)
         self.cpu[name] = time.process_time()
+        self.threads[name] = thread_cpu_seconds()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
@@ -244,6 +246,25 @@ class _Meter(StepTimer):
         if trainer.global_step == trainer.max_steps or stop:
             self._mark("end")
             trainer.should_stop = trainer.should_stop or stop
+
+
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds of this process's live threads by kind: ``main``, ``gloo`` (gloo's and torch's gloo threads) and
+    ``other`` (the strategy's exchange threads and any pool), from ``/proc/self/task`` (empty where there is none)."""
+    tasks = Path("/proc/self/task")
+    out = {"main": 0.0, "gloo": 0.0, "other": 0.0}
+    if not tasks.is_dir():
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in tasks.iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        kind = "main" if int(task.name) == os.getpid() else "gloo" if "gloo" in name else "other"
+        out[kind] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
 
 
 def _run_method(method: str, bandwidth: float, steps: int, validate: bool, args: argparse.Namespace) -> dict:
@@ -279,7 +300,10 @@ def _run_method(method: str, bandwidth: float, steps: int, validate: bool, args:
     durations = [b - a for a, b in zip(meter.ends[warmup - 1 :], meter.ends[warmup:], strict=False)]
     timed = len(durations)
     cpu_per_step = (meter.cpu["end"] - meter.cpu["start"]) / timed
+    start_threads, end_threads = meter.threads["start"], meter.threads["end"]
+    by_thread = {kind: (end_threads[kind] - start_threads[kind]) / timed for kind in end_threads}
     mine = {"marks": meter.marks, "rank": dist.get_rank(), "local_rank": local_rank, "cpu_s_per_step": cpu_per_step,
+            "cpu_by_thread": by_thread,
             "node": int(os.environ.get("GROUP_RANK", os.environ.get("EMULATED_CLUSTER_NODE", "0")))}  # fmt: skip
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -320,6 +344,10 @@ def _run_method(method: str, bandwidth: float, steps: int, validate: bool, args:
             sum(acct_nodes.values()) / len(acct_nodes) / timed if acct_nodes else None
         ),
         "cpu_s_per_step_per_rank": statistics.mean(e["cpu_s_per_step"] for e in everyone),
+        # where that CPU went (threads alive at both marks; /proc counts in clock ticks of 10 ms)
+        "cpu_s_per_step_by_thread": {
+            kind: statistics.mean(e["cpu_by_thread"][kind] for e in everyone) for kind in by_thread
+        },
         "train_losses_rank0": meter.losses,
         "val_loss": val,
         "wall_s": wall,
@@ -434,6 +462,9 @@ def merge_rounds(rows: list[dict[str, Any]]) -> dict[tuple[str, float], dict[str
             values = [r[field] for r in group if r.get(field) is not None]
             row[f"rounds_{field}"] = values
             row[field] = statistics.median(values) if values else None
+        splits = [r["cpu_s_per_step_by_thread"] for r in group if r.get("cpu_s_per_step_by_thread")]
+        if splits:
+            row["cpu_s_per_step_by_thread"] = {k: statistics.median(split[k] for split in splits) for k in splits[0]}
         row["tokens_per_s"] = group[0]["tokens_per_s"] * group[0]["median_step_s"] / row["median_step_s"]
         merged[key] = row
     return merged
@@ -473,6 +504,9 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
                 "wire / accounted": wire / acct if wire and acct else "",
                 "CPU s/step/rank": r.get("cpu_s_per_step_per_rank", float("nan")),
                 "CPU vs ddp": r["cpu_s_per_step_per_rank"] / d["cpu_s_per_step_per_rank"] if d else float("nan"),
+                "CPU main / gloo / other threads": " / ".join(
+                    f"{v:.3f}" for v in r.get("cpu_s_per_step_by_thread", {}).values()
+                ),
                 "CPU-bound step (s)": r.get("cpu_s_per_step_per_rank", float("nan")) * args.world / _cores(),
                 "limit step (s)": limit, "fraction of limit": fraction,
                 "load": round(r["load_avg_1m"], 1),
@@ -555,7 +589,8 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
         "headers), per step, mean over nodes. Accounted: what SDP4Bit's comm_stats says each node sent to the "
         "other (its grad_inter all-to-all, plus its weight_inter stage when the weight all-gather runs in two "
         "stages, else one ring edge of the ring all-gather). CPU s/step/rank: process CPU time (all threads) per "
-        f"timed step, mean over ranks; CPU-bound step = that x {args.world} ranks / {_cores()} cores, the step time "
+        "timed step, mean over ranks, and split into the main thread, gloo's threads and the others (the exchange "
+        f"threads); CPU-bound step = that x {args.world} ranks / {_cores()} cores, the step time "
         "if the cores were the only limit (when it is close to the measured step, overlap has no idle core to use).",
         "",
         "## Speed-up over DDP (median step time ratio)",

@@ -113,6 +113,7 @@ def _run_methods(rank: int, world: int, data: str, methods: list[str]) -> list[d
                     "wire_bytes_per_step_per_node",
                     "accounted_inter_bytes_per_step_per_node",
                     "cpu_s_per_step_per_rank",
+                    "cpu_s_per_step_by_thread",
                 )
             }
         )
@@ -131,6 +132,10 @@ def test_worker_runs_zero_and_sdp4bit_and_accounts_sdp4bit_bytes(tmp_path: Path)
         assert len(row["train_losses_rank0"]) == 4 and math.isfinite(row["val_loss"])
         assert row["wire_bytes_per_step_per_node"] is None  # no shaped interface outside the emulated cluster
         assert row["cpu_s_per_step_per_rank"] > 0
+        split = row["cpu_s_per_step_by_thread"]
+        assert set(split) == {"main", "gloo", "other"} and split["main"] > 0
+        # the threads' clock ticks (10 ms over 3 timed steps) add up to the process's CPU time
+        assert sum(split.values()) == pytest.approx(row["cpu_s_per_step_per_rank"], abs=0.03)
     zero, sdp4bit = results[0]
     assert zero["accounted_inter_bytes_per_step_per_node"] is None  # only SDP4Bit keeps its own accounting
     assert sdp4bit["accounted_inter_bytes_per_step_per_node"] > 0  # one node: the weight all-gather's ring edge
@@ -184,6 +189,8 @@ def test_rounds_merge_into_medians_and_keep_the_first_rounds_quality() -> None:
 
     steps, cpus = [0.5, 0.9, 0.6], [0.2, 0.1, 0.4]
     rows = [row("ddp", r, s, c) for r, (s, c) in enumerate(zip(steps, cpus, strict=True))]
+    for r, gloo in zip(rows, [0.01, 0.03, 0.02], strict=True):
+        r["cpu_s_per_step_by_thread"] = {"main": r["cpu_s_per_step_per_rank"] - gloo, "gloo": gloo}
     rows += [row("sdp4bit_auto", 0, 0.3, 0.1)]
     merged = merge_rounds(rows[::-1])  # any arrival order
     ddp = merged[("ddp", 100.0)]
@@ -191,4 +198,5 @@ def test_rounds_merge_into_medians_and_keep_the_first_rounds_quality() -> None:
     assert ddp["tokens_per_s"] == pytest.approx(1024 / 0.6)
     assert ddp["val_loss"] == 2.5 and ddp["round"] == 0  # the quality run is the first round's
     assert sorted(ddp["rounds_median_step_s"]) == sorted(steps)
+    assert ddp["cpu_s_per_step_by_thread"] == pytest.approx({"main": 0.19, "gloo": 0.02})
     assert merged[("sdp4bit_auto", 100.0)]["median_step_s"] == 0.3

@@ -252,9 +252,9 @@ def thread_cpu_seconds() -> dict[str, float]:
     """CPU seconds of this process's live threads by kind: ``main``, ``gloo`` (gloo's and torch's gloo threads) and
     ``other`` (the strategy's exchange threads and any pool), from ``/proc/self/task`` (empty where there is none)."""
     tasks = Path("/proc/self/task")
-    out = {"main": 0.0, "gloo": 0.0, "other": 0.0}
     if not tasks.is_dir():
         return {}
+    out = {"main": 0.0, "gloo": 0.0, "other": 0.0}
     tick = os.sysconf("SC_CLK_TCK")
     for task in tasks.iterdir():
         try:
@@ -413,8 +413,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     out.touch()
     target = ["-m", "benchmarks.sdp4bit_throughput", "--worker", "--out", str(out),
               "--bandwidths", *map(str, args.bandwidths), "--methods", *args.methods]  # fmt: skip
-    for name in ("data", "steps", "timing_steps", "warmup", "rounds", "n_layer", "n_head", "n_embd", "block", "batch", "lr",
-                 "warmup_lr", "val_batches", "seed", "pg_timeout"):  # fmt: skip
+    for name in ("data", "steps", "timing_steps", "warmup", "rounds", "n_layer", "n_head", "n_embd", "block", "batch",
+                 "lr", "warmup_lr", "val_batches", "seed", "pg_timeout"):  # fmt: skip
         target += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
            "PYTHONUNBUFFERED": "1"}  # fmt: skip

@@ -43,6 +43,7 @@ from lightning_sdp._imports import require
 from lightning_sdp.kernels.quantization import (
     _LOWBIAS1,
     _LOWBIAS2,
+    _UNIT24,
     _WEYL32,
     QuantFormat,
     Rounding,
@@ -54,7 +55,6 @@ require("numba", feature="the SDP4Bit numba codec")
 
 # How a kernel gets its rounding offsets.
 _NEAREST, _EXPLICIT, _COUNTER = 0, 1, 2
-_UNIT = 2.0**-24
 # Groups per parallel chunk at least: a chunk allocates one scratch group, so tiny chunks would cost more than work.
 _MIN_GROUPS_PER_CHUNK = 8
 
@@ -76,7 +76,7 @@ def _uniform(typingctx: Any, key: Any, index: Any) -> Any:
             z = builder.mul(builder.xor(z, builder.lshr(z, ir.Constant(i32, shift))), ir.Constant(i32, multiplier))
         z = builder.xor(z, builder.lshr(z, ir.Constant(i32, 16)))
         top24 = builder.sitofp(builder.lshr(z, ir.Constant(i32, 8)), ir.FloatType())
-        return builder.fmul(top24, ir.Constant(ir.FloatType(), _UNIT))
+        return builder.fmul(top24, ir.Constant(ir.FloatType(), _UNIT24))
 
     return types.float32(key, index), codegen
 

@@ -182,6 +182,7 @@ def _splitmix64_int(z: int) -> int:
 # kernels' loops vectorise (AVX2 has 8-lane 32-bit multiplies and no 64-bit ones).
 _MASK32 = 2**32 - 1
 _WEYL32, _LOWBIAS1, _LOWBIAS2 = 0x9E3779B9, 0x7FEB352D, 0x846CA68B
+_UNIT24 = 2.0**-24  # an offset keeps the top 24 bits of its hash: exact in float32
 
 
 def counter_key(seed: int) -> int:
@@ -213,7 +214,7 @@ def _keyed_uniforms(key: int, numel: int) -> Tensor:
     z ^= z >> np.uint64(15)
     z = (z * np.uint64(_LOWBIAS2)) & mask
     z ^= z >> np.uint64(16)
-    return torch.from_numpy((z >> np.uint64(8)).astype(np.float32) * np.float32(2.0**-24))
+    return torch.from_numpy((z >> np.uint64(8)).astype(np.float32) * np.float32(_UNIT24))
 
 
 def quantize(x: Tensor, fmt: QuantFormat, rounding: RoundingSource | Rounding = "stochastic") -> tuple[Tensor, Tensor]:

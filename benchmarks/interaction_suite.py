@@ -9,9 +9,11 @@ user (14 to 71 on average), popularity skew (``alpha`` 0.5 to 1.1) and cluster s
 popularity only, to 100).
 
 ``ASIDE`` holds a catalogue kept out of every choice: it is scored once, after a rule for the recipe's defaults has
-been derived on the others. ``suite_aside2`` was defined before any run on it, after the first aside catalogue
-(``suite_aside``, defined with the suite) had been scored and then used to look for what the recipe lacks there;
-from then on ``suite_aside`` counts as a development catalogue.
+been derived on the others. Each aside catalogue joins the development ones once it has been scored and then used to
+look for what the recipe lacks there, and a new one is defined, before any run on it: ``suite_aside`` (defined with
+the suite), then ``suite_aside2``, then ``suite_aside3``, whose parameters are a seeded draw from the suite's ranges
+(users 3,000-15,000, items 1,000-8,000, 15-80 items per user, ``alpha`` 0.5-1.1, 1-150 clusters;
+``numpy.random.default_rng(20261204)``) rather than a choice.
 """
 
 from __future__ import annotations
@@ -57,11 +59,12 @@ SUITE: dict[str, Catalogue] = {
     "suite_dense": Catalogue(2_000, 1_000, 130, 0.8, 20, 13, "dense (4.9%), the size of a small public set"),
     "suite_very_dense": Catalogue(1_000, 400, 90, 0.6, 10, 14, "very dense (9%), few items"),
     "suite_aside": Catalogue(6_000, 2_500, 35, 0.7, 60, 17, "0.8%, 60 clusters (the first aside catalogue)"),
+    "suite_aside2": Catalogue(12_000, 5_000, 28, 0.85, 120, 19, "0.5%, 120 clusters (the second aside catalogue)"),
 }
 
 # Scored once, at the end; never used to choose anything.
 ASIDE: dict[str, Catalogue] = {
-    "suite_aside2": Catalogue(12_000, 5_000, 28, 0.85, 120, 19, "held out: 0.5%, 120 clusters"),
+    "suite_aside3": Catalogue(6_679, 3_498, 44, 0.62, 130, 23, "held out: 1.3%, 130 clusters, a seeded draw"),
 }
 
 CATALOGUES: dict[str, Catalogue] = {**SUITE, **ASIDE}

@@ -14,6 +14,7 @@ from benchmarks import (
     heat_gowalla_quality,
     heat_gowalla_tuning,
     heat_refit,
+    heat_temperature,
     heat_throughput,
     heat_trainer_overhead,
 )
@@ -166,3 +167,29 @@ def test_fused_gap_quick_scores_every_variant_with_both_losses() -> None:
         assert all(0.0 < row[v] <= 1.0 for v in heat_fused_gap.VARIANTS)  # every variant learned something
         assert row["2t/1t"] == pytest.approx(row["fused_2t"] / row["fused_1t"])
         assert row["fused_1t_spread"] == 0.0  # one seed
+
+
+def test_temperature_anneal_moves_the_inverse_temperature_linearly() -> None:
+    from types import SimpleNamespace
+
+    from lightning_sdp.models.simplex import SimpleXModule
+
+    model = SimpleXModule(num_users=3, num_items=4, dim=8, loss="softmax", temperature=0.5)
+    anneal = heat_temperature.AnnealTemperature(0.2, 0.05, steps=10)
+    seen = []
+    for step in (0, 5, 10, 20):
+        anneal.on_train_batch_start(SimpleNamespace(global_step=step), model, None, 0)  # type: ignore[arg-type]
+        seen.append(model.config.temperature)
+    assert seen[0] == pytest.approx(0.2) and seen[2] == pytest.approx(0.05) and seen[3] == pytest.approx(0.05)
+    assert 1.0 / seen[1] == pytest.approx((1.0 / 0.2 + 1.0 / 0.05) / 2)  # linear in 1/T, not in T
+    assert model.config.loss == "softmax" and model.config.dim == 8  # nothing else changed
+
+
+@pytest.mark.bench
+def test_temperature_quick_scores_every_schedule_on_validation() -> None:
+    heat_temperature.main(["--quick", "--temperatures", "0.07,0.15", "--anneal", "0.15:0.07"])
+    rows = _quick_results("heat_temperature")["rows"]
+    assert [(r["temperature"], r["epochs"]) for r in rows] == [
+        (label, epochs) for label in ("0.07", "0.15", "0.15->0.07") for epochs in (2.0, 4.0)
+    ]
+    assert all(0.0 < r["val_recall@20"] <= 1.0 and r["steps"] >= 1 for r in rows)

@@ -71,10 +71,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         split = load_split(name, args.data, 0.1, args.quick)
         if split is None:
             continue
+        # one runner per catalogue (its positive pairs and statistics); every fit builds a fresh model
+        runner = SimpleXRunner(
+            split.train, split.num_items, default_batch_size(len(split.train[1])), args.threads, 0, {}
+        )
         for label, start, end in _schedules(args.temperatures, args.anneal):
-            runner = SimpleXRunner(
-                split.train, split.num_items, default_batch_size(len(split.train[1])), args.threads, 0, {}
-            )
             for count in epochs:
                 steps = max(1, int(count * runner.steps_per_epoch))
                 callbacks = [] if start == end else [AnnealTemperature(start, end, steps)]

@@ -21,7 +21,7 @@ from lightning_sdp.plugins.sdp4bit.exchange import (
     reduce_scatter_gradients,
 )
 from lightning_sdp.plugins.sdp4bit.formats import gradient_format
-from lightning_sdp.plugins.sdp4bit.topology import build_topology
+from lightning_sdp.plugins.sdp4bit.topology import build_topology, shard_index
 from tests._distributed import run_distributed
 
 G = 128
@@ -70,7 +70,8 @@ def _gradient_checks(rank: int, world: int, intra: int, ops_name: str = "torch")
     s = 4 * G
     numel = world * s
     flats = [_grads(k, numel, world) for k in range(world)]
-    exact = torch.stack(flats).sum(0)[rank * s : (rank + 1) * s]
+    k = topo.shard  # local-major: rank (node n, local j) reduces shard j * N + n
+    exact = torch.stack(flats).sum(0)[k * s : (k + 1) * s]
     ops, rng = _ops(ops_name), RoundingRNG(0, rank, torch.device("cpu"))
     out: dict = {"intra": topo.intra_size, "inter": topo.inter_size}
     for mode in MODES:
@@ -85,7 +86,7 @@ def _gradient_checks(rank: int, world: int, intra: int, ops_name: str = "torch")
             "bits_inter": stats.bits_per_element("grad_inter"),
         }
         nearest = reduce_scatter_gradients(flats[rank].clone(), topo, fmt, G, "nearest", rng, ops)
-        sim = _simulate(flats, fmt, topo.inter_size, topo.intra_size)[rank * s : (rank + 1) * s]
+        sim = _simulate(flats, fmt, topo.inter_size, topo.intra_size)[k * s : (k + 1) * s]
         out[mode]["sim_diff"] = float((nearest - sim).abs().max())
     # unbiased: the mean over independent roundings approaches the exact sum
     fmt = gradient_format("tlq_hs", 8, 4, 32)
@@ -120,7 +121,7 @@ def _weight_checks(rank: int, world: int, ops_name: str = "torch") -> dict:
     out = {"two_stage": topo.weight_inter_group is not None and topo.weight_intra_group is not None}
     for mode in ("qwd", "qw", "none"):
         model, flat_model = init.clone(), init.clone()
-        master = init[rank * s : (rank + 1) * s].clone()
+        master = init[topo.shard * s : (topo.shard + 1) * s].clone()
         drift, same_as_flat = [], True
         stats, flat_stats = CommStats(), CommStats()
         for step in range(200):
@@ -132,7 +133,7 @@ def _weight_checks(rank: int, world: int, ops_name: str = "torch") -> dict:
                 rng.reset(step)
                 all_gather_weights(flat_model, master, flat_topo, mode, 4, 2048, "stochastic", rng, ops, flat_stats)
                 same_as_flat &= torch.equal(model, flat_model)
-            mine = model[rank * s : (rank + 1) * s]
+            mine = model[topo.shard * s : (topo.shard + 1) * s]
             drift.append(float((master - mine).norm() / master.norm()))
         everyone = [torch.empty_like(model) for _ in range(world)]
         dist.all_gather(everyone, model)
@@ -227,6 +228,18 @@ def test_single_level_topologies(results):
         assert (res["intra"], res["inter"]) == (1, 4)
         assert res["tlq_hs"]["bits_inter"] == pytest.approx(4.25) and res["tlq_hs"]["bits_intra"] == 0.0
         assert res["tlq_hs"]["sim_diff"] < 1e-5
+
+
+@pytest.mark.parametrize(("world", "local"), [(4, 2), (6, 2), (6, 3), (8, 4), (4, 1), (4, 4)])
+def test_shard_ownership_is_local_major(world, local):
+    nodes = world // local
+    owned = [shard_index(rank, world, local) for rank in range(world)]
+    assert sorted(owned) == list(range(world))  # every shard has one owner
+    for j in range(local):  # local peer j of every node: one contiguous block, in node order
+        assert [owned[n * local + j] for n in range(nodes)] == list(range(j * nodes, (j + 1) * nodes))
+    if local in (1, world):
+        assert owned == list(range(world))
+    assert [shard_index(r, world, None) for r in range(world)] == list(range(world))
 
 
 @pytest.mark.slow

@@ -1,12 +1,14 @@
 """The two collectives of SDP4Bit: quantised gradient reduce-scatter and quantised weight all-gather.
 
-Both work on one flat, zero-padded fp32 buffer of ``P = world_size * S`` values in which rank ``r`` owns the shard
-``[r * S, (r + 1) * S)`` and ``S`` is a whole number of quantisation groups and Hadamard blocks.
+Both work on one flat, zero-padded fp32 buffer of ``P = world_size * S`` values in which rank ``r = n * L + j``
+(node ``n``, local index ``j``) owns the shard ``[k * S, (k + 1) * S)`` with ``k = j * N + n`` (local-major: the
+shards a node's rank ``j`` reduces are contiguous, see :func:`~lightning_sdp.plugins.sdp4bit.topology.shard_index`)
+and ``S`` is a whole number of quantisation groups and Hadamard blocks.
 
 Gradient reduce-scatter (TLq-HS, Jia et al. 2024, Sec. 3.2), on a grid of ``N`` nodes x ``L`` ranks per node:
 
 1. quantise the whole buffer (after the block Hadamard transform for ``tlq_hs``) to ``intra_bits``;
-2. all-to-all inside the node: local peer ``j`` receives the codes of every shard ``n * L + j``;
+2. all-to-all inside the node: local peer ``j`` receives the codes of every shard ``j * N + n``;
 3. dequantise the ``L`` contributions, sum them, re-quantise the node's partial sums to ``inter_bits``;
 4. all-to-all between the ranks with the same local index: rank ``n * L + j`` receives its own shard from every
    node;
@@ -537,9 +539,9 @@ class GradientExchange:
         bits = first_level_bits(topo, fmt)
         fmt_first = QuantFormat(bits, self.group_size)
         nbytes, ngroups = fmt_first.payload_bytes(s), fmt_first.num_groups(s, "shard")
-        # (N, L, S) -> (L, N, S): chunk j goes to local peer j and holds the shards {n * L + j}.
-        send_p = payload.view(n_inter, n_intra, nbytes).transpose(0, 1).reshape(n_intra, -1)
-        send_s = scales.view(n_inter, n_intra, ngroups).transpose(0, 1).reshape(n_intra, -1)
+        # Chunk j goes to local peer j: the shards {j * N + n} it owns lie side by side (local-major ownership).
+        send_p = payload.view(n_intra, n_inter * nbytes)
+        send_s = scales.view(n_intra, n_inter * ngroups)
         send = _pack(send_p, send_s)
         recv = torch.empty_like(send)
         _all_to_all(recv, send, topo.intra_group)
@@ -551,7 +553,7 @@ class GradientExchange:
             self._result = self.ops.dequantize_sum_hadamard(recv_p, recv_s, bits, self.group_size, fmt.hadamard)
             return
         assert fmt.inter_bits is not None
-        # The node's partial sums of shards {n * L + local}, re-quantised for the inter-node level.
+        # The node's partial sums of shards {local * N + n}, re-quantised for the inter-node level.
         payload, scales = self.ops.dequantize_sum_requantize(
             recv_p, recv_s, bits, fmt.inter_bits, self.group_size, self.rounding, self.rng
         )
@@ -582,7 +584,7 @@ class GradientExchange:
         n_inter, n_intra = topo.inter_size, topo.intra_size
         data = self.flat.float()
         if n_intra > 1:
-            send = data.view(n_inter, n_intra, s).transpose(0, 1).contiguous()
+            send = data.view(n_intra, n_inter * s)
             recv = torch.empty_like(send)
             _all_to_all(recv, send, topo.intra_group)
             if self.stats is not None:
@@ -632,7 +634,7 @@ def reduce_scatter_gradients(
         encoded: the result of :func:`encode_gradients` on ``flat`` when the caller already computed it.
 
     Returns:
-        The reduced shard ``[rank * S, (rank + 1) * S)`` as a new fp32 tensor.
+        The reduced shard ``[k * S, (k + 1) * S)`` for ``k = topo.shard`` (local-major) as a new fp32 tensor.
     """
     exchange = GradientExchange(flat, topo, fmt, group_size, rounding, rng, ops, stats, encoded)
     exchange.first()
@@ -693,26 +695,29 @@ class WeightExchange:
         return own_group and topo.weight_inter_group is not None and topo.weight_intra_group is not None
 
     def _gather(self, out: Tensor, row: Tensor, elements: int) -> None:
-        """All-gather ``row`` of every rank into ``out`` (rank order) and account the bytes this rank sends.
+        """All-gather ``row`` of every rank into ``out`` (shard order) and account the bytes this rank sends.
 
         With several nodes of several processes it runs in two stages: across nodes among the ranks with this
         local index, then inside the node. Each shard then crosses to every other node once, instead of riding a
-        ring over every rank (whose node-crossing edges carry all ``W - 1`` shards of a rank).
+        ring over every rank (whose node-crossing edges carry all ``W - 1`` shards of a rank). With local-major
+        ownership the first stage gathers a contiguous block of shards and the second lands the blocks in order.
         """
         topo, n = self.topo, row.numel()
         nbytes = n * row.element_size()
+        nodes, local = topo.inter_size, topo.intra_size
         if not self._hierarchical():
-            all_gather_into_tensor(out, row, group=self.group)
+            if nodes > 1 and local > 1:  # a ring over the ranks (rank order): put the rows in shard order
+                by_rank = torch.empty_like(out)
+                all_gather_into_tensor(by_rank, row, group=self.group)
+                out.view(local, nodes, n).copy_(by_rank.view(nodes, local, n).transpose(0, 1))
+            else:
+                all_gather_into_tensor(out, row, group=self.group)
             if self.stats is not None:
                 self.stats.record("weight", (topo.world_size - 1) * nbytes, (topo.world_size - 1) * elements)
             return
-        nodes, local = topo.inter_size, topo.intra_size
         across = torch.empty(nodes * n, dtype=row.dtype, device=row.device)
         all_gather_into_tensor(across, row, group=topo.weight_inter_group)
-        inside = torch.empty(local * nodes * n, dtype=row.dtype, device=row.device)
-        all_gather_into_tensor(inside, across, group=topo.weight_intra_group)
-        # (local, node, n) -> rank order (node, local, n)
-        out.view(nodes, local, n).copy_(inside.view(local, nodes, n).transpose(0, 1))
+        all_gather_into_tensor(out, across, group=topo.weight_intra_group)
         if self.stats is not None:
             self.stats.record("weight_inter", (nodes - 1) * nbytes, (nodes - 1) * elements)
             self.stats.record("weight_intra", (local - 1) * nodes * nbytes, (local - 1) * nodes * elements)
@@ -725,7 +730,7 @@ class WeightExchange:
         if self.mode == "none":
             self._gather(self.model_flat, self.master.to(self.model_flat.dtype), s)
             return
-        lo = topo.rank * s
+        lo = topo.shard * s
         reference = self.model_flat[lo : lo + s] if self.mode == "qwd" else None
         payload, scales = self.ops.encode(
             self.master, self.bits, self.group_size, self.rounding, self.rng, reference=reference

@@ -2,7 +2,8 @@
 
 Each optimizer param group becomes one :class:`FlatBucket`: its parameters laid end to end in a flat buffer of
 ``world_size * S`` values (zero padding at the end), where ``S`` is a whole number of quantisation groups and
-Hadamard blocks. Rank ``r`` keeps the fp32 master copy of ``[r * S, (r + 1) * S)`` and the optimizer sees only
+Hadamard blocks. The rank that owns shard ``k`` (local-major, :func:`~lightning_sdp.plugins.sdp4bit.topology.
+shard_index`) keeps the fp32 master copy of ``[k * S, (k + 1) * S)`` and the optimizer sees only
 that shard: ``param_group["params"] = [master_shard]``, so AdamW, SGD, ... and any LR scheduler run unchanged on
 ``1 / world_size`` of the state. Optimizer state is consolidated to the unsharded layout for checkpoints and cut
 again for the world size that loads it.
@@ -20,6 +21,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_sdp.plugins.sdp4bit.exchange import all_gather_into_tensor, padded_shard_size
+from lightning_sdp.plugins.sdp4bit.topology import shard_index
 
 # Optimizers whose update is element-wise, so that stepping a shard equals stepping the whole tensor. Subclasses of
 # these (``class MyAdamW(AdamW)``) are accepted too: they inherit the element-wise update.
@@ -106,6 +108,7 @@ class FlatBucket:
         param_alignment: every parameter starts at a multiple of this in the flat buffer (the Hadamard block size
             when gradients are Hadamard-transformed, so that no block mixes two parameters; 1 otherwise).
         group_index: index of the optimizer param group this bucket belongs to (a group may own several buckets).
+        intra_size: processes per node, which decides the shard this rank owns (``None``: shard ``rank``).
     """
 
     def __init__(
@@ -117,6 +120,7 @@ class FlatBucket:
         alignment: int,
         param_alignment: int = 1,
         group_index: int = 0,
+        intra_size: int | None = None,
     ) -> None:
         if not params:
             raise ValueError("An optimizer param group has no parameters.")
@@ -144,7 +148,8 @@ class FlatBucket:
         self.rank = rank
         self.shard_size = padded_shard_size(self.numel, world_size, alignment)
         self.padded = world_size * self.shard_size
-        self.lo = rank * self.shard_size
+        self.intra_size = intra_size
+        self.lo = shard_index(rank, world_size, intra_size) * self.shard_size
         self.dtype = params[0].dtype
         self.device = params[0].device
         self.model_flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
@@ -241,19 +246,19 @@ class FlatBucket:
 
     def full_master(self) -> Tensor:
         """All-gather the fp32 master shards into the full flat buffer (a collective)."""
-        if self.world_size == 1:
-            return self.master.clone()
-        full = torch.empty(self.padded, dtype=torch.float32, device=self.device)
-        all_gather_into_tensor(full, self.master.detach().contiguous())
-        return full
+        return self.gather_full(self.master)
 
     def gather_full(self, shard: Tensor) -> Tensor:
         """All-gather a shard-shaped tensor (e.g. ``exp_avg``) into the full flat buffer (a collective)."""
         if self.world_size == 1:
             return shard.detach().clone()
-        full = torch.empty(self.padded, dtype=shard.dtype, device=shard.device)
-        all_gather_into_tensor(full, shard.detach().contiguous())
-        return full
+        by_rank = torch.empty(self.padded, dtype=shard.dtype, device=shard.device)
+        all_gather_into_tensor(by_rank, shard.detach().contiguous())
+        local = self.intra_size
+        if local in (None, 1, self.world_size):
+            return by_rank  # every rank owns the shard of its own index
+        # rank (node n, local j) holds shard j * N + n: (N, L, S) -> (L, N, S)
+        return by_rank.view(self.world_size // local, local, -1).transpose(0, 1).reshape(-1)
 
     def shard_of(self, per_param: list[Tensor]) -> Tensor:
         """This rank's slice of the flat concatenation of ``per_param`` (zero padding), as fp32."""
@@ -298,6 +303,7 @@ def shard_group(
     param_alignment: int = 1,
     group_index: int = 0,
     bucket_numel: int | None = None,
+    intra_size: int | None = None,
 ) -> list[FlatBucket]:
     """Build the :class:`FlatBucket` s of one param group (its ``"params"`` are left as they are).
 
@@ -310,6 +316,7 @@ def shard_group(
         param_alignment: parameter starts are multiples of this.
         group_index: index of the group in the optimizer.
         bucket_numel: values per bucket (see :func:`split_params`); ``None``: one bucket for the group.
+        intra_size: processes per node (decides which shard this rank owns); ``None``: one node.
     """
     params = list(group["params"])
     if not params:
@@ -318,7 +325,7 @@ def shard_group(
     for run in split_params(params, bucket_numel):
         bucket = FlatBucket(
             run, [names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in run], world_size, rank, alignment,
-            param_alignment, group_index,
+            param_alignment, group_index, intra_size,
         )  # fmt: skip
         bucket.master.requires_grad_(True)
         buckets.append(bucket)
@@ -344,6 +351,7 @@ def shard_optimizer(
     param_alignment: int = 1,
     allow_any: bool = False,
     bucket_numel: int | None = None,
+    intra_size: int | None = None,
 ) -> list[FlatBucket]:
     """Build the flat buckets of every param group of an optimizer that holds no state yet. Returns the buckets.
 
@@ -359,6 +367,7 @@ def shard_optimizer(
         param_alignment: parameter starts are multiples of this.
         allow_any: see :func:`check_optimizer`.
         bucket_numel: values per bucket (see :func:`split_params`); ``None``: one bucket per param group.
+        intra_size: processes per node (decides which shard this rank owns); ``None``: one node.
     """
     check_optimizer(optimizer, allow_any)
     if any(len(s) for s in optimizer.state.values()):
@@ -369,7 +378,9 @@ def shard_optimizer(
     buckets = [
         bucket
         for i, group in enumerate(optimizer.param_groups)
-        for bucket in shard_group(group, names, world_size, rank, alignment, param_alignment, i, bucket_numel)
+        for bucket in shard_group(
+            group, names, world_size, rank, alignment, param_alignment, i, bucket_numel, intra_size
+        )
     ]
     optimizer.state.clear()
     return buckets
@@ -384,6 +395,7 @@ def shard_new_groups(
     alignment: int,
     param_alignment: int = 1,
     bucket_numel: int | None = None,
+    intra_size: int | None = None,
 ) -> bool:
     """Shard the param groups added since :func:`shard_optimizer` (``add_param_group``, e.g. by
     ``BackboneFinetuning``), appending their buckets to ``buckets``. Returns whether there were any.
@@ -407,7 +419,9 @@ def shard_new_groups(
                 "`optimizer.add_param_group(...)` instead."
             )
     for i in range(n_known, len(groups)):
-        buckets.extend(shard_group(groups[i], names, world_size, rank, alignment, param_alignment, i, bucket_numel))
+        buckets.extend(
+            shard_group(groups[i], names, world_size, rank, alignment, param_alignment, i, bucket_numel, intra_size)
+        )
     return len(groups) > n_known
 
 

@@ -289,7 +289,7 @@ class SDP4BitStrategy(DDPStrategy):
             raw = unwrap_optimizer(opt)
             self._buckets[id(raw)] = shard_optimizer(
                 raw, names, self.world_size, self.global_rank, self.alignment, self._param_alignment,
-                self.config.allow_any_optimizer, self.config.bucket_numel,
+                self.config.allow_any_optimizer, self.config.bucket_numel, getattr(self.topology, "intra_size", None),
             )  # fmt: skip
             self._warn_padding(self._buckets[id(raw)])
         self._index_params()
@@ -383,7 +383,7 @@ class SDP4BitStrategy(DDPStrategy):
         """Shard param groups added since set-up (``add_param_group``, e.g. by ``BackboneFinetuning``)."""
         added = shard_new_groups(
             raw, buckets, self._param_names(), self.world_size, self.global_rank, self.alignment,
-            self._param_alignment, self.config.bucket_numel,
+            self._param_alignment, self.config.bucket_numel, getattr(self.topology, "intra_size", None),
         )  # fmt: skip
         if added:
             self._index_params()

@@ -14,7 +14,8 @@ class Topology:
 
     Rank ``r`` lives on node ``r // intra_size`` with local index ``r % intra_size`` (Lightning's global rank is
     ``node_rank * num_processes + local_rank``). ``intra_group`` holds the ranks of this rank's node,
-    ``inter_group`` the ranks of every node with the same local index. Groups of size 1 are ``None``.
+    ``inter_group`` the ranks of every node with the same local index. Groups of size 1 are ``None``. The rank owns
+    shard :attr:`shard` of every flat buffer (local-major, see :func:`shard_index`).
 
     Attributes:
         rank: global rank.
@@ -61,10 +62,34 @@ class Topology:
         """Index of this rank inside its node."""
         return self.rank % self.intra_size
 
+    @property
+    def shard(self) -> int:
+        """Index of the shard this rank owns (see :func:`shard_index`)."""
+        return shard_index(self.rank, self.world_size, self.intra_size)
+
     @classmethod
     def single(cls) -> Topology:
         """The trivial topology of a one-process run."""
         return cls(rank=0, world_size=1, intra_size=1, inter_size=1)
+
+
+def shard_index(rank: int, world_size: int, intra_size: int | None) -> int:
+    """The shard of the flat buffers that ``rank`` owns: local-major, ``local * inter_size + node``.
+
+    With this order the shards a node's rank ``j`` reduces lie side by side (``[j * N, (j + 1) * N)`` for ``N``
+    nodes), so the intra-node all-to-all sends contiguous blocks and the two-stage weight all-gather (across nodes,
+    then inside the node) lands in shard order: neither copies the whole buffer to reorder it. With one node or one
+    process per node this is the rank itself.
+
+    Args:
+        rank: global rank.
+        world_size: data-parallel world size.
+        intra_size: processes per node (``None``: one node).
+    """
+    if not intra_size or intra_size in (1, world_size):
+        return rank
+    inter_size = world_size // intra_size
+    return (rank % intra_size) * inter_size + rank // intra_size
 
 
 def build_topology(rank: int, world_size: int, intra_size: int) -> Topology:

@@ -17,7 +17,8 @@ every method:
   ``..._sequential``: the same with ``overlap=False`` (exchange after backward), to show what overlap buys;
   ``..._fwd``: the same with ``overlap_param_gather=True`` (the weight all-gather runs on into the next forward);
   ``..._torchcodec``: the same with the plain-torch codec (``kernel_backend="torch"``) instead of the default
-  numba kernels, to show what the fused CPU codec buys.
+  numba kernels, to show what the fused CPU codec buys; ``..._onebucket``: one bucket per param group
+  (``bucket_size_mb=None``) instead of the default 4 MiB buckets, to show what the per-bucket collectives cost.
 
 Lightning's ``DDPStrategy(ddp_comm_hook=...)`` registers a hook only on CUDA devices (on a CPU it is silently not
 applied), so the DDP peers here register theirs with ``DistributedDataParallel.register_comm_hook`` themselves;
@@ -80,6 +81,8 @@ METHODS = [
     "sdp4bit_none_none_fwd",
     "sdp4bit_qwd_tlq_hs_fwd",
     "sdp4bit_qwd_tlq_hs_torchcodec",
+    "sdp4bit_none_none_onebucket",
+    "sdp4bit_qwd_tlq_hs_onebucket",
 ]
 BANDWIDTHS = [50.0, 100.0, 200.0, 500.0, 1000.0, 10000.0]
 # extra steps an "auto" timing run may spend trying candidates before its timed window
@@ -167,12 +170,15 @@ def _build(method: str, args: argparse.Namespace, vocab_size: int) -> tuple[Any,
         overlap = not name.endswith("_sequential")
         forward_gather = name.endswith("_fwd")
         backend = "torch" if name.endswith("_torchcodec") else "auto"
+        one_bucket = name.endswith("_onebucket")
+        name = name.removesuffix("_onebucket")
         inter_bits = 8 if name.endswith("_g8") else 4
         modes = name.removesuffix("_sequential").removesuffix("_fwd").removesuffix("_torchcodec").removesuffix("_g8")
         weights, grads = ("auto", "auto") if modes == "auto" else modes.split("_", 1)
         strategy = SDP4BitStrategy(
             weight_compression=weights, gradient_compression=grads, seed=args.seed, timeout=timeout, overlap=overlap,
             overlap_param_gather=forward_gather, kernel_backend=backend, gradient_inter_bits=inter_bits,
+            bucket_size_mb=None if one_bucket else 4.0,
         )  # fmt: skip
         return GPT(**hp), strategy
     raise ValueError(f"Unknown method {method!r}; choose from {METHODS}.")

@@ -167,11 +167,11 @@ def _build(method: str, args: argparse.Namespace, vocab_size: int) -> tuple[Any,
         from lightning_sdp.plugins.sdp4bit import SDP4BitStrategy
 
         name = method.removeprefix("sdp4bit_")
+        one_bucket = name.endswith("_onebucket")
+        name = name.removesuffix("_onebucket")
         overlap = not name.endswith("_sequential")
         forward_gather = name.endswith("_fwd")
         backend = "torch" if name.endswith("_torchcodec") else "auto"
-        one_bucket = name.endswith("_onebucket")
-        name = name.removesuffix("_onebucket")
         inter_bits = 8 if name.endswith("_g8") else 4
         modes = name.removesuffix("_sequential").removesuffix("_fwd").removesuffix("_torchcodec").removesuffix("_g8")
         weights, grads = ("auto", "auto") if modes == "auto" else modes.split("_", 1)

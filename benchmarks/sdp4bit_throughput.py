@@ -18,7 +18,8 @@ every method:
   ``..._fwd``: the same with ``overlap_param_gather=True`` (the weight all-gather runs on into the next forward);
   ``..._torchcodec``: the same with the plain-torch codec (``kernel_backend="torch"``) instead of the default
   numba kernels, to show what the fused CPU codec buys; ``..._onebucket``: one bucket per param group
-  (``bucket_size_mb=None``) instead of the default 4 MiB buckets, to show what the per-bucket collectives cost.
+  (``bucket_size_mb=None``) instead of the default 4 MiB buckets, to show what the per-bucket collectives cost;
+  ``..._autobucket``: the bucket count chosen at set-up from the measured link (``bucket_size_mb="auto"``).
 
 Lightning's ``DDPStrategy(ddp_comm_hook=...)`` registers a hook only on CUDA devices (on a CPU it is silently not
 applied), so the DDP peers here register theirs with ``DistributedDataParallel.register_comm_hook`` themselves;
@@ -83,6 +84,8 @@ METHODS = [
     "sdp4bit_qwd_tlq_hs_torchcodec",
     "sdp4bit_none_none_onebucket",
     "sdp4bit_qwd_tlq_hs_onebucket",
+    "sdp4bit_auto_autobucket",
+    "sdp4bit_qwd_tlq_hs_autobucket",
 ]
 BANDWIDTHS = [50.0, 100.0, 200.0, 500.0, 1000.0, 10000.0]
 # extra steps an "auto" timing run may spend trying candidates before its timed window
@@ -167,8 +170,8 @@ def _build(method: str, args: argparse.Namespace, vocab_size: int) -> tuple[Any,
         from lightning_sdp.plugins.sdp4bit import SDP4BitStrategy
 
         name = method.removeprefix("sdp4bit_")
-        one_bucket = name.endswith("_onebucket")
-        name = name.removesuffix("_onebucket")
+        buckets = {"_onebucket": None, "_autobucket": "auto"}.get(name[name.rfind("_") :], 4.0)
+        name = name.removesuffix("_onebucket").removesuffix("_autobucket")
         overlap = not name.endswith("_sequential")
         forward_gather = name.endswith("_fwd")
         backend = "torch" if name.endswith("_torchcodec") else "auto"
@@ -178,7 +181,7 @@ def _build(method: str, args: argparse.Namespace, vocab_size: int) -> tuple[Any,
         strategy = SDP4BitStrategy(
             weight_compression=weights, gradient_compression=grads, seed=args.seed, timeout=timeout, overlap=overlap,
             overlap_param_gather=forward_gather, kernel_backend=backend, gradient_inter_bits=inter_bits,
-            bucket_size_mb=None if one_bucket else 4.0,
+            bucket_size_mb=buckets,
         )  # fmt: skip
         return GPT(**hp), strategy
     raise ValueError(f"Unknown method {method!r}; choose from {METHODS}.")

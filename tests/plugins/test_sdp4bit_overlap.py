@@ -107,6 +107,10 @@ def _run(rank: int, world: int, tmp: str) -> dict:
     module = _module()
     _fit(module, SDP4BitStrategy("none", "none", intra_node_size=2, bucket_size_mb=None))
     out["exact/one_bucket"] = _params(module)
+    module = _module()  # buckets chosen from the measured link (loopback: fast, so few)
+    strategy = SDP4BitStrategy("none", "none", intra_node_size=2, bucket_size_mb="auto")
+    _fit(module, strategy)
+    out["exact/auto"], out["auto_buckets"] = _params(module), len(strategy.master_shards(strategy.optimizers[0]))
     # checkpoint saved with many buckets, resumed with one bucket per group (and the reverse): same state
     module = _module()
     trainer = _fit(module, sdp(True), epochs=1)
@@ -166,6 +170,8 @@ def test_fp32_exchange_is_unchanged_by_buckets_and_overlap(four):
         assert np.array_equal(res["exact/True"], res["exact/False"])
         # other bucket boundaries change only the order of fp32 sums: equal up to rounding
         np.testing.assert_allclose(res["exact/True"], res["exact/one_bucket"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(res["exact/auto"], res["exact/one_bucket"], rtol=1e-5, atol=1e-6)
+        assert 1 <= res["auto_buckets"] <= 64
 
 
 @pytest.mark.slow

@@ -124,22 +124,12 @@ def wire_bytes(
         gradient_group: values per gradient scale.
     """
     nodes, local, world = topo.inter_size, topo.intra_size, topo.world_size
-    grad, weight = candidate.gradient, candidate.weight
-
-    def grad_bytes(values: float, bits: int | None) -> float:
-        return 4.0 * values if bits is None else values * QuantFormat(bits, gradient_group).bits_per_value / 8
-
+    weight = candidate.weight
     weight_value = (
         QuantFormat(weight.bits, weight.group_size).bits_per_value / 8 if weight.quantized else weight_itemsize
     )
-    intra = inter = 0.0
+    intra, inter = gradient_wire_bytes(candidate.gradient, topo, shard_sizes, gradient_group)
     for s in shard_sizes:
-        if local > 1:
-            intra += (local - 1) / local * grad_bytes(world * s, grad.intra_bits)
-            if nodes > 1:
-                inter += (nodes - 1) / nodes * grad_bytes(nodes * s, grad.inter_bits)
-        elif nodes > 1:
-            inter += (nodes - 1) / nodes * grad_bytes(world * s, grad.inter_bits)
         row = s * weight_value
         if nodes > 1 and local > 1:
             inter += (nodes - 1) * row
@@ -149,6 +139,38 @@ def wire_bytes(
         else:
             intra += (world - 1) * row
     return intra, inter
+
+
+def gradient_wire_bytes(
+    grad: GradientFormat, topo: Topology, shard_sizes: Sequence[int], gradient_group: int
+) -> tuple[float, float]:
+    """Bytes this rank sends per optimizer step in the gradient exchange, ``(intra, inter)`` (see :func:`wire_bytes`)."""
+    nodes, local, world = topo.inter_size, topo.intra_size, topo.world_size
+
+    def grad_bytes(values: float, bits: int | None) -> float:
+        return 4.0 * values if bits is None else values * QuantFormat(bits, gradient_group).bits_per_value / 8
+
+    intra = inter = 0.0
+    for s in shard_sizes:
+        if local > 1:
+            intra += (local - 1) / local * grad_bytes(world * s, grad.intra_bits)
+            if nodes > 1:
+                inter += (nodes - 1) / nodes * grad_bytes(nodes * s, grad.inter_bits)
+        elif nodes > 1:
+            inter += (nodes - 1) / nodes * grad_bytes(world * s, grad.inter_bits)
+    return intra, inter
+
+
+def agree_max(topo: Topology, device: torch.device) -> Agree:
+    """Element-wise maximum of a list of floats over all ranks (a collective; the identity with one process)."""
+
+    def agree(values: Sequence[float]) -> list[float]:
+        tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
+        if dist.is_available() and dist.is_initialized() and topo.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.tolist()
+
+    return agree
 
 
 def distinct_candidates(
@@ -326,12 +348,7 @@ def build_auto(
         before_probe: called before a recheck's probe (wait for the exchanges in flight).
     """
     candidates = distinct_candidates(weights, gradients, topo)
-
-    def agree(values: Sequence[float]) -> list[float]:
-        tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
-        if dist.is_available() and dist.is_initialized() and topo.world_size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return tensor.tolist()
+    agree = agree_max(topo, device)
 
     def measure() -> tuple[list[float], LinkSpeeds]:
         links = probe_links(topo, device, agree)

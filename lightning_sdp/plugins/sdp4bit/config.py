@@ -60,7 +60,7 @@ class SDP4BitConfig:
     kernel_backend: Literal["auto", "torch", "triton", "numba"] = "auto"
     track_drift: bool = True
     allow_any_optimizer: bool = False
-    bucket_size_mb: float | None = 4.0
+    bucket_size_mb: float | Literal["auto"] | None = 4.0
     overlap: bool = True
     overlap_param_gather: bool = False
     log_metrics: bool = True
@@ -103,12 +103,14 @@ class SDP4BitConfig:
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__}).")
         size = self.bucket_size_mb
-        if size is not None and (
-            isinstance(size, bool) or not isinstance(size, (int, float)) or not math.isfinite(size) or size <= 0
+        if (
+            size is not None
+            and size != "auto"
+            and (isinstance(size, bool) or not isinstance(size, (int, float)) or not math.isfinite(size) or size <= 0)
         ):
             raise ValueError(
-                f"bucket_size_mb must be a positive number of MiB (or None for one bucket per param group), got "
-                f"{size!r}."
+                f"bucket_size_mb must be a positive number of MiB, None for one bucket per param group, or 'auto' "
+                f"(chosen at set-up from the measured link), got {size!r}."
             )
 
     @property
@@ -170,8 +172,8 @@ class SDP4BitConfig:
 
     @property
     def bucket_numel(self) -> int | None:
-        """fp32 values per bucket (``None``: one bucket per param group)."""
-        if self.bucket_size_mb is None:
+        """fp32 values per bucket (``None``: one bucket per param group, or chosen at set-up for ``"auto"``)."""
+        if self.bucket_size_mb is None or self.bucket_size_mb == "auto":
             return None
         return max(1, int(self.bucket_size_mb * 2**20) // 4)
 

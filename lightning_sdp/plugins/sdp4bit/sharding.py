@@ -268,6 +268,19 @@ class FlatBucket:
         return full[self.lo : self.lo + self.shard_size].clone()
 
 
+def padding_warning(buckets: list[FlatBucket], world_size: int, alignment: int) -> str | None:
+    """What to tell the user when padding dominates what the buckets communicate, or ``None``."""
+    numel = sum(sum(b.numels) for b in buckets)
+    padded = sum(b.padded for b in buckets)
+    if padded - numel <= max(numel, 2**20):
+        return None
+    return (
+        f"SDP4BitStrategy pads {numel:,} parameter values to {padded:,} ({len(buckets)} buckets, {world_size} "
+        f"ranks, shards a multiple of {alignment}): most of what is communicated is padding. Lower "
+        "`weight_group_size`/`gradient_group_size`, merge small param groups or use larger buckets."
+    )
+
+
 def split_params(params: list[Tensor], bucket_numel: int | None) -> list[list[Tensor]]:
     """Cut a param group into consecutive runs of parameters of at most ``bucket_numel`` values each.
 

@@ -34,6 +34,7 @@ from typing_extensions import override
 
 from lightning_sdp._registry import register_class_aliases
 from lightning_sdp.plugins.sdp4bit.auto import AutoCompression, Decision, build_auto
+from lightning_sdp.plugins.sdp4bit.bucket_size import bucket_numel
 from lightning_sdp.plugins.sdp4bit.config import SDP4BitConfig
 from lightning_sdp.plugins.sdp4bit.exchange import CommStats, RoundingRNG, TimedOps, TorchOps, select_ops
 from lightning_sdp.plugins.sdp4bit.formats import ActiveFormats, GradientCompression, WeightCompression
@@ -47,6 +48,7 @@ from lightning_sdp.plugins.sdp4bit.sharding import (
     clip_shard_grads,
     consolidate_state,
     load_consolidated_state,
+    padding_warning,
     put_master_weights,
     restore_absent,
     shard_grad_norms,
@@ -111,8 +113,9 @@ class SDP4BitStrategy(DDPStrategy):
         allow_any_optimizer: accept optimizers that are not (subclasses of) the element-wise ``torch.optim`` ones;
             you assert that their update is element-wise (e.g. Lion). LBFGS, SparseAdam and Adafactor stay refused.
         bucket_size_mb: each param group is cut into buckets of at most this many MiB of fp32 gradients (default
-            4; ``None``: one bucket per param group). Every bucket is sharded and exchanged on its own, so a
-            bucket's exchange can start while backward still computes the gradients of earlier layers.
+            4; ``None``: one bucket per param group; ``"auto"``: as many buckets as the measured link and bucket cost
+            want, see :mod:`~lightning_sdp.plugins.sdp4bit.bucket_size`). Every bucket is sharded and exchanged on
+            its own, so a bucket's exchange can start while backward still computes the gradients of earlier layers.
         overlap: exchange each bucket's gradients on background threads as soon as backward has produced them
             (post-accumulate-grad hooks, as DDP's reducer and Megatron's ``overlap_grad_reduce``), pipeline the
             intra- and inter-node all-to-alls of consecutive buckets, and pipeline the weight all-gather after the
@@ -176,7 +179,7 @@ class SDP4BitStrategy(DDPStrategy):
         kernel_backend: Literal["auto", "torch", "triton", "numba"] = "auto",
         track_drift: bool = True,
         allow_any_optimizer: bool = False,
-        bucket_size_mb: float | None = 4.0,
+        bucket_size_mb: float | Literal["auto"] | None = 4.0,
         overlap: bool = True,
         overlap_param_gather: bool = False,
         log_metrics: bool = True,
@@ -231,6 +234,7 @@ class SDP4BitStrategy(DDPStrategy):
         self._restore: list[AbsentSnapshot] = []
         # World size 1 at `fit`: nothing is sharded and the steps take Lightning's plain path (see the docstring).
         self._single_process = False
+        self._bucket_numel: int | None = None  # values per bucket of this fit (``bucket_size_mb`` may be "auto")
 
     # ------------------------------------------------------------------------------------------------ set-up
 
@@ -283,15 +287,20 @@ class SDP4BitStrategy(DDPStrategy):
             self._setup_single_process()
             return
         self._setup_exchange()
-        names = self._param_names()
-        self._buckets = {}
+        names, self._buckets = self._param_names(), {}
+        self._bucket_numel, chosen = bucket_numel(
+            self.config, self.topology, self.root_device, [unwrap_optimizer(o) for o in self.optimizers], self.alignment
+        )
+        if chosen:
+            rank_zero_info(chosen)
         for opt in self.optimizers:
             raw = unwrap_optimizer(opt)
             self._buckets[id(raw)] = shard_optimizer(
                 raw, names, self.world_size, self.global_rank, self.alignment, self._param_alignment,
-                self.config.allow_any_optimizer, self.config.bucket_numel, getattr(self.topology, "intra_size", None),
+                self.config.allow_any_optimizer, self._bucket_numel, getattr(self.topology, "intra_size", None),
             )  # fmt: skip
-            self._warn_padding(self._buckets[id(raw)])
+            if warning := padding_warning(self._buckets[id(raw)], self.world_size, self.alignment):
+                rank_zero_warn(warning)
         self._index_params()
         if self.config.auto:
             cfg, topo = self.config, self.topology
@@ -369,21 +378,11 @@ class SDP4BitStrategy(DDPStrategy):
             self._weights.index(self.lightning_module, self._all_buckets())
             self._gradients.index(self.lightning_module)
 
-    def _warn_padding(self, buckets: list[FlatBucket]) -> None:
-        numel = sum(sum(b.numels) for b in buckets)
-        padded = sum(b.padded for b in buckets)
-        if padded - numel > max(numel, 2**20):
-            rank_zero_warn(
-                f"SDP4BitStrategy pads {numel:,} parameter values to {padded:,} ({len(buckets)} param groups, "
-                f"{self.world_size} ranks, shards a multiple of {self.alignment}): most of what is communicated is "
-                "padding. Lower `weight_group_size`/`gradient_group_size` or merge small param groups."
-            )
-
     def _sync_groups(self, raw: Optimizer, buckets: list[FlatBucket]) -> None:
         """Shard param groups added since set-up (``add_param_group``, e.g. by ``BackboneFinetuning``)."""
         added = shard_new_groups(
             raw, buckets, self._param_names(), self.world_size, self.global_rank, self.alignment,
-            self._param_alignment, self.config.bucket_numel, getattr(self.topology, "intra_size", None),
+            self._param_alignment, self._bucket_numel, getattr(self.topology, "intra_size", None),
         )  # fmt: skip
         if added:
             self._index_params()

@@ -159,7 +159,7 @@ def run(values: int, bucket_counts: list[int], steps: int, world: int = 4) -> li
                 "max_error": max(r["max_error"] for r in per_rank),
             }
         )
-    base = {(r["method"]): r["cpu_ms_per_step_rank"] for r in rows if r["buckets"] == min(bucket_counts)}
+    base = {r["method"]: r["cpu_ms_per_step_rank"] for r in rows if r["buckets"] == min(bucket_counts)}
     ddp_one = base["ddp_allreduce"]
     for r in rows:
         extra = r["buckets"] - min(bucket_counts)

@@ -170,7 +170,9 @@ def _build(method: str, args: argparse.Namespace, vocab_size: int) -> tuple[Any,
         from lightning_sdp.plugins.sdp4bit import SDP4BitStrategy
 
         name = method.removeprefix("sdp4bit_")
-        buckets = {"_onebucket": None, "_autobucket": "auto"}.get(name[name.rfind("_") :], 4.0)
+        # the bucket variants set bucket_size_mb; every other method keeps the strategy's default
+        buckets = {f"_{k}": {"bucket_size_mb": v} for k, v in (("onebucket", None), ("autobucket", "auto"))}
+        extra = buckets.get(name[name.rfind("_") :], {})
         name = name.removesuffix("_onebucket").removesuffix("_autobucket")
         overlap = not name.endswith("_sequential")
         forward_gather = name.endswith("_fwd")
@@ -181,7 +183,7 @@ def _build(method: str, args: argparse.Namespace, vocab_size: int) -> tuple[Any,
         strategy = SDP4BitStrategy(
             weight_compression=weights, gradient_compression=grads, seed=args.seed, timeout=timeout, overlap=overlap,
             overlap_param_gather=forward_gather, kernel_backend=backend, gradient_inter_bits=inter_bits,
-            bucket_size_mb=buckets,
+            **extra,
         )  # fmt: skip
         return GPT(**hp), strategy
     raise ValueError(f"Unknown method {method!r}; choose from {METHODS}.")

@@ -39,7 +39,7 @@ from torch import Tensor
 from lightning_sdp.kernels import quantization as ref
 from lightning_sdp.kernels.quantization import QuantFormat, Rounding, RoundingSource
 from lightning_sdp.plugins.sdp4bit.formats import WEIGHT_MODES, GradientFormat
-from lightning_sdp.plugins.sdp4bit.topology import Topology
+from lightning_sdp.plugins.sdp4bit.topology import Topology, in_shard_order
 
 # ``all_gather_into_tensor(output, input, group=None)``: every rank's ``input`` laid end to end in ``output``. Newer
 # torch releases name it ``all_gather_single`` (beside ``all_to_all_single``); older ones only have the long name.
@@ -709,7 +709,7 @@ class WeightExchange:
             if nodes > 1 and local > 1:  # a ring over the ranks (rank order): put the rows in shard order
                 by_rank = torch.empty_like(out)
                 all_gather_into_tensor(by_rank, row, group=self.group)
-                out.view(local, nodes, n).copy_(by_rank.view(nodes, local, n).transpose(0, 1))
+                out.view(local, nodes, n).copy_(in_shard_order(by_rank, topo.world_size, local))
             else:
                 all_gather_into_tensor(out, row, group=self.group)
             if self.stats is not None:

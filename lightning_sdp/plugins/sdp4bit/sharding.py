@@ -21,7 +21,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_sdp.plugins.sdp4bit.exchange import all_gather_into_tensor, padded_shard_size
-from lightning_sdp.plugins.sdp4bit.topology import shard_index
+from lightning_sdp.plugins.sdp4bit.topology import in_shard_order, shard_index
 
 # Optimizers whose update is element-wise, so that stepping a shard equals stepping the whole tensor. Subclasses of
 # these (``class MyAdamW(AdamW)``) are accepted too: they inherit the element-wise update.
@@ -254,11 +254,9 @@ class FlatBucket:
             return shard.detach().clone()
         by_rank = torch.empty(self.padded, dtype=shard.dtype, device=shard.device)
         all_gather_into_tensor(by_rank, shard.detach().contiguous())
-        local = self.intra_size
-        if local in (None, 1, self.world_size):
+        if self.intra_size in (None, 1, self.world_size):
             return by_rank  # every rank owns the shard of its own index
-        # rank (node n, local j) holds shard j * N + n: (N, L, S) -> (L, N, S)
-        return by_rank.view(self.world_size // local, local, -1).transpose(0, 1).reshape(-1)
+        return in_shard_order(by_rank, self.world_size, self.intra_size).reshape(-1)
 
     def shard_of(self, per_param: list[Tensor]) -> Tensor:
         """This rank's slice of the flat concatenation of ``per_param`` (zero padding), as fp32."""

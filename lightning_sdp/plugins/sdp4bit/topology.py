@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
+from torch import Tensor
 
 
 @dataclass
@@ -90,6 +91,16 @@ def shard_index(rank: int, world_size: int, intra_size: int | None) -> int:
         return rank
     inter_size = world_size // intra_size
     return (rank % intra_size) * inter_size + rank // intra_size
+
+
+def in_shard_order(by_rank: Tensor, world_size: int, intra_size: int | None) -> Tensor:
+    """View of rows gathered in rank order (``world_size`` equal rows, flat) as ``(L, N, row)`` in shard order.
+
+    Rank ``(node n, local j)`` holds shard ``j * N + n`` (:func:`shard_index`), so the rank-order rows ``(N, L)``
+    transposed are in shard order; flatten the view (``reshape(-1)``, a copy) or ``copy_`` it into a buffer.
+    """
+    local = intra_size if intra_size and intra_size > 1 else world_size
+    return by_rank.view(world_size // local, local, -1).transpose(0, 1)
 
 
 def build_topology(rank: int, world_size: int, intra_size: int) -> Topology:

@@ -22,8 +22,9 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from lightning_sdp.plugins.sdp4bit.auto import Agree, LinkSpeeds, agree_max, gradient_wire_bytes, probe_links
+from lightning_sdp.plugins.sdp4bit.collectives import all_gather_rows
 from lightning_sdp.plugins.sdp4bit.config import SDP4BitConfig
-from lightning_sdp.plugins.sdp4bit.exchange import all_gather_into_tensor, padded_shard_size
+from lightning_sdp.plugins.sdp4bit.exchange import padded_shard_size
 from lightning_sdp.plugins.sdp4bit.formats import GradientFormat
 from lightning_sdp.plugins.sdp4bit.topology import Topology
 
@@ -63,7 +64,7 @@ def bucket_seconds(topo: Topology, device: torch.device, agree: Agree, repeats: 
         for group in groups:
             size = dist.get_world_size(group)
             dist.all_to_all_single(recv[:size], send[:size], group=group)
-        all_gather_into_tensor(gathered, send, group=topo.world_group)
+        all_gather_rows(gathered, send, topo.world_group)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i:  # the first round sets up the connections

@@ -33,17 +33,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sdp.kernels import quantization as ref
 from lightning_sdp.kernels.quantization import QuantFormat, Rounding, RoundingSource
+from lightning_sdp.plugins.sdp4bit.collectives import all_gather_rows, all_to_all, reduce_rows
 from lightning_sdp.plugins.sdp4bit.formats import WEIGHT_MODES, GradientFormat
 from lightning_sdp.plugins.sdp4bit.topology import Topology, in_shard_order
-
-# ``all_gather_into_tensor(output, input, group=None)``: every rank's ``input`` laid end to end in ``output``. Newer
-# torch releases name it ``all_gather_single`` (beside ``all_to_all_single``); older ones only have the long name.
-all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -394,10 +390,6 @@ def select_ops(backend: str, device: torch.device, *group_sizes: int) -> TorchOp
     return TorchOps()
 
 
-def _all_to_all(out: Tensor, inp: Tensor, group: Any) -> None:
-    dist.all_to_all_single(out, inp, group=group)
-
-
 def _sent_fraction(k: int) -> float:
     return (k - 1) / k
 
@@ -544,7 +536,7 @@ class GradientExchange:
         send_s = scales.view(n_intra, n_inter * ngroups)
         send = _pack(send_p, send_s)
         recv = torch.empty_like(send)
-        _all_to_all(recv, send, topo.intra_group)
+        all_to_all(recv, send, topo.intra_group)
         if self.stats is not None:
             frac = _sent_fraction(n_intra)
             self.stats.record("grad_intra", frac * (send_p.numel() + 4 * send_s.numel()), frac * n_inter * n_intra * s)
@@ -571,7 +563,7 @@ class GradientExchange:
         send_p, send_s = payload.view(n_inter, -1), scales.view(n_inter, -1)
         send = _pack(send_p, send_s)
         recv = torch.empty_like(send)
-        _all_to_all(recv, send, topo.inter_group if topo.intra_size > 1 else topo.world_group)
+        all_to_all(recv, send, topo.inter_group if topo.intra_size > 1 else topo.world_group)
         if self.stats is not None:
             frac = _sent_fraction(n_inter)
             self.stats.record("grad_inter", frac * (send_p.numel() + 4 * send_s.numel()), frac * n_inter * s)
@@ -585,12 +577,10 @@ class GradientExchange:
         data = self.flat.float()
         if n_intra > 1:
             send = data.view(n_intra, n_inter * s)
-            recv = torch.empty_like(send)
-            _all_to_all(recv, send, topo.intra_group)
             if self.stats is not None:
                 frac = _sent_fraction(n_intra)
                 self.stats.record("grad_intra", frac * 4 * send.numel(), frac * send.numel())
-            data = recv.view(n_intra, n_inter * s).sum(dim=0)
+            data = reduce_rows(send, topo.intra_group)
         if n_inter == 1:
             self._result = data
         else:
@@ -600,13 +590,11 @@ class GradientExchange:
         topo, s = self.topo, self.s
         n_inter = topo.inter_size
         send = self._partial.view(n_inter, s)
-        recv = torch.empty_like(send)
-        _all_to_all(recv, send, topo.inter_group if topo.intra_size > 1 else topo.world_group)
         if self.stats is not None:
             frac = _sent_fraction(n_inter)
             self.stats.record("grad_inter", frac * 4 * send.numel(), frac * send.numel())
         self._partial = None
-        return recv.sum(dim=0)
+        return reduce_rows(send, topo.inter_group if topo.intra_size > 1 else topo.world_group)
 
 
 def reduce_scatter_gradients(
@@ -708,16 +696,16 @@ class WeightExchange:
         if not self._hierarchical():
             if nodes > 1 and local > 1:  # a ring over the ranks (rank order): put the rows in shard order
                 by_rank = torch.empty_like(out)
-                all_gather_into_tensor(by_rank, row, group=self.group)
+                all_gather_rows(by_rank, row, self.group)
                 out.view(local, nodes, n).copy_(in_shard_order(by_rank, topo.world_size, local))
             else:
-                all_gather_into_tensor(out, row, group=self.group)
+                all_gather_rows(out, row, self.group)
             if self.stats is not None:
                 self.stats.record("weight", (topo.world_size - 1) * nbytes, (topo.world_size - 1) * elements)
             return
         across = torch.empty(nodes * n, dtype=row.dtype, device=row.device)
-        all_gather_into_tensor(across, row, group=topo.weight_inter_group)
-        all_gather_into_tensor(out, across, group=topo.weight_intra_group)
+        all_gather_rows(across, row, topo.weight_inter_group)
+        all_gather_rows(out, across, topo.weight_intra_group)
         if self.stats is not None:
             self.stats.record("weight_inter", (nodes - 1) * nbytes, (nodes - 1) * elements)
             self.stats.record("weight_intra", (local - 1) * nodes * nbytes, (local - 1) * nodes * elements)

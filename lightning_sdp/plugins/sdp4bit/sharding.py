@@ -20,7 +20,8 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_sdp.plugins.sdp4bit.exchange import all_gather_into_tensor, padded_shard_size
+from lightning_sdp.plugins.sdp4bit.collectives import all_gather_into_tensor
+from lightning_sdp.plugins.sdp4bit.exchange import padded_shard_size
 from lightning_sdp.plugins.sdp4bit.topology import in_shard_order, shard_index
 
 # Optimizers whose update is element-wise, so that stepping a shard equals stepping the whole tensor. Subclasses of

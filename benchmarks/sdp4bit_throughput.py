@@ -86,6 +86,7 @@ METHODS = [
     "sdp4bit_qwd_tlq_hs_onebucket",
     "sdp4bit_auto_autobucket",
     "sdp4bit_qwd_tlq_hs_autobucket",
+    "sdp4bit_none_none_autobucket",
 ]
 BANDWIDTHS = [50.0, 100.0, 200.0, 500.0, 1000.0, 10000.0]
 # extra steps an "auto" timing run may spend trying candidates before its timed window

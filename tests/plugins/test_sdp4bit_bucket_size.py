@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from lightning_sdp.plugins.sdp4bit import auto, bucket_size
 from lightning_sdp.plugins.sdp4bit.bucket_size import MAX_BUCKETS, choose_bucket_count, measured_bucket_numel
 from lightning_sdp.plugins.sdp4bit.config import SDP4BitConfig
 from lightning_sdp.plugins.sdp4bit.formats import gradient_format
@@ -43,3 +44,28 @@ def test_every_rank_gets_the_same_measured_bucket_size():
     numel, buckets, wire, cost = results[0]
     assert 1 <= buckets <= MAX_BUCKETS and wire > 0 and cost > 0
     assert numel >= 3_000_000 / buckets
+
+
+def _probes_with_both_autos(rank: int, world: int) -> tuple:
+    calls = []
+    probe = auto.probe_links
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return probe(*args, **kwargs)
+
+    auto.probe_links = bucket_size.probe_links = counted
+    topo = build_topology(rank, world, 2)
+    config = SDP4BitConfig(bucket_size_mb="auto")  # and "auto" formats, the default
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(300_000))])
+    numel, words, links = bucket_size.bucket_numel(config, topo, torch.device("cpu"), [optimizer], config.alignment)
+    controller = auto.build_auto(
+        config.weight_candidates, config.gradient_candidates, topo, [numel // world], 4, 128, torch.device("cpu"),
+        2, 0, links=links,
+    )  # fmt: skip
+    topo.destroy()
+    return len(calls), controller.links is links, words is not None
+
+
+def test_auto_buckets_and_auto_formats_probe_the_links_once():
+    assert run_distributed(_probes_with_both_autos, 4, timeout=300) == [(1, True, True)] * 4

@@ -332,6 +332,7 @@ def build_auto(
     trial_steps: int,
     recheck_every: int,
     before_probe: Callable[[], None] = lambda: None,
+    links: LinkSpeeds | None = None,
 ) -> AutoCompression:
     """Probe the links (a collective) and return the controller that chooses among ``weights x gradients``.
 
@@ -346,12 +347,13 @@ def build_auto(
         trial_steps: see :class:`AutoCompression`.
         recheck_every: see :class:`AutoCompression`.
         before_probe: called before a recheck's probe (wait for the exchanges in flight).
+        links: links this set-up already probed (every rank passes them or none does); ``None``: probe them.
     """
     candidates = distinct_candidates(weights, gradients, topo)
     agree = agree_max(topo, device)
 
-    def measure() -> tuple[list[float], LinkSpeeds]:
-        links = probe_links(topo, device, agree)
+    def measure(known: LinkSpeeds | None = None) -> tuple[list[float], LinkSpeeds]:
+        links = known or probe_links(topo, device, agree)
         seconds = []
         for candidate in candidates:
             intra, inter = wire_bytes(candidate, topo, shard_sizes, weight_itemsize, gradient_group)
@@ -362,5 +364,5 @@ def build_auto(
         before_probe()
         return measure()
 
-    seconds, links = measure()
-    return AutoCompression(candidates, seconds, trial_steps, recheck_every, agree, links, remeasure)
+    seconds, probed = measure(links)
+    return AutoCompression(candidates, seconds, trial_steps, recheck_every, agree, probed, remeasure)

@@ -113,13 +113,14 @@ def measured_bucket_numel(
 
 def bucket_numel(
     config: SDP4BitConfig, topo: Topology | None, device: torch.device, optimizers: Sequence[Optimizer], alignment: int
-) -> tuple[int | None, str | None]:
-    """Values per bucket of this ``fit`` and, for ``bucket_size_mb="auto"``, the choice in words (else ``None``).
+) -> tuple[int | None, str | None, LinkSpeeds | None]:
+    """Values per bucket of this ``fit`` and, for ``bucket_size_mb="auto"``, the choice in words and the links it
+    measured (else ``None`` for both; ``"auto"`` compression reuses the links instead of probing them again).
 
     With ``"auto"`` every rank must call this (it probes the links); with one process it returns the configured size.
     """
     if config.bucket_size_mb != "auto" or topo is None or topo.world_size == 1:
-        return config.bucket_numel, None
+        return config.bucket_numel, None, None
     values = sum(p.numel() for opt in optimizers for g in opt.param_groups for p in g["params"] if p.requires_grad)
     numel, seen = measured_bucket_numel(
         topo, device, config.gradient_candidates, max(values, 1), alignment, config.gradient_group_size
@@ -129,4 +130,4 @@ def bucket_numel(
         f"{1e3 * seen['gradient_seconds']:.1f} ms per step on the measured links, {seen['links'].describe()}; "
         f"a bucket's collectives {1e3 * seen['bucket_seconds']:.2f} ms)"
     )
-    return numel, words
+    return numel, words, seen["links"]

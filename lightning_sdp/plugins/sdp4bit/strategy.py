@@ -288,7 +288,7 @@ class SDP4BitStrategy(DDPStrategy):
             return
         self._setup_exchange()
         names, self._buckets = self._param_names(), {}
-        self._bucket_numel, chosen = bucket_numel(
+        self._bucket_numel, chosen, links = bucket_numel(
             self.config, self.topology, self.root_device, [unwrap_optimizer(o) for o in self.optimizers], self.alignment
         )
         if chosen:
@@ -309,7 +309,7 @@ class SDP4BitStrategy(DDPStrategy):
             self._auto = build_auto(
                 cfg.weight_candidates, cfg.gradient_candidates, topo, [b.shard_size for b in self._all_buckets()],
                 itemsize, cfg.gradient_group_size, self.root_device, cfg.auto_trial_steps,
-                cfg.auto_recheck_every_n_steps, self._wait_all_weights,
+                cfg.auto_recheck_every_n_steps, self._wait_all_weights, links,
             )  # fmt: skip
             self._auto_seen_step = -1
         # Global-norm and value clipping on the shards (Lightning clips through the precision plugin).

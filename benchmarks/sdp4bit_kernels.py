@@ -48,6 +48,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--peers", type=int, default=2, help="K contributions summed by the receive kernels")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--name", default=None, help="stem of the files in benchmarks/results/ (default by backend)")
     args = parser.parse_args(argv)
     from lightning_sdp.kernels import quantization as ref
     from lightning_sdp.kernels.quantization import QuantFormat, RoundingSource
@@ -166,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.quick:
         md.insert(1, "\nSmoke run of the script under the CPU interpreter: the timings mean nothing.\n")
     payload = {"args": vars(args), "checks": checks, "rows": rows, "machine": machine_info()}
-    stem = "sdp4bit_kernels" + ("_cpu" if backend == "numba" else "") + ("_quick" if args.quick else "")
+    stem = args.name or "sdp4bit_kernels" + ("_cpu" if backend == "numba" else "") + ("_quick" if args.quick else "")
     write_results(stem, payload, "\n".join(md))
     print("\n".join(md))
     if not all(checks.values()):

@@ -2,10 +2,9 @@
 
 On NCCL the library collectives are the fast path. On gloo (CPU clusters) they are not: its all-gather flattens
 and copies through staging buffers, and an all-to-all followed by a sum allocates and reads a receive buffer the
-size of the whole input. Measured on 2 cores with 4 processes and 3.2M fp32 values, a two-rank all-gather through
-gloo cost 2.8x the CPU of the same exchange as one send and one receive per peer, and an all-to-all + sum 2.2x a
-send, a receive and an add. :func:`all_gather_rows` and :func:`reduce_rows` therefore exchange rows point to point
-on gloo, straight into their destination.
+size of the whole input, so both cost a multiple of the CPU that one send and one receive per peer cost
+(``benchmarks/README.md`` has the measurements). :func:`all_gather_rows` and :func:`reduce_rows` therefore exchange
+rows point to point on gloo, straight into their destination.
 """
 
 from __future__ import annotations

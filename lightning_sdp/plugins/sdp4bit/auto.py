@@ -72,7 +72,8 @@ class LinkSpeeds:
         """In words, in Mbit/s per rank."""
         parts = [f"{name} {speed * 8 / 1e6:,.0f} Mbit/s" for name, speed in (("intra-node", self.intra),
                  ("inter-node", self.inter)) if speed is not None]  # fmt: skip
-        return ", ".join(parts) or "no link"
+        # the ranks of a node share its links: each rank's share, not the link's rate
+        return ", ".join(parts) + " per rank" if parts else "no link"
 
 
 def probe_links(topo: Topology, device: torch.device, agree: Agree) -> LinkSpeeds:

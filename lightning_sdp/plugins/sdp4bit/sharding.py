@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_sdp.plugins.sdp4bit.collectives import all_gather_into_tensor
+from lightning_sdp.plugins.sdp4bit.collectives import all_gather_rows
 from lightning_sdp.plugins.sdp4bit.exchange import padded_shard_size
 from lightning_sdp.plugins.sdp4bit.topology import in_shard_order, shard_index
 
@@ -254,7 +254,7 @@ class FlatBucket:
         if self.world_size == 1:
             return shard.detach().clone()
         by_rank = torch.empty(self.padded, dtype=shard.dtype, device=shard.device)
-        all_gather_into_tensor(by_rank, shard.detach().contiguous())
+        all_gather_rows(by_rank, shard.detach().contiguous(), None)
         if self.intra_size in (None, 1, self.world_size):
             return by_rank  # every rank owns the shard of its own index
         return in_shard_order(by_rank, self.world_size, self.intra_size).reshape(-1)

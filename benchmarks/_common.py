@@ -107,11 +107,37 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def machine_before_run(sample_seconds: float = 1.0) -> dict[str, Any]:
+    """:func:`machine_info` plus how busy the machine is before a run: load averages and the share of the CPU that
+    other work used over ``sample_seconds`` (from ``/proc/stat``), so a loaded machine is known before it skews a
+    timing."""
+    info = machine_info()
+    try:
+        info["load_avg_1_5_15"] = [round(x, 2) for x in os.getloadavg()]
+        first = _cpu_ticks()
+        time.sleep(sample_seconds)
+        busy, total = (b - a for a, b in zip(first, _cpu_ticks(), strict=True))
+        info["cpu_busy_before"] = round(busy / total, 3) if total else None
+    except (OSError, ValueError):
+        pass
+    return info
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
 def machine_line(info: dict[str, Any] | None = None) -> str:
     info = info or machine_info()
     gpu = f", GPU {info['gpu']}" if "gpu" in info else ""
     load = f", load {info['load_avg_1m']}" if "load_avg_1m" in info else ""
-    return f"{info['cpu']}, {info['cores']} cores{gpu}, torch {info['torch']}{load}, {info['date']}"
+    busy = (
+        f" (CPU {info['cpu_busy_before']:.0%} busy before the run)" if info.get("cpu_busy_before") is not None else ""
+    )
+    return f"{info['cpu']}, {info['cores']} cores{gpu}, torch {info['torch']}{load}{busy}, {info['date']}"
 
 
 def write_results(name: str, payload: dict[str, Any], markdown: str, figure: Any = None) -> dict[str, Path]:
@@ -123,11 +149,19 @@ def write_results(name: str, payload: dict[str, Any], markdown: str, figure: Any
         markdown: the table(s) to show; a header and the machine line are added.
         figure: a matplotlib ``Figure`` saved as the PNG (closed afterwards), or ``None``.
     """
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    # Under the runner (python -m benchmarks) the configuration names the files, and the machine is the one recorded
+    # before the run started.
+    name = os.environ.get("LIGHTNING_SDP_RESULT_STEM") or name
+    run = json.loads(os.environ.get("LIGHTNING_SDP_BENCH_RUN") or "null")
+    if run:
+        payload["machine"] = run.pop("machine")
+        payload["run"] = run
     info = payload.setdefault("machine", machine_info())
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     paths = {"json": RESULTS_DIR / f"{name}.json", "md": RESULTS_DIR / f"{name}.md"}
     paths["json"].write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
-    paths["md"].write_text(f"# {name}\n\nMachine: {machine_line(info)}\n\n{markdown.strip()}\n")
+    command = f"Command: `{run['command']}`\n\n" if run else ""
+    paths["md"].write_text(f"# {name}\n\nMachine: {machine_line(info)}\n\n{command}{markdown.strip()}\n")
     if figure is not None:
         import matplotlib.pyplot as plt
 

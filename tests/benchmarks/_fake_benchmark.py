@@ -1,0 +1,21 @@
+"""A stand-in benchmark for the runner's tests: records when it started and writes one result set."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from benchmarks._common import write_results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--value", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    payload = {"started": time.time(), "quick": args.quick, "rows": [{"value": args.value}]}
+    write_results("fake_benchmark_own_name", payload, f"value {args.value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The benchmark runner and its table of configurations (``python -m benchmarks``)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import __main__ as runner
+from benchmarks.suite import CONFIGURATIONS, REPO_ROOT, Configuration, benchmarks, find, missing
+
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+FAKE = Configuration(
+    "fake_benchmark", "tiny", "a stand-in", ("--value", "2.5"), module="tests.benchmarks._fake_benchmark"
+)
+
+
+def test_every_stored_result_belongs_to_a_listed_configuration():
+    stems = {c.stem for c in CONFIGURATIONS} | {s for c in CONFIGURATIONS for s in c.extra_stems}
+    stored = {path.name.split(".")[0] for path in RESULTS.iterdir()}
+    assert stored - stems == set(), "results without a configuration: delete them or list them in benchmarks/suite.py"
+
+
+def test_configurations_are_unique_and_name_existing_modules():
+    keys = [c.key for c in CONFIGURATIONS]
+    assert len(keys) == len(set(keys))
+    for config in CONFIGURATIONS:
+        assert (REPO_ROOT / Path(*config.module_name.split("."))).with_suffix(".py").is_file(), config.key
+        assert config.summary and config.minutes > 0, config.key
+        missing(config)  # every need is one the runner knows how to check
+
+
+def test_find_names_the_configurations_of_a_benchmark_it_cannot_find():
+    assert find("sdp4bit_throughput").name == "default"
+    assert find("sdp4bit_throughput:cpu_10g").stem == "sdp4bit_throughput_cpu_10g"
+    with pytest.raises(KeyError, match="sdp4bit_throughput:cpu_10g"):
+        find("sdp4bit_throughput:nope")
+    assert len({c.benchmark for c in benchmarks()}) == len(list(benchmarks()))
+
+
+def test_list_says_what_each_configuration_needs(capsys):
+    assert runner.main(["--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(CONFIGURATIONS)
+    gpu = next(line for line in lines if line.startswith("gpu_checks "))
+    assert "needs gpu" in gpu and "no --quick" in gpu
+
+
+def test_a_run_records_the_machine_before_it_starts_and_the_command(tmp_path):
+    assert runner.run(FAKE, quick=False, out=tmp_path) == 0
+    payload = json.loads((tmp_path / "fake_benchmark_tiny.json").read_text())
+    assert payload["rows"] == [{"value": 2.5}] and payload["quick"] is False
+    assert payload["run"]["command"] == "python -m benchmarks fake_benchmark:tiny"
+    recorded = dt.datetime.fromisoformat(payload["machine"]["date"]).timestamp()
+    assert recorded <= payload["started"]  # taken before the module ran, not when it wrote
+    assert 0 <= payload["machine"]["cpu_busy_before"] <= 1
+    markdown = (tmp_path / "fake_benchmark_tiny.md").read_text()
+    assert "Command: `python -m benchmarks fake_benchmark:tiny`" in markdown
+    assert not list(tmp_path.glob("fake_benchmark_own_name*"))
+
+
+def test_quick_runs_and_extra_arguments(tmp_path):
+    assert runner.run(FAKE, quick=True, out=tmp_path, extra=["--value", "4"]) == 0
+    payload = json.loads((tmp_path / "fake_benchmark_tiny.json").read_text())
+    assert payload["quick"] is True and payload["rows"] == [{"value": 4.0}]
+
+
+def test_a_module_that_writes_nothing_fails_the_run(tmp_path):
+    silent = Configuration("silent", module="json.tool", args=("--help",), quick_args=None, summary="x", minutes=1)
+    assert runner.run(silent, quick=False, out=tmp_path) == 1
+
+
+def test_side_by_side_pairs_numbers_at_the_same_place():
+    before = {"rows": [{"ms": 2.0, "name": "a"}], "machine": {"load": 1.0}}
+    after = {"rows": [{"ms": 1.0, "name": "a"}], "machine": {"load": 3.0}, "new": 5}
+    text = runner.side_by_side(before, after, "abc123")
+    assert "rows[0].ms" in text and "0.500" in text
+    assert "load" not in text and "new" not in text
+
+
+def test_against_another_commit_runs_both_trees(capsys):
+    # HEAD's checkout holds the committed stand-in module; the run there and here write separate result sets
+    config = Configuration(
+        "fake_benchmark", "against", "x", ("--value", "3"), module="tests.benchmarks._fake_benchmark", minutes=1
+    )
+    assert runner.run_against(config, "HEAD", quick=False, extra=[]) == 0
+    out = capsys.readouterr().out
+    assert "rows[0].value" in out and "1.000" in out

@@ -16,12 +16,13 @@ gets the caller's current environment and working directory, as a spawned proces
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
+from benchmarks._common import free_port as find_free_port  # the one free-port helper of the repository
 
 # Imported once by the fork server; every rank is forked from it. The server itself never runs a torch operation,
 # so no OpenMP or numba thread pool exists yet when it forks.
@@ -34,12 +35,6 @@ def _context() -> Any:
     if method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)
     return ctx
-
-
-def find_free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(

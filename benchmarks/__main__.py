@@ -9,6 +9,7 @@ commit first (a temporary git worktree: no old code is loaded into this tree) an
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shlex
@@ -35,6 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: benchmarks/results)")
     parser.add_argument("--against", metavar="REV", help="run a checkout of this commit first, then this tree")
     parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    parser.add_argument("--render", action="store_true", help="rewrite the .md and .png from the stored .json")
     parser.epilog = "Arguments after -- go to the benchmark module as they are."
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -50,6 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = find(args.key)
     except KeyError as err:
         parser.error(str(err.args[0]))
+    if args.render:
+        return render(config, args.out)
     lacking = missing(config)
     if lacking:
         print(f"{config.key} needs {', '.join(lacking)}, which this machine lacks", file=sys.stderr)
@@ -114,6 +118,19 @@ def run(
         print(f"{config.key} exited 0 but wrote no {result}", file=sys.stderr)
         return 1
     return code
+
+
+def render(config: Configuration, out: Path | None = None) -> int:
+    """Rewrite a stored result's pages with its module's ``render(payload)``; 2 if the module has none."""
+    module = importlib.import_module(config.module_name)
+    if not hasattr(module, "render"):
+        print(f"{config.module_name} has no render(payload): rerun it to rewrite its pages", file=sys.stderr)
+        return 2
+    if out is not None:
+        _common.RESULTS_DIR = out
+    for path in _common.render_results(config.stem, module.render).values():
+        print(f"wrote {path}")
+    return 0
 
 
 def run_all(quick: bool, out: Path | None, dry_run: bool) -> int:

@@ -156,20 +156,38 @@ def write_results(name: str, payload: dict[str, Any], markdown: str, figure: Any
     if run:
         payload["machine"] = run.pop("machine")
         payload["run"] = run
-    info = payload.setdefault("machine", machine_info())
+    payload.setdefault("machine", machine_info())
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    paths = {"json": RESULTS_DIR / f"{name}.json", "md": RESULTS_DIR / f"{name}.md"}
+    paths = {"json": RESULTS_DIR / f"{name}.json"}
     paths["json"].write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+    paths.update(_write_pages(name, payload, markdown, figure))
+    for p in paths.values():
+        print(f"wrote {p}")
+    return paths
+
+
+def render_results(name: str, render: Any) -> dict[str, Path]:
+    """Rewrite ``results/<name>.md`` and ``.png`` from ``results/<name>.json`` with a benchmark's ``render``.
+
+    ``render(payload)`` returns ``(markdown, figure or None)``: what the benchmark wrote when it ran, rebuilt from
+    the stored numbers alone (a changed table layout or plot needs no rerun).
+    """
+    payload = json.loads((RESULTS_DIR / f"{name}.json").read_text())
+    return _write_pages(name, payload, *render(payload))
+
+
+def _write_pages(name: str, payload: dict[str, Any], markdown: str, figure: Any) -> dict[str, Path]:
+    """``.md``: a title, the machine line, the command (under the runner) and ``markdown``; ``.png``: ``figure``."""
+    run = payload.get("run")
     command = f"Command: `{run['command']}`\n\n" if run else ""
-    paths["md"].write_text(f"# {name}\n\nMachine: {machine_line(info)}\n\n{command}{markdown.strip()}\n")
+    paths = {"md": RESULTS_DIR / f"{name}.md"}
+    paths["md"].write_text(f"# {name}\n\nMachine: {machine_line(payload['machine'])}\n\n{command}{markdown.strip()}\n")
     if figure is not None:
         import matplotlib.pyplot as plt
 
         paths["png"] = RESULTS_DIR / f"{name}.png"
         figure.savefig(paths["png"], dpi=120, bbox_inches="tight")
         plt.close(figure)
-    for p in paths.values():
-        print(f"wrote {p}")
     return paths
 
 

@@ -20,24 +20,22 @@ benchmark GPT; the copy bandwidth is measured with the same number of threads) a
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+from torch.utils.benchmark import Timer
 
-from benchmarks._common import machine_info, markdown_table, write_results
+from benchmarks._common import markdown_table, write_results
 
 
-def _time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+def _time(fn: Callable[[], object], min_run_time: float) -> tuple[float, float]:
+    """Median and interquartile range of one call, in seconds (``torch.utils.benchmark``: CUDA is synchronised)."""
     fn()  # compile / warm up
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / repeats
+    measurement = Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()).blocked_autorange(
+        min_run_time=min_run_time
+    )
+    return measurement.median, measurement.iqr
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -46,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads of torch and numba (numba backend)")
     parser.add_argument("--numel", type=int, default=None, help="default 64M on a GPU, 4M with numba")
     parser.add_argument("--peers", type=int, default=2, help="K contributions summed by the receive kernels")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds of timing per kernel")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--name", default=None, help="stem of the files in benchmarks/results/ (default by backend)")
     args = parser.parse_args(argv)
@@ -71,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.numel = args.numel or 64 * 2**20
     args.backend = backend
     if args.quick:
-        args.numel, args.repeats = 2 * 2048, 1
+        args.numel, args.min_run_time = 2 * 2048, 0.01
     n, k = args.numel, args.peers
     w4, g4, g8 = QuantFormat(4, 2048), QuantFormat(4, 128), QuantFormat(8, 128)
     g = torch.Generator(device=device).manual_seed(0)
@@ -103,9 +101,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows4 = torch.stack([r1[0]] * k)
     sc4 = torch.stack([r1[1]] * k)
     checks["dequantise+sum+inverse Hadamard"] = bool(
-        torch.allclose(tq.dequantize_sum_hadamard(rows4, sc4, g4, 32), ref.dequantize_sum_hadamard(rows4, sc4, g4, 32),
-                       rtol=1e-5, atol=1e-5)
-    )  # fmt: skip
+        torch.allclose(
+            tq.dequantize_sum_hadamard(rows4, sc4, g4, 32),
+            ref.dequantize_sum_hadamard(rows4, sc4, g4, 32),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+    )
 
     # bandwidth at n elements: bytes read + written per call (in-kernel stochastic rounding, as in training)
     p4, s4 = tq.encode(master, w4, reference=model)
@@ -119,17 +121,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     cases = {
         "copy fp32 (baseline)": (lambda: copy_dst.copy_(master), 8 * n),
         "subtract+quantise (qWD, 4-bit)": (
-            lambda: tq.encode(master, w4, reference=model), 8 * n + n // 2 + 4 * n // gw
+            lambda: tq.encode(master, w4, reference=model),
+            8 * n + n // 2 + 4 * n // gw,
         ),
         "dequantise+add (4-bit)": (lambda: tq.dequantize_add_(target, p4, s4, w4), n // 2 + 4 * n // gw + 8 * n),
         "Hadamard+quantise (8-bit)": (lambda: tq.encode(grad, g8, hadamard_size=32), 4 * n + n + 4 * n // gg),
         f"dequantise {k}+sum+requantise (8->4)": (
-            lambda: tq.dequantize_sum_requantize(p8, s8, g8, g4), k * (n + 4 * n // gg) + n // 2 + 4 * n // gg
+            lambda: tq.dequantize_sum_requantize(p8, s8, g8, g4),
+            k * (n + 4 * n // gg) + n // 2 + 4 * n // gg,
         ),
         f"dequantise {k}+sum+inverse Hadamard (4-bit)": (
-            lambda: tq.dequantize_sum_hadamard(q4k, t4k, g4, 32), k * (n // 2 + 4 * n // gg) + 4 * n
+            lambda: tq.dequantize_sum_hadamard(q4k, t4k, g4, 32),
+            k * (n // 2 + 4 * n // gg) + 4 * n,
         ),
-    }  # fmt: skip
+    }
 
     # the plain-torch reference codec doing the same work on the same device (its rounding noise drawn per call,
     # as the torch backend does in training)
@@ -146,32 +151,56 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = []
     copy_bw = None
     for name, (fn, nbytes) in cases.items():
-        sec = _time(fn, device, args.repeats)
+        sec, iqr = _time(fn, args.min_run_time)
         bw = nbytes / sec / 1e9
         copy_bw = copy_bw or bw
-        verdict = "baseline" if name.startswith("copy") else ("yes" if bw / copy_bw >= 0.5 else "NO")
-        ref_sec = _time(references[name], device, args.repeats) if name in references else float("nan")
-        rows.append({"kernel": name, "ms": 1e3 * sec, "GB/s": bw, "fraction of copy bandwidth": bw / copy_bw,
-                     "target >= 0.5": verdict, "torch reference ms": 1e3 * ref_sec,
-                     "speed-up over reference": ref_sec / sec})  # fmt: skip
+        ref_sec = _time(references[name], args.min_run_time)[0] if name in references else float("nan")
+        rows.append(
+            {
+                "kernel": name,
+                "ms": 1e3 * sec,
+                "iqr ms": 1e3 * iqr,
+                "GB/s": bw,
+                "fraction of copy bandwidth": bw / copy_bw,
+                "torch reference ms": 1e3 * ref_sec,
+                "speed-up over reference": ref_sec / sec,
+            }
+        )
+    payload = {"args": vars(args), "device": device.type, "checks": checks, "rows": rows}
+    stem = args.name or "sdp4bit_kernels" + ("_cpu" if backend == "numba" else "") + ("_quick" if args.quick else "")
+    markdown, _ = render(payload)
+    write_results(stem, payload, markdown)
+    print(markdown)
+    if not all(checks.values()):
+        raise SystemExit(f"a {backend} kernel disagrees with the torch reference")
+
+
+def render(payload: dict[str, Any]) -> tuple[str, None]:
+    """The markdown page of a result (no plot)."""
+    args, checks = payload["args"], payload["checks"]
+    threads = f", {args['threads']} threads" if args["backend"] == "numba" else ""
+    rows = [{**row, "target >= 0.5": _verdict(row)} for row in payload["rows"]]
     md = [
-        f"# SDP4Bit fused kernels ({backend} on {device.type}, {n} elements, K={k}"
-        + (f", {args.threads} threads)" if backend == "numba" else ")"),
+        f"# SDP4Bit fused kernels ({args['backend']} on {payload.get('device', 'cpu')}, {args['numel']} elements, "
+        f"K={args['peers']}{threads})",
         "",
         "Equality with the torch reference: "
         + ", ".join(f"{c}: {'ok' if v else 'MISMATCH'}" for c, v in checks.items()),
         "",
+        "Times are medians of `torch.utils.benchmark` (`iqr ms`: their interquartile range).",
+        "",
         markdown_table(rows),
         "",
     ]
-    if args.quick:
-        md.insert(1, "\nSmoke run of the script under the CPU interpreter: the timings mean nothing.\n")
-    payload = {"args": vars(args), "checks": checks, "rows": rows, "machine": machine_info()}
-    stem = args.name or "sdp4bit_kernels" + ("_cpu" if backend == "numba" else "") + ("_quick" if args.quick else "")
-    write_results(stem, payload, "\n".join(md))
-    print("\n".join(md))
-    if not all(checks.values()):
-        raise SystemExit(f"a {backend} kernel disagrees with the torch reference")
+    if args["quick"]:
+        md.insert(1, "\nSmoke run of the script: the timings mean nothing.\n")
+    return "\n".join(md), None
+
+
+def _verdict(row: dict[str, Any]) -> str:
+    if row["kernel"].startswith("copy"):
+        return "baseline"
+    return "yes" if row["fraction of copy bandwidth"] >= 0.5 else "NO"
 
 
 if __name__ == "__main__":

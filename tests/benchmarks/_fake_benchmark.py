@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 from benchmarks._common import write_results
 
@@ -14,7 +15,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--value", type=float, default=1.0)
     args = parser.parse_args(argv)
     payload = {"started": time.time(), "quick": args.quick, "rows": [{"value": args.value}]}
-    write_results("fake_benchmark_own_name", payload, f"value {args.value}")
+    write_results("fake_benchmark_own_name", payload, *render(payload))
+
+
+def render(payload: dict[str, Any]) -> tuple[str, None]:
+    return f"value {payload['rows'][0]['value']}", None
 
 
 if __name__ == "__main__":

@@ -88,3 +88,17 @@ def test_against_another_commit_runs_both_trees(capsys):
     assert runner.run_against(config, "HEAD", quick=False, extra=[]) == 0
     out = capsys.readouterr().out
     assert "rows[0].value" in out and "1.000" in out
+
+
+def test_pages_are_rendered_again_from_the_stored_json(tmp_path, monkeypatch):
+    assert runner.run(FAKE, quick=False, out=tmp_path) == 0
+    page = tmp_path / "fake_benchmark_tiny.md"
+    first = page.read_text()
+    payload = json.loads((tmp_path / "fake_benchmark_tiny.json").read_text())
+    payload["rows"][0]["value"] = 7.5
+    (tmp_path / "fake_benchmark_tiny.json").write_text(json.dumps(payload))
+    page.write_text("stale")
+    monkeypatch.setattr(runner._common, "RESULTS_DIR", runner._common.RESULTS_DIR)  # restored after the test
+    assert runner.render(FAKE, tmp_path) == 0
+    assert page.read_text() == first.replace("value 2.5", "value 7.5")
+    assert runner.render(Configuration("x", module="json.decoder", summary="x", minutes=1), tmp_path) == 2

@@ -21,9 +21,15 @@ def run(out: Path, quick: bool) -> dict[str, Any]:
     batch, epochs = 16, (1 if quick else 4)
     num_train, num_val = (64, 64) if quick else (640, 200)
     dm = ImageTextDataModule(
-        dataset="shapes", model=NANO_CONFIG, batch_size=batch, val_batch_size=256, num_train=num_train,
-        num_val=num_val, seed=0, augment=False,
-    )  # fmt: skip
+        dataset="shapes",
+        model=NANO_CONFIG,
+        batch_size=batch,
+        val_batch_size=256,
+        num_train=num_train,
+        num_val=num_val,
+        seed=0,
+        augment=False,
+    )
     dm.setup("fit")
     results: dict[str, dict[str, float]] = {}
     for loss in ("openclip", "fastclip_v3"):
@@ -31,16 +37,25 @@ def run(out: Path, quick: bool) -> dict[str, Any]:
         pl.seed_everything(0, verbose=False)
         steps = epochs * (num_train // batch)
         module = FastCLIPModule(
-            model=NANO_CONFIG, loss=loss, lr=2e-3, weight_decay=0.1, warmup_steps=max(1, steps // 20),
-            max_steps=steps, temperature=0.07,
-            lr_tau=4e-4 if loss == "fastclip_v3" else None, rho=6.5 if loss == "fastclip_v3" else None,
-        )  # fmt: skip
+            model=NANO_CONFIG,
+            loss=loss,
+            lr=2e-3,
+            weight_decay=0.1,
+            warmup_steps=max(1, steps // 20),
+            max_steps=steps,
+            temperature=0.07,
+            lr_tau=4e-4 if loss == "fastclip_v3" else None,
+            rho=6.5 if loss == "fastclip_v3" else None,
+        )
         zs = ZeroShotEvaluation()
         trainer = pl.Trainer(
-            accelerator="cpu", devices=1, max_epochs=epochs, check_val_every_n_epoch=epochs,
+            accelerator="cpu",
+            devices=1,
+            max_epochs=epochs,
+            check_val_every_n_epoch=epochs,
             callbacks=[GammaScheduler(gamma_min=0.8, decay_epochs=max(1, epochs // 2)), TemperatureScheduler(), zs],
             **trainer_kwargs(),
-        )  # fmt: skip
+        )
         start = time.perf_counter()
         trainer.fit(module, dm)
         m = zs.metrics

@@ -27,9 +27,13 @@ def _sdp4bit_fit(compress: bool, devices: int, intra: int, steps: int) -> dict[s
         start_method="spawn",
     )
     trainer = Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, limit_val_batches=0,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        limit_val_batches=0,
         **trainer_kwargs(),
-    )  # fmt: skip
+    )
     start = time.perf_counter()
     trainer.fit(model, datamodule=data)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("sdp4bit/", "train/"))}

@@ -106,9 +106,15 @@ def make_captioned_scenes(
     for i in range(num_samples):
         img = canvas.noisy(rng, backgrounds[bg_id[i]], noise_std=6)
         images[i] = canvas.paint(
-            rng, img, SHAPES[shape_id[i]], positions[pos_id[i]], 0.03, sizes[size_id[i]], _COLOUR_RGB[colour_id[i]],
+            rng,
+            img,
+            SHAPES[shape_id[i]],
+            positions[pos_id[i]],
+            0.03,
+            sizes[size_id[i]],
+            _COLOUR_RGB[colour_id[i]],
             outlined=bool(outlined[i]),
-        )  # fmt: skip
+        )
         pos = pos_names[pos_id[i]]
         where = "in the centre" if pos == "centre" else f"at the {pos}"
         style = "outlined" if outlined[i] else "filled"

@@ -9,6 +9,7 @@ commit first (a temporary git worktree: no old code is loaded into this tree) an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--against", metavar="REV", help="run a checkout of this commit first, then this tree")
     parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     parser.add_argument("--render", action="store_true", help="rewrite the .md and .png from the stored .json")
+    parser.add_argument(
+        "--background-jobs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N CPU-bound processes beside the benchmark (a machine with another job running); recorded",
+    )
     parser.epilog = "Arguments after -- go to the benchmark module as they are."
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -60,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.against:
         return run_against(config, args.against, args.quick, extra)
-    return run(config, args.quick, args.out, extra, args.dry_run)
+    return run(config, args.quick, args.out, extra, args.dry_run, background_jobs=args.background_jobs)
 
 
 def listing() -> str:
@@ -90,8 +98,13 @@ def run(
     extra: Sequence[str] = (),
     dry_run: bool = False,
     tree: Path = REPO_ROOT,
+    background_jobs: int = 0,
 ) -> int:
-    """Run one configuration in a child process; 0 when it succeeded and wrote its result set."""
+    """Run one configuration in a child process; 0 when it succeeded and wrote its result set.
+
+    ``background_jobs`` CPU-bound processes run beside it, started after the machine was recorded (so the record
+    shows the machine as it was) and stopped when it ends; the result's ``run.background_jobs`` says so.
+    """
     out = (out or (QUICK_DIR if quick else _common.RESULTS_DIR)).resolve()
     command = command_of(config, quick, extra)
     words = ["python -m benchmarks", config.key, *(["--quick"] if quick else []), *(["--", *extra] if extra else [])]
@@ -103,6 +116,7 @@ def run(
         "command": " ".join(words),
         "module_command": shlex.join(["python", *command[1:]]),
         "machine": _common.machine_before_run(),
+        "background_jobs": background_jobs,
     }
     env = dict(os.environ)
     env.update(
@@ -112,12 +126,25 @@ def run(
         PYTHONPATH=os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")])),
     )
     started = time.time()
-    code = subprocess.call(command, cwd=tree, env=env)
+    with busy_processes(background_jobs):
+        code = subprocess.call(command, cwd=tree, env=env)
     result = out / f"{config.stem}.json"
     if code == 0 and (not result.exists() or result.stat().st_mtime < started):
         print(f"{config.key} exited 0 but wrote no {result}", file=sys.stderr)
         return 1
     return code
+
+
+@contextlib.contextmanager
+def busy_processes(count: int) -> Iterator[None]:
+    """``count`` processes that each keep one core busy (plain Python arithmetic) until the block ends."""
+    jobs = [subprocess.Popen([sys.executable, "-c", "while True: sum(range(10000))"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for job in jobs:
+            job.kill()
+            job.wait()
 
 
 def render(config: Configuration, out: Path | None = None) -> int:

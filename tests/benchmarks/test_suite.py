@@ -61,10 +61,29 @@ def test_a_run_records_the_machine_before_it_starts_and_the_command(tmp_path):
     assert not list(tmp_path.glob("fake_benchmark_own_name*"))
 
 
-def test_quick_runs_and_extra_arguments(tmp_path):
-    assert runner.run(FAKE, quick=True, out=tmp_path, extra=["--value", "4"]) == 0
+def test_quick_runs_extra_arguments_and_background_jobs(tmp_path):
+    assert runner.run(FAKE, quick=True, out=tmp_path, extra=["--value", "4"], background_jobs=1) == 0
     payload = json.loads((tmp_path / "fake_benchmark_tiny.json").read_text())
     assert payload["quick"] is True and payload["rows"] == [{"value": 4.0}]
+    assert payload["run"]["background_jobs"] == 1
+
+
+def _busy_jobs() -> list[Path]:
+    return [p for p in Path("/proc").glob("[0-9]*/cmdline") if b"sum(range(10000))" in _read(p)]
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:  # the process ended meanwhile
+        return b""
+
+
+def test_background_jobs_run_during_the_block_and_end_with_it():
+    before = len(_busy_jobs())
+    with runner.busy_processes(2):
+        assert len(_busy_jobs()) == before + 2
+    assert len(_busy_jobs()) == before
 
 
 def test_a_module_that_writes_nothing_fails_the_run(tmp_path):

@@ -306,6 +306,7 @@ def simplex_loss(
     loss: str = "ccl",
     temperature: float = 0.07,
     grad_clip: float | None = None,
+    sample_weight: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Batched SimpleX forward: the optimised objective and the per-sample loss.
 
@@ -344,9 +345,11 @@ def simplex_loss(
         temperature: softmax temperature. Default 0.07.
         grad_clip: per-sample, per-coordinate bound on the embedding rows' gradients, or ``None`` (off). Needs the
             mean aggregator when ``g < 1``. Default ``None``.
+        sample_weight: ``(B,)`` weight of each positive: it multiplies that sample's loss (not the weight decay),
+            so all the gradients the sample gives, or ``None`` for 1. Default ``None``.
 
     Returns:
-        ``(objective, per_sample_loss)``.
+        ``(objective, per_sample_loss)``; the per-sample loss is weighted.
     """
     if loss not in ("ccl", "softmax"):
         raise ValueError(f"simplex_loss: unknown loss {loss!r}; use 'ccl' or 'softmax'.")
@@ -369,6 +372,8 @@ def simplex_loss(
         per_sample = softmax_cosine_loss(p, e_pos, e_neg, temperature, reduction="none", dropout_mask=dropout_mask)
     else:
         per_sample = ccl_loss(p, e_pos, e_neg, margin, negative_weight, reduction="none", dropout_mask=dropout_mask)
+    if sample_weight is not None:
+        per_sample = per_sample * sample_weight.to(per_sample.dtype)
     objective = per_sample
     if weight_decay > 0:
         sq = e_u.pow(2).sum(-1) + e_pos.pow(2).sum(-1) + e_neg.pow(2).sum((-1, -2))

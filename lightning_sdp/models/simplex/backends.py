@@ -35,8 +35,11 @@ class SimpleXBackend(ABC):
         """Check that this backend can run in this set-up (called from the module's ``setup``)."""
 
     @abstractmethod
-    def training_step(self, model: SimpleXModule, users: Tensor, items: Tensor) -> Tensor | None:
-        """Train on a batch of positives; return the loss for Lightning's optimiser or ``None`` if already applied."""
+    def training_step(
+        self, model: SimpleXModule, users: Tensor, items: Tensor, weights: Tensor | None = None
+    ) -> Tensor | None:
+        """Train on a batch of positives (each positive's loss times its weight, if given); return the loss for
+        Lightning's optimiser or ``None`` if already applied."""
 
     @abstractmethod
     def project_rows(self, table: Tensor, norm: float) -> None:
@@ -50,7 +53,9 @@ class ReferenceBackend(SimpleXBackend):
     automatic_optimization = True
 
     @override
-    def training_step(self, model: SimpleXModule, users: Tensor, items: Tensor) -> Tensor:
+    def training_step(
+        self, model: SimpleXModule, users: Tensor, items: Tensor, weights: Tensor | None = None
+    ) -> Tensor:
         config = model.config
         model.check_ids(users, items)
         negatives = torch.randint(0, model.num_items, (len(users), config.num_negatives), generator=model.generator)
@@ -58,7 +63,7 @@ class ReferenceBackend(SimpleXBackend):
         if config.dropout > 0:  # drawn after the negatives, so runs without dropout keep their random stream
             keep = torch.rand(len(users), config.dim, generator=model.generator) >= config.dropout
             masks = keep.to(torch.float32) / (1.0 - config.dropout)
-        objective, per_sample = model.reference_loss(users, items, negatives, dropout_mask=masks)
+        objective, per_sample = model.reference_loss(users, items, negatives, dropout_mask=masks, weights=weights)
         model.log("train/loss", per_sample.mean().detach(), prog_bar=True)
         return objective
 
@@ -87,7 +92,7 @@ class FusedBackend(SimpleXBackend):
         require("numba", feature="SimpleXModule(backend='fused')")
 
     @override
-    def training_step(self, model: SimpleXModule, users: Tensor, items: Tensor) -> None:
+    def training_step(self, model: SimpleXModule, users: Tensor, items: Tensor, weights: Tensor | None = None) -> None:
         # configure_optimizers returns one optimizer, so Lightning hands back one (not a list)
         opt = cast("LightningOptimizer", model.optimizers())
         lr = opt.param_groups[0]["lr"]
@@ -96,7 +101,9 @@ class FusedBackend(SimpleXBackend):
             inner = cast(ref.RowWiseAdagrad, opt.optimizer)
             user_emb, item_emb = model.tables()
             row_sums = (inner.row_sums(user_emb.weight), inner.row_sums(item_emb.weight))
-        losses = model.fused_step(users, items, lr, aggregator_lr=opt.param_groups[1]["lr"], row_sums=row_sums)
+        losses = model.fused_step(
+            users, items, lr, weights=weights, aggregator_lr=opt.param_groups[1]["lr"], row_sums=row_sums
+        )
         loss = float(losses.mean())
         if not np.isfinite(loss):
             raise FloatingPointError(

@@ -29,13 +29,17 @@ from lightning_sdp.models.simplex.auto import InteractionStats, explain
 from lightning_sdp.models.simplex.backends import make_backend
 from lightning_sdp.models.simplex.config import Aggregator, Backend, Loss, Optimizer, SimpleXConfig
 from lightning_sdp.models.simplex.evaluation import DEFAULT_ITEM_CHUNK, batch_csr, rank_and_score
+from lightning_sdp.models.simplex.fold_in import DEFAULT_STEPS, fold_in_user
 from lightning_sdp.models.simplex.history import UserHistories
 from lightning_sdp.models.simplex.recommend import (
     IdsLike,
     Recommendations,
     as_ids,
+    candidate_rows,
     checked_known_csr,
+    known_within,
     remaining_items,
+    rows_of_ids,
     top_k_recommendations,
     user_rows,
 )
@@ -51,9 +55,11 @@ class SimpleXModule(LightningModule):
     (the user's training items capped at ``max_history``, a fixed seeded subset). ``loss="softmax"`` trains HEAT's
     code's loss instead: ``-log softmax(cos / temperature)`` of the positive among itself and its negatives.
 
-    After training, :meth:`recommend` gives each user's top-K items (training items excluded, in table rows or in the
-    data file's own ids) and :meth:`predict_step` does the same per batch for ``trainer.predict``; checkpoints carry
-    what both need (the training interactions and the file's ids).
+    After training, :meth:`recommend` gives each user's top-K items (every interaction of the data excluded: the
+    training, validation and test items of ``InteractionsDataModule``; in table rows or in the data file's own ids,
+    optionally within a subset of items), :meth:`predict_step` does the same per batch for ``trainer.predict``,
+    :meth:`similar_items` gives each item's nearest items and :meth:`recommend_for_new_user` folds in a user who was
+    not trained on; checkpoints carry what they need (the interactions and the file's ids).
 
     Args:
         num_users: rows of the user table; ``None`` takes it from the datamodule at ``setup``. Default ``None``.
@@ -200,6 +206,7 @@ class SimpleXModule(LightningModule):
             self._build_tables(num_users, num_items)
 
         self._histories: UserHistories | None = None
+        self._known: tuple[np.ndarray, np.ndarray] | None = None  # every interaction of the data, see set_known
         self._item_normalized: Tensor | None = None
         self._raw_user_ids: Tensor | None = None  # row -> id in the data file (CSV/TSV input), see set_raw_ids
         self._raw_item_ids: Tensor | None = None
@@ -253,6 +260,10 @@ class SimpleXModule(LightningModule):
             )
         return self.user_embedding, self.item_embedding
 
+    def attention_weights(self) -> tuple[nn.Parameter | None, nn.Parameter | None, nn.Parameter | None]:
+        """``(W_k, b_k, q)`` of the attention aggregator, ``None`` where it has none (all three for the mean)."""
+        return self.attention_weight, self.attention_bias, self.attention_query
+
     def attention_parameters(self) -> list[nn.Parameter]:
         """The learned parameters of an attention aggregator (``W_k``, ``b_k`` and ``q``); empty for the mean."""
         return [p for p in (self.attention_weight, self.attention_bias, self.attention_query) if p is not None]
@@ -283,6 +294,18 @@ class SimpleXModule(LightningModule):
             indptr, indices, self.num_users, self.num_items, c.max_history, c.seed, padded=c.uses_history
         )
 
+    def set_known(self, indptr: np.ndarray, indices: np.ndarray) -> None:
+        """Give the model every interaction of the data (CSR), which :meth:`recommend` never returns by default.
+
+        Called from :meth:`setup` with the datamodule's ``known_csr`` (training, validation and test items); kept in
+        checkpoints. Without it, :meth:`recommend` excludes the training interactions.
+
+        Args:
+            indptr: ``(num_users + 1,)`` offsets.
+            indices: item rows of each user's interactions.
+        """
+        self._known = checked_known_csr((indptr, indices), self.num_users, self.num_items, None)
+
     @override
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
@@ -298,6 +321,9 @@ class SimpleXModule(LightningModule):
                 csr = dm.train_csr
                 # a property on InteractionsDataModule; a method on datamodules written against the older form
                 self.set_interactions(*(csr if isinstance(csr, tuple) else csr()))
+            known = getattr(dm, "known_csr", None)
+            if known is not None:
+                self.set_known(*known)
             raw_users, raw_items = getattr(dm, "raw_user_ids", None), getattr(dm, "raw_item_ids", None)
             if raw_users is not None and raw_items is not None:
                 self.set_raw_ids(raw_users, raw_items)
@@ -361,6 +387,7 @@ class SimpleXModule(LightningModule):
         negatives: Tensor,
         reduction: str = "mean",
         dropout_mask: Tensor | None = None,
+        weights: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Plain-PyTorch objective and per-sample contrastive loss of a batch with given negatives.
 
@@ -370,6 +397,7 @@ class SimpleXModule(LightningModule):
             negatives: ``(B, n)`` negative item ids.
             reduction: ``"mean"`` or ``"sum"`` of the objective over the batch.
             dropout_mask: ``(B, dim)`` inverted-dropout mask on the normalised user vector, or ``None``.
+            weights: ``(B,)`` weight of each positive (multiplies its loss), or ``None`` for 1.
         """
         user_emb, item_emb = self.tables()
         c = self.config
@@ -395,6 +423,7 @@ class SimpleXModule(LightningModule):
             loss=c.loss_name,
             temperature=c.temperature,
             grad_clip=c.grad_clip_value,
+            sample_weight=weights,
         )
 
     @torch.no_grad()
@@ -403,11 +432,13 @@ class SimpleXModule(LightningModule):
         users: Tensor,
         items: Tensor,
         lr: float,
+        *,
+        weights: Tensor | None = None,
         negatives: Tensor | None = None,
+        dropout_masks: Tensor | None = None,
         num_threads: int | None = None,
         aggregator_lr: float | None = None,
         row_sums: tuple[Tensor, Tensor] | None = None,
-        dropout_masks: Tensor | None = None,
     ) -> Tensor:
         """Run HEAT's fused kernel on a batch of positives, updating the parameters in place; returns per-sample losses.
 
@@ -415,24 +446,64 @@ class SimpleXModule(LightningModule):
             users: ``(B,)`` user ids.
             items: ``(B,)`` positive item ids.
             lr: SGD learning rate.
+            weights: ``(B,)`` weight of each positive (multiplies its loss), or ``None`` for 1.
             negatives: ``(B, n)`` negatives to use instead of sampling inside the kernel (tests), or ``None``.
+            dropout_masks: ``(B, dim)`` dropout masks to use instead of drawing them inside the kernel (tests), or
+                ``None``.
             num_threads: parallel chunks; ``None`` uses numba's current thread count.
             aggregator_lr: learning rate of the aggregator parameters; ``None`` gives ``lr * aggregator_lr_scale``.
             row_sums: row-wise Adagrad accumulators ``(user_sums, item_sums)`` (float32, updated in place), or
                 ``None`` for plain SGD.
-            dropout_masks: ``(B, dim)`` dropout masks to use instead of drawing them inside the kernel (tests), or
-                ``None``.
+
+        Raises:
+            FloatingPointError: when a sample reads a NaN or infinite value; the message names the row, and the
+                step stopped before that sample changed anything.
         """
-        return kernel.fused_step(self, users, items, lr, negatives, num_threads, aggregator_lr, row_sums, dropout_masks)
+        return kernel.fused_step(
+            self,
+            users,
+            items,
+            lr,
+            weights=weights,
+            negatives=negatives,
+            dropout_masks=dropout_masks,
+            num_threads=num_threads,
+            aggregator_lr=aggregator_lr,
+            row_sums=row_sums,
+        )
+
+    def clip_buffers(self) -> tuple[Tensor, Tensor]:
+        """The running gradient buffers of the user and item rows (``grad_clip_mode="row_buffer"``), else empty."""
+        empty = torch.zeros(0, 0)
+        return empty, empty
+
+    def describe_bad_user_vector(self, user: int) -> str:
+        """Which input of user ``user``'s vector holds a NaN or infinity: its row, a history row or the aggregator."""
+        user_emb, item_emb = self.tables()
+        if not bool(torch.isfinite(user_emb.weight[user]).all()):
+            return f"user row {user}"
+        if self.config.uses_history:
+            history = self.histories()
+            rows = torch.from_numpy(history.indices[history.indptr[user] : history.indptr[user + 1]])
+            bad = rows[~torch.isfinite(item_emb.weight[rows]).all(dim=1)]
+            if len(bad):
+                return f"item row {int(bad[0])} (in user {user}'s history)"
+            params = [("the aggregator V", self.aggregator)]
+            params += [(f"the attention parameter {n}", p) for n, p in self.named_parameters() if "attention" in n]
+            for name, param in params:
+                if not bool(torch.isfinite(param).all()):
+                    return name
+        return f"user {user}'s vector (its inputs are finite: the aggregation overflowed)"
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._batch_start = time.perf_counter()
 
     @override
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
-        users, items = batch
-        return self.backend.training_step(self, users, items)
+    def training_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> Tensor | None:
+        # (users, items) or, with a weight column, (users, items, weights)
+        users, items, *weights = batch
+        return self.backend.training_step(self, users, items, weights[0] if weights else None)
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -584,48 +655,45 @@ class SimpleXModule(LightningModule):
         known: tuple[np.ndarray | Tensor, np.ndarray | Tensor] | None = None,
         raw_ids: bool = False,
         item_chunk: int = DEFAULT_ITEM_CHUNK,
+        items: IdsLike | None = None,
     ) -> Recommendations:
         """The ``k`` best items for each user, by the cosine score of :meth:`score` (the evaluation's ranking).
 
         Works on a model after ``trainer.fit`` and on one from ``SimpleXModule.load_from_checkpoint`` (checkpoints hold
-        the training interactions and the raw ids). Scores are streamed ``item_chunk`` items at a time
+        the interactions to exclude and the raw ids). Scores are streamed ``item_chunk`` items at a time
         (:func:`~lightning_sdp.models.simplex.recommend.top_k_recommendations`), so memory is bounded by
         ``len(users) x item_chunk`` floats. Example::
 
             items, scores = model.recommend([0, 5, 7], k=10)  # rows of the tables
             items, scores = model.recommend([1001, 2024], k=10, raw_ids=True)  # ids of the CSV file, both ways
+            items, scores = model.recommend([0], k=5, items=in_stock)  # only among the items of in_stock
 
         Args:
             users: one user id or a list / array / tensor of them: table rows, or the data file's ids with
                 ``raw_ids=True``.
             k: items per user. Default 10.
-            exclude_known: never recommend a user's known items: ``known`` when given, else the training
-                interactions the model was fitted on (:meth:`set_interactions`; with ``InteractionsDataModule``
-                these are ``dm.train_csr``, which holds out the validation items; pass
-                ``known=merge_csr(dm.train_csr, dm.val_csr)`` to exclude those too). Default ``True``.
+            exclude_known: never recommend a user's known items: ``known`` when given, else every interaction of the
+                data the model was fitted on (:meth:`set_known`: with ``InteractionsDataModule`` its training,
+                validation and test items), else the training interactions (:meth:`set_interactions`).
+                Default ``True``.
             known: ``(indptr, indices)`` CSR of the items never to recommend, over all ``num_users`` rows, in table
-                rows (also with ``raw_ids=True``), or ``None`` for the training interactions. Default ``None``.
-            raw_ids: ``users`` are, and the returned items will be, the ids of the CSV/TSV file the model was trained
-                on (:attr:`raw_user_ids` / :attr:`raw_item_ids`); an item row without a raw id comes back as ``-1``.
-                Default ``False``.
+                rows (also with ``raw_ids=True``), or ``None`` for the model's own (above). Default ``None``.
+            raw_ids: ``users`` and ``items`` are, and the returned items will be, the ids of the CSV/TSV file the model
+                was trained on (:attr:`raw_user_ids` / :attr:`raw_item_ids`); an item row without a raw id comes back
+                as ``-1``. Default ``False``.
             item_chunk: items scored at once. Default 65536.
+            items: recommend only among these items (ids as ``users``); ``None``: every item. Default ``None``.
 
         Returns:
             :class:`~lightning_sdp.models.simplex.recommend.Recommendations` ``(items, scores)``, each
             ``(len(users), k)`` on the model's device, sorted by score, best first.
 
         Raises:
-            ValueError: for a model without tables (not fitted, not loaded), an unknown user id, ``k`` larger than the
-                items a user has left, ``raw_ids=True`` on a model without raw ids, or ``exclude_known`` with no
-                known interactions to exclude.
+            ValueError: for a model without tables (not fitted, not loaded), an unknown user or item id, ``k`` larger
+                than the items a user has left, ``raw_ids=True`` on a model without raw ids, ``exclude_known`` with no
+                known interactions to exclude, or a user or item row that holds NaN or infinite values.
         """
-        if self.user_embedding is None or self.item_embedding is None:
-            raise ValueError(
-                "SimpleXModule.recommend: the model has no embedding tables yet; fit it first (trainer.fit(model, dm)) "
-                "or load a trained one (SimpleXModule.load_from_checkpoint(path))."
-            )
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
-            raise ValueError(f"SimpleXModule.recommend: k must be a positive int, got {k!r}.")
+        self._check_k(k, "recommend")
         ids = as_ids(users, "user")
         rows = self._user_rows(ids, raw_ids)
         known_batch = None
@@ -637,10 +705,110 @@ class SimpleXModule(LightningModule):
                 "SimpleXModule.recommend: known= was given with exclude_known=False, so it would be ignored; drop "
                 "known= or set exclude_known=True."
             )
-        out = self._recommend_rows(rows, int(k), known_batch, item_chunk, ids)
-        if not raw_ids:
-            return out
-        assert self._raw_item_ids is not None  # _user_rows checked it
+        candidates = None if items is None else self._item_rows(items, raw_ids)
+        out = self._recommend_rows(rows, int(k), known_batch, candidates, item_chunk, names=ids)
+        return self._as_raw_items(out) if raw_ids else out
+
+    def similar_items(
+        self, items: IdsLike, k: int = 10, raw_ids: bool = False, item_chunk: int = DEFAULT_ITEM_CHUNK
+    ) -> Recommendations:
+        """The ``k`` items most similar to each given item: the highest cosine between item rows, the item excluded.
+
+        Args:
+            items: one item id or a list / array / tensor of them (table rows, or the data file's ids with
+                ``raw_ids=True``).
+            k: similar items per item, at most ``num_items - 1``. Default 10.
+            raw_ids: take and return the data file's item ids (:attr:`raw_item_ids`). Default ``False``.
+            item_chunk: items scored at once. Default 65536.
+
+        Returns:
+            :class:`~lightning_sdp.models.simplex.recommend.Recommendations` with ``(len(items), k)`` items and
+            their cosines, best first.
+        """
+        self._check_k(k, "similar_items")
+        rows = self._item_rows(items, raw_ids, unique=False)
+        table = self.tables()[1].weight.detach()
+        itself = (torch.arange(len(rows) + 1), rows.to(table.device))  # each query excludes only itself
+        out = self._rank(table[rows.to(table.device)], int(k), itself, None, item_chunk, ("item", rows))
+        return self._as_raw_items(out) if raw_ids else out
+
+    def fold_in(self, items: IdsLike, raw_ids: bool = False, steps: int = DEFAULT_STEPS) -> Tensor:
+        """The user vector ``(dim,)`` of a user the model was not trained on, from their items.
+
+        The item rows, ``V`` and the attention weights stay as trained; the user's row is the one that minimises the
+        model's training loss over their items against every other item
+        (:func:`~lightning_sdp.models.simplex.fold_in.fold_in_user`). Score it like a trained user's vector.
+
+        Args:
+            items: the user's items (table rows, or the data file's ids with ``raw_ids=True``).
+            raw_ids: ``items`` are the data file's ids. Default ``False``.
+            steps: L-BFGS iterations. Default 50.
+        """
+        if as_ids(items, "item").numel() == 0:
+            raise ValueError("SimpleXModule: a new user needs at least one item to be folded in.")
+        return fold_in_user(self, self._item_rows(items, raw_ids), steps)
+
+    def recommend_for_new_user(
+        self,
+        items: IdsLike,
+        k: int = 10,
+        raw_ids: bool = False,
+        candidates: IdsLike | None = None,
+        steps: int = DEFAULT_STEPS,
+    ) -> Recommendations:
+        """The ``k`` best items for a user the model was not trained on, from the items they have (never returned).
+
+        The user is folded in (:meth:`fold_in`) without retraining; their items are excluded from the ranking.
+
+        Args:
+            items: the new user's items (table rows, or the data file's ids with ``raw_ids=True``).
+            k: items to recommend. Default 10.
+            raw_ids: ``items`` and ``candidates`` are, and the returned items will be, the data file's ids.
+                Default ``False``.
+            candidates: recommend only among these items; ``None``: every item. Default ``None``.
+            steps: L-BFGS iterations of the fold-in. Default 50.
+
+        Returns:
+            :class:`~lightning_sdp.models.simplex.recommend.Recommendations` with ``(k,)`` items and scores, best first.
+        """
+        self._check_k(k, "recommend_for_new_user")
+        rows = self._item_rows(items, raw_ids)
+        vector = self.fold_in(rows, steps=steps).unsqueeze(0)
+        allowed = None if candidates is None else self._item_rows(candidates, raw_ids)
+        own = (torch.tensor([0, len(rows)]), rows)
+        out = self._rank(vector, int(k), own, allowed, DEFAULT_ITEM_CHUNK, ("the new user", None))
+        out = self._as_raw_items(out) if raw_ids else out
+        return Recommendations(out.items[0], out.scores[0])
+
+    def _check_k(self, k: int, method: str) -> None:
+        if self.user_embedding is None or self.item_embedding is None:
+            raise ValueError(
+                f"SimpleXModule.{method}: the model has no embedding tables yet; fit it first (trainer.fit(model, dm)) "
+                "or load a trained one (SimpleXModule.load_from_checkpoint(path))."
+            )
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
+            raise ValueError(f"SimpleXModule.{method}: k must be a positive int, got {k!r}.")
+
+    def _item_rows(self, items: IdsLike, raw_ids: bool, unique: bool = True) -> Tensor:
+        """Table rows of item ids (checked); sorted and distinct unless ``unique=False`` (then in the given order)."""
+        ids = as_ids(items, "item")
+        if raw_ids and self._raw_item_ids is None:
+            user_rows(ids, self.num_users, (None, None), has_raw_ids=False)  # raises: the model has no raw ids
+        raw = self._raw_item_ids if raw_ids else None
+        if unique:
+            return candidate_rows(ids, self.num_items, raw)
+        if raw is not None:
+            rows, found = rows_of_ids(raw, ids.cpu())
+            if not bool(found.all()):
+                candidate_rows(ids, self.num_items, raw)  # raises, naming the unknown ids
+            return rows
+        candidate_rows(ids, self.num_items, None)  # checks the range
+        return ids.cpu()
+
+    def _as_raw_items(self, out: Recommendations) -> Recommendations:
+        """``out`` with its item rows replaced by the data file's ids (``-1`` for a row without one)."""
+        if self._raw_item_ids is None:
+            raise ValueError("SimpleXModule: raw_ids=True but this model has no raw ids (it was not trained on a CSV).")
         table = self._raw_item_ids.to(out.items.device)
         inside = out.items < len(table)
         items = torch.where(inside, table[out.items.clamp(max=max(len(table) - 1, 0))], -1)
@@ -654,7 +822,10 @@ class SimpleXModule(LightningModule):
     def _known_csr(
         self, known: tuple[np.ndarray | Tensor, np.ndarray | Tensor] | None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """The CSR of items :meth:`recommend` must not return: ``known``, else the training interactions."""
+        """The CSR of items :meth:`recommend` must not return: ``known``, else every known interaction, else the
+        training interactions."""
+        if known is None and self._known is not None:
+            return self._known
         h = self._histories
         training = None if h is None else (h.train_indptr, h.train_indices)
         return checked_known_csr(known, self.num_users, self.num_items, training)
@@ -664,6 +835,7 @@ class SimpleXModule(LightningModule):
         rows: Tensor,
         k: int,
         known: tuple[Tensor, Tensor] | None,
+        candidates: Tensor | None = None,
         item_chunk: int = DEFAULT_ITEM_CHUNK,
         names: Tensor | None = None,
     ) -> Recommendations:
@@ -673,25 +845,44 @@ class SimpleXModule(LightningModule):
                 f"SimpleXModule.recommend: with g={self.config.g} the user vectors aggregate the training histories, "
                 "but the model holds none; call model.set_interactions(*dm.train_csr) (or fit with the datamodule)."
             )
-        left = (
-            torch.full((len(rows),), self.num_items, dtype=torch.long)
-            if known is None
-            else remaining_items(self.num_items, known[0], known[1])
-        )
-        if len(rows) and int(left.min()) < k:
+        vectors = self.user_vectors(rows.to(self.tables()[0].weight.device))
+        return self._rank(vectors, k, known, candidates, item_chunk, ("user", rows if names is None else names))
+
+    def _rank(
+        self,
+        vectors: Tensor,
+        k: int,
+        known: tuple[Tensor, Tensor] | None,
+        candidates: Tensor | None,
+        item_chunk: int,
+        who: tuple[str, Tensor | None],
+    ) -> Recommendations:
+        """Top ``k`` items of each query vector, ``known`` a batch-local CSR of items to leave out, ``candidates`` the
+        item rows to choose from (``None``: all); ``who`` is what a query is and the ids quoted in errors."""
+        items = self._normalized_items()
+        if candidates is not None:
+            items = items[candidates.to(items.device)]
+            if known is not None:
+                known = known_within(candidates, self.num_items, known[0], known[1])
+        pool = len(items)
+        left = torch.full((len(vectors),), pool, dtype=torch.long) if known is None else remaining_items(pool, *known)
+        if len(vectors) and int(left.min()) < k:
             at = int(left.argmin())
-            who = rows if names is None else names
-            excluded = self.num_items - int(left[at])
+            excluded = pool - int(left[at])
+            scope = f"{pool} items" if candidates is None else f"{pool} candidate items"
+            label, names = who
+            name = label if names is None else f"{label} {int(names[at])}"
             raise ValueError(
-                f"SimpleXModule.recommend: k={k} but user {int(who[at])} has only {int(left[at])} items left to "
-                f"recommend ({self.num_items} items, {excluded} of them known and excluded); ask for k <= "
-                f"{int(left.min())}" + (" or pass exclude_known=False." if excluded else ".")
+                f"SimpleXModule: k={k} but {name} has only {int(left[at])} items left to recommend ({scope}, "
+                f"{excluded} of them known and excluded); ask for k <= {int(left.min())}"
+                + (" or pass exclude_known=False." if excluded else ".")
             )
-        device = self.tables()[1].weight.device
+        device = items.device
         known_indptr, known_items = (None, None) if known is None else (known[0].to(device), known[1].to(device))
-        return top_k_recommendations(
-            self.user_vectors(rows.to(device)), self._normalized_items(), k, known_indptr, known_items, item_chunk
-        )
+        out = top_k_recommendations(vectors.to(device), items, k, known_indptr, known_items, item_chunk)
+        if candidates is None:
+            return out
+        return Recommendations(candidates.to(device)[out.items], out.scores)
 
     @override
     def predict_step(
@@ -702,10 +893,11 @@ class SimpleXModule(LightningModule):
     ) -> Recommendations:
         """Recommend for a batch of users: ``trainer.predict`` returns one :class:`Recommendations` per batch.
 
-        A batch is a LongTensor of user rows (or a one-tensor list, as a ``TensorDataset`` gives), whose training
+        A batch is a LongTensor of user rows (or a one-tensor list, as a ``TensorDataset`` gives), whose known
         interactions are excluded (as :meth:`recommend` does), or an evaluation batch dict of
         ``InteractionsDataModule`` (``"users"``, and the ``"known_indptr"`` / ``"known_items"`` to exclude:
-        ``trainer.predict(model, dataloaders=dm.test_dataloader())`` excludes the training and validation items).
+        ``trainer.predict(model, datamodule=dm)`` excludes every interaction of the data,
+        ``trainer.predict(model, dataloaders=dm.test_dataloader())`` the training and validation items).
         Each user gets ``predict_k`` items (an attribute, ``None`` by default: the module's ``k``), in table rows
         (map them with :attr:`raw_item_ids`). For example::
 
@@ -750,6 +942,9 @@ class SimpleXModule(LightningModule):
         if self._histories is not None:
             checkpoint["simplex"]["train_indptr"] = torch.from_numpy(self._histories.train_indptr)
             checkpoint["simplex"]["train_indices"] = torch.from_numpy(self._histories.train_indices)
+        if self._known is not None:
+            checkpoint["simplex"]["known_indptr"] = torch.from_numpy(self._known[0])
+            checkpoint["simplex"]["known_indices"] = torch.from_numpy(self._known[1])
         if self._raw_user_ids is not None and self._raw_item_ids is not None:
             checkpoint["simplex"]["raw_user_ids"] = self._raw_user_ids
             checkpoint["simplex"]["raw_item_ids"] = self._raw_item_ids
@@ -794,5 +989,7 @@ class SimpleXModule(LightningModule):
             # a resumed fit already has them from the datamodule (setup runs first); load_from_checkpoint does not
             if self._histories is None and "train_indptr" in extra:
                 self.set_interactions(extra["train_indptr"].cpu().numpy(), extra["train_indices"].cpu().numpy())
+            if self._known is None and "known_indptr" in extra:
+                self.set_known(extra["known_indptr"].cpu().numpy(), extra["known_indices"].cpu().numpy())
             if self._raw_user_ids is None and "raw_user_ids" in extra:
                 self.set_raw_ids(extra["raw_user_ids"], extra["raw_item_ids"])

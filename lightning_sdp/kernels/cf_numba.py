@@ -981,6 +981,23 @@ def _attention_step(tables: Tables, tail: tuple, s: StepSettings, item_acc: np.n
     att_b -= np.float32(s.v_lr) * grad.sum(dim=0).numpy()
 
 
+def compile_counts() -> tuple[int, int]:
+    """``(compiled, loaded)``: specialisations of the fused kernel compiled, and loaded from the disk cache, so far
+    in this process."""
+    stats = _fused_sgd_kernel.stats
+    return sum(stats.cache_misses.values()), sum(stats.cache_hits.values())
+
+
+def cache_dir() -> str:
+    """The folder numba caches the compiled kernels in.
+
+    numba tries, in order: ``NUMBA_CACHE_DIR`` when set; the ``__pycache__`` folder beside this file when it is
+    writable (a source checkout, an editable install); else a user-wide folder (``$XDG_CACHE_HOME/numba`` or
+    ``~/.cache/numba`` on Linux), which is where an installed, read-only package caches.
+    """
+    return str(_fused_sgd_kernel.stats.cache_path)
+
+
 def _first_failure(records: np.ndarray) -> StepFailure | None:
     """The failure of the earliest sample among the chunks' records (``-1``: none)."""
     failed = records[records[:, 0] >= 0]

@@ -90,6 +90,8 @@ class FusedBackend(SimpleXBackend):
         from lightning_sdp._imports import require
 
         require("numba", feature="SimpleXModule(backend='fused')")
+        # compiled here, before the Trainer's Timer starts at on_train_start: max_time buys training, not compilation
+        model.kernel_preparation = kernel.prepare_kernels(model) or model.kernel_preparation
 
     @override
     def training_step(self, model: SimpleXModule, users: Tensor, items: Tensor, weights: Tensor | None = None) -> None:

@@ -7,10 +7,13 @@ read a non-finite value into an error that names the row. numba is imported only
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -188,6 +191,103 @@ def describe_failure(model: SimpleXModule, failure: StepFailure, batch: Batch) -
         "step stopped before that sample changed anything (earlier samples of the batch were applied). A row goes "
         "bad when it is set so or when the updates diverge: lower lr, or check the values you loaded."
     )
+
+
+@dataclass(frozen=True)
+class Preparation:
+    """What :func:`prepare_kernels` did: the seconds it took and whether it compiled or loaded the kernel.
+
+    Attributes:
+        seconds: wall time of the preparation.
+        compiled: specialisations compiled (a first run on this machine, or after the kernel's code changed).
+        loaded: specialisations loaded from the disk cache.
+        cache_dir: where numba keeps them.
+        finished_at: ``time.monotonic()`` when it ended (the clock of Lightning's ``Timer``).
+    """
+
+    seconds: float
+    compiled: int
+    loaded: int
+    cache_dir: str
+    finished_at: float
+
+
+_PREPARED: set[tuple[bool, bool]] = set()  # the specialisations already made ready in this process
+
+
+def _specialisation(model: SimpleXModule) -> tuple[bool, bool]:
+    """What selects a specialisation of the kernel: the plain-CCL form or not, and the row projection."""
+    c = model.config
+    plain = c.loss_name == "ccl" and c.grad_clip_value is None
+    return plain, c.row_norm is not None
+
+
+def prepare_kernels(model: SimpleXModule) -> Preparation | None:
+    """Compile (or load from the disk cache) the kernels ``model``'s training will call, before training starts.
+
+    numba compiles a kernel on its first call, about a minute for the fused step; called from the fused backend's
+    ``setup``, this happens before Lightning's ``Trainer`` starts the clock that ``max_time`` counts (its ``Timer``
+    starts at ``on_train_start``), so a time budget buys training, not compilation. It runs one step on a tiny copy of
+    the model's settings (the same argument types, so the same specialisation) and says, once per process, what it
+    did and how long it took. Returns ``None`` when this process already prepared the same specialisation.
+    """
+    key = _specialisation(model)
+    if key in _PREPARED:
+        return None
+    from lightning_sdp.kernels import cf_numba
+
+    rank_zero_info(
+        "SimpleXModule: preparing HEAT's fused kernel before training starts: numba compiles it once per "
+        f"configuration (about a minute) and caches it in {cf_numba.cache_dir()}."
+    )
+    before = cf_numba.compile_counts()
+    start = time.perf_counter()
+    _tiny_step(model)
+    if model.config.row_norm is not None:
+        cf_numba.project_rows(np.ones((2, model.config.dim), np.float32), 1.0)
+    seconds = time.perf_counter() - start
+    after = cf_numba.compile_counts()
+    done = Preparation(seconds, after[0] - before[0], after[1] - before[1], cf_numba.cache_dir(), time.monotonic())
+    _PREPARED.add(key)
+    if done.compiled:
+        how = "compiled (once: later runs load it from the cache)"
+    elif done.loaded:
+        how = "loaded from the cache"
+    else:
+        how = "already in memory"
+    rank_zero_info(f"SimpleXModule: the fused kernel was {how} in {done.seconds:.1f} s.")
+    return done
+
+
+def _tiny_step(model: SimpleXModule) -> None:
+    """One fused step on a 2-user, 3-item copy of ``model``'s settings: the argument types of a real step."""
+    from lightning_sdp.kernels import cf_numba
+
+    c, d = model.config, model.config.dim
+    rng = np.random.default_rng(0)
+    tables = cf_numba.Tables(
+        rng.normal(size=(2, d)).astype(np.float32),
+        rng.normal(size=(3, d)).astype(np.float32),
+        np.eye(d, dtype=np.float32),
+        *(np.ascontiguousarray(a.copy()) for a in model_tables(model)[3:]),
+    )
+    batch = cf_numba.Batch(np.array([0], np.int64), np.array([0], np.int64))
+    history = cf_numba.History(np.array([0, 1, 1], np.int64), np.array([1], np.int64))
+    width = model.sampler_tiles.shape[1]
+    adagrad = c.optimizer_name == "rowwise_adagrad"
+    buffered = False
+    state = cf_numba.StepState(
+        np.arange(1, 2, dtype=np.int64),
+        np.zeros((1, width), np.int64),
+        np.zeros(1, np.int64),
+        np.zeros(1, np.float32),
+        np.zeros(2 if adagrad else 0, np.float32),
+        np.zeros(3 if adagrad else 0, np.float32),
+        np.zeros((2, d) if buffered else (0, 0), np.float32),
+        np.zeros((3, d) if buffered else (0, 0), np.float32),
+    )
+    settings = step_settings(model, 0.0, 0.0, 1)
+    cf_numba.fused_sgd_step(tables, batch, history, state, settings)
 
 
 def project_rows(table: Tensor, norm: float) -> None:

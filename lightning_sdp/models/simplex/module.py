@@ -211,6 +211,8 @@ class SimpleXModule(LightningModule):
         self._raw_user_ids: Tensor | None = None  # row -> id in the data file (CSV/TSV input), see set_raw_ids
         self._raw_item_ids: Tensor | None = None
         self.predict_k: int | None = None  # items per user in predict_step; None uses k
+        # what the fused backend's set-up did to make the kernel ready (compiled or loaded, seconds), if anything
+        self.kernel_preparation: kernel.Preparation | None = None
         self._batch_start = 0.0
         self.log_window = StepLogWindow()  # the fused backend's statistics between two logged steps
         self.val_recall, self.val_ndcg = RecallAtK(k), NDCGAtK(k)

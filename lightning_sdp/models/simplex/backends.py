@@ -58,14 +58,32 @@ class ReferenceBackend(SimpleXBackend):
     ) -> Tensor:
         config = model.config
         model.check_ids(users, items)
-        negatives = torch.randint(0, model.num_items, (len(users), config.num_negatives), generator=model.generator)
+        negatives = ref.sample_negatives(
+            items, config.num_negatives, model.num_items, model.generator, config.negatives_exclude_positive
+        )
         masks = None
         if config.dropout > 0:  # drawn after the negatives, so runs without dropout keep their random stream
             keep = torch.rand(len(users), config.dim, generator=model.generator) >= config.dropout
             masks = keep.to(torch.float32) / (1.0 - config.dropout)
         objective, per_sample = model.reference_loss(users, items, negatives, dropout_mask=masks, weights=weights)
+        if config.grad_clip_mode == "row_buffer":  # every row the batch touches steps through its buffer
+            self._touch(model, users, items, negatives)
         model.log("train/loss", per_sample.mean().detach(), prog_bar=True)
         return objective
+
+    @staticmethod
+    def _touch(model: SimpleXModule, users: Tensor, items: Tensor, negatives: Tensor) -> None:
+        """Tell the row-buffer optimiser which user and item rows this batch touches."""
+        opt = cast("LightningOptimizer", model.optimizers()).optimizer
+        assert isinstance(opt, ref.RowBufferSGD)  # SimpleXConfig allows row buffers with SGD only
+        user_emb, item_emb = model.tables()
+        touched = [items, negatives.reshape(-1)]
+        if model.config.uses_history:
+            history = model.histories()
+            rows = [history.indices[history.indptr[u] : history.indptr[u + 1]] for u in users.tolist()]
+            touched.append(torch.from_numpy(np.concatenate(rows)))
+        opt.touch(user_emb.weight, users.unique())
+        opt.touch(item_emb.weight, torch.cat(touched).unique())
 
     @override
     def project_rows(self, table: Tensor, norm: float) -> None:

@@ -12,6 +12,7 @@ Backend = Literal["fused", "reference"]
 Optimizer = Literal["auto", "adam", "sgd", "rowwise_adagrad"]
 Loss = Literal["ccl", "softmax"]
 Auto = Literal["auto"]
+ClipMode = Literal["sample", "row_buffer"]
 
 _DEFAULT_LR = {"adam": 1e-4, "sgd": 0.05, "rowwise_adagrad": 0.1}
 
@@ -54,6 +55,8 @@ class SimpleXConfig:
     loss: Loss | Auto = "auto"
     temperature: float = 0.07
     grad_clip: float | Auto | None = "auto"
+    grad_clip_mode: ClipMode = "sample"
+    negatives_exclude_positive: bool = True
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -88,6 +91,13 @@ class SimpleXConfig:
         number = isinstance(clip, (int, float)) and not isinstance(clip, bool)
         if clip != "auto" and clip is not None and not number:
             self._fail(f"grad_clip must be a positive number, None (no clipping) or 'auto', got {clip!r}.")
+        if self.grad_clip_mode not in ("sample", "row_buffer"):
+            self._fail(f"grad_clip_mode must be 'sample' or 'row_buffer', got {self.grad_clip_mode!r}.")
+        if self.grad_clip_mode == "row_buffer" and (clip == "auto" or clip is None or self.optimizer_name != "sgd"):
+            self._fail(
+                "grad_clip_mode='row_buffer' (HEAT's running gradient buffers) clips those buffers: it needs a numeric "
+                f"grad_clip and optimizer='sgd', got grad_clip={clip!r}, optimizer={self.optimizer!r}."
+            )
         if self.grad_clip_value is not None and self.uses_history and self.aggregator != "mean":
             # the attention keys pass gradient to the item rows summed over a batch, not sample by sample
             self._fail(

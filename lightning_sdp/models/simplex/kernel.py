@@ -72,10 +72,11 @@ def step_settings(model: SimpleXModule, lr: float, aggregator_lr: float | None, 
         tile_refresh=int(c.tile_refresh) if c.sampler == "tile" else 0,
         v_sync=int(c.v_sync),
         num_chunks=chunks,
-        exclude_positive=False,
+        exclude_positive=bool(c.negatives_exclude_positive),
         loss=cf_numba.LOSSES[c.loss_name],
         temperature=float(c.temperature),
         grad_clip=0.0 if c.grad_clip_value is None else float(c.grad_clip_value),
+        clip_mode=cf_numba.CLIP_MODES[c.grad_clip_mode],
     )
 
 
@@ -275,7 +276,7 @@ def _tiny_step(model: SimpleXModule) -> None:
     history = cf_numba.History(np.array([0, 1, 1], np.int64), np.array([1], np.int64))
     width = model.sampler_tiles.shape[1]
     adagrad = c.optimizer_name == "rowwise_adagrad"
-    buffered = False
+    buffered = c.grad_clip_mode == "row_buffer"
     state = cf_numba.StepState(
         np.arange(1, 2, dtype=np.int64),
         np.zeros((1, width), np.int64),

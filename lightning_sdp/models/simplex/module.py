@@ -94,7 +94,9 @@ class SimpleXModule(LightningModule):
             items redrawn every ``tile_refresh`` samples); the tile sampler exists only in the fused backend.
         tile_size: items per tile. Default 512.
         tile_refresh: samples between tile redraws. Default 2048.
-        v_sync: the fused kernel applies each thread's aggregator gradients every this many samples. Default 32.
+        v_sync: the fused kernel applies the sum of each thread's aggregator gradients every this many samples
+            (per-sample SGD on ``V``, delayed). HEAT's code applies their mean every 32 samples, the same step at
+            ``aggregator_lr_scale=1 / v_sync``; the reference backend steps by the batch mean. Default 32.
         aggregator_lr_scale: learning rate of the aggregator parameters (``V``, ``W_k``, ``b_k``, ``q``: shared by
             every sample, so per-sample SGD moves them far more often than any row) relative to ``lr``. Default 1.0.
         aggregator_weight_decay: L2 on ``V`` per sample (both backends). With many negatives, per-sample SGD grows
@@ -110,18 +112,31 @@ class SimpleXModule(LightningModule):
             else ``"ccl"`` (:mod:`~lightning_sdp.models.simplex.auto`), logged and saved as a hyper-parameter.
             Default ``"auto"``.
         temperature: softmax temperature (``loss="softmax"`` only; HEAT's code uses 0.07). Default 0.07.
-        grad_clip: clip each coordinate of every embedding row's per-sample gradient (user, positive, negatives,
-            history rows; loss plus weight decay) to ``[-grad_clip, grad_clip]`` before the update, as HEAT's SGD
-            does; either loss, both backends (the reference clips each sample's gradient, then averages). Not
-            Lightning's ``gradient_clip_val`` (batch gradient). ``V`` is not clipped; with ``g < 1`` it needs the
-            mean aggregator. ``None``: off; ``"auto"``: 0.1 (HEAT's Gowalla value) under the softmax loss, else off.
-            Default ``"auto"``.
+        grad_clip: clip each coordinate of the embedding rows' gradients (user, positive, negatives, history rows;
+            loss plus weight decay) to ``[-grad_clip, grad_clip]`` before the update, in the way ``grad_clip_mode``
+            says; either loss, both backends. Not Lightning's ``gradient_clip_val`` (batch gradient). ``V`` is not
+            clipped; with ``g < 1`` it needs the mean aggregator. ``None``: off; ``"auto"``: 0.1 (HEAT's Gowalla
+            value) under the softmax loss, else off. Default ``"auto"``.
+        grad_clip_mode: ``"sample"`` (ours): clip the gradient each sample gives a row, then step (the reference
+            clips each sample's gradient, then averages). ``"row_buffer"`` (HEAT's code: ``sgd.cpp``,
+            ``matrix_factorization.cpp``, ``engine.cpp`` of hipdac-lab/ICS23-HEAT): every row keeps a running
+            gradient buffer; a sample adds its gradient to the buffer of each row it touches, the buffer is
+            clipped in place and the row steps by ``lr`` times the buffer, even when that sample's gradient is 0;
+            the buffers are cleared at the start of each epoch, so earlier samples' gradients keep moving a row
+            until then. Needs a numeric ``grad_clip`` and ``optimizer="sgd"``; the reference applies it per batch to
+            the batch gradient (HEAT's rule exactly with one sample per batch). Default ``"sample"``.
+        negatives_exclude_positive: never draw a sample's positive among its negatives (a draw that hits it is
+            replaced by a uniform draw among the other items, in both backends). HEAT's sampler skips such a draw
+            and keeps that slot's negative from the thread's previous sample instead. ``False`` draws from every
+            item. Default ``True``.
     """
 
     # buffers registered in __init__; declared so type checkers see Tensors, not nn.Module.__getattr__'s union
     sampler_rng: Tensor
     sampler_tiles: Tensor
     sampler_tile_left: Tensor
+    clip_buffer_user: Tensor
+    clip_buffer_item: Tensor
 
     def __init__(
         self,
@@ -154,6 +169,8 @@ class SimpleXModule(LightningModule):
         loss: Loss | Literal["auto"] = "auto",
         temperature: float = 0.07,
         grad_clip: float | Literal["auto"] | None = "auto",
+        grad_clip_mode: Literal["sample", "row_buffer"] = "sample",
+        negatives_exclude_positive: bool = True,
     ) -> None:
         super().__init__()
         self.config = SimpleXConfig(
@@ -186,6 +203,8 @@ class SimpleXModule(LightningModule):
             loss=loss,
             temperature=temperature,
             grad_clip=grad_clip,
+            grad_clip_mode=grad_clip_mode,
+            negatives_exclude_positive=negatives_exclude_positive,
         )
         self.save_hyperparameters()
         self.backend = make_backend(backend)
@@ -201,6 +220,9 @@ class SimpleXModule(LightningModule):
         tile_width = tile_size if sampler == "tile" else 0
         self.register_buffer("sampler_tiles", torch.zeros(kernel.MAX_CHUNKS, tile_width, dtype=torch.long))
         self.register_buffer("sampler_tile_left", torch.zeros(kernel.MAX_CHUNKS, dtype=torch.long))
+        # HEAT's running gradient buffers (grad_clip_mode="row_buffer"); (0, dim) otherwise
+        self.register_buffer("clip_buffer_user", torch.zeros(0, dim))
+        self.register_buffer("clip_buffer_item", torch.zeros(0, dim))
         self.generator = torch.Generator().manual_seed(seed)
         if num_users is not None and num_items is not None:
             self._build_tables(num_users, num_items)
@@ -243,6 +265,9 @@ class SimpleXModule(LightningModule):
         with torch.no_grad():
             self.user_embedding.weight.normal_(0.0, self.config.initial_std, generator=gen)
             self.item_embedding.weight.normal_(0.0, self.config.initial_std, generator=gen)
+        if self.config.grad_clip_mode == "row_buffer":
+            self.clip_buffer_user = torch.zeros(num_users, d)
+            self.clip_buffer_item = torch.zeros(num_items, d)
         self.hparams["num_users"], self.hparams["num_items"] = num_users, num_items
 
     @property
@@ -330,6 +355,11 @@ class SimpleXModule(LightningModule):
             if raw_users is not None and raw_items is not None:
                 self.set_raw_ids(raw_users, raw_items)
         self.tables()
+        if self.config.negatives_exclude_positive and self.num_items < 2:
+            raise ValueError(
+                "SimpleXModule: negatives_exclude_positive=True needs at least 2 items (a negative other than the "
+                f"positive), but there are {self.num_items}; add items or pass negatives_exclude_positive=False."
+            )
         self.backend.setup(self, self.trainer.world_size if self._trainer is not None else 1)
 
     @override
@@ -359,6 +389,10 @@ class SimpleXModule(LightningModule):
         if name == "rowwise_adagrad":
             groups[1]["rowwise"] = False  # the aggregator is shared by every sample: plain SGD, as in the kernel
             return ref.RowWiseAdagrad(groups, lr=lr, eps=self.config.adagrad_eps)
+        if self.config.grad_clip_mode == "row_buffer" and self.backend.automatic_optimization:
+            groups[1]["rowwise"] = False
+            buffers = {id(user_emb.weight): self.clip_buffer_user, id(item_emb.weight): self.clip_buffer_item}
+            return ref.RowBufferSGD(groups, buffers, float(self.config.grad_clip_value or 0.0), lr=lr)
         # For the fused backend the optimiser only carries the learning rates (schedulers may change them); the
         # kernel applies the updates itself.
         return torch.optim.SGD(groups, lr=lr)
@@ -424,7 +458,7 @@ class SimpleXModule(LightningModule):
             dropout_mask,
             loss=c.loss_name,
             temperature=c.temperature,
-            grad_clip=c.grad_clip_value,
+            grad_clip=None if c.grad_clip_mode == "row_buffer" else c.grad_clip_value,  # the buffers clip instead
             sample_weight=weights,
         )
 
@@ -475,9 +509,14 @@ class SimpleXModule(LightningModule):
         )
 
     def clip_buffers(self) -> tuple[Tensor, Tensor]:
-        """The running gradient buffers of the user and item rows (``grad_clip_mode="row_buffer"``), else empty."""
-        empty = torch.zeros(0, 0)
-        return empty, empty
+        """The running gradient buffers of the user and item rows (``grad_clip_mode="row_buffer"``), else ``(0, d)``."""
+        return self.clip_buffer_user, self.clip_buffer_item
+
+    @override
+    def on_train_epoch_start(self) -> None:
+        # HEAT clears its gradient buffers once per epoch (engine.cpp: zero_grad after the epoch's pass)
+        for buffer in self.clip_buffers():
+            buffer.zero_()
 
     def describe_bad_user_vector(self, user: int) -> str:
         """Which input of user ``user``'s vector holds a NaN or infinity: its row, a history row or the aggregator."""
@@ -959,8 +998,13 @@ class SimpleXModule(LightningModule):
             "item_embedding.weight": None if self.item_embedding is None else tuple(self.item_embedding.weight.shape),
             "aggregator": tuple(self.aggregator.shape),
             "sampler_tiles": tuple(self.sampler_tiles.shape),
+            "clip_buffer_user": None if self.user_embedding is None else tuple(self.clip_buffer_user.shape),
+            "clip_buffer_item": None if self.item_embedding is None else tuple(self.clip_buffer_item.shape),
         }
         expected.update({name: tuple(p.shape) for name, p in self.named_parameters() if name.startswith("attention_")})
+        if self.config.grad_clip_mode == "sample":  # checkpoints written before the buffers existed hold none
+            for name in ("clip_buffer_user", "clip_buffer_item"):
+                state.setdefault(name, torch.zeros(0, self.config.dim))
         for name, shape in expected.items():
             if name not in state:
                 raise ValueError(
@@ -968,13 +1012,13 @@ class SimpleXModule(LightningModule):
                     f"(aggregator={self.config.aggregator!r}). Build the model with the checkpoint's settings."
                 )
             got = tuple(state[name].shape)
-            if shape is None and name in ("user_embedding.weight", "item_embedding.weight"):
+            if shape is None:  # the tables (and their buffers) are built from the checkpoint's shapes below
                 continue
             if got != shape:
                 raise ValueError(
                     f"SimpleXModule: checkpoint {name!r} has shape {got} but this model has {shape}; the checkpoint "
-                    "comes from a different configuration (num_users, num_items, dim or tile_size). Build the model "
-                    "with the checkpoint's settings."
+                    "comes from a different configuration (num_users, num_items, dim, tile_size or grad_clip_mode). "
+                    "Build the model with the checkpoint's settings."
                 )
         extra_attention = sorted(n for n in state if n.startswith("attention_") and n not in expected)
         if extra_attention:

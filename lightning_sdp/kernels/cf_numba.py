@@ -87,9 +87,10 @@ FAILED_USER_VECTOR = 0
 FAILED_POSITIVE = 1
 FAILED_NEGATIVE = 2
 
-# numba's fastmath without "nnan" and "ninf": with those LLVM may assume no NaN or infinity exists and drop the
-# finiteness checks; the flags kept are the ones that let it vectorise the dot products
-_FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
+# numba's fastmath without "nnan" and "ninf" (with them LLVM assumes no NaN or infinity exists and drops the
+# finiteness checks) and without "nsz" (with "reassoc" it dropped them too, in numba 0.68's prange bodies; the kernel
+# tests catch it); "reassoc" is what lets it vectorise the dot products
+_FASTMATH = {"arcp", "contract", "afn", "reassoc"}
 
 
 @njit(inline="always")

@@ -267,7 +267,7 @@ def test_config_validates_the_loss_options():
 
     assert SimpleXConfig().loss == "auto" and SimpleXConfig().grad_clip == "auto"  # chosen from the data
     assert SimpleXConfig().loss_name == "ccl" and SimpleXConfig().grad_clip_value is None  # before any data
-    with pytest.raises(ValueError, match="temperature must be positive"):
+    with pytest.raises(ValueError, match="temperature must be a positive number"):
         SimpleXModule(loss="softmax", temperature=0.0)
     with pytest.raises(ValueError, match="grad_clip must be positive"):
         SimpleXModule(grad_clip=-0.1)

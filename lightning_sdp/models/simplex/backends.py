@@ -66,6 +66,8 @@ class ReferenceBackend(SimpleXBackend):
             keep = torch.rand(len(users), config.dim, generator=model.generator) >= config.dropout
             masks = keep.to(torch.float32) / (1.0 - config.dropout)
         objective, per_sample = model.reference_loss(users, items, negatives, dropout_mask=masks, weights=weights)
+        if not bool(torch.isfinite(per_sample).all()):  # before backward: no update spreads the bad value
+            raise FloatingPointError(_describe_bad_sample(model, users, items, negatives, per_sample))
         if config.grad_clip_mode == "row_buffer":  # every row the batch touches steps through its buffer
             self._touch(model, users, items, negatives)
         model.log("train/loss", per_sample.mean().detach(), prog_bar=True)
@@ -88,6 +90,25 @@ class ReferenceBackend(SimpleXBackend):
     @override
     def project_rows(self, table: Tensor, norm: float) -> None:
         ref.project_rows(table, norm)
+
+
+def _describe_bad_sample(
+    model: SimpleXModule, users: Tensor, items: Tensor, negatives: Tensor, per_sample: Tensor
+) -> str:
+    """Which row the first sample with a non-finite loss read a NaN or infinity from (the reference's check)."""
+    at = int(torch.nonzero(~torch.isfinite(per_sample))[0])
+    user, item = int(users[at]), int(items[at])
+    table = model.tables()[1].weight.detach()
+    if not bool(torch.isfinite(table[item]).all()):
+        culprit = f"item row {item} (its positive)"
+    else:
+        bad = [int(j) for j in negatives[at] if not bool(torch.isfinite(table[j]).all())]
+        culprit = f"item row {bad[0]} (one of its negatives)" if bad else model.describe_bad_user_vector(user)
+    return (
+        f"SimpleXModule: the positive (user {user}, item {item}) at position {at} of the batch has a NaN or infinite "
+        f"loss at step {model.global_step}, read from {culprit}; the step was not applied. A row goes bad when it "
+        "is set so or when the updates diverge: lower lr, or check the values you loaded."
+    )
 
 
 class FusedBackend(SimpleXBackend):

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, NoReturn
 
+import numpy as np
+
 from lightning_sdp.models.simplex.auto import SOFTMAX_GRAD_CLIP, InteractionStats, auto_settings
 
 Aggregator = Literal["mean", "user_attention", "self_attention"]
@@ -131,8 +133,13 @@ class SimpleXConfig:
             self._fail(f"aggregator_weight_decay must be >= 0, got {self.aggregator_weight_decay}.")
         if not 0.0 <= self.dropout < 1.0:
             self._fail(f"dropout must be in [0, 1), got {self.dropout}.")
-        if not self.temperature > 0:
-            self._fail(f"temperature must be positive, got {self.temperature}.")
+        with np.errstate(divide="ignore", over="ignore"):
+            inverse = np.float32(1.0) / np.float32(self.temperature)
+        if not (self.temperature > 0 and np.isfinite(self.temperature) and np.isfinite(inverse)):
+            self._fail(
+                f"temperature must be a positive number whose inverse is finite in float32 (the kernels divide by it), "
+                f"got {self.temperature}; use e.g. 0.07 (HEAT's), between about 1e-38 and 1e38."
+            )
         if self.grad_clip_value is not None and not self.grad_clip_value > 0:
             self._fail(f"grad_clip must be positive, None (no clipping) or 'auto', got {self.grad_clip}.")
 

@@ -36,6 +36,7 @@ from lightning_sdp.models.simplex.recommend import (
     Recommendations,
     as_ids,
     candidate_rows,
+    check_finite_rows,
     checked_known_csr,
     known_within,
     remaining_items,
@@ -534,7 +535,7 @@ class SimpleXModule(LightningModule):
             for name, param in params:
                 if not bool(torch.isfinite(param).all()):
                     return name
-        return f"user {user}'s vector (its inputs are finite: the aggregation overflowed)"
+        return f"user {user}'s vector (its inputs are finite: the computation overflowed)"
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -585,9 +586,13 @@ class SimpleXModule(LightningModule):
         )
 
     def _normalized_items(self) -> Tensor:
+        """The L2-normalised item rows; raises naming the rows that hold NaN or infinite values (they would outrank
+        every item)."""
         if self._item_normalized is not None:
             return self._item_normalized
-        return F.normalize(self.tables()[1].weight.detach(), dim=-1, eps=1e-12)
+        table = self.tables()[1].weight.detach()
+        check_finite_rows(table, "item row")
+        return F.normalize(table, dim=-1, eps=1e-12)
 
     @torch.no_grad()
     def score(self, users: Tensor) -> Tensor:
@@ -614,8 +619,10 @@ class SimpleXModule(LightningModule):
         else:
             history = self.histories()
             known = batch_csr(history.train_indptr, history.train_indices, users)
+        vectors = self.user_vectors(users)
+        check_finite_rows(vectors, "user vector", users)
         hits, num_relevant = rank_and_score(
-            self.user_vectors(users),
+            vectors,
             self._normalized_items(),
             batch["test_indptr"],
             batch["test_items"],
@@ -633,7 +640,7 @@ class SimpleXModule(LightningModule):
 
     @override
     def on_validation_epoch_start(self) -> None:
-        self._item_normalized = F.normalize(self.tables()[1].weight.detach(), dim=-1, eps=1e-12)
+        self._item_normalized = self._normalized_items()
 
     @override
     def on_test_epoch_start(self) -> None:
@@ -787,6 +794,7 @@ class SimpleXModule(LightningModule):
         """
         if as_ids(items, "item").numel() == 0:
             raise ValueError("SimpleXModule: a new user needs at least one item to be folded in.")
+        self._normalized_items()  # raises, naming them, if item rows hold NaN or infinite values
         return fold_in_user(self, self._item_rows(items, raw_ids), steps)
 
     def recommend_for_new_user(
@@ -887,6 +895,7 @@ class SimpleXModule(LightningModule):
                 "but the model holds none; call model.set_interactions(*dm.train_csr) (or fit with the datamodule)."
             )
         vectors = self.user_vectors(rows.to(self.tables()[0].weight.device))
+        check_finite_rows(vectors, "user vector", rows if names is None else names)
         return self._rank(vectors, k, known, candidates, item_chunk, ("user", rows if names is None else names))
 
     def _rank(

@@ -372,3 +372,22 @@ def test_a_weighted_csv_trains_through_the_trainer(tmp_path, backend):
     trainer = _trainer(tmp_path)
     trainer.fit(model, dm)
     assert trainer.global_step > 0 and np.isfinite(float(trainer.callback_metrics["val/recall@20"]))
+
+
+# ---------------------------------------------------------------------------------------------- options
+@pytest.mark.parametrize(
+    ("kwargs", "error", "words"),
+    [
+        ({"margin": "0.9"}, TypeError, "SimpleXModule: margin must be a number, got '0.9' (str)."),
+        ({"num_negatives": "64"}, TypeError, "SimpleXModule: num_negatives must be an int, got '64' (str)."),
+        ({"negatives_exclude_positive": 1}, TypeError, "negatives_exclude_positive must be a bool"),
+        ({"backend": "fuse"}, ValueError, "SimpleXModule: backend must be one of 'fused', 'reference', got 'fuse'."),
+        ({"grad_clip_mode": "buffer"}, ValueError, "grad_clip_mode must be one of 'sample', 'row_buffer'"),
+        ({"loss": "bpr"}, ValueError, "loss must be one of 'ccl', 'softmax', 'auto', got 'bpr'."),
+        ({"num_negatives": 0}, ValueError, "num_negatives and k must be positive"),
+    ],
+)
+def test_options_are_checked_by_the_one_checker_naming_the_option(kwargs, error, words):
+    with pytest.raises(error) as info:
+        SimpleXModule(**kwargs)
+    assert words in str(info.value)

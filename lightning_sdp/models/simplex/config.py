@@ -7,6 +7,7 @@ from typing import Any, Literal, NoReturn
 
 import numpy as np
 
+from lightning_sdp._options import check_options
 from lightning_sdp.models.simplex.auto import SOFTMAX_GRAD_CLIP, InteractionStats, auto_settings
 
 Aggregator = Literal["mean", "user_attention", "self_attention"]
@@ -23,7 +24,9 @@ _DEFAULT_LR = {"adam": 1e-4, "sgd": 0.05, "rowwise_adagrad": 0.1}
 class SimpleXConfig:
     """Every argument of :class:`~lightning_sdp.models.simplex.SimpleXModule` (see its docstring for each one).
 
-    Construction validates the values and raises a ``ValueError`` that names the argument; :attr:`optimizer_name`,
+    Construction checks every argument against its annotation (:func:`lightning_sdp._options.check_options`: a
+    ``TypeError`` for a wrong type, a ``ValueError`` for a choice it does not offer), then the ranges and
+    combinations (a ``ValueError`` that names the argument); :attr:`optimizer_name`,
     :attr:`learning_rate` and :attr:`initial_std` resolve the ``"auto"`` / ``None`` defaults, which depend on the
     backend.
     """
@@ -61,40 +64,24 @@ class SimpleXConfig:
     negatives_exclude_positive: bool = True
 
     def __post_init__(self) -> None:
-        self._check_choices()
+        check_options(self, "SimpleXModule")  # types and Literal choices: TypeError / ValueError naming the option
+        self._check_combinations()
         self._check_sizes()
         self._check_rates()
 
     def _fail(self, message: str) -> NoReturn:
         raise ValueError(f"SimpleXModule: {message}")
 
-    def _check_choices(self) -> None:
-        """The string options, and the combinations the fused kernel cannot run."""
-        if self.backend not in ("fused", "reference"):
-            self._fail(f"backend must be 'fused' or 'reference', got {self.backend!r}.")
-        if self.aggregator not in ("mean", "user_attention", "self_attention"):
-            self._fail(f"aggregator must be 'mean', 'user_attention' or 'self_attention', got {self.aggregator!r}.")
-        if self.optimizer not in ("auto", "adam", "sgd", "rowwise_adagrad"):
-            self._fail(f"optimizer must be 'auto', 'adam', 'sgd' or 'rowwise_adagrad', got {self.optimizer!r}.")
+    def _check_combinations(self) -> None:
+        """The combinations of choices the backends cannot run."""
         if self.backend == "fused" and self.optimizer_name == "adam":
             self._fail(
                 "the fused backend updates rows in place per sample; use optimizer='sgd' or 'rowwise_adagrad' "
                 "(Adam's per-coordinate state is not kept by the kernel)."
             )
-        if self.lr_schedule not in ("constant", "linear"):
-            self._fail(f"lr_schedule must be 'constant' or 'linear', got {self.lr_schedule!r}.")
-        if self.sampler not in ("uniform", "tile"):
-            self._fail(f"sampler must be 'uniform' or 'tile', got {self.sampler!r}.")
         if self.sampler == "tile" and self.backend != "fused":
             self._fail("the tile sampler is part of the fused kernel; use backend='fused'.")
-        if self.loss not in ("auto", "ccl", "softmax"):
-            self._fail(f"loss must be 'auto', 'ccl' or 'softmax', got {self.loss!r}.")
         clip = self.grad_clip
-        number = isinstance(clip, (int, float)) and not isinstance(clip, bool)
-        if clip != "auto" and clip is not None and not number:
-            self._fail(f"grad_clip must be a positive number, None (no clipping) or 'auto', got {clip!r}.")
-        if self.grad_clip_mode not in ("sample", "row_buffer"):
-            self._fail(f"grad_clip_mode must be 'sample' or 'row_buffer', got {self.grad_clip_mode!r}.")
         if self.grad_clip_mode == "row_buffer" and (clip == "auto" or clip is None or self.optimizer_name != "sgd"):
             self._fail(
                 "grad_clip_mode='row_buffer' (HEAT's running gradient buffers) clips those buffers: it needs a numeric "

@@ -193,3 +193,13 @@ def test_temperature_quick_scores_every_schedule_on_validation() -> None:
         (label, epochs) for label in ("0.07", "0.15", "0.15->0.07") for epochs in (2.0, 4.0)
     ]
     assert all(0.0 < r["val_recall@20"] <= 1.0 and r["steps"] >= 1 for r in rows)
+
+
+@pytest.mark.bench
+@pytest.mark.slow
+def test_recipe_candidates_quick_scores_each_change_of_the_anchor_on_validation() -> None:
+    from benchmarks import heat_recipe_candidates
+
+    rows = heat_recipe_candidates.main(["--quick"])["rows"]
+    assert [r["candidate"] for r in rows] == ["anchor", "svd", "T=0.1", "T=0.15"]  # dense: softmax, temperatures too
+    assert all(0 < r["val_recall@20"] <= 1 and r["loss"] == "softmax" for r in rows)

@@ -391,3 +391,47 @@ def test_options_are_checked_by_the_one_checker_naming_the_option(kwargs, error,
     with pytest.raises(error) as info:
         SimpleXModule(**kwargs)
     assert words in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------- SVD warm start
+def test_svd_factors_are_the_truncated_svd_of_the_normalised_matrix():
+    from lightning_sdp.models.simplex.svd_init import svd_factors
+
+    rng = np.random.default_rng(0)
+    dense = (rng.random((40, 30)) < 0.2).astype(np.float64)
+    dense[:, 29] = 0.0  # an item nobody has
+    dense[0] = 0.0  # a user without items
+    indptr = np.concatenate([[0], np.cumsum(dense.sum(1))]).astype(np.int64)
+    indices = np.nonzero(dense)[1].astype(np.int64)
+    users, items = svd_factors(indptr, indices, 30, 8, seed=0)
+    du, di = dense.sum(1, keepdims=True), dense.sum(0, keepdims=True)
+    normalised = dense / np.sqrt(np.where(du > 0, du, 1)) / np.sqrt(np.where(di > 0, di, 1))
+    u, s, vt = np.linalg.svd(normalised)
+    best = (u[:, :8] * s[:8]) @ vt[:8]  # the best rank-8 approximation (Eckart-Young)
+    got = (users @ items.T).double().numpy()
+    # a randomized SVD: its error is within a few percent of the best rank-8 approximation's
+    assert np.linalg.norm(normalised - got) <= 1.03 * np.linalg.norm(normalised - best)
+    assert np.linalg.norm(normalised - got) < 0.9 * np.linalg.norm(normalised)
+    assert not users[0].any() and not items[29].any()  # nothing to learn from: zero rows
+
+
+def test_init_svd_warm_starts_the_rows_at_the_normal_inits_norm(tmp_path):
+    from lightning_sdp.models.simplex.svd_init import svd_factors
+
+    dm = InteractionsDataModule(num_users=120, num_items=80, batch_size=256, seed=5)
+    dm.setup()
+    model = SimpleXModule(dm.num_users, dm.num_items, init="svd", **{**_SMALL, "backend": "reference"})
+    normal = model.item_embedding.weight.detach().clone()
+    model.set_interactions(*dm.train_csr)
+    users, items = svd_factors(*dm.train_csr, dm.num_items, 16, 0)
+    table = model.item_embedding.weight.detach()
+    has = items.norm(dim=1) > 0
+    torch.testing.assert_close(F.normalize(table[has], dim=1), F.normalize(items[has], dim=1))
+    torch.testing.assert_close(table[has].norm(dim=1), torch.full((int(has.sum()),), 1e-4 * 4.0))  # Adam's init_std
+    assert torch.equal(table[~has], normal[~has])  # items without interactions keep their normal start
+    ckpt = tmp_path / "svd.ckpt"
+    trainer = _trainer(tmp_path)
+    trainer.fit(model, dm)
+    trainer.save_checkpoint(ckpt)
+    loaded = SimpleXModule.load_from_checkpoint(ckpt)
+    assert torch.equal(loaded.item_embedding.weight, model.item_embedding.weight)  # the warm start did not overwrite

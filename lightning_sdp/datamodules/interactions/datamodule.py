@@ -288,6 +288,9 @@ class InteractionsDataModule(LightningDataModule):
         weight_column: CSV/TSV files only: the column (0-based index, or its header name) of each pair's positive
             value (e.g. a count), turned into the pair's weight as described above; ``None``: every pair weighs 1.
             A pair listed twice keeps its first row's value. Default ``None``.
+        drop_cold_test_users: leave test users without any training item out of the test set (with a logged
+            warning giving the count; their items stay known interactions) instead of refusing the data: no
+            collaborative-filtering model can rank for them (LightGCN's Last.fm split has two). Default ``False``.
     """
 
     def __init__(
@@ -308,6 +311,7 @@ class InteractionsDataModule(LightningDataModule):
         num_workers: int = 0,
         train_on_all: bool = False,
         weight_column: int | str | None = None,
+        drop_cold_test_users: bool = False,
     ) -> None:
         super().__init__()
         if batch_size <= 0:
@@ -341,6 +345,7 @@ class InteractionsDataModule(LightningDataModule):
         self.num_workers = num_workers
         self.train_on_all = train_on_all
         self.weight_column = weight_column
+        self.drop_cold_test_users = drop_cold_test_users
         self._num_users_arg = num_users
         self._num_items_arg = num_items
         self.num_users: int | None = None
@@ -449,13 +454,15 @@ class InteractionsDataModule(LightningDataModule):
         test_csr = to_csr(test.users, test.items, n_users)
         test_users = np.flatnonzero(np.diff(test_csr.indptr) > 0)
         no_train = test_users[np.diff(full_train.indptr)[test_users] == 0]
-        if len(no_train):
+        every = merge_csr(full_train, test_csr)  # a cold user's test items are still known interactions
+        if len(no_train) and not self.drop_cold_test_users:
             raise ValueError(
                 f"InteractionsDataModule: {len(no_train)} test user(s) have no training items (e.g. user "
                 f"{int(no_train[0])}); a collaborative-filtering model cannot rank for them. Remove them from the "
-                "test set."
+                "test set, or pass drop_cold_test_users=True to leave them out of the scores."
             )
-        every = merge_csr(full_train, test_csr)
+        if len(no_train):
+            test_csr, test_users = self._without_users(test_csr, no_train, n_users), np.setdiff1d(test_users, no_train)
         if self.train_on_all:  # nothing held out: the final fit once settings are chosen on the split
             full_train = every
             test_csr = to_csr(np.zeros(0, np.int64), np.zeros(0, np.int64), n_users)
@@ -481,6 +488,23 @@ class InteractionsDataModule(LightningDataModule):
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
+
+    @staticmethod
+    def _without_users(test: CSR, users: np.ndarray, n_users: int) -> CSR:
+        """``test`` without the rows of ``users`` (cold users: no training items), said in a logged warning."""
+        counts = test.counts()
+        drop = np.zeros(n_users, dtype=bool)
+        drop[users] = True
+        _log.warning(
+            "InteractionsDataModule: left %d test user(s) with no training items out of the test set (e.g. user %d, "
+            "%d test interaction(s) in all): no collaborative-filtering model can rank for them.",
+            len(users),
+            int(users[0]),
+            int(counts[users].sum()),
+        )
+        rows = np.repeat(np.arange(n_users), counts)
+        keep = ~drop[rows]
+        return to_csr(rows[keep], test.indices[keep], n_users)
 
     def _weights_of(self, users: np.ndarray, items: np.ndarray) -> np.ndarray | None:
         """The training weights of these pairs: ``log(1 + value)`` over its mean on them; ``None`` without weights."""

@@ -48,6 +48,7 @@ class SimpleXConfig:
     row_norm: float | None = None
     weight_decay: float = 0.0
     init_std: float | None = None
+    init: Literal["normal", "svd"] = "normal"
     sampler: Literal["uniform", "tile"] = "uniform"
     tile_size: int = 512
     tile_refresh: int = 2048

@@ -45,6 +45,7 @@ from lightning_sdp.models.simplex.recommend import (
     user_rows,
 )
 from lightning_sdp.models.simplex.step_log import StepLogWindow, is_log_step
+from lightning_sdp.models.simplex.svd_init import svd_factors, warm_start
 from lightning_sdp.schedules import LinearDecay
 
 
@@ -91,6 +92,10 @@ class SimpleXModule(LightningModule):
         weight_decay: L2 on the touched user, positive and negative rows (each occurrence). Default 0.
         init_std: standard deviation of the tables' normal initialisation; ``None`` gives 1e-4 for Adam (SimpleX)
             and 0.1 for SGD (a cosine loss's gradients scale as ``1/|e|``). Default ``None``.
+        init: ``"normal"``, or ``"svd"``: when the training interactions arrive (:meth:`set_interactions`, at
+            ``setup``), the user and item rows start from a truncated SVD of the normalised training matrix, at the
+            norm the normal initialisation has (:mod:`~lightning_sdp.models.simplex.svd_init`). Default
+            ``"normal"``.
         sampler: ``"uniform"`` over all items or ``"tile"`` (HEAT: each thread draws from a tile of ``tile_size``
             items redrawn every ``tile_refresh`` samples); the tile sampler exists only in the fused backend.
         tile_size: items per tile. Default 512.
@@ -158,6 +163,7 @@ class SimpleXModule(LightningModule):
         row_norm: float | None = None,
         weight_decay: float = 0.0,
         init_std: float | None = None,
+        init: Literal["normal", "svd"] = "normal",
         sampler: Literal["uniform", "tile"] = "uniform",
         tile_size: int = 512,
         tile_refresh: int = 2048,
@@ -192,6 +198,7 @@ class SimpleXModule(LightningModule):
             row_norm=row_norm,
             weight_decay=weight_decay,
             init_std=init_std,
+            init=init,
             sampler=sampler,
             tile_size=tile_size,
             tile_refresh=tile_refresh,
@@ -302,7 +309,7 @@ class SimpleXModule(LightningModule):
             raise RuntimeError("SimpleXModule: no training interactions; call set_interactions() or use a datamodule.")
         return self._histories
 
-    def set_interactions(self, indptr: np.ndarray, indices: np.ndarray) -> None:
+    def set_interactions(self, indptr: np.ndarray, indices: np.ndarray, warm_start_rows: bool = True) -> None:
         """Give the model the training interactions (CSR): histories and the items to mask when ranking.
 
         Called from :meth:`setup` with the datamodule's ``train_csr()``; call it yourself when training without an
@@ -311,6 +318,7 @@ class SimpleXModule(LightningModule):
         Args:
             indptr: ``(num_users + 1,)`` offsets.
             indices: item ids of each user's training items.
+            warm_start_rows: with ``init="svd"``, start the rows from the SVD of these interactions. Default ``True``.
         """
         if self.config.auto_fields:  # resolve them for these interactions, keep them as hyper-parameters, say why
             stats, fields = InteractionStats.from_csr(indptr, indices, self.num_items), self.config.auto_fields
@@ -321,6 +329,12 @@ class SimpleXModule(LightningModule):
         self._histories = UserHistories.from_csr(
             indptr, indices, self.num_users, self.num_items, c.max_history, c.seed, padded=c.uses_history
         )
+        if c.init == "svd" and warm_start_rows:  # a checkpoint resumed afterwards overwrites the warm start
+            users, items = svd_factors(
+                self._histories.train_indptr, self._histories.train_indices, self.num_items, c.dim, c.seed
+            )
+            for table, factors in zip(self.tables(), (users, items), strict=True):
+                warm_start(table.weight, factors, c.initial_std)
 
     def set_known(self, indptr: np.ndarray, indices: np.ndarray) -> None:
         """Give the model every interaction of the data (CSR), which :meth:`recommend` never returns by default.
@@ -1043,7 +1057,8 @@ class SimpleXModule(LightningModule):
             self.generator.set_state(extra["generator_state"])
             # a resumed fit already has them from the datamodule (setup runs first); load_from_checkpoint does not
             if self._histories is None and "train_indptr" in extra:
-                self.set_interactions(extra["train_indptr"].cpu().numpy(), extra["train_indices"].cpu().numpy())
+                csr = extra["train_indptr"].cpu().numpy(), extra["train_indices"].cpu().numpy()
+                self.set_interactions(*csr, warm_start_rows=False)  # the checkpoint's weights follow
             if self._known is None and "known_indptr" in extra:
                 self.set_known(extra["known_indptr"].cpu().numpy(), extra["known_indices"].cpu().numpy())
             if self._raw_user_ids is None and "raw_user_ids" in extra:

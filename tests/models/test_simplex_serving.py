@@ -435,3 +435,20 @@ def test_init_svd_warm_starts_the_rows_at_the_normal_inits_norm(tmp_path):
     trainer.save_checkpoint(ckpt)
     loaded = SimpleXModule.load_from_checkpoint(ckpt)
     assert torch.equal(loaded.item_embedding.weight, model.item_embedding.weight)  # the warm start did not overwrite
+
+
+def test_the_fused_backends_optimiser_only_carries_the_rates():
+    from lightning_sdp.models.simplex.backends import LearningRates
+
+    model = SimpleXModule(20, 10, dim=8, num_negatives=4, lr=0.3)
+    opt = model._optimizer()
+    assert isinstance(opt, LearningRates) and [g["lr"] for g in opt.param_groups] == [0.3, 0.3]
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)  # even with gradients, its step changes nothing: the kernel updated the rows
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 - step / 10)
+    opt.step()
+    schedule.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.27)

@@ -8,11 +8,13 @@ switches on the backend's name.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar, cast
 
 import numpy as np
 import torch
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 from typing_extensions import override
 
 from lightning_sdp.kernels import cf_reference as ref
@@ -109,6 +111,19 @@ def _describe_bad_sample(
         f"loss at step {model.global_step}, read from {culprit}; the step was not applied. A row goes bad when it "
         "is set so or when the updates diverge: lower lr, or check the values you loaded."
     )
+
+
+class LearningRates(torch.optim.Optimizer):
+    """The fused backend's optimiser: it carries the learning rates (so Lightning's schedulers and checkpoints work)
+    and its ``step`` does nothing, since the kernel already updated the rows; calling it only advances Lightning's
+    step counter. (An SGD step over parameters without gradients cost a share of a short fused step.)"""
+
+    def __init__(self, params: ParamsT, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        return None if closure is None else closure()
 
 
 class FusedBackend(SimpleXBackend):

@@ -26,7 +26,7 @@ from lightning_sdp.kernels import cf_reference as ref
 from lightning_sdp.metrics import NDCGAtK, RecallAtK
 from lightning_sdp.models.simplex import kernel
 from lightning_sdp.models.simplex.auto import InteractionStats, explain
-from lightning_sdp.models.simplex.backends import make_backend
+from lightning_sdp.models.simplex.backends import LearningRates, make_backend
 from lightning_sdp.models.simplex.config import Aggregator, Backend, Loss, Optimizer, SimpleXConfig
 from lightning_sdp.models.simplex.evaluation import DEFAULT_ITEM_CHUNK, batch_csr, rank_and_score
 from lightning_sdp.models.simplex.fold_in import DEFAULT_STEPS, fold_in_user
@@ -408,8 +408,9 @@ class SimpleXModule(LightningModule):
             groups[1]["rowwise"] = False
             buffers = {id(user_emb.weight): self.clip_buffer_user, id(item_emb.weight): self.clip_buffer_item}
             return ref.RowBufferSGD(groups, buffers, float(self.config.grad_clip_value or 0.0), lr=lr)
-        # For the fused backend the optimiser only carries the learning rates (schedulers may change them); the
-        # kernel applies the updates itself.
+        if not self.backend.automatic_optimization:
+            # the fused kernel applies the updates itself: the optimiser only carries the rates (schedulers change them)
+            return LearningRates(groups, lr=lr)
         return torch.optim.SGD(groups, lr=lr)
 
     # ------------------------------------------------------------------------------------------------ training

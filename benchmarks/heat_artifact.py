@@ -54,9 +54,8 @@ QUICK = {**ARTIFACT, "dim": 16, "negatives": 8, "history": 20}
 _WORKER = r"""
 import json, sys, time
 import numpy as np
-sys.path.insert(0, sys.argv[1])
-import cf_c  # the artifact's module; torch is never imported here
-data = np.load(sys.argv[2])
+import cf_c  # the artifact's module (its folder is on PYTHONPATH); torch is never imported here
+data = np.load(sys.argv[1])
 users, items, dim = int(data["num_users"]), int(data["num_items"]), int(data["dim"])
 pairs, his, masks = data["pairs"], data["history"], data["masks"]
 cfg = cf_c.modules.CFConfig(emb_dim=dim, num_negs=int(data["negatives"]), num_users=users, num_items=items,
@@ -88,10 +87,10 @@ class Artifact:
     """The artifact training in a worker process: one epoch per :meth:`epoch`, its rows by :meth:`rows`."""
 
     def __init__(self, module_dir: Path, data: Path, threads: int) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(module_dir)}
         env.pop("MKL_NUM_THREADS", None)
         self.process = subprocess.Popen(
-            [sys.executable, "-c", _WORKER, str(module_dir), str(data)],
+            [sys.executable, "-c", _WORKER, str(data)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

@@ -333,6 +333,10 @@ def report(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--source", type=Path, default=None, help="checkout or git directory of hipdac-lab/ICS23-HEAT")
+    parser.add_argument("--eigen", type=Path, default=None, help="Eigen 3 include folder (default: found or fetched)")
+    parser.add_argument(
+        "--pybind11", type=Path, default=None, help="pybind11 include folder (default: found or fetched)"
+    )
     parser.add_argument("--data", default=str(SHARED_DATA / "gowalla"), help="LightGCN folder (default: Gowalla)")
     parser.add_argument("--epochs", type=int, default=8, help="epochs of each system (the artifact's YAML: 8)")
     parser.add_argument("--threads", type=int, default=2)
@@ -346,7 +350,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.epochs = 2
     name = args.name or (f"{NAME}_quick" if args.quick else NAME)
     try:
-        module_dir = build(args.source)
+        module_dir = build(args.source, args.eigen, args.pybind11)
     except ArtifactUnavailable as why:
         print(f"SKIP {NAME}: {why}", flush=True)
         results: dict[str, Any] = {"args": vars(args), "skipped": str(why)}

@@ -21,8 +21,9 @@ Protocol, the same for every method:
    per budget. Times are training time only; evaluation time is measured and reported separately.
 
 Every method uses ``--threads`` threads (torch, numba, BLAS through threadpoolctl, implicit's, LightFM's and cornac's
-``num_threads``). Run ``python -m benchmarks.heat_vs_peers`` (Gowalla from ``../shared/data/gowalla``); the expected
-run time is printed first. ``--quick`` runs tiny synthetic data in seconds.
+``num_threads``). Run ``python -m benchmarks.heat_vs_peers`` (Gowalla from ``../shared/data/gowalla``; ``--dataset
+lastfm`` for Last.fm, ``suite`` for both real data sets and the generated catalogues); the expected run time is
+printed first. ``--quick`` runs tiny synthetic data in seconds.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ import numpy as np
 import torch
 
 from benchmarks._common import RESULTS_DIR, SHARED_DATA, machine_info, markdown_table, write_results
-from benchmarks.interaction_suite import CATALOGUES, SUITE
+from benchmarks.interaction_suite import CATALOGUES, REAL, SUITE
 from lightning_sdp.datamodules.interactions import InteractionsDataModule, split_validation
-from lightning_sdp.models.simplex import SimpleXModule
+from lightning_sdp.models.simplex import InteractionStats, SimpleXModule, auto_grid
 from lightning_sdp.plugins.heat import set_cpu_threads
 from lightning_sdp.recipes import (
     DEFAULT_GRID,
@@ -63,7 +64,8 @@ ITERATIVE = ("als", "bpr", "lightfm", "cornac_bpr", "reference")
 # data); the cosine contrastive loss's grid whatever the data; HEAT's softmax loss's grid whatever the data; the
 # earlier recipe (its search ranks trials by their last validation score, not the score extrapolated to the final
 # length, and may cut the anchor configuration early); the wide CCL grid; the final fit as three warm restarts whose
-# best snapshot on validation is kept
+# best snapshot on validation is kept; the default with the temperature searched too (softmax data); the default with
+# the tables warm-started from a truncated SVD of the training matrix
 BUDGETED: dict[str, dict[str, Any]] = {
     "heat_budget": {},
     "heat_budget_ccl": {"grid": DEFAULT_GRID},
@@ -71,9 +73,11 @@ BUDGETED: dict[str, dict[str, Any]] = {
     "heat_budget_last": {"selection": "last", "keep_anchor": False},
     "heat_budget_wide": {"grid": WIDE_GRID},
     "heat_budget_cycles": {"cycles": 3},
+    "heat_budget_temperature": {"search_temperature": True},
+    "heat_budget_svd": {"model_kwargs": {"init": "svd"}},
 }
 SCHEDULED = ("heat", "heat_attention", *BUDGETED)
-DATASETS = ("gowalla", "synthetic", "synthetic_fresh", "synthetic_holdout", "synthetic_holdout2", *CATALOGUES)
+DATASETS = (*REAL, "synthetic", "synthetic_fresh", "synthetic_holdout", "synthetic_holdout2", *CATALOGUES)
 ONE_SHOT = ("cornac_ease",)
 ALL_METHODS = ITERATIVE[:4] + ONE_SHOT + SCHEDULED + ITERATIVE[4:]
 DEFAULT_METHODS = ("als", "bpr", "lightfm", "cornac_bpr", "cornac_ease", "heat", "heat_budget")
@@ -139,15 +143,23 @@ class Split:
         }
 
 
+def real_folder(dataset: str, data: str) -> Path:
+    """The LightGCN folder of a real data set of the suite: ``data`` for Gowalla (``--data``), else its folder beside
+    Gowalla's (``../shared/data/<name>``)."""
+    return Path(data) if dataset == "gowalla" else Path(data).parent / REAL[dataset].folder
+
+
 def load_split(dataset: str, data: str, val_fraction: float, quick: bool) -> Split | None:
-    """The Gowalla LightGCN split (``None`` when absent) or a seeded synthetic catalogue."""
-    if dataset == "gowalla":
-        if not Path(data).is_dir():
-            print(f"SKIP gowalla: {data} not found (see ../shared/data/README.md); pass --data or --dataset synthetic.")
+    """A real LightGCN split of the suite (``None`` when absent) or a seeded synthetic catalogue."""
+    if dataset in REAL:
+        folder = real_folder(dataset, data)
+        if not folder.is_dir():
+            print(f"SKIP {dataset}: {folder} not found (see ../shared/data/README.md); pass --data or another set.")
             return None
-        dm = InteractionsDataModule(data, val_fraction=0.0)
+        # Last.fm's LightGCN split has 2 test users with no training item: no method can rank for them
+        dm = InteractionsDataModule(str(folder), val_fraction=0.0, drop_cold_test_users=True)
         dm.setup("fit")
-        return Split("gowalla", tuple(dm.train_csr), tuple(dm.test_csr), dm.num_items, val_fraction)
+        return Split(dataset, tuple(dm.train_csr), tuple(dm.test_csr), dm.num_items or 0, val_fraction)
     if dataset in CATALOGUES:
         dm = InteractionsDataModule(val_fraction=0.0, **CATALOGUES[dataset].datamodule_kwargs())
         dm.setup("fit")
@@ -463,6 +475,9 @@ def run_method(method: str, split: Split, args: argparse.Namespace) -> dict[str,
     if method in BUDGETED:
         points = []
         settings = {"refit": args.refit and BUDGETED[method].get("cycles", 1) == 1, **BUDGETED[method]}
+        if settings.pop("search_temperature", False):  # the grid the data calls for, with the temperature searched
+            stats = InteractionStats.from_csr(*split.train, split.num_items)
+            settings["grid"] = auto_grid(stats, search_temperature=True)
         for budget in budgets:
             fit = fit_simplex_within_budget(
                 split.train,
@@ -741,14 +756,18 @@ def merged_report(merged: dict[str, Any], name: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--data", default=str(SHARED_DATA / "gowalla"), help="LightGCN folder of the Gowalla split")
+    parser.add_argument(
+        "--data",
+        default=str(SHARED_DATA / "gowalla"),
+        help="LightGCN folder of the Gowalla split; the other real data sets are read from folders beside it",
+    )
     parser.add_argument(
         "--dataset",
         default="gowalla",
-        help="comma list of gowalla, synthetic (dense, 3000 x 1500), synthetic_fresh (6000 x 4000), "
+        help="comma list of gowalla, lastfm, synthetic (dense, 3000 x 1500), synthetic_fresh (6000 x 4000), "
         "synthetic_holdout (12000 x 8000, scored once), synthetic_holdout2 (20000 x 15000, scored once), the "
-        "development suite's catalogues (benchmarks/interaction_suite.py), 'suite' for gowalla and all of them but "
-        "the aside catalogue",
+        "development suite's catalogues (benchmarks/interaction_suite.py), 'suite' for the real data sets and all "
+        "catalogues but the aside one",
     )
     parser.add_argument("--name", default=NAME, help="stem of the results files (another stem keeps the stored run)")
     parser.add_argument(
@@ -791,7 +810,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = sorted(set(methods) - set(ALL_METHODS))
     if unknown:
         raise SystemExit(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
-    datasets = ["gowalla", *SUITE] if args.dataset == "suite" else args.dataset.split(",")
+    datasets = [*REAL, *SUITE] if args.dataset == "suite" else args.dataset.split(",")
     unknown_data = sorted(set(datasets) - set(DATASETS))
     if unknown_data:
         raise SystemExit(f"unknown datasets {unknown_data}; choose from {', '.join(DATASETS)}")

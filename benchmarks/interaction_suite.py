@@ -1,5 +1,5 @@
-"""The development suite of interaction data sets for HEAT's recipe: generated catalogues that span what a user's data
-may look like, beside the real Gowalla split.
+"""The development suite of interaction data sets for HEAT's recipe: two real data sets (``REAL``: Gowalla and
+Last.fm, LightGCN splits in ``../shared/data``) and generated catalogues that span what a user's data may look like.
 
 Each catalogue is a seeded :func:`~lightning_sdp.datamodules.interactions.readers.synthetic_interactions` draw
 (power-law item popularity with exponent ``alpha``, users in ``num_clusters`` taste clusters, about
@@ -20,6 +20,20 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class RealData:
+    """One real data set of the suite: a LightGCN folder (``train.txt``, ``test.txt``) under ``../shared/data``."""
+
+    folder: str
+    what: str
+
+
+REAL: dict[str, RealData] = {
+    "gowalla": RealData("gowalla", "Gowalla check-ins: 29,858 users x 40,981 items, 0.08% dense (SimpleX's split)"),
+    "lastfm": RealData("lastfm", "Last.fm listening (HetRec 2011): 1,892 users x 4,489 artists, 0.62% dense"),
+}
 
 
 @dataclass(frozen=True)
@@ -72,4 +86,4 @@ ASIDE: dict[str, Catalogue] = {
 
 CATALOGUES: dict[str, Catalogue] = {**SUITE, **ASIDE}
 
-__all__ = ["ASIDE", "CATALOGUES", "SUITE", "Catalogue"]
+__all__ = ["ASIDE", "CATALOGUES", "REAL", "SUITE", "Catalogue", "RealData"]

@@ -65,9 +65,14 @@ def compile_kernels() -> None:
         data = InteractionsDataModule(num_users=64, num_items=32, batch_size=64)
         model = SimpleXModule(dim=8, num_negatives=4, backend="fused", **extra)
         trainer = Trainer(
-            accelerator="cpu", max_steps=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False,
-        )  # fmt: skip
+            accelerator="cpu",
+            max_steps=1,
+            limit_val_batches=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
         trainer.fit(model, data)
     compile_codec()
 

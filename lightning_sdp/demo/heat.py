@@ -37,17 +37,28 @@ def run(out: Path, quick: bool) -> dict[str, Any]:
         print(f"HEAT part: {backend} SimpleX, batch {batch}, {steps} steps on the synthetic interactions")
         dm = InteractionsDataModule(None, batch_size=batch)
         model = SimpleXModule(
-            dim=64, g=1.0, loss="ccl", margin=0.9, negative_weight=150.0, num_negatives=64, backend=backend,
+            dim=64,
+            g=1.0,
+            loss="ccl",
+            margin=0.9,
+            negative_weight=150.0,
+            num_negatives=64,
+            backend=backend,
             lr=0.5 if backend == "fused" else 1e-3,
-        )  # fmt: skip
+        )
         timer = BatchTimer()
         trainer = Trainer(
-            accelerator="heat" if backend == "fused" else "cpu", devices=1, max_steps=steps,
-            limit_val_batches=1.0, val_check_interval=steps, check_val_every_n_epoch=None,
-            callbacks=[timer], **trainer_kwargs(),
-        )  # fmt: skip
+            accelerator="heat" if backend == "fused" else "cpu",
+            devices=1,
+            max_steps=steps,
+            limit_val_batches=1.0,
+            val_check_interval=steps,
+            check_val_every_n_epoch=None,
+            callbacks=[timer],
+            **trainer_kwargs(),
+        )
         trainer.fit(model, dm)
-        # the first batch includes the kernel compilation (numba) and the optimizer's set-up: left out
+        # the first batch includes the optimizer's set-up and cold caches: left out (the kernel compiles at set-up)
         t, s = np.array(timer.times[1:]), np.array(timer.sizes[1:])
         rates[backend] = float(s.sum() / t.sum())
         recall[backend] = float(trainer.callback_metrics.get("val/recall@20", float("nan")))

@@ -306,6 +306,7 @@ def simplex_loss(
     loss: str = "ccl",
     temperature: float = 0.07,
     grad_clip: float | None = None,
+    sample_weight: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Batched SimpleX forward: the optimised objective and the per-sample loss.
 
@@ -316,9 +317,9 @@ def simplex_loss(
     With ``grad_clip``, each sample's gradient with respect to each embedding row it touches (user, positive, each
     negative and, for ``g < 1``, each history row; loss and weight decay together; once per occurrence) is clipped
     per coordinate to ``[-grad_clip, grad_clip]`` before the rows' gradients are summed over the batch (``"mean"``
-    divides the sum by ``B``), which is what the fused kernel's per-sample clipped steps do on disjoint rows (HEAT's
-    SGD clips each coordinate of the gradient it is about to apply: ``hipdac-lab/ICS23-HEAT``,
-    ``cf_cpu/src/modules/optimizers/sgd.cpp``). ``V`` is not clipped.
+    divides the sum by ``B``), which is what the fused kernel's per-sample clipped steps do on disjoint rows. This
+    per-sample clipping is ours; HEAT's code clips a running buffer per row instead (:class:`RowBufferSGD`, called
+    with ``grad_clip=None`` here). ``V`` is not clipped.
 
     Args:
         user_emb: ``(num_users, d)`` user table.
@@ -344,9 +345,11 @@ def simplex_loss(
         temperature: softmax temperature. Default 0.07.
         grad_clip: per-sample, per-coordinate bound on the embedding rows' gradients, or ``None`` (off). Needs the
             mean aggregator when ``g < 1``. Default ``None``.
+        sample_weight: ``(B,)`` weight of each positive: it multiplies that sample's loss (not the weight decay),
+            so all the gradients the sample gives, or ``None`` for 1. Default ``None``.
 
     Returns:
-        ``(objective, per_sample_loss)``.
+        ``(objective, per_sample_loss)``; the per-sample loss is weighted.
     """
     if loss not in ("ccl", "softmax"):
         raise ValueError(f"simplex_loss: unknown loss {loss!r}; use 'ccl' or 'softmax'.")
@@ -369,6 +372,8 @@ def simplex_loss(
         per_sample = softmax_cosine_loss(p, e_pos, e_neg, temperature, reduction="none", dropout_mask=dropout_mask)
     else:
         per_sample = ccl_loss(p, e_pos, e_neg, margin, negative_weight, reduction="none", dropout_mask=dropout_mask)
+    if sample_weight is not None:
+        per_sample = per_sample * sample_weight.to(per_sample.dtype)
     objective = per_sample
     if weight_decay > 0:
         sq = e_u.pow(2).sum(-1) + e_pos.pow(2).sum(-1) + e_neg.pow(2).sum((-1, -2))
@@ -380,6 +385,82 @@ def simplex_loss(
     if reduction == "sum":
         return objective.sum(), per_sample
     raise ValueError(f"simplex_loss: unknown reduction {reduction!r}; use 'mean' or 'sum'.")
+
+
+def sample_negatives(
+    items: Tensor, num_negatives: int, num_items: int, generator: torch.Generator, exclude_positive: bool = True
+) -> Tensor:
+    """``(B, n)`` negatives drawn uniformly with replacement; with ``exclude_positive``, never the row's positive.
+
+    Drawing from ``num_items - 1`` values and skipping over the positive gives the distribution of redrawing until
+    the draw differs from it, in one draw (the fused kernel draws the same way).
+
+    Args:
+        items: ``(B,)`` the positives.
+        num_negatives: ``n``.
+        num_items: catalogue size (at least 2 with ``exclude_positive``).
+        generator: the random stream.
+        exclude_positive: leave each row's positive out. Default ``True``.
+    """
+    if not exclude_positive:
+        return torch.randint(0, num_items, (len(items), num_negatives), generator=generator)
+    if num_items < 2:
+        raise ValueError("sample_negatives: leaving the positive out needs at least 2 items.")
+    draws = torch.randint(0, num_items - 1, (len(items), num_negatives), generator=generator)
+    return draws + (draws >= items[:, None]).long()
+
+
+class RowBufferSGD(torch.optim.Optimizer):
+    """SGD through HEAT's running gradient buffers: for every row a batch touches, ``buf = clip(buf + grad)``, then
+    ``row -= lr buf`` (hipdac-lab/ICS23-HEAT, ``optimizers/sgd.cpp`` on the buffers of ``models/
+    matrix_factorization.cpp``), applied per batch to the batch gradient (HEAT's rule exactly when a batch is one
+    sample). A touched row steps even when its gradient is 0. A group with ``rowwise=False`` gets plain SGD (``V``).
+
+    Args:
+        params: parameters or parameter groups.
+        buffers: the ``(rows, d)`` buffer of each table, by the table's identity (``id(param)``); kept by the module,
+            which clears them each epoch.
+        bound: the clipping bound of every buffer coordinate.
+        lr: learning rate.
+    """
+
+    def __init__(self, params: ParamsT, buffers: dict[int, Tensor], bound: float, lr: float = 0.05) -> None:
+        if lr <= 0 or not bound > 0:
+            raise ValueError(f"RowBufferSGD: lr and bound must be positive, got lr={lr}, bound={bound}.")
+        super().__init__(params, {"lr": lr, "rowwise": True})
+        self.buffers, self.bound = buffers, bound
+        self.touched: dict[int, Tensor] = {}  # rows of each table the current batch touches (set by the backend)
+
+    def touch(self, param: Tensor, rows: Tensor) -> None:
+        """Say which rows of ``param`` the current batch touches (they step even with a zero gradient)."""
+        self.touched[id(param)] = rows
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None and id(p) not in self.touched:
+                    continue
+                grad = torch.zeros_like(p) if p.grad is None else p.grad
+                if not group["rowwise"] or id(p) not in self.buffers:
+                    p.add_(grad, alpha=-group["lr"])
+                    continue
+                rows = self.touched.get(id(p))
+                if rows is None:
+                    rows = grad.abs().sum(1).nonzero().squeeze(1)
+                buffer = self.buffers[id(p)]
+                buffer[rows] = (buffer[rows] + grad[rows]).clamp_(-self.bound, self.bound)
+                p[rows] -= group["lr"] * buffer[rows]
+        self.touched = {}
+        return loss
 
 
 @torch.no_grad()

@@ -158,4 +158,16 @@ def test_suite_catalogues_split_with_their_stated_shape_and_keep_the_aside_out()
         hvp.main(["--dataset", "suite", "--methods", "als", "--budgets", "1", "--name", "suite_smoke"])
     finally:
         hvp.load_split = original  # type: ignore[assignment]
-    assert seen == ["gowalla", *SUITE]
+    assert seen == ["gowalla", "lastfm", *SUITE]
+
+
+@pytest.mark.shared_data
+def test_lastfm_is_real_data_of_the_suite(shared_data) -> None:
+    from benchmarks.interaction_suite import REAL
+
+    assert list(REAL) == ["gowalla", "lastfm"] and set(REAL) <= set(hvp.DATASETS)
+    split = hvp.load_split("lastfm", str(shared_data / "gowalla"), 0.1, quick=False)
+    assert split is not None
+    info = split.describe()
+    assert (info["users"], info["items"]) == (1892, 4489)
+    assert info["train"] + info["val"] == 42135 and info["test"] == 10533 - 3  # two cold test users left out

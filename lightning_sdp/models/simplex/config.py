@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, NoReturn
 
+import numpy as np
+
+from lightning_sdp._options import check_options
 from lightning_sdp.models.simplex.auto import SOFTMAX_GRAD_CLIP, InteractionStats, auto_settings
 
 Aggregator = Literal["mean", "user_attention", "self_attention"]
@@ -12,6 +15,7 @@ Backend = Literal["fused", "reference"]
 Optimizer = Literal["auto", "adam", "sgd", "rowwise_adagrad"]
 Loss = Literal["ccl", "softmax"]
 Auto = Literal["auto"]
+ClipMode = Literal["sample", "row_buffer"]
 
 _DEFAULT_LR = {"adam": 1e-4, "sgd": 0.05, "rowwise_adagrad": 0.1}
 
@@ -20,7 +24,9 @@ _DEFAULT_LR = {"adam": 1e-4, "sgd": 0.05, "rowwise_adagrad": 0.1}
 class SimpleXConfig:
     """Every argument of :class:`~lightning_sdp.models.simplex.SimpleXModule` (see its docstring for each one).
 
-    Construction validates the values and raises a ``ValueError`` that names the argument; :attr:`optimizer_name`,
+    Construction checks every argument against its annotation (:func:`lightning_sdp._options.check_options`: a
+    ``TypeError`` for a wrong type, a ``ValueError`` for a choice it does not offer), then the ranges and
+    combinations (a ``ValueError`` that names the argument); :attr:`optimizer_name`,
     :attr:`learning_rate` and :attr:`initial_std` resolve the ``"auto"`` / ``None`` defaults, which depend on the
     backend.
     """
@@ -42,6 +48,7 @@ class SimpleXConfig:
     row_norm: float | None = None
     weight_decay: float = 0.0
     init_std: float | None = None
+    init: Literal["normal", "svd"] = "normal"
     sampler: Literal["uniform", "tile"] = "uniform"
     tile_size: int = 512
     tile_refresh: int = 2048
@@ -54,40 +61,33 @@ class SimpleXConfig:
     loss: Loss | Auto = "auto"
     temperature: float = 0.07
     grad_clip: float | Auto | None = "auto"
+    grad_clip_mode: ClipMode = "sample"
+    negatives_exclude_positive: bool = True
 
     def __post_init__(self) -> None:
-        self._check_choices()
+        check_options(self, "SimpleXModule")  # types and Literal choices: TypeError / ValueError naming the option
+        self._check_combinations()
         self._check_sizes()
         self._check_rates()
 
     def _fail(self, message: str) -> NoReturn:
         raise ValueError(f"SimpleXModule: {message}")
 
-    def _check_choices(self) -> None:
-        """The string options, and the combinations the fused kernel cannot run."""
-        if self.backend not in ("fused", "reference"):
-            self._fail(f"backend must be 'fused' or 'reference', got {self.backend!r}.")
-        if self.aggregator not in ("mean", "user_attention", "self_attention"):
-            self._fail(f"aggregator must be 'mean', 'user_attention' or 'self_attention', got {self.aggregator!r}.")
-        if self.optimizer not in ("auto", "adam", "sgd", "rowwise_adagrad"):
-            self._fail(f"optimizer must be 'auto', 'adam', 'sgd' or 'rowwise_adagrad', got {self.optimizer!r}.")
+    def _check_combinations(self) -> None:
+        """The combinations of choices the backends cannot run."""
         if self.backend == "fused" and self.optimizer_name == "adam":
             self._fail(
                 "the fused backend updates rows in place per sample; use optimizer='sgd' or 'rowwise_adagrad' "
                 "(Adam's per-coordinate state is not kept by the kernel)."
             )
-        if self.lr_schedule not in ("constant", "linear"):
-            self._fail(f"lr_schedule must be 'constant' or 'linear', got {self.lr_schedule!r}.")
-        if self.sampler not in ("uniform", "tile"):
-            self._fail(f"sampler must be 'uniform' or 'tile', got {self.sampler!r}.")
         if self.sampler == "tile" and self.backend != "fused":
             self._fail("the tile sampler is part of the fused kernel; use backend='fused'.")
-        if self.loss not in ("auto", "ccl", "softmax"):
-            self._fail(f"loss must be 'auto', 'ccl' or 'softmax', got {self.loss!r}.")
         clip = self.grad_clip
-        number = isinstance(clip, (int, float)) and not isinstance(clip, bool)
-        if clip != "auto" and clip is not None and not number:
-            self._fail(f"grad_clip must be a positive number, None (no clipping) or 'auto', got {clip!r}.")
+        if self.grad_clip_mode == "row_buffer" and (clip == "auto" or clip is None or self.optimizer_name != "sgd"):
+            self._fail(
+                "grad_clip_mode='row_buffer' (HEAT's running gradient buffers) clips those buffers: it needs a numeric "
+                f"grad_clip and optimizer='sgd', got grad_clip={clip!r}, optimizer={self.optimizer!r}."
+            )
         if self.grad_clip_value is not None and self.uses_history and self.aggregator != "mean":
             # the attention keys pass gradient to the item rows summed over a batch, not sample by sample
             self._fail(
@@ -121,8 +121,13 @@ class SimpleXConfig:
             self._fail(f"aggregator_weight_decay must be >= 0, got {self.aggregator_weight_decay}.")
         if not 0.0 <= self.dropout < 1.0:
             self._fail(f"dropout must be in [0, 1), got {self.dropout}.")
-        if not self.temperature > 0:
-            self._fail(f"temperature must be positive, got {self.temperature}.")
+        with np.errstate(divide="ignore", over="ignore"):
+            inverse = np.float32(1.0) / np.float32(self.temperature)
+        if not (self.temperature > 0 and np.isfinite(self.temperature) and np.isfinite(inverse)):
+            self._fail(
+                f"temperature must be a positive number whose inverse is finite in float32 (the kernels divide by it), "
+                f"got {self.temperature}; use e.g. 0.07 (HEAT's), between about 1e-38 and 1e38."
+            )
         if self.grad_clip_value is not None and not self.grad_clip_value > 0:
             self._fail(f"grad_clip must be positive, None (no clipping) or 'auto', got {self.grad_clip}.")
 

@@ -26,20 +26,26 @@ from lightning_sdp.kernels import cf_reference as ref
 from lightning_sdp.metrics import NDCGAtK, RecallAtK
 from lightning_sdp.models.simplex import kernel
 from lightning_sdp.models.simplex.auto import InteractionStats, explain
-from lightning_sdp.models.simplex.backends import make_backend
+from lightning_sdp.models.simplex.backends import LearningRates, make_backend
 from lightning_sdp.models.simplex.config import Aggregator, Backend, Loss, Optimizer, SimpleXConfig
 from lightning_sdp.models.simplex.evaluation import DEFAULT_ITEM_CHUNK, batch_csr, rank_and_score
+from lightning_sdp.models.simplex.fold_in import DEFAULT_STEPS, fold_in_user
 from lightning_sdp.models.simplex.history import UserHistories
 from lightning_sdp.models.simplex.recommend import (
     IdsLike,
     Recommendations,
     as_ids,
+    candidate_rows,
+    check_finite_rows,
     checked_known_csr,
+    known_within,
     remaining_items,
+    rows_of_ids,
     top_k_recommendations,
     user_rows,
 )
 from lightning_sdp.models.simplex.step_log import StepLogWindow, is_log_step
+from lightning_sdp.models.simplex.svd_init import svd_factors, warm_start
 from lightning_sdp.schedules import LinearDecay
 
 
@@ -51,9 +57,11 @@ class SimpleXModule(LightningModule):
     (the user's training items capped at ``max_history``, a fixed seeded subset). ``loss="softmax"`` trains HEAT's
     code's loss instead: ``-log softmax(cos / temperature)`` of the positive among itself and its negatives.
 
-    After training, :meth:`recommend` gives each user's top-K items (training items excluded, in table rows or in the
-    data file's own ids) and :meth:`predict_step` does the same per batch for ``trainer.predict``; checkpoints carry
-    what both need (the training interactions and the file's ids).
+    After training, :meth:`recommend` gives each user's top-K items (every interaction of the data excluded: the
+    training, validation and test items of ``InteractionsDataModule``; in table rows or in the data file's own ids,
+    optionally within a subset of items), :meth:`predict_step` does the same per batch for ``trainer.predict``,
+    :meth:`similar_items` gives each item's nearest items and :meth:`recommend_for_new_user` folds in a user who was
+    not trained on; checkpoints carry what they need (the interactions and the file's ids).
 
     Args:
         num_users: rows of the user table; ``None`` takes it from the datamodule at ``setup``. Default ``None``.
@@ -84,11 +92,17 @@ class SimpleXModule(LightningModule):
         weight_decay: L2 on the touched user, positive and negative rows (each occurrence). Default 0.
         init_std: standard deviation of the tables' normal initialisation; ``None`` gives 1e-4 for Adam (SimpleX)
             and 0.1 for SGD (a cosine loss's gradients scale as ``1/|e|``). Default ``None``.
+        init: ``"normal"``, or ``"svd"``: when the training interactions arrive (:meth:`set_interactions`, at
+            ``setup``), the user and item rows start from a truncated SVD of the normalised training matrix, at the
+            norm the normal initialisation has (:mod:`~lightning_sdp.models.simplex.svd_init`). Default
+            ``"normal"``.
         sampler: ``"uniform"`` over all items or ``"tile"`` (HEAT: each thread draws from a tile of ``tile_size``
             items redrawn every ``tile_refresh`` samples); the tile sampler exists only in the fused backend.
         tile_size: items per tile. Default 512.
         tile_refresh: samples between tile redraws. Default 2048.
-        v_sync: the fused kernel applies each thread's aggregator gradients every this many samples. Default 32.
+        v_sync: the fused kernel applies the sum of each thread's aggregator gradients every this many samples
+            (per-sample SGD on ``V``, delayed). HEAT's code applies their mean every 32 samples, the same step at
+            ``aggregator_lr_scale=1 / v_sync``; the reference backend steps by the batch mean. Default 32.
         aggregator_lr_scale: learning rate of the aggregator parameters (``V``, ``W_k``, ``b_k``, ``q``: shared by
             every sample, so per-sample SGD moves them far more often than any row) relative to ``lr``. Default 1.0.
         aggregator_weight_decay: L2 on ``V`` per sample (both backends). With many negatives, per-sample SGD grows
@@ -104,18 +118,31 @@ class SimpleXModule(LightningModule):
             else ``"ccl"`` (:mod:`~lightning_sdp.models.simplex.auto`), logged and saved as a hyper-parameter.
             Default ``"auto"``.
         temperature: softmax temperature (``loss="softmax"`` only; HEAT's code uses 0.07). Default 0.07.
-        grad_clip: clip each coordinate of every embedding row's per-sample gradient (user, positive, negatives,
-            history rows; loss plus weight decay) to ``[-grad_clip, grad_clip]`` before the update, as HEAT's SGD
-            does; either loss, both backends (the reference clips each sample's gradient, then averages). Not
-            Lightning's ``gradient_clip_val`` (batch gradient). ``V`` is not clipped; with ``g < 1`` it needs the
-            mean aggregator. ``None``: off; ``"auto"``: 0.1 (HEAT's Gowalla value) under the softmax loss, else off.
-            Default ``"auto"``.
+        grad_clip: clip each coordinate of the embedding rows' gradients (user, positive, negatives, history rows;
+            loss plus weight decay) to ``[-grad_clip, grad_clip]`` before the update, in the way ``grad_clip_mode``
+            says; either loss, both backends. Not Lightning's ``gradient_clip_val`` (batch gradient). ``V`` is not
+            clipped; with ``g < 1`` it needs the mean aggregator. ``None``: off; ``"auto"``: 0.1 (HEAT's Gowalla
+            value) under the softmax loss, else off. Default ``"auto"``.
+        grad_clip_mode: ``"sample"`` (ours): clip the gradient each sample gives a row, then step (the reference
+            clips each sample's gradient, then averages). ``"row_buffer"`` (HEAT's code: ``sgd.cpp``,
+            ``matrix_factorization.cpp``, ``engine.cpp`` of hipdac-lab/ICS23-HEAT): every row keeps a running
+            gradient buffer; a sample adds its gradient to the buffer of each row it touches, the buffer is
+            clipped in place and the row steps by ``lr`` times the buffer, even when that sample's gradient is 0;
+            the buffers are cleared at the start of each epoch, so earlier samples' gradients keep moving a row
+            until then. Needs a numeric ``grad_clip`` and ``optimizer="sgd"``; the reference applies it per batch to
+            the batch gradient (HEAT's rule exactly with one sample per batch). Default ``"sample"``.
+        negatives_exclude_positive: never draw a sample's positive among its negatives (a draw that hits it is
+            replaced by a uniform draw among the other items, in both backends). HEAT's sampler skips such a draw
+            and keeps that slot's negative from the thread's previous sample instead. ``False`` draws from every
+            item. Default ``True``.
     """
 
     # buffers registered in __init__; declared so type checkers see Tensors, not nn.Module.__getattr__'s union
     sampler_rng: Tensor
     sampler_tiles: Tensor
     sampler_tile_left: Tensor
+    clip_buffer_user: Tensor
+    clip_buffer_item: Tensor
 
     def __init__(
         self,
@@ -136,6 +163,7 @@ class SimpleXModule(LightningModule):
         row_norm: float | None = None,
         weight_decay: float = 0.0,
         init_std: float | None = None,
+        init: Literal["normal", "svd"] = "normal",
         sampler: Literal["uniform", "tile"] = "uniform",
         tile_size: int = 512,
         tile_refresh: int = 2048,
@@ -148,6 +176,8 @@ class SimpleXModule(LightningModule):
         loss: Loss | Literal["auto"] = "auto",
         temperature: float = 0.07,
         grad_clip: float | Literal["auto"] | None = "auto",
+        grad_clip_mode: Literal["sample", "row_buffer"] = "sample",
+        negatives_exclude_positive: bool = True,
     ) -> None:
         super().__init__()
         self.config = SimpleXConfig(
@@ -168,6 +198,7 @@ class SimpleXModule(LightningModule):
             row_norm=row_norm,
             weight_decay=weight_decay,
             init_std=init_std,
+            init=init,
             sampler=sampler,
             tile_size=tile_size,
             tile_refresh=tile_refresh,
@@ -180,6 +211,8 @@ class SimpleXModule(LightningModule):
             loss=loss,
             temperature=temperature,
             grad_clip=grad_clip,
+            grad_clip_mode=grad_clip_mode,
+            negatives_exclude_positive=negatives_exclude_positive,
         )
         self.save_hyperparameters()
         self.backend = make_backend(backend)
@@ -195,15 +228,21 @@ class SimpleXModule(LightningModule):
         tile_width = tile_size if sampler == "tile" else 0
         self.register_buffer("sampler_tiles", torch.zeros(kernel.MAX_CHUNKS, tile_width, dtype=torch.long))
         self.register_buffer("sampler_tile_left", torch.zeros(kernel.MAX_CHUNKS, dtype=torch.long))
+        # HEAT's running gradient buffers (grad_clip_mode="row_buffer"); (0, dim) otherwise
+        self.register_buffer("clip_buffer_user", torch.zeros(0, dim))
+        self.register_buffer("clip_buffer_item", torch.zeros(0, dim))
         self.generator = torch.Generator().manual_seed(seed)
         if num_users is not None and num_items is not None:
             self._build_tables(num_users, num_items)
 
         self._histories: UserHistories | None = None
+        self._known: tuple[np.ndarray, np.ndarray] | None = None  # every interaction of the data, see set_known
         self._item_normalized: Tensor | None = None
         self._raw_user_ids: Tensor | None = None  # row -> id in the data file (CSV/TSV input), see set_raw_ids
         self._raw_item_ids: Tensor | None = None
         self.predict_k: int | None = None  # items per user in predict_step; None uses k
+        # what the fused backend's set-up did to make the kernel ready (compiled or loaded, seconds), if anything
+        self.kernel_preparation: kernel.Preparation | None = None
         self._batch_start = 0.0
         self.log_window = StepLogWindow()  # the fused backend's statistics between two logged steps
         self.val_recall, self.val_ndcg = RecallAtK(k), NDCGAtK(k)
@@ -234,6 +273,9 @@ class SimpleXModule(LightningModule):
         with torch.no_grad():
             self.user_embedding.weight.normal_(0.0, self.config.initial_std, generator=gen)
             self.item_embedding.weight.normal_(0.0, self.config.initial_std, generator=gen)
+        if self.config.grad_clip_mode == "row_buffer":
+            self.clip_buffer_user = torch.zeros(num_users, d)
+            self.clip_buffer_item = torch.zeros(num_items, d)
         self.hparams["num_users"], self.hparams["num_items"] = num_users, num_items
 
     @property
@@ -253,6 +295,10 @@ class SimpleXModule(LightningModule):
             )
         return self.user_embedding, self.item_embedding
 
+    def attention_weights(self) -> tuple[nn.Parameter | None, nn.Parameter | None, nn.Parameter | None]:
+        """``(W_k, b_k, q)`` of the attention aggregator, ``None`` where it has none (all three for the mean)."""
+        return self.attention_weight, self.attention_bias, self.attention_query
+
     def attention_parameters(self) -> list[nn.Parameter]:
         """The learned parameters of an attention aggregator (``W_k``, ``b_k`` and ``q``); empty for the mean."""
         return [p for p in (self.attention_weight, self.attention_bias, self.attention_query) if p is not None]
@@ -263,7 +309,7 @@ class SimpleXModule(LightningModule):
             raise RuntimeError("SimpleXModule: no training interactions; call set_interactions() or use a datamodule.")
         return self._histories
 
-    def set_interactions(self, indptr: np.ndarray, indices: np.ndarray) -> None:
+    def set_interactions(self, indptr: np.ndarray, indices: np.ndarray, warm_start_rows: bool = True) -> None:
         """Give the model the training interactions (CSR): histories and the items to mask when ranking.
 
         Called from :meth:`setup` with the datamodule's ``train_csr()``; call it yourself when training without an
@@ -272,6 +318,7 @@ class SimpleXModule(LightningModule):
         Args:
             indptr: ``(num_users + 1,)`` offsets.
             indices: item ids of each user's training items.
+            warm_start_rows: with ``init="svd"``, start the rows from the SVD of these interactions. Default ``True``.
         """
         if self.config.auto_fields:  # resolve them for these interactions, keep them as hyper-parameters, say why
             stats, fields = InteractionStats.from_csr(indptr, indices, self.num_items), self.config.auto_fields
@@ -282,6 +329,24 @@ class SimpleXModule(LightningModule):
         self._histories = UserHistories.from_csr(
             indptr, indices, self.num_users, self.num_items, c.max_history, c.seed, padded=c.uses_history
         )
+        if c.init == "svd" and warm_start_rows:  # a checkpoint resumed afterwards overwrites the warm start
+            users, items = svd_factors(
+                self._histories.train_indptr, self._histories.train_indices, self.num_items, c.dim, c.seed
+            )
+            for table, factors in zip(self.tables(), (users, items), strict=True):
+                warm_start(table.weight, factors, c.initial_std)
+
+    def set_known(self, indptr: np.ndarray, indices: np.ndarray) -> None:
+        """Give the model every interaction of the data (CSR), which :meth:`recommend` never returns by default.
+
+        Called from :meth:`setup` with the datamodule's ``known_csr`` (training, validation and test items); kept in
+        checkpoints. Without it, :meth:`recommend` excludes the training interactions.
+
+        Args:
+            indptr: ``(num_users + 1,)`` offsets.
+            indices: item rows of each user's interactions.
+        """
+        self._known = checked_known_csr((indptr, indices), self.num_users, self.num_items, None)
 
     @override
     def setup(self, stage: str) -> None:
@@ -298,10 +363,18 @@ class SimpleXModule(LightningModule):
                 csr = dm.train_csr
                 # a property on InteractionsDataModule; a method on datamodules written against the older form
                 self.set_interactions(*(csr if isinstance(csr, tuple) else csr()))
+            known = getattr(dm, "known_csr", None)
+            if known is not None:
+                self.set_known(*known)
             raw_users, raw_items = getattr(dm, "raw_user_ids", None), getattr(dm, "raw_item_ids", None)
             if raw_users is not None and raw_items is not None:
                 self.set_raw_ids(raw_users, raw_items)
         self.tables()
+        if self.config.negatives_exclude_positive and self.num_items < 2:
+            raise ValueError(
+                "SimpleXModule: negatives_exclude_positive=True needs at least 2 items (a negative other than the "
+                f"positive), but there are {self.num_items}; add items or pass negatives_exclude_positive=False."
+            )
         self.backend.setup(self, self.trainer.world_size if self._trainer is not None else 1)
 
     @override
@@ -331,8 +404,13 @@ class SimpleXModule(LightningModule):
         if name == "rowwise_adagrad":
             groups[1]["rowwise"] = False  # the aggregator is shared by every sample: plain SGD, as in the kernel
             return ref.RowWiseAdagrad(groups, lr=lr, eps=self.config.adagrad_eps)
-        # For the fused backend the optimiser only carries the learning rates (schedulers may change them); the
-        # kernel applies the updates itself.
+        if self.config.grad_clip_mode == "row_buffer" and self.backend.automatic_optimization:
+            groups[1]["rowwise"] = False
+            buffers = {id(user_emb.weight): self.clip_buffer_user, id(item_emb.weight): self.clip_buffer_item}
+            return ref.RowBufferSGD(groups, buffers, float(self.config.grad_clip_value or 0.0), lr=lr)
+        if not self.backend.automatic_optimization:
+            # the fused kernel applies the updates itself: the optimiser only carries the rates (schedulers change them)
+            return LearningRates(groups, lr=lr)
         return torch.optim.SGD(groups, lr=lr)
 
     # ------------------------------------------------------------------------------------------------ training
@@ -361,6 +439,7 @@ class SimpleXModule(LightningModule):
         negatives: Tensor,
         reduction: str = "mean",
         dropout_mask: Tensor | None = None,
+        weights: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Plain-PyTorch objective and per-sample contrastive loss of a batch with given negatives.
 
@@ -370,6 +449,7 @@ class SimpleXModule(LightningModule):
             negatives: ``(B, n)`` negative item ids.
             reduction: ``"mean"`` or ``"sum"`` of the objective over the batch.
             dropout_mask: ``(B, dim)`` inverted-dropout mask on the normalised user vector, or ``None``.
+            weights: ``(B,)`` weight of each positive (multiplies its loss), or ``None`` for 1.
         """
         user_emb, item_emb = self.tables()
         c = self.config
@@ -394,7 +474,8 @@ class SimpleXModule(LightningModule):
             dropout_mask,
             loss=c.loss_name,
             temperature=c.temperature,
-            grad_clip=c.grad_clip_value,
+            grad_clip=None if c.grad_clip_mode == "row_buffer" else c.grad_clip_value,  # the buffers clip instead
+            sample_weight=weights,
         )
 
     @torch.no_grad()
@@ -403,11 +484,13 @@ class SimpleXModule(LightningModule):
         users: Tensor,
         items: Tensor,
         lr: float,
+        *,
+        weights: Tensor | None = None,
         negatives: Tensor | None = None,
+        dropout_masks: Tensor | None = None,
         num_threads: int | None = None,
         aggregator_lr: float | None = None,
         row_sums: tuple[Tensor, Tensor] | None = None,
-        dropout_masks: Tensor | None = None,
     ) -> Tensor:
         """Run HEAT's fused kernel on a batch of positives, updating the parameters in place; returns per-sample losses.
 
@@ -415,24 +498,69 @@ class SimpleXModule(LightningModule):
             users: ``(B,)`` user ids.
             items: ``(B,)`` positive item ids.
             lr: SGD learning rate.
+            weights: ``(B,)`` weight of each positive (multiplies its loss), or ``None`` for 1.
             negatives: ``(B, n)`` negatives to use instead of sampling inside the kernel (tests), or ``None``.
+            dropout_masks: ``(B, dim)`` dropout masks to use instead of drawing them inside the kernel (tests), or
+                ``None``.
             num_threads: parallel chunks; ``None`` uses numba's current thread count.
             aggregator_lr: learning rate of the aggregator parameters; ``None`` gives ``lr * aggregator_lr_scale``.
             row_sums: row-wise Adagrad accumulators ``(user_sums, item_sums)`` (float32, updated in place), or
                 ``None`` for plain SGD.
-            dropout_masks: ``(B, dim)`` dropout masks to use instead of drawing them inside the kernel (tests), or
-                ``None``.
+
+        Raises:
+            FloatingPointError: when a sample reads a NaN or infinite value; the message names the row, and the
+                step stopped before that sample changed anything.
         """
-        return kernel.fused_step(self, users, items, lr, negatives, num_threads, aggregator_lr, row_sums, dropout_masks)
+        return kernel.fused_step(
+            self,
+            users,
+            items,
+            lr,
+            weights=weights,
+            negatives=negatives,
+            dropout_masks=dropout_masks,
+            num_threads=num_threads,
+            aggregator_lr=aggregator_lr,
+            row_sums=row_sums,
+        )
+
+    def clip_buffers(self) -> tuple[Tensor, Tensor]:
+        """The running gradient buffers of the user and item rows (``grad_clip_mode="row_buffer"``), else ``(0, d)``."""
+        return self.clip_buffer_user, self.clip_buffer_item
+
+    @override
+    def on_train_epoch_start(self) -> None:
+        # HEAT clears its gradient buffers once per epoch (engine.cpp: zero_grad after the epoch's pass)
+        for buffer in self.clip_buffers():
+            buffer.zero_()
+
+    def describe_bad_user_vector(self, user: int) -> str:
+        """Which input of user ``user``'s vector holds a NaN or infinity: its row, a history row or the aggregator."""
+        user_emb, item_emb = self.tables()
+        if not bool(torch.isfinite(user_emb.weight[user]).all()):
+            return f"user row {user}"
+        if self.config.uses_history:
+            history = self.histories()
+            rows = torch.from_numpy(history.indices[history.indptr[user] : history.indptr[user + 1]])
+            bad = rows[~torch.isfinite(item_emb.weight[rows]).all(dim=1)]
+            if len(bad):
+                return f"item row {int(bad[0])} (in user {user}'s history)"
+            params = [("the aggregator V", self.aggregator)]
+            params += [(f"the attention parameter {n}", p) for n, p in self.named_parameters() if "attention" in n]
+            for name, param in params:
+                if not bool(torch.isfinite(param).all()):
+                    return name
+        return f"user {user}'s vector (its inputs are finite: the computation overflowed)"
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._batch_start = time.perf_counter()
 
     @override
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
-        users, items = batch
-        return self.backend.training_step(self, users, items)
+    def training_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> Tensor | None:
+        # (users, items) or, with a weight column, (users, items, weights)
+        users, items, *weights = batch
+        return self.backend.training_step(self, users, items, weights[0] if weights else None)
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -473,9 +601,13 @@ class SimpleXModule(LightningModule):
         )
 
     def _normalized_items(self) -> Tensor:
+        """The L2-normalised item rows; raises naming the rows that hold NaN or infinite values (they would outrank
+        every item)."""
         if self._item_normalized is not None:
             return self._item_normalized
-        return F.normalize(self.tables()[1].weight.detach(), dim=-1, eps=1e-12)
+        table = self.tables()[1].weight.detach()
+        check_finite_rows(table, "item row")
+        return F.normalize(table, dim=-1, eps=1e-12)
 
     @torch.no_grad()
     def score(self, users: Tensor) -> Tensor:
@@ -502,8 +634,10 @@ class SimpleXModule(LightningModule):
         else:
             history = self.histories()
             known = batch_csr(history.train_indptr, history.train_indices, users)
+        vectors = self.user_vectors(users)
+        check_finite_rows(vectors, "user vector", users)
         hits, num_relevant = rank_and_score(
-            self.user_vectors(users),
+            vectors,
             self._normalized_items(),
             batch["test_indptr"],
             batch["test_items"],
@@ -521,7 +655,7 @@ class SimpleXModule(LightningModule):
 
     @override
     def on_validation_epoch_start(self) -> None:
-        self._item_normalized = F.normalize(self.tables()[1].weight.detach(), dim=-1, eps=1e-12)
+        self._item_normalized = self._normalized_items()
 
     @override
     def on_test_epoch_start(self) -> None:
@@ -584,48 +718,45 @@ class SimpleXModule(LightningModule):
         known: tuple[np.ndarray | Tensor, np.ndarray | Tensor] | None = None,
         raw_ids: bool = False,
         item_chunk: int = DEFAULT_ITEM_CHUNK,
+        items: IdsLike | None = None,
     ) -> Recommendations:
         """The ``k`` best items for each user, by the cosine score of :meth:`score` (the evaluation's ranking).
 
         Works on a model after ``trainer.fit`` and on one from ``SimpleXModule.load_from_checkpoint`` (checkpoints hold
-        the training interactions and the raw ids). Scores are streamed ``item_chunk`` items at a time
+        the interactions to exclude and the raw ids). Scores are streamed ``item_chunk`` items at a time
         (:func:`~lightning_sdp.models.simplex.recommend.top_k_recommendations`), so memory is bounded by
         ``len(users) x item_chunk`` floats. Example::
 
             items, scores = model.recommend([0, 5, 7], k=10)  # rows of the tables
             items, scores = model.recommend([1001, 2024], k=10, raw_ids=True)  # ids of the CSV file, both ways
+            items, scores = model.recommend([0], k=5, items=in_stock)  # only among the items of in_stock
 
         Args:
             users: one user id or a list / array / tensor of them: table rows, or the data file's ids with
                 ``raw_ids=True``.
             k: items per user. Default 10.
-            exclude_known: never recommend a user's known items: ``known`` when given, else the training
-                interactions the model was fitted on (:meth:`set_interactions`; with ``InteractionsDataModule``
-                these are ``dm.train_csr``, which holds out the validation items; pass
-                ``known=merge_csr(dm.train_csr, dm.val_csr)`` to exclude those too). Default ``True``.
+            exclude_known: never recommend a user's known items: ``known`` when given, else every interaction of the
+                data the model was fitted on (:meth:`set_known`: with ``InteractionsDataModule`` its training,
+                validation and test items), else the training interactions (:meth:`set_interactions`).
+                Default ``True``.
             known: ``(indptr, indices)`` CSR of the items never to recommend, over all ``num_users`` rows, in table
-                rows (also with ``raw_ids=True``), or ``None`` for the training interactions. Default ``None``.
-            raw_ids: ``users`` are, and the returned items will be, the ids of the CSV/TSV file the model was trained
-                on (:attr:`raw_user_ids` / :attr:`raw_item_ids`); an item row without a raw id comes back as ``-1``.
-                Default ``False``.
+                rows (also with ``raw_ids=True``), or ``None`` for the model's own (above). Default ``None``.
+            raw_ids: ``users`` and ``items`` are, and the returned items will be, the ids of the CSV/TSV file the model
+                was trained on (:attr:`raw_user_ids` / :attr:`raw_item_ids`); an item row without a raw id comes back
+                as ``-1``. Default ``False``.
             item_chunk: items scored at once. Default 65536.
+            items: recommend only among these items (ids as ``users``); ``None``: every item. Default ``None``.
 
         Returns:
             :class:`~lightning_sdp.models.simplex.recommend.Recommendations` ``(items, scores)``, each
             ``(len(users), k)`` on the model's device, sorted by score, best first.
 
         Raises:
-            ValueError: for a model without tables (not fitted, not loaded), an unknown user id, ``k`` larger than the
-                items a user has left, ``raw_ids=True`` on a model without raw ids, or ``exclude_known`` with no
-                known interactions to exclude.
+            ValueError: for a model without tables (not fitted, not loaded), an unknown user or item id, ``k`` larger
+                than the items a user has left, ``raw_ids=True`` on a model without raw ids, ``exclude_known`` with no
+                known interactions to exclude, or a user or item row that holds NaN or infinite values.
         """
-        if self.user_embedding is None or self.item_embedding is None:
-            raise ValueError(
-                "SimpleXModule.recommend: the model has no embedding tables yet; fit it first (trainer.fit(model, dm)) "
-                "or load a trained one (SimpleXModule.load_from_checkpoint(path))."
-            )
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
-            raise ValueError(f"SimpleXModule.recommend: k must be a positive int, got {k!r}.")
+        self._check_k(k, "recommend")
         ids = as_ids(users, "user")
         rows = self._user_rows(ids, raw_ids)
         known_batch = None
@@ -637,10 +768,111 @@ class SimpleXModule(LightningModule):
                 "SimpleXModule.recommend: known= was given with exclude_known=False, so it would be ignored; drop "
                 "known= or set exclude_known=True."
             )
-        out = self._recommend_rows(rows, int(k), known_batch, item_chunk, ids)
-        if not raw_ids:
-            return out
-        assert self._raw_item_ids is not None  # _user_rows checked it
+        candidates = None if items is None else self._item_rows(items, raw_ids)
+        out = self._recommend_rows(rows, int(k), known_batch, candidates, item_chunk, names=ids)
+        return self._as_raw_items(out) if raw_ids else out
+
+    def similar_items(
+        self, items: IdsLike, k: int = 10, raw_ids: bool = False, item_chunk: int = DEFAULT_ITEM_CHUNK
+    ) -> Recommendations:
+        """The ``k`` items most similar to each given item: the highest cosine between item rows, the item excluded.
+
+        Args:
+            items: one item id or a list / array / tensor of them (table rows, or the data file's ids with
+                ``raw_ids=True``).
+            k: similar items per item, at most ``num_items - 1``. Default 10.
+            raw_ids: take and return the data file's item ids (:attr:`raw_item_ids`). Default ``False``.
+            item_chunk: items scored at once. Default 65536.
+
+        Returns:
+            :class:`~lightning_sdp.models.simplex.recommend.Recommendations` with ``(len(items), k)`` items and
+            their cosines, best first.
+        """
+        self._check_k(k, "similar_items")
+        rows = self._item_rows(items, raw_ids, unique=False)
+        table = self.tables()[1].weight.detach()
+        itself = (torch.arange(len(rows) + 1), rows.to(table.device))  # each query excludes only itself
+        out = self._rank(table[rows.to(table.device)], int(k), itself, None, item_chunk, ("item", rows))
+        return self._as_raw_items(out) if raw_ids else out
+
+    def fold_in(self, items: IdsLike, raw_ids: bool = False, steps: int = DEFAULT_STEPS) -> Tensor:
+        """The user vector ``(dim,)`` of a user the model was not trained on, from their items.
+
+        The item rows, ``V`` and the attention weights stay as trained; the user's row is the one that minimises the
+        model's training loss over their items against every other item
+        (:func:`~lightning_sdp.models.simplex.fold_in.fold_in_user`). Score it like a trained user's vector.
+
+        Args:
+            items: the user's items (table rows, or the data file's ids with ``raw_ids=True``).
+            raw_ids: ``items`` are the data file's ids. Default ``False``.
+            steps: L-BFGS iterations. Default 50.
+        """
+        if as_ids(items, "item").numel() == 0:
+            raise ValueError("SimpleXModule: a new user needs at least one item to be folded in.")
+        self._normalized_items()  # raises, naming them, if item rows hold NaN or infinite values
+        return fold_in_user(self, self._item_rows(items, raw_ids), steps)
+
+    def recommend_for_new_user(
+        self,
+        items: IdsLike,
+        k: int = 10,
+        raw_ids: bool = False,
+        candidates: IdsLike | None = None,
+        steps: int = DEFAULT_STEPS,
+    ) -> Recommendations:
+        """The ``k`` best items for a user the model was not trained on, from the items they have (never returned).
+
+        The user is folded in (:meth:`fold_in`) without retraining; their items are excluded from the ranking.
+
+        Args:
+            items: the new user's items (table rows, or the data file's ids with ``raw_ids=True``).
+            k: items to recommend. Default 10.
+            raw_ids: ``items`` and ``candidates`` are, and the returned items will be, the data file's ids.
+                Default ``False``.
+            candidates: recommend only among these items; ``None``: every item. Default ``None``.
+            steps: L-BFGS iterations of the fold-in. Default 50.
+
+        Returns:
+            :class:`~lightning_sdp.models.simplex.recommend.Recommendations` with ``(k,)`` items and scores, best first.
+        """
+        self._check_k(k, "recommend_for_new_user")
+        rows = self._item_rows(items, raw_ids)
+        vector = self.fold_in(rows, steps=steps).unsqueeze(0)
+        allowed = None if candidates is None else self._item_rows(candidates, raw_ids)
+        own = (torch.tensor([0, len(rows)]), rows)
+        out = self._rank(vector, int(k), own, allowed, DEFAULT_ITEM_CHUNK, ("the new user", None))
+        out = self._as_raw_items(out) if raw_ids else out
+        return Recommendations(out.items[0], out.scores[0])
+
+    def _check_k(self, k: int, method: str) -> None:
+        if self.user_embedding is None or self.item_embedding is None:
+            raise ValueError(
+                f"SimpleXModule.{method}: the model has no embedding tables yet; fit it first (trainer.fit(model, dm)) "
+                "or load a trained one (SimpleXModule.load_from_checkpoint(path))."
+            )
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0:
+            raise ValueError(f"SimpleXModule.{method}: k must be a positive int, got {k!r}.")
+
+    def _item_rows(self, items: IdsLike, raw_ids: bool, unique: bool = True) -> Tensor:
+        """Table rows of item ids (checked); sorted and distinct unless ``unique=False`` (then in the given order)."""
+        ids = as_ids(items, "item")
+        if raw_ids and self._raw_item_ids is None:
+            user_rows(ids, self.num_users, (None, None), has_raw_ids=False)  # raises: the model has no raw ids
+        raw = self._raw_item_ids if raw_ids else None
+        if unique:
+            return candidate_rows(ids, self.num_items, raw)
+        if raw is not None:
+            rows, found = rows_of_ids(raw, ids.cpu())
+            if not bool(found.all()):
+                candidate_rows(ids, self.num_items, raw)  # raises, naming the unknown ids
+            return rows
+        candidate_rows(ids, self.num_items, None)  # checks the range
+        return ids.cpu()
+
+    def _as_raw_items(self, out: Recommendations) -> Recommendations:
+        """``out`` with its item rows replaced by the data file's ids (``-1`` for a row without one)."""
+        if self._raw_item_ids is None:
+            raise ValueError("SimpleXModule: raw_ids=True but this model has no raw ids (it was not trained on a CSV).")
         table = self._raw_item_ids.to(out.items.device)
         inside = out.items < len(table)
         items = torch.where(inside, table[out.items.clamp(max=max(len(table) - 1, 0))], -1)
@@ -654,7 +886,10 @@ class SimpleXModule(LightningModule):
     def _known_csr(
         self, known: tuple[np.ndarray | Tensor, np.ndarray | Tensor] | None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """The CSR of items :meth:`recommend` must not return: ``known``, else the training interactions."""
+        """The CSR of items :meth:`recommend` must not return: ``known``, else every known interaction, else the
+        training interactions."""
+        if known is None and self._known is not None:
+            return self._known
         h = self._histories
         training = None if h is None else (h.train_indptr, h.train_indices)
         return checked_known_csr(known, self.num_users, self.num_items, training)
@@ -664,6 +899,7 @@ class SimpleXModule(LightningModule):
         rows: Tensor,
         k: int,
         known: tuple[Tensor, Tensor] | None,
+        candidates: Tensor | None = None,
         item_chunk: int = DEFAULT_ITEM_CHUNK,
         names: Tensor | None = None,
     ) -> Recommendations:
@@ -673,25 +909,45 @@ class SimpleXModule(LightningModule):
                 f"SimpleXModule.recommend: with g={self.config.g} the user vectors aggregate the training histories, "
                 "but the model holds none; call model.set_interactions(*dm.train_csr) (or fit with the datamodule)."
             )
-        left = (
-            torch.full((len(rows),), self.num_items, dtype=torch.long)
-            if known is None
-            else remaining_items(self.num_items, known[0], known[1])
-        )
-        if len(rows) and int(left.min()) < k:
+        vectors = self.user_vectors(rows.to(self.tables()[0].weight.device))
+        check_finite_rows(vectors, "user vector", rows if names is None else names)
+        return self._rank(vectors, k, known, candidates, item_chunk, ("user", rows if names is None else names))
+
+    def _rank(
+        self,
+        vectors: Tensor,
+        k: int,
+        known: tuple[Tensor, Tensor] | None,
+        candidates: Tensor | None,
+        item_chunk: int,
+        who: tuple[str, Tensor | None],
+    ) -> Recommendations:
+        """Top ``k`` items of each query vector, ``known`` a batch-local CSR of items to leave out, ``candidates`` the
+        item rows to choose from (``None``: all); ``who`` is what a query is and the ids quoted in errors."""
+        items = self._normalized_items()
+        if candidates is not None:
+            items = items[candidates.to(items.device)]
+            if known is not None:
+                known = known_within(candidates, self.num_items, known[0], known[1])
+        pool = len(items)
+        left = torch.full((len(vectors),), pool, dtype=torch.long) if known is None else remaining_items(pool, *known)
+        if len(vectors) and int(left.min()) < k:
             at = int(left.argmin())
-            who = rows if names is None else names
-            excluded = self.num_items - int(left[at])
+            excluded = pool - int(left[at])
+            scope = f"{pool} items" if candidates is None else f"{pool} candidate items"
+            label, names = who
+            name = label if names is None else f"{label} {int(names[at])}"
             raise ValueError(
-                f"SimpleXModule.recommend: k={k} but user {int(who[at])} has only {int(left[at])} items left to "
-                f"recommend ({self.num_items} items, {excluded} of them known and excluded); ask for k <= "
-                f"{int(left.min())}" + (" or pass exclude_known=False." if excluded else ".")
+                f"SimpleXModule: k={k} but {name} has only {int(left[at])} items left to recommend ({scope}, "
+                f"{excluded} of them known and excluded); ask for k <= {int(left.min())}"
+                + (" or pass exclude_known=False." if excluded else ".")
             )
-        device = self.tables()[1].weight.device
+        device = items.device
         known_indptr, known_items = (None, None) if known is None else (known[0].to(device), known[1].to(device))
-        return top_k_recommendations(
-            self.user_vectors(rows.to(device)), self._normalized_items(), k, known_indptr, known_items, item_chunk
-        )
+        out = top_k_recommendations(vectors.to(device), items, k, known_indptr, known_items, item_chunk)
+        if candidates is None:
+            return out
+        return Recommendations(candidates.to(device)[out.items], out.scores)
 
     @override
     def predict_step(
@@ -702,10 +958,11 @@ class SimpleXModule(LightningModule):
     ) -> Recommendations:
         """Recommend for a batch of users: ``trainer.predict`` returns one :class:`Recommendations` per batch.
 
-        A batch is a LongTensor of user rows (or a one-tensor list, as a ``TensorDataset`` gives), whose training
+        A batch is a LongTensor of user rows (or a one-tensor list, as a ``TensorDataset`` gives), whose known
         interactions are excluded (as :meth:`recommend` does), or an evaluation batch dict of
         ``InteractionsDataModule`` (``"users"``, and the ``"known_indptr"`` / ``"known_items"`` to exclude:
-        ``trainer.predict(model, dataloaders=dm.test_dataloader())`` excludes the training and validation items).
+        ``trainer.predict(model, datamodule=dm)`` excludes every interaction of the data,
+        ``trainer.predict(model, dataloaders=dm.test_dataloader())`` the training and validation items).
         Each user gets ``predict_k`` items (an attribute, ``None`` by default: the module's ``k``), in table rows
         (map them with :attr:`raw_item_ids`). For example::
 
@@ -750,6 +1007,9 @@ class SimpleXModule(LightningModule):
         if self._histories is not None:
             checkpoint["simplex"]["train_indptr"] = torch.from_numpy(self._histories.train_indptr)
             checkpoint["simplex"]["train_indices"] = torch.from_numpy(self._histories.train_indices)
+        if self._known is not None:
+            checkpoint["simplex"]["known_indptr"] = torch.from_numpy(self._known[0])
+            checkpoint["simplex"]["known_indices"] = torch.from_numpy(self._known[1])
         if self._raw_user_ids is not None and self._raw_item_ids is not None:
             checkpoint["simplex"]["raw_user_ids"] = self._raw_user_ids
             checkpoint["simplex"]["raw_item_ids"] = self._raw_item_ids
@@ -762,8 +1022,13 @@ class SimpleXModule(LightningModule):
             "item_embedding.weight": None if self.item_embedding is None else tuple(self.item_embedding.weight.shape),
             "aggregator": tuple(self.aggregator.shape),
             "sampler_tiles": tuple(self.sampler_tiles.shape),
+            "clip_buffer_user": None if self.user_embedding is None else tuple(self.clip_buffer_user.shape),
+            "clip_buffer_item": None if self.item_embedding is None else tuple(self.clip_buffer_item.shape),
         }
         expected.update({name: tuple(p.shape) for name, p in self.named_parameters() if name.startswith("attention_")})
+        if self.config.grad_clip_mode == "sample":  # checkpoints written before the buffers existed hold none
+            for name in ("clip_buffer_user", "clip_buffer_item"):
+                state.setdefault(name, torch.zeros(0, self.config.dim))
         for name, shape in expected.items():
             if name not in state:
                 raise ValueError(
@@ -771,13 +1036,13 @@ class SimpleXModule(LightningModule):
                     f"(aggregator={self.config.aggregator!r}). Build the model with the checkpoint's settings."
                 )
             got = tuple(state[name].shape)
-            if shape is None and name in ("user_embedding.weight", "item_embedding.weight"):
+            if shape is None:  # the tables (and their buffers) are built from the checkpoint's shapes below
                 continue
             if got != shape:
                 raise ValueError(
                     f"SimpleXModule: checkpoint {name!r} has shape {got} but this model has {shape}; the checkpoint "
-                    "comes from a different configuration (num_users, num_items, dim or tile_size). Build the model "
-                    "with the checkpoint's settings."
+                    "comes from a different configuration (num_users, num_items, dim, tile_size or grad_clip_mode). "
+                    "Build the model with the checkpoint's settings."
                 )
         extra_attention = sorted(n for n in state if n.startswith("attention_") and n not in expected)
         if extra_attention:
@@ -793,6 +1058,9 @@ class SimpleXModule(LightningModule):
             self.generator.set_state(extra["generator_state"])
             # a resumed fit already has them from the datamodule (setup runs first); load_from_checkpoint does not
             if self._histories is None and "train_indptr" in extra:
-                self.set_interactions(extra["train_indptr"].cpu().numpy(), extra["train_indices"].cpu().numpy())
+                csr = extra["train_indptr"].cpu().numpy(), extra["train_indices"].cpu().numpy()
+                self.set_interactions(*csr, warm_start_rows=False)  # the checkpoint's weights follow
+            if self._known is None and "known_indptr" in extra:
+                self.set_known(extra["known_indptr"].cpu().numpy(), extra["known_indices"].cpu().numpy())
             if self._raw_user_ids is None and "raw_user_ids" in extra:
                 self.set_raw_ids(extra["raw_user_ids"], extra["raw_item_ids"])

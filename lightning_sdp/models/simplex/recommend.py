@@ -168,6 +168,77 @@ def checked_known_csr(
     return indptr, indices
 
 
+def candidate_rows(ids: Tensor, num_items: int, raw_items: Tensor | None) -> Tensor:
+    """The item rows a recommendation may choose from (``recommend(..., items=...)``): sorted, each once, checked.
+
+    Args:
+        ids: item rows, or the data file's item ids when ``raw_items`` (the model's row -> raw id table) is given.
+        num_items: rows of the item table.
+        raw_items: the model's raw item ids when the caller passed ``raw_ids=True``, else ``None``.
+    """
+    if raw_items is not None:
+        rows, found = rows_of_ids(raw_items, ids.cpu())
+        if not bool(found.all()):
+            unknown = ids[~found.to(ids.device)].unique()
+            raise ValueError(
+                f"SimpleXModule: {len(unknown)} item id(s) are not in the training data (e.g. {unknown[:5].tolist()}); "
+                "the model has no row for them."
+            )
+        ids = rows
+    if ids.numel() == 0:
+        raise ValueError("SimpleXModule: items= is empty; pass the item ids to choose from, or None for every item.")
+    if int(ids.min()) < 0 or int(ids.max()) >= num_items:
+        bad = ids[(ids < 0) | (ids >= num_items)].unique()
+        raise ValueError(f"SimpleXModule: item ids must be rows in [0, {num_items}), got {bad[:5].tolist()}.")
+    return torch.unique(ids.cpu())
+
+
+def known_within(
+    candidates: Tensor, num_items: int, known_indptr: Tensor, known_items: Tensor
+) -> tuple[Tensor, Tensor]:
+    """A batch-local CSR of known items re-expressed as positions in ``candidates`` (items outside it dropped).
+
+    Args:
+        candidates: sorted distinct item rows (:func:`candidate_rows`).
+        num_items: rows of the item table.
+        known_indptr: ``(B + 1,)`` offsets of each row's known items.
+        known_items: the known item rows.
+
+    Returns:
+        ``(indptr, positions)``: each row's known items that are candidates, as indices into ``candidates``.
+    """
+    position = torch.full((num_items,), -1, dtype=torch.long)
+    position[candidates] = torch.arange(len(candidates))
+    mapped = position[known_items.cpu()]
+    keep = mapped >= 0
+    batch = len(known_indptr) - 1
+    rows = torch.repeat_interleave(torch.arange(batch), known_indptr.cpu().diff())[keep]
+    indptr = torch.zeros(batch + 1, dtype=torch.long)
+    indptr[1:] = torch.cumsum(torch.bincount(rows, minlength=batch), 0)
+    return indptr, mapped[keep]
+
+
+def check_finite_rows(vectors: Tensor, what: str, names: Tensor | None = None) -> None:
+    """Raise a ``ValueError`` naming the rows of ``vectors`` that hold a NaN or an infinity.
+
+    A NaN score compares above every number in ``topk``, so one bad row would be every user's first recommendation.
+
+    Args:
+        vectors: ``(n, d)`` rows to check.
+        what: what a row is, e.g. ``"item row"``, quoted in the message.
+        names: the id of each row quoted in the message (default: its position).
+    """
+    bad = ~torch.isfinite(vectors).all(dim=1)
+    if not bool(bad.any()):
+        return
+    at = torch.nonzero(bad).flatten()
+    ids = at if names is None else names.to(at.device)[at]
+    raise ValueError(
+        f"SimpleXModule: {len(at)} {what}(s) hold NaN or infinite values (e.g. {ids[:5].tolist()}), so their scores "
+        "cannot be ranked. The model is broken: retrain it (lower lr), or reload a checkpoint saved before it diverged."
+    )
+
+
 def top_k_recommendations(
     user_vectors: Tensor,
     item_normalized: Tensor,
@@ -250,7 +321,10 @@ __all__ = [
     "IdsLike",
     "Recommendations",
     "as_ids",
+    "candidate_rows",
+    "check_finite_rows",
     "checked_known_csr",
+    "known_within",
     "remaining_items",
     "rows_of_ids",
     "top_k_recommendations",

@@ -282,6 +282,27 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
         minutes=20,
     ),
     Configuration(
+        "heat_recipe_candidates",
+        "default",
+        "validation Recall@20 of the recipe's candidates (SVD warm start, temperature) at fixed epochs",
+        needs=(GOWALLA, LASTFM),
+        minutes=30,
+    ),
+    Configuration(
+        "heat_artifact",
+        "default",
+        "positives/s and Recall@20 at equal epochs against HEAT's own C++ code, built at run time (Gowalla)",
+        needs=(GOWALLA,),
+        minutes=12,
+    ),
+    Configuration(
+        "heat_first_run",
+        "default",
+        "a fresh install's first max_time=30 s fit (empty kernel cache) against the same fit with the cache warm",
+        needs=(LASTFM,),
+        minutes=10,
+    ),
+    Configuration(
         "heat_throughput",
         "default",
         "positives/s of the fused kernel against plain PyTorch",

@@ -61,33 +61,34 @@ from typing import Any
 
 from benchmarks._common import SHARED_DATA, StepTimer, free_port, machine_info, markdown_table, write_results
 
-METHODS = [
-    "ddp",
-    "ddp_fp16",
-    "ddp_bf16",
-    "powersgd_r1",
-    "powersgd_r4",
-    "zero_ddp",
-    "fsdp2",
-    "sdp4bit_auto",
-    "sdp4bit_none_none",
-    "sdp4bit_qwd_tlq_hs",
-    "sdp4bit_qwd_none",
-    "sdp4bit_none_tlq_hs",
-    "sdp4bit_qwd_tlq_hs_g8",
-    "sdp4bit_none_tlq_hs_g8",
-    "sdp4bit_qw_ulq",
-    "sdp4bit_none_none_sequential",
-    "sdp4bit_qwd_tlq_hs_sequential",
-    "sdp4bit_none_none_fwd",
-    "sdp4bit_qwd_tlq_hs_fwd",
-    "sdp4bit_qwd_tlq_hs_torchcodec",
-    "sdp4bit_none_none_onebucket",
-    "sdp4bit_qwd_tlq_hs_onebucket",
-    "sdp4bit_auto_autobucket",
-    "sdp4bit_qwd_tlq_hs_autobucket",
-    "sdp4bit_none_none_autobucket",
-]
+# SDP4BitStrategy's arguments per method (every other argument keeps the strategy's default); see the docstring
+_PAPER = {"weight_compression": "qwd", "gradient_compression": "tlq_hs"}
+_UNCOMPRESSED = {"weight_compression": "none", "gradient_compression": "none"}
+SDP4BIT_METHODS: dict[str, dict[str, Any]] = {
+    "sdp4bit_auto": {},
+    "sdp4bit_none_none": _UNCOMPRESSED,
+    "sdp4bit_qwd_tlq_hs": _PAPER,
+    "sdp4bit_qwd_none": {"weight_compression": "qwd", "gradient_compression": "none"},
+    "sdp4bit_none_tlq_hs": {"weight_compression": "none", "gradient_compression": "tlq_hs"},
+    "sdp4bit_qwd_tlq_hs_g8": {**_PAPER, "gradient_inter_bits": 8},
+    "sdp4bit_none_tlq_hs_g8": {
+        "weight_compression": "none",
+        "gradient_compression": "tlq_hs",
+        "gradient_inter_bits": 8,
+    },
+    "sdp4bit_qw_ulq": {"weight_compression": "qw", "gradient_compression": "ulq"},
+    "sdp4bit_none_none_sequential": {**_UNCOMPRESSED, "overlap": False},
+    "sdp4bit_qwd_tlq_hs_sequential": {**_PAPER, "overlap": False},
+    "sdp4bit_none_none_fwd": {**_UNCOMPRESSED, "overlap_param_gather": True},
+    "sdp4bit_qwd_tlq_hs_fwd": {**_PAPER, "overlap_param_gather": True},
+    "sdp4bit_qwd_tlq_hs_torchcodec": {**_PAPER, "kernel_backend": "torch"},
+    "sdp4bit_none_none_onebucket": {**_UNCOMPRESSED, "bucket_size_mb": None},
+    "sdp4bit_qwd_tlq_hs_onebucket": {**_PAPER, "bucket_size_mb": None},
+    "sdp4bit_auto_autobucket": {"bucket_size_mb": "auto"},
+    "sdp4bit_qwd_tlq_hs_autobucket": {**_PAPER, "bucket_size_mb": "auto"},
+    "sdp4bit_none_none_autobucket": {**_UNCOMPRESSED, "bucket_size_mb": "auto"},
+}
+METHODS = ["ddp", "ddp_fp16", "ddp_bf16", "powersgd_r1", "powersgd_r4", "zero_ddp", "fsdp2", *SDP4BIT_METHODS]
 BANDWIDTHS = [50.0, 100.0, 200.0, 500.0, 1000.0, 10000.0]
 # extra steps an "auto" timing run may spend trying candidates before its timed window
 AUTO_TRIAL_ALLOWANCE = 60
@@ -167,25 +168,10 @@ def _build(method: str, args: argparse.Namespace, vocab_size: int) -> tuple[Any,
 
         strategy = ModelParallelStrategy(data_parallel_size=args.world, tensor_parallel_size=1, timeout=timeout)
         return FSDP2GPT(**hp), strategy
-    if method.startswith("sdp4bit_"):
+    if method in SDP4BIT_METHODS:
         from lightning_sdp.plugins.sdp4bit import SDP4BitStrategy
 
-        name = method.removeprefix("sdp4bit_")
-        # the bucket variants set bucket_size_mb; every other method keeps the strategy's default
-        buckets = {f"_{k}": {"bucket_size_mb": v} for k, v in (("onebucket", None), ("autobucket", "auto"))}
-        extra = buckets.get(name[name.rfind("_") :], {})
-        name = name.removesuffix("_onebucket").removesuffix("_autobucket")
-        overlap = not name.endswith("_sequential")
-        forward_gather = name.endswith("_fwd")
-        backend = "torch" if name.endswith("_torchcodec") else "auto"
-        inter_bits = 8 if name.endswith("_g8") else 4
-        modes = name.removesuffix("_sequential").removesuffix("_fwd").removesuffix("_torchcodec").removesuffix("_g8")
-        weights, grads = ("auto", "auto") if modes == "auto" else modes.split("_", 1)
-        strategy = SDP4BitStrategy(
-            weight_compression=weights, gradient_compression=grads, seed=args.seed, timeout=timeout, overlap=overlap,
-            overlap_param_gather=forward_gather, kernel_backend=backend, gradient_inter_bits=inter_bits,
-            **extra,
-        )  # fmt: skip
+        strategy = SDP4BitStrategy(seed=args.seed, timeout=timeout, **SDP4BIT_METHODS[method])
         return GPT(**hp), strategy
     raise ValueError(f"Unknown method {method!r}; choose from {METHODS}.")
 
@@ -291,7 +277,7 @@ def _run_method(method: str, bandwidth: float, steps: int, validate: bool, args:
     model, strategy = _build(method, args, dm.vocab_size)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     ifname = os.environ.get("EMULATED_CLUSTER_IFNAME")
-    auto = method == "sdp4bit_auto"
+    auto = bool(getattr(getattr(strategy, "config", None), "auto", False))
     meter = _Meter(
         args.warmup, strategy, ifname if local_rank == 0 else None, None if validate else steps - args.warmup
     )

@@ -344,12 +344,12 @@ def test_a_module_without_configure_optimizers_gets_lightnings_error(single_proc
 
 
 def test_parameters_live_in_the_flat_buffer_and_fall_back_to_copies():
-    from lightning_sdp.plugins.sdp4bit.sharding import FlatBucket
+    from lightning_sdp.plugins.sdp4bit.sharding import FlatBucket, ShardLayout
 
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(5))]
     before = [p.detach().clone() for p in params]
-    bucket = FlatBucket(params, ["w", "b"], world_size=2, rank=0, alignment=8)
+    bucket = FlatBucket(params, ["w", "b"], ShardLayout(world_size=2, rank=0, alignment=8))
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
     # the weight all-gather writes the flat buffer: the parameters see it without a copy
     bucket.model_flat[: bucket.numel].add_(1.0)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_sdp.kernels.quantization import QuantFormat
+from lightning_sdp.plugins.sdp4bit.config import SDP4BitConfig
 from lightning_sdp.plugins.sdp4bit.formats import GradientFormat, WeightFormat
 from lightning_sdp.plugins.sdp4bit.topology import Topology
 
@@ -70,8 +71,8 @@ class LinkSpeeds:
 
     def describe(self) -> str:
         """In words, in Mbit/s per rank."""
-        parts = [f"{name} {speed * 8 / 1e6:,.0f} Mbit/s" for name, speed in (("intra-node", self.intra),
-                 ("inter-node", self.inter)) if speed is not None]  # fmt: skip
+        levels = (("intra-node", self.intra), ("inter-node", self.inter))
+        parts = [f"{name} {speed * 8 / 1e6:,.0f} Mbit/s" for name, speed in levels if speed is not None]
         # the ranks of a node share its links: each rank's share, not the link's rate
         return ", ".join(parts) + " per rank" if parts else "no link"
 
@@ -182,8 +183,9 @@ def distinct_candidates(
     seen: dict[tuple[Any, ...], Candidate] = {}
     for w in weights:
         for g in gradients:
-            key = (w, g.intra_bits if topo.intra_size > 1 else None, g.inter_bits if topo.inter_size > 1 else None,
-                   g.hadamard)  # fmt: skip
+            intra = g.intra_bits if topo.intra_size > 1 else None
+            inter = g.inter_bits if topo.inter_size > 1 else None
+            key = (w, intra, inter, g.hadamard)
             seen.setdefault(key, Candidate(w, g))
     return list(seen.values())
 
@@ -304,9 +306,10 @@ class AutoCompression:
         # equal only if the wire agrees: trial steps can all be slow (the fit's first steps), which hides a wire-time
         # difference that every later step would pay
         close = [
-            i for i, t in self._measured.items()
+            i
+            for i, t in self._measured.items()
             if t <= best * (1 + EQUAL_WITHIN) and self.wire[i] - self.wire[fastest] <= best * EQUAL_WITHIN
-        ]  # fmt: skip
+        ]
         chosen = max(close, key=lambda i: (self.candidates[i].exactness, -self._measured[i]))
         self.active, self._schedule, self._decided_at = self.candidates[chosen], None, step
         measured = {self.candidates[i].describe(): t for i, t in sorted(self._measured.items(), key=lambda x: x[1])}
@@ -323,41 +326,33 @@ class AutoCompression:
 
 
 def build_auto(
-    weights: Sequence[WeightFormat],
-    gradients: Sequence[GradientFormat],
+    config: SDP4BitConfig,
     topo: Topology,
     shard_sizes: Sequence[int],
     weight_itemsize: int,
-    gradient_group: int,
     device: torch.device,
-    trial_steps: int,
-    recheck_every: int,
     before_probe: Callable[[], None] = lambda: None,
     links: LinkSpeeds | None = None,
 ) -> AutoCompression:
-    """Probe the links (a collective) and return the controller that chooses among ``weights x gradients``.
+    """Probe the links (a collective) and return the controller that chooses among the config's candidate formats.
 
     Args:
-        weights: candidate weight formats.
-        gradients: candidate gradient formats.
+        config: the strategy's options (candidate formats, gradient group size, trial steps, re-check interval).
         topo: the process topology.
         shard_sizes: values per rank of every bucket.
         weight_itemsize: bytes of one model weight.
-        gradient_group: values per gradient scale.
         device: the strategy's root device.
-        trial_steps: see :class:`AutoCompression`.
-        recheck_every: see :class:`AutoCompression`.
         before_probe: called before a recheck's probe (wait for the exchanges in flight).
         links: links this set-up already probed (every rank passes them or none does); ``None``: probe them.
     """
-    candidates = distinct_candidates(weights, gradients, topo)
+    candidates = distinct_candidates(config.weight_candidates, config.gradient_candidates, topo)
     agree = agree_max(topo, device)
 
     def measure(known: LinkSpeeds | None = None) -> tuple[list[float], LinkSpeeds]:
         links = known or probe_links(topo, device, agree)
         seconds = []
         for candidate in candidates:
-            intra, inter = wire_bytes(candidate, topo, shard_sizes, weight_itemsize, gradient_group)
+            intra, inter = wire_bytes(candidate, topo, shard_sizes, weight_itemsize, config.gradient_group_size)
             seconds.append(intra / (links.intra or float("inf")) + inter / (links.inter or float("inf")))
         return seconds, links
 
@@ -366,4 +361,6 @@ def build_auto(
         return measure()
 
     seconds, probed = measure(links)
-    return AutoCompression(candidates, seconds, trial_steps, recheck_every, agree, probed, remeasure)
+    return AutoCompression(
+        candidates, seconds, config.auto_trial_steps, config.auto_recheck_every_n_steps, agree, probed, remeasure
+    )

@@ -35,6 +35,7 @@ from torch.nn import Module
 from lightning_sdp.kernels import quantization
 from lightning_sdp.plugins.sdp4bit.config import SDP4BitConfig
 from lightning_sdp.plugins.sdp4bit.exchange import (
+    Codec,
     CommStats,
     GradientExchange,
     RoundingRNG,
@@ -297,9 +298,8 @@ class GradientOverlap:
         cfg, fmt = ctx.config, ctx.formats.gradient
         flat = bucket.gather_grads(ctx.world_size)
         key = self._key[id(bucket)]  # the bucket's index in the optimizer, whatever the launch order
-        exchange = GradientExchange(
-            flat, ctx.topology, fmt, cfg.gradient_group_size, cfg.rounding, ctx.rng.child(key), ctx.ops, ctx.stats
-        )
+        codec = Codec(ctx.ops, cfg.rounding, ctx.rng.child(key), ctx.stats)
+        exchange = GradientExchange(flat, ctx.topology, fmt, cfg.gradient_group_size, codec)
         job = _GradJob(bucket, exchange)
         limit = 0.0
         if fmt.quantized and ctx.world_size > 1:
@@ -469,10 +469,10 @@ class WeightOverlap:
         self._forward_started = False
         for index, bucket in sorted(enumerate(buckets), key=lambda item: self._forward_position(item[1])):
             stats = CommStats()  # merged into the strategy's stats by wait_all, on the training thread
+            codec = Codec(ctx.ops, cfg.rounding, ctx.rng.child(len(buckets) + index), stats)
             exchange = WeightExchange(
-                bucket.model_flat, bucket.master.detach(), ctx.topology, fmt.mode, fmt.bits, fmt.group_size,
-                cfg.rounding, ctx.rng.child(len(buckets) + index), ctx.ops, stats, ctx.topology.world_group,
-            )  # fmt: skip
+                bucket.model_flat, bucket.master.detach(), ctx.topology, fmt, codec, ctx.topology.world_group
+            )
             future = ctx.pipeline.submit(_no_grad(exchange.send), _no_grad(self._finish(bucket, exchange, drift)))
             self._jobs[id(bucket)] = future
             self._stats.append(stats)
@@ -588,9 +588,10 @@ class WeightOverlap:
             if id(bucket) in self.eager:
                 continue
             names = [
-                n for p, n in zip(bucket.params, bucket.names, strict=True)
+                n
+                for p, n in zip(bucket.params, bucket.names, strict=True)
                 if p.grad is not None and id(p) not in self._covered
-            ]  # fmt: skip
+            ]
             if names:
                 self.eager[id(bucket)] = bucket
                 new.extend(names)

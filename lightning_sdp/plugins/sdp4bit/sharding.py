@@ -12,6 +12,7 @@ again for the world size that loads it.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,9 +27,7 @@ from lightning_sdp.plugins.sdp4bit.topology import in_shard_order, shard_index
 
 # Optimizers whose update is element-wise, so that stepping a shard equals stepping the whole tensor. Subclasses of
 # these (``class MyAdamW(AdamW)``) are accepted too: they inherit the element-wise update.
-SUPPORTED_OPTIMIZERS = (
-    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD", "Rprop",
-)  # fmt: skip
+SUPPORTED_OPTIMIZERS = tuple("SGD Adam AdamW Adamax NAdam RAdam RMSprop Adagrad Adadelta ASGD Rprop".split())
 
 # Optimizers that can never run on a flat shard, and why.
 UNSHARDABLE_OPTIMIZERS = {
@@ -97,32 +96,44 @@ def check_optimizer(optimizer: Optimizer, allow_any: bool = False) -> None:
     )
 
 
+@dataclass(frozen=True)
+class ShardLayout:
+    """How every param group of a ``fit`` is cut into flat buckets and which shard of each this rank owns.
+
+    Attributes:
+        world_size: data-parallel world size.
+        rank: this rank.
+        alignment: every shard is a multiple of this many values (lcm of the group sizes and the Hadamard size).
+        param_alignment: every parameter starts at a multiple of this in the flat buffer (the Hadamard block size
+            when gradients are Hadamard-transformed, so that no block mixes two parameters; 1 otherwise).
+        intra_size: processes per node, which decides the shard this rank owns (``None``: shard ``rank``).
+        bucket_numel: values per bucket (see :func:`split_params`); ``None``: one bucket per param group.
+    """
+
+    world_size: int
+    rank: int
+    alignment: int
+    param_alignment: int = 1
+    intra_size: int | None = None
+    bucket_numel: int | None = None
+
+    @property
+    def shard(self) -> int:
+        """The index of the shard this rank owns (local-major, see :func:`shard_index`)."""
+        return shard_index(self.rank, self.world_size, self.intra_size)
+
+
 class FlatBucket:
     """One param group flattened: full model copy (every rank), fp32 master shard (this rank), grad buffer.
 
     Args:
         params: the group's parameters (one dtype and device).
         names: a name per parameter (for error messages).
-        world_size: data-parallel world size.
-        rank: this rank.
-        alignment: ``S`` is a multiple of this (lcm of the group sizes and the Hadamard size).
-        param_alignment: every parameter starts at a multiple of this in the flat buffer (the Hadamard block size
-            when gradients are Hadamard-transformed, so that no block mixes two parameters; 1 otherwise).
+        layout: world size, rank, alignments and shard ownership.
         group_index: index of the optimizer param group this bucket belongs to (a group may own several buckets).
-        intra_size: processes per node, which decides the shard this rank owns (``None``: shard ``rank``).
     """
 
-    def __init__(
-        self,
-        params: list[Tensor],
-        names: list[str],
-        world_size: int,
-        rank: int,
-        alignment: int,
-        param_alignment: int = 1,
-        group_index: int = 0,
-        intra_size: int | None = None,
-    ) -> None:
+    def __init__(self, params: list[Tensor], names: list[str], layout: ShardLayout, group_index: int = 0) -> None:
         if not params:
             raise ValueError("An optimizer param group has no parameters.")
         dtypes = {p.dtype for p in params}
@@ -139,18 +150,20 @@ class FlatBucket:
         # offsets[i] is where parameter i starts; offsets[-1] is the end of the last one
         self.offsets = []
         end = 0
+        align = layout.param_alignment
         for n in self.numels:
-            start = -(-end // param_alignment) * param_alignment
+            start = -(-end // align) * align
             self.offsets.append(start)
             end = start + n
         self.offsets.append(end)
         self.numel = end
-        self.world_size = world_size
-        self.rank = rank
-        self.shard_size = padded_shard_size(self.numel, world_size, alignment)
-        self.padded = world_size * self.shard_size
-        self.intra_size = intra_size
-        self.lo = shard_index(rank, world_size, intra_size) * self.shard_size
+        self.layout = layout
+        self.world_size = layout.world_size
+        self.rank = layout.rank
+        self.shard_size = padded_shard_size(self.numel, layout.world_size, layout.alignment)
+        self.padded = layout.world_size * self.shard_size
+        self.intra_size = layout.intra_size
+        self.lo = layout.shard * self.shard_size
         self.dtype = params[0].dtype
         self.device = params[0].device
         self.model_flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
@@ -174,8 +187,8 @@ class FlatBucket:
 
     def _detached_copies(self) -> tuple[list[Tensor], list[Tensor]]:
         """(parameters, their views of the model buffer) for the parameters that do not alias their view."""
-        pairs = [(p.detach(), v) for p, v in zip(self.params, self.views(self.model_flat), strict=True)
-                 if p.data_ptr() != v.data_ptr()]  # fmt: skip
+        views = self.views(self.model_flat)
+        pairs = [(p.detach(), v) for p, v in zip(self.params, views, strict=True) if p.data_ptr() != v.data_ptr()]
         return [p for p, _ in pairs], [v for _, v in pairs]
 
     @torch.no_grad()
@@ -307,38 +320,22 @@ def split_params(params: list[Tensor], bucket_numel: int | None) -> list[list[Te
 
 
 def shard_group(
-    group: dict[str, Any],
-    names: dict[int, str],
-    world_size: int,
-    rank: int,
-    alignment: int,
-    param_alignment: int = 1,
-    group_index: int = 0,
-    bucket_numel: int | None = None,
-    intra_size: int | None = None,
+    group: dict[str, Any], names: dict[int, str], layout: ShardLayout, group_index: int = 0
 ) -> list[FlatBucket]:
     """Build the :class:`FlatBucket` s of one param group (its ``"params"`` are left as they are).
 
     Args:
         group: an optimizer param group holding model parameters.
         names: ``id(param) -> name`` for error messages.
-        world_size: data-parallel world size.
-        rank: this rank.
-        alignment: shard sizes are multiples of this.
-        param_alignment: parameter starts are multiples of this.
+        layout: how the buckets are cut and which shard this rank owns.
         group_index: index of the group in the optimizer.
-        bucket_numel: values per bucket (see :func:`split_params`); ``None``: one bucket for the group.
-        intra_size: processes per node (decides which shard this rank owns); ``None``: one node.
     """
     params = list(group["params"])
     if not params:
         raise ValueError("An optimizer param group has no parameters.")
     buckets = []
-    for run in split_params(params, bucket_numel):
-        bucket = FlatBucket(
-            run, [names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in run], world_size, rank, alignment,
-            param_alignment, group_index, intra_size,
-        )  # fmt: skip
+    for run in split_params(params, layout.bucket_numel):
+        bucket = FlatBucket(run, [names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in run], layout, group_index)
         bucket.master.requires_grad_(True)
         buckets.append(bucket)
     return buckets
@@ -355,15 +352,7 @@ def group_params(buckets: list[FlatBucket], group_index: int) -> list[Tensor]:
 
 
 def shard_optimizer(
-    optimizer: Optimizer,
-    names: dict[int, str],
-    world_size: int,
-    rank: int,
-    alignment: int,
-    param_alignment: int = 1,
-    allow_any: bool = False,
-    bucket_numel: int | None = None,
-    intra_size: int | None = None,
+    optimizer: Optimizer, names: dict[int, str], layout: ShardLayout, allow_any: bool = False
 ) -> list[FlatBucket]:
     """Build the flat buckets of every param group of an optimizer that holds no state yet. Returns the buckets.
 
@@ -373,13 +362,8 @@ def shard_optimizer(
     Args:
         optimizer: the user's optimizer, still holding the model parameters and no state.
         names: ``id(param) -> name`` for error messages.
-        world_size: data-parallel world size.
-        rank: this rank.
-        alignment: shard sizes are multiples of this.
-        param_alignment: parameter starts are multiples of this.
+        layout: how the buckets are cut and which shard this rank owns.
         allow_any: see :func:`check_optimizer`.
-        bucket_numel: values per bucket (see :func:`split_params`); ``None``: one bucket per param group.
-        intra_size: processes per node (decides which shard this rank owns); ``None``: one node.
     """
     check_optimizer(optimizer, allow_any)
     if any(len(s) for s in optimizer.state.values()):
@@ -388,26 +372,14 @@ def shard_optimizer(
             "the optimizer in `configure_optimizers` and load optimizer state through `ckpt_path=`."
         )
     buckets = [
-        bucket
-        for i, group in enumerate(optimizer.param_groups)
-        for bucket in shard_group(
-            group, names, world_size, rank, alignment, param_alignment, i, bucket_numel, intra_size
-        )
+        bucket for i, group in enumerate(optimizer.param_groups) for bucket in shard_group(group, names, layout, i)
     ]
     optimizer.state.clear()
     return buckets
 
 
 def shard_new_groups(
-    optimizer: Optimizer,
-    buckets: list[FlatBucket],
-    names: dict[int, str],
-    world_size: int,
-    rank: int,
-    alignment: int,
-    param_alignment: int = 1,
-    bucket_numel: int | None = None,
-    intra_size: int | None = None,
+    optimizer: Optimizer, buckets: list[FlatBucket], names: dict[int, str], layout: ShardLayout
 ) -> bool:
     """Shard the param groups added since :func:`shard_optimizer` (``add_param_group``, e.g. by
     ``BackboneFinetuning``), appending their buckets to ``buckets``. Returns whether there were any.
@@ -431,9 +403,7 @@ def shard_new_groups(
                 "`optimizer.add_param_group(...)` instead."
             )
     for i in range(n_known, len(groups)):
-        buckets.extend(
-            shard_group(groups[i], names, world_size, rank, alignment, param_alignment, i, bucket_numel, intra_size)
-        )
+        buckets.extend(shard_group(groups[i], names, layout, i))
     return len(groups) > n_known
 
 
@@ -495,11 +465,7 @@ def _consolidate_bucket(
 ) -> int:
     """Add one bucket's parameters to a consolidated state from ``index`` on; returns the next free index."""
     shard_state = optimizer.state.get(bucket.master, {})
-    full = {
-        k: bucket.gather_full(v) if isinstance(v, Tensor) and v.numel() == bucket.shard_size and v.dim() == 1
-        else v
-        for k, v in sorted(shard_state.items())
-    }  # fmt: skip
+    full = {k: bucket.gather_full(v) if _is_shard_state(v, bucket) else v for k, v in sorted(shard_state.items())}
     master_full = bucket.full_master()
     for i, p in enumerate(bucket.params):
         a, n = bucket.offsets[i], bucket.numels[i]

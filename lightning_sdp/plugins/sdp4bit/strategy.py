@@ -43,6 +43,7 @@ from lightning_sdp.plugins.sdp4bit.precision import ClipKind, ShardedClippingPre
 from lightning_sdp.plugins.sdp4bit.sharding import (
     AbsentSnapshot,
     FlatBucket,
+    ShardLayout,
     check_optimizer,
     check_trainable,
     clip_shard_grads,
@@ -195,20 +196,38 @@ class SDP4BitStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         self.config = SDP4BitConfig(
-            weight_compression=weight_compression, gradient_compression=gradient_compression,
-            weight_bits=weight_bits, weight_group_size=weight_group_size, gradient_intra_bits=gradient_intra_bits,
-            gradient_inter_bits=gradient_inter_bits, gradient_group_size=gradient_group_size,
-            hadamard_size=hadamard_size, rounding=rounding, intra_node_size=intra_node_size,
-            nonfinite_gradients=nonfinite_gradients, seed=seed, kernel_backend=kernel_backend, track_drift=track_drift,
-            allow_any_optimizer=allow_any_optimizer, bucket_size_mb=bucket_size_mb, overlap=overlap,
-            overlap_param_gather=overlap_param_gather, log_metrics=log_metrics, auto_trial_steps=auto_trial_steps,
+            weight_compression=weight_compression,
+            gradient_compression=gradient_compression,
+            weight_bits=weight_bits,
+            weight_group_size=weight_group_size,
+            gradient_intra_bits=gradient_intra_bits,
+            gradient_inter_bits=gradient_inter_bits,
+            gradient_group_size=gradient_group_size,
+            hadamard_size=hadamard_size,
+            rounding=rounding,
+            intra_node_size=intra_node_size,
+            nonfinite_gradients=nonfinite_gradients,
+            seed=seed,
+            kernel_backend=kernel_backend,
+            track_drift=track_drift,
+            allow_any_optimizer=allow_any_optimizer,
+            bucket_size_mb=bucket_size_mb,
+            overlap=overlap,
+            overlap_param_gather=overlap_param_gather,
+            log_metrics=log_metrics,
+            auto_trial_steps=auto_trial_steps,
             auto_recheck_every_n_steps=auto_recheck_every_n_steps,
-        )  # fmt: skip
+        )
         super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
-        )  # fmt: skip
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
         self.comm_stats = CommStats()
         self.topology: Topology | None = None
         self.skipped_steps = 0
@@ -250,6 +269,17 @@ class SDP4BitStrategy(DDPStrategy):
         if hadamard and self.world_size > 1 and self._align_hadamard_blocks:
             return hadamard
         return 1
+
+    def _layout(self) -> ShardLayout:
+        """How this ``fit`` cuts the param groups into buckets and which shard this rank owns."""
+        return ShardLayout(
+            world_size=self.world_size,
+            rank=self.global_rank,
+            alignment=self.alignment,
+            param_alignment=self._param_alignment,
+            intra_size=getattr(self.topology, "intra_size", None),
+            bucket_numel=self._bucket_numel,
+        )
 
     def _intra_size(self) -> int:
         world = self.world_size
@@ -295,22 +325,17 @@ class SDP4BitStrategy(DDPStrategy):
             rank_zero_info(chosen)
         for opt in self.optimizers:
             raw = unwrap_optimizer(opt)
-            self._buckets[id(raw)] = shard_optimizer(
-                raw, names, self.world_size, self.global_rank, self.alignment, self._param_alignment,
-                self.config.allow_any_optimizer, self._bucket_numel, getattr(self.topology, "intra_size", None),
-            )  # fmt: skip
+            self._buckets[id(raw)] = shard_optimizer(raw, names, self._layout(), self.config.allow_any_optimizer)
             if warning := padding_warning(self._buckets[id(raw)], self.world_size, self.alignment):
                 rank_zero_warn(warning)
         self._index_params()
         if self.config.auto:
-            cfg, topo = self.config, self.topology
-            assert topo is not None and self.lightning_module is not None
+            assert self.topology is not None and self.lightning_module is not None
             itemsize = max(p.element_size() for p in self.lightning_module.parameters())
+            shard_sizes = [b.shard_size for b in self._all_buckets()]
             self._auto = build_auto(
-                cfg.weight_candidates, cfg.gradient_candidates, topo, [b.shard_size for b in self._all_buckets()],
-                itemsize, cfg.gradient_group_size, self.root_device, cfg.auto_trial_steps,
-                cfg.auto_recheck_every_n_steps, self._wait_all_weights, links,
-            )  # fmt: skip
+                self.config, self.topology, shard_sizes, itemsize, self.root_device, self._wait_all_weights, links
+            )
             self._auto_seen_step = -1
         # Global-norm and value clipping on the shards (Lightning clips through the precision plugin).
         if not isinstance(self.precision_plugin, ShardedClippingPrecision):
@@ -343,10 +368,8 @@ class SDP4BitStrategy(DDPStrategy):
         else:
             self.topology = Topology.single()
         topo = self.topology
-        log.info(
-            "SDP4Bit topology: rank %d, intra-node size %d, inter-node size %d", topo.rank, topo.intra_size,
-            topo.inter_size,
-        )  # fmt: skip
+        sizes = (topo.rank, topo.intra_size, topo.inter_size)
+        log.info("SDP4Bit topology: rank %d, intra-node size %d, inter-node size %d", *sizes)
         self._ops = self._select_ops()
         if self.root_device.type == "cpu":
             self._ops = TimedOps(self._ops, self.comm_stats)  # sdp4bit/codec_ms: quantise/dequantise time per step
@@ -354,9 +377,16 @@ class SDP4BitStrategy(DDPStrategy):
         self._pipeline = Pipeline(threaded=self.config.overlap and self.world_size > 1)
         self._formats = ActiveFormats(self.config.weight_format, self.config.gradient_format)
         context = ExchangeContext(
-            self.config, topo, self.world_size, self.root_device, self._rng, self._ops, self.comm_stats, self._pipeline,
-            self._formats,
-        )  # fmt: skip
+            config=self.config,
+            topology=topo,
+            world_size=self.world_size,
+            device=self.root_device,
+            rng=self._rng,
+            ops=self._ops,
+            stats=self.comm_stats,
+            pipeline=self._pipeline,
+            formats=self._formats,
+        )
         assert self.lightning_module is not None
         automatic = self.lightning_module.automatic_optimization
         self._gradients.setup(context)
@@ -380,10 +410,7 @@ class SDP4BitStrategy(DDPStrategy):
 
     def _sync_groups(self, raw: Optimizer, buckets: list[FlatBucket]) -> None:
         """Shard param groups added since set-up (``add_param_group``, e.g. by ``BackboneFinetuning``)."""
-        added = shard_new_groups(
-            raw, buckets, self._param_names(), self.world_size, self.global_rank, self.alignment,
-            self._param_alignment, self._bucket_numel, getattr(self.topology, "intra_size", None),
-        )  # fmt: skip
+        added = shard_new_groups(raw, buckets, self._param_names(), self._layout())
         if added:
             self._index_params()
 

@@ -143,7 +143,8 @@ class SDP4BitStrategy(DDPStrategy):
         checkpoint_io: see ``DDPStrategy``.
         precision_plugin: see ``DDPStrategy``.
         process_group_backend: ``"gloo"`` (CPU default) or ``"nccl"`` (CUDA default).
-        timeout: process-group timeout.
+        timeout: how long a collective waits for a peer before it fails, on the default process group and on the
+            strategy's own (intra-node, inter-node, weight all-gather) groups.
         start_method: ``"popen"`` (default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
 
     Raises:
@@ -364,7 +365,7 @@ class SDP4BitStrategy(DDPStrategy):
     def _setup_exchange(self) -> None:
         """Process groups, kernels, rounding streams and worker threads of this ``fit``."""
         if self.world_size > 1 and dist.is_initialized():
-            self.topology = build_topology(self.global_rank, self.world_size, self._intra_size())
+            self.topology = build_topology(self.global_rank, self.world_size, self._intra_size(), self._timeout)
         else:
             self.topology = Topology.single()
         topo = self.topology

@@ -9,12 +9,17 @@ may not), on the CPU or GPU that runs the codec, and on the model. :class:`AutoC
 2. Over the first optimizer steps the candidate with the least wire time runs for ``trial_steps`` steps (after two
    to settle); the candidates whose wire time alone exceeds its step are not tried. It and the others then run in
    rounds of one step each, ``trial_steps`` rounds after one to settle, so that a machine whose speed drifts
-   slows every candidate alike; median step times are agreed across ranks (the slowest rank's).
-3. The fastest measured candidate is kept (of those within 3% of its step, measured and on the wire, the least
-   compressed: as fast, and exact), the same on every rank since every rank decides from the same agreed numbers,
-   and tried again every ``recheck_every`` steps.
+   slows every candidate alike. Every step time is agreed across ranks (the slowest rank's), so every rank decides
+   the same from the same numbers.
+3. A compressed (lossy) candidate is kept only when it wins by more than the noise of the trials. Each candidate is
+   compared with the fastest round by round; it ties when the median of its step minus the fastest one's is within
+   the spread of those differences (:func:`trial_spread`) or 3%, and so is its extra wire time. Of the fastest and
+   those tying with it, the least compressed is kept (as fast, and cheaper to trust). Trials are repeated every
+   ``recheck_every`` steps.
 
-Every trial step is a real training step; only its format differs. Nothing here imports Lightning.
+Every trial step is a real training step; only its format differs. The time the training loop spends outside the
+steps (validation, checkpoints) is taken out of the step it falls in (:meth:`AutoCompression.exclude`). Nothing here
+imports Lightning.
 """
 
 from __future__ import annotations
@@ -33,9 +38,12 @@ from lightning_sdp.plugins.sdp4bit.config import SDP4BitConfig
 from lightning_sdp.plugins.sdp4bit.formats import GradientFormat, WeightFormat
 from lightning_sdp.plugins.sdp4bit.topology import Topology
 
-# Step times this close are one another's noise on a shared machine; the less compressed of two such is then
-# preferred (same speed, exact values).
+# Step times this close are one another's noise on a shared machine even when the trials scatter less; the less
+# compressed of two such is then preferred (same speed, exact values).
 EQUAL_WITHIN = 0.03
+# A trial step this many times its candidate's median is a hiccup (a garbage collection, another job's burst), not the
+# machine's noise: its round is left out of the spreads (the medians ignore it anyway).
+HICCUP = 2.0
 # A probe message is timed once it takes at least this long (or reaches the largest size).
 _PROBE_SECONDS = 0.05
 _PROBE_BYTES = (2**16, 2**24)
@@ -190,19 +198,28 @@ def distinct_candidates(
     return list(seen.values())
 
 
+def trial_spread(samples: Sequence[float]) -> float:
+    """How far trial step times (or their differences) scatter: their range (0 for fewer than two)."""
+    return max(samples) - min(samples) if len(samples) > 1 else 0.0
+
+
 @dataclass
 class Decision:
-    """One choice of ``"auto"``: when, what, and the step times (s) it was chosen from."""
+    """One choice of ``"auto"``: when, what, and the step times (s) it was chosen from with their spreads."""
 
     step: int
     chosen: Candidate
     measured: dict[str, float]
     links: LinkSpeeds
     skipped: list[str] = field(default_factory=list)
+    spread: dict[str, float] = field(default_factory=dict)
 
     def describe(self) -> str:
         """The decision in words, as logged."""
-        others = "; ".join(f"{name}: {seconds:.3f} s" for name, seconds in self.measured.items())
+        others = "; ".join(
+            f"{name}: {seconds:.3f} s" + (f" (spread {self.spread[name]:.3f} s)" if name in self.spread else "")
+            for name, seconds in self.measured.items()
+        )
         text = f"SDP4Bit auto (step {self.step}): {self.chosen.describe()}. Step times tried: {others}."
         if self.skipped:
             text += f" Not tried (their wire time alone is longer): {'; '.join(self.skipped)}."
@@ -223,6 +240,10 @@ class AutoCompression:
         agree: element-wise maximum of a list of floats over all ranks.
         links: the measured link speeds (reported with each decision).
         remeasure: called before a recheck; returns fresh ``(wire_seconds, links)``.
+
+    Attributes:
+        clock: the seconds :meth:`observe` reads when it is given no time (``time.perf_counter``); measure what you
+            pass to :meth:`exclude` with it.
     """
 
     def __init__(
@@ -241,7 +262,9 @@ class AutoCompression:
         self.trial_steps, self.recheck_every = trial_steps, recheck_every
         self.agree, self.links, self.remeasure = agree, links, remeasure
         self.decisions: list[Decision] = []
+        self.clock: Callable[[], float] = time.perf_counter
         self._last: float | None = None
+        self._excluded, self._paused, self._paused_at = 0.0, 0, 0.0
         self._start_trials(warm_up=True)
 
     @property
@@ -262,10 +285,29 @@ class AutoCompression:
         self.active = self.candidates[first]
         self._decided_at: int | None = None
 
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` out of the step that is running (time the training loop spent outside the step:
+        validation, checkpoints, the strategy re-arranging its state)."""
+        self._excluded += seconds
+
+    def pause(self) -> None:
+        """Stop counting the running step's time until the matching :meth:`resume` (pauses nest: a checkpoint
+        saved during validation is left out once)."""
+        if self._paused == 0:
+            self._paused_at = self.clock()
+        self._paused += 1
+
+    def resume(self) -> None:
+        """Count the step's time again (see :meth:`pause`)."""
+        self._paused -= 1
+        if self._paused == 0:
+            self.exclude(self.clock() - self._paused_at)
+
     def observe(self, step: int, now: float | None = None) -> Candidate:
         """Note that optimizer step ``step`` starts (a collective when a trial ends); returns the formats to use."""
-        now = time.perf_counter() if now is None else now
-        elapsed, self._last = (None if self._last is None else now - self._last), now
+        now = self.clock() if now is None else now
+        elapsed = None if self._last is None else max(0.0, now - self._last - self._excluded)
+        self._last, self._excluded = now, 0.0
         if self._schedule is None:
             if self.recheck_every and self._decided_at is not None and step - self._decided_at >= self.recheck_every:
                 if self.remeasure is not None:
@@ -285,10 +327,11 @@ class AutoCompression:
         return self.active
 
     def _end_of_schedule(self, step: int) -> None:
-        """Agree on the medians; after the first candidate, prune by wire time and interleave the rest with it."""
+        """Agree on the step times; after the first candidate, prune by wire time and interleave the rest with it."""
         ids = list(self._samples)
-        medians = self.agree([statistics.median(self._samples[i]) for i in ids])
-        self._measured = dict(zip(ids, medians, strict=True))
+        agreed = iter(self.agree([t for i in ids for t in self._samples[i]]))
+        self._samples = {i: [next(agreed) for _ in self._samples[i]] for i in ids}
+        self._measured = {i: statistics.median(self._samples[i]) for i in ids}
         fastest = min(self._measured, key=lambda i: (self._measured[i], i))
         best = self._measured[fastest]
         if not self._pruned:
@@ -303,18 +346,47 @@ class AutoCompression:
                 self._schedule = ring * (1 + self.trial_steps)
                 self._timed_from, self._position, self._samples = len(ring), 0, {}
                 return
-        # equal only if the wire agrees: trial steps can all be slow (the fit's first steps), which hides a wire-time
-        # difference that every later step would pay
-        close = [
-            i
-            for i, t in self._measured.items()
-            if t <= best * (1 + EQUAL_WITHIN) and self.wire[i] - self.wire[fastest] <= best * EQUAL_WITHIN
-        ]
-        chosen = max(close, key=lambda i: (self.candidates[i].exactness, -self._measured[i]))
+        chosen = self._choose(fastest)
         self.active, self._schedule, self._decided_at = self.candidates[chosen], None, step
-        measured = {self.candidates[i].describe(): t for i, t in sorted(self._measured.items(), key=lambda x: x[1])}
+        order = sorted(self._measured, key=lambda i: self._measured[i])
+        measured = {self.candidates[i].describe(): self._measured[i] for i in order}
+        spread = {self.candidates[i].describe(): trial_spread(self._against(i, fastest)) for i in order}
         skipped = [f"{self.candidates[i].describe()} ({self.wire[i]:.3f} s)" for i in self._skipped]
-        self.decisions.append(Decision(step, self.active, measured, self.links, skipped))
+        self.decisions.append(Decision(step, self.active, measured, self.links, skipped, spread))
+
+    def _against(self, i: int, fastest: int) -> list[float]:
+        """Candidate ``i``'s step minus the fastest one's, round by round, without the rounds where either had a
+        hiccup (its own steps when ``i`` is the fastest)."""
+
+        def usual(k: int) -> list[float | None]:
+            return [t if t <= HICCUP * self._measured[k] else None for t in self._samples[k]]
+
+        mine, theirs = usual(i), usual(fastest)
+        if i == fastest:
+            return [a for a in mine if a is not None]
+        if len(mine) != len(theirs):  # not timed in the same rounds: against the fastest one's median
+            return [a - self._measured[fastest] for a in mine if a is not None]
+        return [a - b for a, b in zip(mine, theirs, strict=True) if a is not None and b is not None]
+
+    def _choose(self, fastest: int) -> int:
+        """The least compressed candidate that the fastest one does not beat by more than the noise.
+
+        A candidate ties with the fastest when, round by round, its step is longer by a median of at most the
+        spread of those differences (or 3% of the fastest step), and so is its wire time: trial steps can all be
+        slow (the fit's first steps), which hides a wire-time difference that every later step would pay. Round by
+        round, a machine whose speed drifts adds no spread.
+        """
+        best = self._measured[fastest]
+
+        def ties(i: int) -> bool:
+            if i == fastest:
+                return True
+            differences = self._against(i, fastest) or [self._measured[i] - best]
+            margin = max(trial_spread(differences), EQUAL_WITHIN * best)
+            return statistics.median(differences) <= margin and self.wire[i] - self.wire[fastest] <= margin
+
+        close = [i for i in self._measured if ties(i)]
+        return max(close, key=lambda i: (self.candidates[i].exactness, -self._measured[i]))
 
     def metrics(self) -> dict[str, float]:
         """``sdp4bit/auto_*`` scalars: whether candidates are being tried, the links in Mbit/s per rank."""

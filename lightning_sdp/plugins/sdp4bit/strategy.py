@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal, cast
 
@@ -22,11 +23,12 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -60,7 +62,7 @@ from lightning_sdp.plugins.sdp4bit.sharding import (
     use_shards,
 )
 from lightning_sdp.plugins.sdp4bit.topology import Topology, build_topology
-from lightning_sdp.utilities import unwrap_optimizer
+from lightning_sdp.utilities import rank_zero_say, unwrap_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +257,7 @@ class SDP4BitStrategy(DDPStrategy):
         # World size 1 at `fit`: nothing is sharded and the steps take Lightning's plain path (see the docstring).
         self._single_process = False
         self._bucket_numel: int | None = None  # values per bucket of this fit (``bucket_size_mb`` may be "auto")
+        self._validation_paused = False  # validation's time is left out of auto's trials
 
     # ------------------------------------------------------------------------------------------------ set-up
 
@@ -323,7 +326,7 @@ class SDP4BitStrategy(DDPStrategy):
             self.config, self.topology, self.root_device, [unwrap_optimizer(o) for o in self.optimizers], self.alignment
         )
         if chosen:
-            rank_zero_info(chosen)
+            rank_zero_say(chosen)
         for opt in self.optimizers:
             raw = unwrap_optimizer(opt)
             self._buckets[id(raw)] = shard_optimizer(raw, names, self._layout(), self.config.allow_any_optimizer)
@@ -661,9 +664,39 @@ class SDP4BitStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------------------------------------ checkpoints
 
+    @contextmanager
+    def _outside_the_step(self, together: bool = False) -> Iterator[None]:
+        """Leave the time spent inside out of ``"auto"``'s trial step (validation, checkpoints, re-sharding).
+
+        Args:
+            together: end with a barrier, so that the ranks that finish first do not wait inside the next step
+                (rank 0 writes a checkpoint alone, ranks validate at their own pace).
+        """
+        auto = self._auto
+        if auto is None or not auto.trialling:
+            yield
+            return
+        auto.pause()
+        try:
+            yield
+            if together:
+                self.barrier("SDP4BitStrategy: outside the step")
+        finally:
+            auto.resume()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """As DDP; while ``"auto"`` times its trials, the write is left out of the step (see ``auto``)."""
+        with self._outside_the_step(together=True):
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         """Consolidated, world-size-independent state keyed like the unsharded optimizer (a collective)."""
+        with self._outside_the_step():
+            return self._optimizer_state(optimizer)
+
+    def _optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         self._wait_all_weights()
         buckets = self._buckets_of(optimizer)
         if buckets is None:
@@ -718,11 +751,12 @@ class SDP4BitStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model's state dict with the exact (consolidated) master weights in place of the reconstructed ones."""
         assert self.lightning_module is not None
-        self._wait_all_weights()
-        state = self.lightning_module.state_dict()
-        if not self._buckets:
-            return state
-        return put_master_weights(state, self.lightning_module, self._all_buckets())
+        with self._outside_the_step():
+            self._wait_all_weights()
+            state = self.lightning_module.state_dict()
+            if not self._buckets:
+                return state
+            return put_master_weights(state, self.lightning_module, self._all_buckets())
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -742,7 +776,7 @@ class SDP4BitStrategy(DDPStrategy):
         active = self._auto.observe(self._step)
         self._formats.weight, self._formats.gradient = active.weight, active.gradient
         if len(self._auto.decisions) > decided:
-            rank_zero_info(self._auto.decisions[-1].describe())
+            rank_zero_say(self._auto.decisions[-1].describe())
 
     @property
     def auto_decisions(self) -> list[Decision]:
@@ -763,7 +797,19 @@ class SDP4BitStrategy(DDPStrategy):
     @override
     def on_validation_start(self) -> None:
         self._wait_all_weights()
+        self._validation_paused = self._auto is not None and self._auto.trialling
+        if self._auto is not None and self._validation_paused:
+            self._auto.pause()
         super().on_validation_start()
+
+    @override
+    def on_validation_end(self) -> None:
+        """Leave validation (and the checkpoints saved at its end) out of ``"auto"``'s trial step."""
+        super().on_validation_end()
+        paused, self._validation_paused = self._validation_paused, False
+        if self._auto is not None and paused:
+            self.barrier("SDP4BitStrategy: validation done")  # the ranks leave together
+            self._auto.resume()
 
     @override
     def on_test_start(self) -> None:

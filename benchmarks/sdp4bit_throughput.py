@@ -11,6 +11,7 @@ every method:
 - ``fsdp2``: ``fully_shard`` (per Transformer block and the root) through Lightning's ModelParallelStrategy;
 - ``sdp4bit_auto``: SDP4BitStrategy's default, ``"auto"`` compression (timed from its decision on; the steps it
   spent trying candidates are reported apart, with their cost spread over the re-check interval);
+  ``sdp4bit_auto_shard``: the same with ``optimizer_state="shard"`` (DDP's exchange is not a candidate);
 - ``sdp4bit_none_none``, ``sdp4bit_qwd_tlq_hs``, ``sdp4bit_qw_ulq``, ``sdp4bit_qwd_none``,
   ``sdp4bit_none_tlq_hs``: SDP4BitStrategy with fixed weights/gradients formats; ``..._g8``: TLq-HS with 8 bits
   between nodes too (with the others, every format ``"auto"`` may choose);
@@ -66,6 +67,7 @@ _PAPER = {"weight_compression": "qwd", "gradient_compression": "tlq_hs"}
 _UNCOMPRESSED = {"weight_compression": "none", "gradient_compression": "none"}
 SDP4BIT_METHODS: dict[str, dict[str, Any]] = {
     "sdp4bit_auto": {},
+    "sdp4bit_auto_shard": {"optimizer_state": "shard"},
     "sdp4bit_none_none": _UNCOMPRESSED,
     "sdp4bit_qwd_tlq_hs": _PAPER,
     "sdp4bit_qwd_none": {"weight_compression": "qwd", "gradient_compression": "none"},

@@ -160,7 +160,8 @@ def test_auto_is_timed_after_its_decision(tmp_path: Path) -> None:
     row = run_distributed(_run_auto, 2, str(data), init_group=False, timeout=300)[0]
     decided = row["auto_decided_at_step"]
     assert decided is not None and row["auto_choice"] != "undecided"
-    assert len(row["auto_measured"]) + len(row["auto_skipped"]) == 4  # one node: {qwd, none} x {8-bit, fp32}
+    # one node: {qwd, none} x {8-bit, fp32}, and DDP's exchange
+    assert len(row["auto_measured"]) + len(row["auto_skipped"]) == 5
     assert row["timed_steps"] == 3  # the timing run's 4 steps less 1 of warm-up, all after the decision
     assert row["steps"] == decided + 2 + 3  # then training stopped
     assert math.isfinite(row["auto_trial_cost_s"])

@@ -61,6 +61,47 @@ def test_candidates_and_defaults():
     assert CONFIG.alignment == math.lcm(256, 128, 32, 2)
 
 
+def test_ddps_exchange_is_a_candidate_unless_sharding_is_forced():
+    config = SDP4BitConfig(weight_group_size=256)
+    grid = distinct_candidates(config.weight_candidates, config.gradient_candidates, _grid(), replicated=True)
+    assert len(grid) == 7 and grid[-1].replicated and not any(c.replicated for c in grid[:-1])
+    assert grid[-1].describe().startswith("DDP's exchange") and grid[-1].exactness == (32, 32)
+    exact = grid[-2]  # sharded, uncompressed: as exact, and it keeps the memory saving
+    assert exact.exactness == (32, 32) and exact.trust > grid[-1].trust > grid[0].trust
+    fixed = SDP4BitConfig("qwd", "tlq_hs")  # no uncompressed formats: no DDP's exchange either
+    assert not any(
+        c.replicated for c in distinct_candidates(fixed.weight_candidates, fixed.gradient_candidates, _grid(), True)
+    )
+    # a ring all-reduce: 2 (W - 1) / W of the buffer from each rank, one rank per node across nodes
+    topo, shards = _grid(), [4096, 1024]
+    intra, inter = wire_bytes(grid[-1], topo, shards, 4, 128)
+    total = 2 * 3 / 4 * 4 * 4 * sum(shards)
+    assert (intra, inter) == pytest.approx((total / 2, total / 2))
+    assert sum(wire_bytes(grid[-1], Topology(0, 2, 2, 1), shards, 4, 128)) == pytest.approx(
+        2 * 1 / 2 * 4 * 2 * sum(shards)
+    )
+
+
+def test_ties_go_to_the_sharded_exact_candidate_and_a_clear_win_to_ddps_exchange():
+    config = SDP4BitConfig(weight_group_size=256)
+    candidates = distinct_candidates(config.weight_candidates, config.gradient_candidates, _grid(), replicated=True)
+    for ddp, chosen in ((0.299, 5), (0.25, 6)):  # within 3% of sharded fp32: the sharded; 17% faster: DDP's exchange
+        compute = [0.5, 0.5, 0.5, 0.5, 0.5, 0.300, ddp]
+        auto = AutoCompression(candidates, [0.001] * 7, 3, 0, lambda v: list(v), LINKS)
+        _drive(auto, lambda c, compute=compute: compute[candidates.index(c)], 60)
+        assert auto.decisions[0].chosen == candidates[chosen]
+    assert auto.decisions[0].note.startswith("The optimizer state is replicated")
+    # the memory check runs before DDP's exchange is tried, and keeps it out when it does not fit
+    auto = AutoCompression(
+        candidates, [0.001] * 7, 3, 0, lambda v: list(v), LINKS, fits=lambda c: (False, "2.0 MiB more per rank")
+    )
+    used = _drive(auto, lambda c: compute[candidates.index(c)], 60)
+    assert candidates[6] not in used and auto.decisions[0].chosen == candidates[5]
+    assert auto.decisions[0].skipped == [
+        f"{candidates[6].describe()} (its optimizer state would not fit: 2.0 MiB more per rank)"
+    ]
+
+
 def test_wire_bytes_orders_by_compression():
     topo, shards = _grid(), [4096, 1024]
     by_name = {c.describe(): sum(wire_bytes(c, topo, shards, 4, 128)) for c in _candidates(topo)}
@@ -290,7 +331,9 @@ def _auto_run(rank: int, world: int, tmp: str) -> dict:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             s = trainer.strategy
-            self.rows.append((Candidate(s._formats.weight, s._formats.gradient), s.comm_stats.bytes_per_step))
+            self.rows.append(
+                (Candidate(s._formats.weight, s._formats.gradient, s._formats.replicated), s.comm_stats.bytes_per_step)
+            )
 
     def fit(strategy, steps, ckpt=None):
         record = Record()
@@ -308,7 +351,7 @@ def _auto_run(rank: int, world: int, tmp: str) -> dict:
     strategy = SDP4BitStrategy(
         intra_node_size=2, weight_group_size=256, auto_trial_steps=1, auto_recheck_every_n_steps=4
     )
-    trainer, module, record = fit(strategy, 34)
+    trainer, module, record = fit(strategy, 44)
     topo, buckets = strategy.topology, strategy.buckets
     assert topo is not None
     shards = [b.shard_size for b in buckets]
@@ -330,7 +373,7 @@ def _auto_run(rank: int, world: int, tmp: str) -> dict:
     }
     trainer.save_checkpoint(f"{tmp}/auto.ckpt")
     resumed = SDP4BitStrategy(intra_node_size=2, weight_group_size=256, auto_trial_steps=1)
-    _, module2, record2 = fit(resumed, 38, ckpt=f"{tmp}/auto.ckpt")
+    _, module2, record2 = fit(resumed, 48, ckpt=f"{tmp}/auto.ckpt")
     out["resumed_steps"] = len(record2.rows)
     out["resumed_first"] = record2.rows[0][0].describe()
     out["resumed_losses"] = module2.losses
@@ -347,8 +390,9 @@ def test_every_rank_tries_every_candidate_and_agrees(auto_four):
     first = auto_four[0]
     assert len(first["decisions"]) >= 2  # a decision, then a recheck 4 steps later
     assert all(r["decisions"] == first["decisions"] for r in auto_four)  # the same choice everywhere
-    assert first["measured"][0] == 6  # tried, or skipped by its wire time (on loopback: tried)
-    assert len(first["used"]) == 6
+    # {qwd, none} x {8/4, 8/8, fp32} and DDP's exchange: tried, or skipped by its wire time (on loopback: tried)
+    assert first["measured"][0] == 7
+    assert len(first["used"]) == 7
     assert all(r["replicas_equal"] for r in auto_four)
 
 
@@ -364,7 +408,7 @@ def test_training_goes_on_across_switches_and_resumes(auto_four):
     r = auto_four[0]
     assert all(math.isfinite(v) for v in r["losses"])
     assert sum(r["losses"][-4:]) < sum(r["losses"][:4])
-    assert r["resumed_steps"] == 4  # 34 -> 38: the step count is resumed
+    assert r["resumed_steps"] == 4  # 44 -> 48: the step count is resumed
     assert r["resumed_first"].startswith("weights 4-bit qwd")  # trials start over on resume, most compressed first
     assert {"sdp4bit/auto_trialling", "sdp4bit/link_intra_mbit_s", "sdp4bit/link_inter_mbit_s"} <= set(r["metrics"])
     assert all(speed > 0 for speed in r["links"])

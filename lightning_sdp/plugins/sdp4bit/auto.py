@@ -53,13 +53,17 @@ Agree = Callable[[Sequence[float]], list[float]]
 
 @dataclass(frozen=True)
 class Candidate:
-    """One weight format and one gradient format used together."""
+    """One weight format and one gradient format used together, or (``replicated``) DDP's exchange: an fp32
+    all-reduce of the gradients and a replicated optimizer (then the formats are the uncompressed ones)."""
 
     weight: WeightFormat
     gradient: GradientFormat
+    replicated: bool = False
 
     def describe(self) -> str:
         """In words, e.g. ``"weights 4-bit qwd, gradients 8-bit intra / 4-bit inter, Hadamard 32"``."""
+        if self.replicated:
+            return "DDP's exchange (fp32 all-reduce, optimizer state replicated)"
         return f"weights {self.weight.describe()}, gradients {self.gradient.describe()}"
 
     @property
@@ -68,6 +72,12 @@ class Candidate:
         weight = 32 if not self.weight.quantized else self.weight.bits
         gradient = 32 if not self.gradient.quantized else (self.gradient.inter_bits or 32)
         return weight, gradient
+
+    @property
+    def trust(self) -> tuple[int, int, int]:
+        """Larger for the candidate to keep among equally fast ones: the least compressed, and of two exact ones the
+        sharded (it keeps the optimizer-memory saving)."""
+        return (*self.exactness, 0 if self.replicated else 1)
 
 
 @dataclass(frozen=True)
@@ -134,6 +144,11 @@ def wire_bytes(
         gradient_group: values per gradient scale.
     """
     nodes, local, world = topo.inter_size, topo.intra_size, topo.world_size
+    if candidate.replicated:
+        # a ring all-reduce over the ranks, node by node: each rank sends 2 (W - 1) / W of the buffer, and one rank
+        # per node sends across nodes (counted per rank, as the links' speeds are)
+        total = sum(2 * (world - 1) / world * 4 * world * s for s in shard_sizes)
+        return (total * (local - 1) / local, total / local) if nodes > 1 else (total, 0.0)
     weight = candidate.weight
     weight_value = (
         QuantFormat(weight.bits, weight.group_size).bits_per_value / 8 if weight.quantized else weight_itemsize
@@ -184,10 +199,11 @@ def agree_max(topo: Topology, device: torch.device) -> Agree:
 
 
 def distinct_candidates(
-    weights: Sequence[WeightFormat], gradients: Sequence[GradientFormat], topo: Topology
+    weights: Sequence[WeightFormat], gradients: Sequence[GradientFormat], topo: Topology, replicated: bool = False
 ) -> list[Candidate]:
     """Every pair of formats, without those that would send the same codes on this topology (with one node the
-    inter-node bits are never used)."""
+    inter-node bits are never used), and with ``replicated`` DDP's exchange last (when uncompressed weights and
+    gradients are among the formats)."""
     seen: dict[tuple[Any, ...], Candidate] = {}
     for w in weights:
         for g in gradients:
@@ -195,6 +211,9 @@ def distinct_candidates(
             inter = g.inter_bits if topo.inter_size > 1 else None
             key = (w, intra, inter, g.hadamard)
             seen.setdefault(key, Candidate(w, g))
+    exact = [c for c in seen.values() if not c.weight.quantized and not c.gradient.quantized]
+    if replicated and exact:
+        return [*seen.values(), Candidate(exact[0].weight, exact[0].gradient, replicated=True)]
     return list(seen.values())
 
 
@@ -213,6 +232,7 @@ class Decision:
     links: LinkSpeeds
     skipped: list[str] = field(default_factory=list)
     spread: dict[str, float] = field(default_factory=dict)
+    note: str = ""
 
     def describe(self) -> str:
         """The decision in words, as logged."""
@@ -222,8 +242,9 @@ class Decision:
         )
         text = f"SDP4Bit auto (step {self.step}): {self.chosen.describe()}. Step times tried: {others}."
         if self.skipped:
-            text += f" Not tried (their wire time alone is longer): {'; '.join(self.skipped)}."
-        return f"{text} Links: {self.links.describe()}."
+            text += f" Not tried: {'; '.join(self.skipped)}."
+        text += f" Links: {self.links.describe()}."
+        return f"{text} {self.note}" if self.note else text
 
 
 class AutoCompression:
@@ -240,6 +261,8 @@ class AutoCompression:
         agree: element-wise maximum of a list of floats over all ranks.
         links: the measured link speeds (reported with each decision).
         remeasure: called before a recheck; returns fresh ``(wire_seconds, links)``.
+        fits: for a ``replicated`` candidate that may be tried, whether its optimizer state fits and the bytes in
+            words (called on every rank at the same step; may be a collective); ``None``: it always fits.
 
     Attributes:
         clock: the seconds :meth:`observe` reads when it is given no time (``time.perf_counter``); measure what you
@@ -255,12 +278,13 @@ class AutoCompression:
         agree: Agree,
         links: LinkSpeeds,
         remeasure: Callable[[], tuple[list[float], LinkSpeeds]] | None = None,
+        fits: Callable[[Candidate], tuple[bool, str]] | None = None,
     ) -> None:
         if not candidates or len(candidates) != len(wire_seconds):
             raise ValueError("AutoCompression needs one wire time per candidate, and at least one candidate.")
         self.candidates, self.wire = list(candidates), list(wire_seconds)
         self.trial_steps, self.recheck_every = trial_steps, recheck_every
-        self.agree, self.links, self.remeasure = agree, links, remeasure
+        self.agree, self.links, self.remeasure, self.fits = agree, links, remeasure, fits
         self.decisions: list[Decision] = []
         self.clock: Callable[[], float] = time.perf_counter
         self._last: float | None = None
@@ -273,14 +297,18 @@ class AutoCompression:
         return self._schedule is not None
 
     def _start_trials(self, warm_up: bool) -> None:
-        self._order = sorted(range(len(self.candidates)), key=lambda i: (self.wire[i], i))
+        # replicated last among equals: its memory is checked before it runs (after the first candidate's steps)
+        self._order = sorted(
+            range(len(self.candidates)), key=lambda i: (self.wire[i], self.candidates[i].replicated, i)
+        )
         # first the candidate with the least wire time alone (after the fit's slow first steps), for pruning
         first = self._order[0]
         self._schedule: list[int] | None = [first] * ((2 if warm_up else 1) + self.trial_steps)
         self._timed_from, self._position = len(self._schedule) - self.trial_steps, 0
         self._samples: dict[int, list[float]] = {}
         self._measured: dict[int, float] = {}
-        self._skipped: list[int] = []
+        self._skipped: dict[int, str] = {}
+        self._memory: dict[int, str] = {}
         self._pruned = False
         self.active = self.candidates[first]
         self._decided_at: int | None = None
@@ -337,8 +365,8 @@ class AutoCompression:
         if not self._pruned:
             self._pruned = True
             rest = self._order[1:]
-            self._skipped = [i for i in rest if self.wire[i] >= best]
-            survivors = [i for i in rest if self.wire[i] < best]
+            self._skipped = {i: f"wire time {self.wire[i]:.3f} s" for i in rest if self.wire[i] >= best}
+            survivors = [i for i in rest if i not in self._skipped and self._fits(i)]
             if survivors:
                 # rounds of one step per candidate, the first round to settle: a machine whose speed drifts slows
                 # every candidate alike
@@ -351,8 +379,24 @@ class AutoCompression:
         order = sorted(self._measured, key=lambda i: self._measured[i])
         measured = {self.candidates[i].describe(): self._measured[i] for i in order}
         spread = {self.candidates[i].describe(): trial_spread(self._against(i, fastest)) for i in order}
-        skipped = [f"{self.candidates[i].describe()} ({self.wire[i]:.3f} s)" for i in self._skipped]
-        self.decisions.append(Decision(step, self.active, measured, self.links, skipped, spread))
+        skipped = [f"{self.candidates[i].describe()} ({why})" for i, why in self._skipped.items()]
+        note = ""
+        if self.active.replicated:
+            note = (
+                f"The optimizer state is replicated: {self._memory.get(chosen, 'sharding is off')}; that is the memory sharding saved. "
+                "Pass optimizer_state='shard' to keep it sharded."
+            )
+        self.decisions.append(Decision(step, self.active, measured, self.links, skipped, spread, note))
+
+    def _fits(self, i: int) -> bool:
+        """Whether candidate ``i`` may be tried: always, unless it replicates an optimizer state that does not fit."""
+        if not self.candidates[i].replicated:
+            return True
+        fits, words = self.fits(self.candidates[i]) if self.fits is not None else (True, "")
+        self._memory[i] = words
+        if not fits:
+            self._skipped[i] = f"its optimizer state would not fit: {words}"
+        return fits
 
     def _against(self, i: int, fastest: int) -> list[float]:
         """Candidate ``i``'s step minus the fastest one's, round by round, without the rounds where either had a
@@ -386,11 +430,11 @@ class AutoCompression:
             return statistics.median(differences) <= margin and self.wire[i] - self.wire[fastest] <= margin
 
         close = [i for i in self._measured if ties(i)]
-        return max(close, key=lambda i: (self.candidates[i].exactness, -self._measured[i]))
+        return max(close, key=lambda i: (self.candidates[i].trust, -self._measured[i]))
 
     def metrics(self) -> dict[str, float]:
         """``sdp4bit/auto_*`` scalars: whether candidates are being tried, the links in Mbit/s per rank."""
-        out = {"sdp4bit/auto_trialling": float(self.trialling)}
+        out = {"sdp4bit/auto_trialling": float(self.trialling), "sdp4bit/replicated": float(self.active.replicated)}
         for name, speed in (("intra", self.links.intra), ("inter", self.links.inter)):
             if speed is not None:
                 out[f"sdp4bit/link_{name}_mbit_s"] = speed * 8 / 1e6
@@ -405,6 +449,7 @@ def build_auto(
     device: torch.device,
     before_probe: Callable[[], None] = lambda: None,
     links: LinkSpeeds | None = None,
+    fits: Callable[[Candidate], tuple[bool, str]] | None = None,
 ) -> AutoCompression:
     """Probe the links (a collective) and return the controller that chooses among the config's candidate formats.
 
@@ -416,8 +461,10 @@ def build_auto(
         device: the strategy's root device.
         before_probe: called before a recheck's probe (wait for the exchanges in flight).
         links: links this set-up already probed (every rank passes them or none does); ``None``: probe them.
+        fits: see :class:`AutoCompression` (DDP's exchange is a candidate with ``optimizer_state="auto"``).
     """
-    candidates = distinct_candidates(config.weight_candidates, config.gradient_candidates, topo)
+    replicated = config.optimizer_state == "auto"
+    candidates = distinct_candidates(config.weight_candidates, config.gradient_candidates, topo, replicated)
     agree = agree_max(topo, device)
 
     def measure(known: LinkSpeeds | None = None) -> tuple[list[float], LinkSpeeds]:
@@ -433,6 +480,5 @@ def build_auto(
         return measure()
 
     seconds, probed = measure(links)
-    return AutoCompression(
-        candidates, seconds, config.auto_trial_steps, config.auto_recheck_every_n_steps, agree, probed, remeasure
-    )
+    trials, recheck = config.auto_trial_steps, config.auto_recheck_every_n_steps
+    return AutoCompression(candidates, seconds, trials, recheck, agree, probed, remeasure, fits)

@@ -54,6 +54,7 @@ class SDP4BitConfig:
     log_metrics: bool = True
     auto_trial_steps: int = 3
     auto_recheck_every_n_steps: int = 1000
+    optimizer_state: Literal["auto", "shard"] = "auto"
 
     def __post_init__(self) -> None:
         check_options(self, "SDP4BitStrategy")

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sdp.kernels import quantization as ref
@@ -620,6 +621,38 @@ class GradientExchange:
             self.stats.record("grad_inter", frac * 4 * send.numel(), frac * send.numel())
         self._partial = None
         return reduce_rows(send, topo.inter_group if topo.intra_size > 1 else topo.world_group)
+
+
+class AllReduceExchange:
+    """DDP's exchange of one bucket: an fp32 all-reduce of the whole buffer, so every rank gets every sum.
+
+    The same interface as :class:`GradientExchange` (``encode``, ``first`` on the first worker thread, ``second``);
+    used while ``"auto"`` replicates the optimizer (see :mod:`~lightning_sdp.plugins.sdp4bit.replication`).
+
+    Args:
+        flat: fp32 buffer of the bucket's gradients (already divided by the world size), summed in place.
+        group: process group of all ranks (the strategy's own, as the collectives run on a worker thread).
+        stats: accounting, updated in place.
+    """
+
+    def __init__(self, flat: Tensor, group: Any, stats: CommStats | None = None) -> None:
+        self.flat, self.group, self.stats = flat, group, stats
+
+    def encode(self) -> None:
+        """Nothing is quantised."""
+        return None
+
+    def first(self) -> None:
+        """All-reduce the buffer (a ring sends ``2 (W - 1) / W`` of its bytes from every rank)."""
+        dist.all_reduce(self.flat, group=self.group)
+        if self.stats is not None:
+            world = dist.get_world_size(self.group)
+            sent = 2 * _sent_fraction(world) * self.flat.numel()
+            self.stats.record("grad_allreduce", 4 * sent, sent)
+
+    def second(self) -> Tensor:
+        """The summed buffer."""
+        return self.flat
 
 
 def reduce_scatter_gradients(

@@ -35,6 +35,7 @@ from torch.nn import Module
 from lightning_sdp.kernels import quantization
 from lightning_sdp.plugins.sdp4bit.config import SDP4BitConfig
 from lightning_sdp.plugins.sdp4bit.exchange import (
+    AllReduceExchange,
     Codec,
     CommStats,
     GradientExchange,
@@ -162,7 +163,7 @@ class ReducedGradients:
 class _GradJob:
     """One bucket's gradient exchange in flight: its result, its checks, and what it was launched with."""
 
-    def __init__(self, bucket: FlatBucket, exchange: GradientExchange) -> None:
+    def __init__(self, bucket: FlatBucket, exchange: GradientExchange | AllReduceExchange) -> None:
         self.bucket = bucket
         self.exchange = exchange
         self.future: Any = None
@@ -298,11 +299,15 @@ class GradientOverlap:
         cfg, fmt = ctx.config, ctx.formats.gradient
         flat = bucket.gather_grads(ctx.world_size)
         key = self._key[id(bucket)]  # the bucket's index in the optimizer, whatever the launch order
-        codec = Codec(ctx.ops, cfg.rounding, ctx.rng.child(key), ctx.stats)
-        exchange = GradientExchange(flat, ctx.topology, fmt, cfg.gradient_group_size, codec)
+        exchange: GradientExchange | AllReduceExchange
+        if ctx.formats.replicated:
+            exchange = AllReduceExchange(flat, ctx.topology.world_group, ctx.stats)
+        else:
+            codec = Codec(ctx.ops, cfg.rounding, ctx.rng.child(key), ctx.stats)
+            exchange = GradientExchange(flat, ctx.topology, fmt, cfg.gradient_group_size, codec)
         job = _GradJob(bucket, exchange)
         limit = 0.0
-        if fmt.quantized and ctx.world_size > 1:
+        if fmt.quantized and ctx.world_size > 1 and not ctx.formats.replicated:
             limit = max_safe_scale(first_level_bits(ctx.topology, fmt), ctx.world_size, fmt.hadamard)
 
         def first() -> None:

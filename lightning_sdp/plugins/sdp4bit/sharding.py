@@ -126,6 +126,10 @@ class ShardLayout:
 class FlatBucket:
     """One param group flattened: full model copy (every rank), fp32 master shard (this rank), grad buffer.
 
+    The master is this rank's shard ``[lo, lo + shard_size)`` of the flat buffer, or, while :attr:`replicated`
+    (``"auto"`` chose DDP's exchange, see :mod:`~lightning_sdp.plugins.sdp4bit.replication`), the whole buffer on
+    every rank. Either way each rank accounts for its own shard in sums over ranks (norms, clipping): :meth:`own`.
+
     Args:
         params: the group's parameters (one dtype and device).
         names: a name per parameter (for error messages).
@@ -172,6 +176,7 @@ class FlatBucket:
         self._cached_views = {id(flat): self._make_views(flat) for flat in (self.model_flat, self.grad_flat)}
         self.load_from_params()
         self.master = self.model_flat[self.lo : self.lo + self.shard_size].float().clone()
+        self.replicated = False
         # the parameters become views of the flat model buffer, so the weight all-gather writes them in place (no
         # copy per step); should something give a parameter other storage, store_to_params copies instead
         for p, view in zip(params, self._cached_views[id(self.model_flat)], strict=True):
@@ -227,14 +232,31 @@ class FlatBucket:
         """One value per parameter: 1.0 where this rank holds a gradient, 0.0 where it is ``None``."""
         return torch.tensor([float(p.grad is not None) for p in self.params], dtype=torch.float32)
 
+    @property
+    def master_lo(self) -> int:
+        """Where the master starts in the flat buffer (its shard's start; 0 while replicated)."""
+        return 0 if self.replicated else self.lo
+
+    def own(self, tensor: Tensor) -> Tensor:
+        """This rank's shard of a master-shaped tensor (``tensor`` itself unless replicated): what it adds to sums
+        over ranks, so that every value is counted once."""
+        return tensor[self.lo : self.lo + self.shard_size] if self.replicated else tensor
+
     def shard_ranges(self, indices: list[int]) -> list[tuple[int, int]]:
         """Where parameters ``indices`` lie in this rank's shard, as ``[a, b)`` ranges of shard positions."""
+        return self._ranges(indices, self.lo, self.shard_size)
+
+    def master_ranges(self, indices: list[int]) -> list[tuple[int, int]]:
+        """Where parameters ``indices`` lie in the master (the shard, or the whole buffer while replicated)."""
+        return self._ranges(indices, self.master_lo, self.master.numel())
+
+    def _ranges(self, indices: list[int], lo: int, size: int) -> list[tuple[int, int]]:
         out = []
         for i in indices:
-            a = max(self.offsets[i], self.lo)
-            b = min(self.offsets[i] + self.numels[i], self.lo + self.shard_size)
+            a = max(self.offsets[i], lo)
+            b = min(self.offsets[i] + self.numels[i], lo + size)
             if a < b:
-                out.append((a - self.lo, b - self.lo))
+                out.append((a - lo, b - lo))
         return out
 
     def names_in(self, start: int, stop: int) -> list[str]:
@@ -263,8 +285,9 @@ class FlatBucket:
         return self.gather_full(self.master)
 
     def gather_full(self, shard: Tensor) -> Tensor:
-        """All-gather a shard-shaped tensor (e.g. ``exp_avg``) into the full flat buffer (a collective)."""
-        if self.world_size == 1:
+        """All-gather a master-shaped tensor (e.g. ``exp_avg``) into the full flat buffer (a collective, unless
+        replicated: then it is the full buffer already and is copied)."""
+        if self.world_size == 1 or self.replicated:
             return shard.detach().clone()
         by_rank = torch.empty(self.padded, dtype=shard.dtype, device=shard.device)
         all_gather_rows(by_rank, shard.detach().contiguous(), None)
@@ -273,11 +296,11 @@ class FlatBucket:
         return in_shard_order(by_rank, self.world_size, self.intra_size).reshape(-1)
 
     def shard_of(self, per_param: list[Tensor]) -> Tensor:
-        """This rank's slice of the flat concatenation of ``per_param`` (zero padding), as fp32."""
+        """The master-shaped slice of the flat concatenation of ``per_param`` (zero padding), as fp32."""
         full = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
         for view, t in zip(self.views(full), per_param, strict=True):
             view.copy_(t.reshape(view.shape))
-        return full[self.lo : self.lo + self.shard_size].clone()
+        return full if self.replicated else full[self.lo : self.lo + self.shard_size].clone()
 
 
 def padding_warning(buckets: list[FlatBucket], world_size: int, alignment: int) -> str | None:
@@ -594,7 +617,8 @@ def _load_bucket(optimizer: Optimizer, bucket: FlatBucket, ids: list[int], saved
     else:
         with torch.no_grad():
             bucket.load_from_params()
-            bucket.master.copy_(bucket.model_flat[bucket.lo : bucket.lo + bucket.shard_size].float())
+            lo = bucket.master_lo
+            bucket.master.copy_(bucket.model_flat[lo : lo + bucket.master.numel()].float())
 
 
 # Value of a fresh optimizer state entry where it is not zero (Rprop starts every step size at the learning rate).
@@ -612,7 +636,7 @@ def _fresh_state(optimizer: Optimizer, bucket: FlatBucket, key: str, param: Tens
 
 
 def _is_shard_state(value: Any, bucket: FlatBucket) -> bool:
-    return isinstance(value, Tensor) and value.dim() == 1 and value.numel() == bucket.shard_size
+    return isinstance(value, Tensor) and value.dim() == 1 and value.numel() == bucket.master.numel()
 
 
 def _range_index(bucket: FlatBucket, ranges: list[tuple[int, int]]) -> Tensor:
@@ -637,7 +661,7 @@ def snapshot_absent(
         indices = absent.get(id(bucket))
         if not indices or bucket.master.grad is None:
             continue
-        ranges = bucket.shard_ranges(indices)
+        ranges = bucket.master_ranges(indices)
         if not ranges:
             continue
         idx = _range_index(bucket, ranges)
@@ -672,14 +696,15 @@ def clip_shard_grads(buckets: list[FlatBucket], kind: str, clip_val: float, devi
     ``"norm"`` is ``clip_grad_norm_`` (the norm of all shards, all-reduced across ranks), ``"value"`` is
     ``clip_grad_value_``.
     """
-    grads = [b.master.grad for b in buckets if b.master.grad is not None]
+    with_grad = [b for b in buckets if b.master.grad is not None]
+    grads = [b.master.grad for b in with_grad if b.master.grad is not None]
     if kind == "value":
         for g in grads:
             g.clamp_(-clip_val, clip_val)
         return
     sq = torch.zeros(1, dtype=torch.float32, device=device)
-    for g in grads:
-        sq += g.pow(2).sum()
+    for b, g in zip(with_grad, grads, strict=True):
+        sq += b.own(g).pow(2).sum()  # each value once over the ranks (a replicated master holds every value)
     total = all_reduce_sum(sq).sqrt()
     coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
     for g in grads:
@@ -709,7 +734,8 @@ def shard_grad_norms(
                 continue
             out.append(names[id(p)])
             ranges = bucket.shard_ranges([i])
-            values = grad[ranges[0][0] : ranges[0][1]].double().abs() if ranges else grad.new_zeros(0).double()
+            own = bucket.own(grad)
+            values = own[ranges[0][0] : ranges[0][1]].double().abs() if ranges else grad.new_zeros(0).double()
             if math.isinf(norm_type):
                 parts.append(values.max() if values.numel() else values.new_zeros(()))
             else:

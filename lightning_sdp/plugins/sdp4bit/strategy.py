@@ -35,13 +35,20 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sdp._registry import register_class_aliases
-from lightning_sdp.plugins.sdp4bit.auto import AutoCompression, Decision, build_auto
+from lightning_sdp.plugins.sdp4bit.auto import AutoCompression, Candidate, Decision, build_auto
 from lightning_sdp.plugins.sdp4bit.bucket_size import bucket_numel
 from lightning_sdp.plugins.sdp4bit.config import SDP4BitConfig
 from lightning_sdp.plugins.sdp4bit.exchange import CommStats, RoundingRNG, TimedOps, TorchOps, select_ops
 from lightning_sdp.plugins.sdp4bit.formats import ActiveFormats, GradientCompression, WeightCompression
 from lightning_sdp.plugins.sdp4bit.overlap import ExchangeContext, GradientOverlap, Pipeline, WeightOverlap
 from lightning_sdp.plugins.sdp4bit.precision import ClipKind, ShardedClippingPrecision
+from lightning_sdp.plugins.sdp4bit.replication import (
+    extra_bytes,
+    finish_replicated_step,
+    replica_fits,
+    replicate,
+    shard,
+)
 from lightning_sdp.plugins.sdp4bit.sharding import (
     AbsentSnapshot,
     FlatBucket,
@@ -139,6 +146,10 @@ class SDP4BitStrategy(DDPStrategy):
         auto_trial_steps: with ``"auto"``, optimizer steps timed per candidate (default 3, after those to settle).
         auto_recheck_every_n_steps: with ``"auto"``, optimizer steps between a choice and the next round of
             trials (default 1000; 0: choose once per ``fit``).
+        optimizer_state: ``"auto"`` (default): with ``"auto"`` compression DDP's exchange is a candidate too (an
+            fp32 all-reduce of the gradients and a replicated optimizer step, no weight all-gather), kept when it is
+            the fastest and the replicated optimizer state fits in free memory; the decision logs the memory given
+            up. ``"shard"``: the optimizer state is always sharded.
         accelerator: see :class:`~lightning.pytorch.strategies.DDPStrategy`.
         parallel_devices: see ``DDPStrategy``.
         cluster_environment: see ``DDPStrategy``.
@@ -189,6 +200,7 @@ class SDP4BitStrategy(DDPStrategy):
         log_metrics: bool = True,
         auto_trial_steps: int = 3,
         auto_recheck_every_n_steps: int = 1000,
+        optimizer_state: Literal["auto", "shard"] = "auto",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -220,6 +232,7 @@ class SDP4BitStrategy(DDPStrategy):
             log_metrics=log_metrics,
             auto_trial_steps=auto_trial_steps,
             auto_recheck_every_n_steps=auto_recheck_every_n_steps,
+            optimizer_state=optimizer_state,
         )
         super().__init__(
             accelerator=accelerator,
@@ -338,7 +351,14 @@ class SDP4BitStrategy(DDPStrategy):
             itemsize = max(p.element_size() for p in self.lightning_module.parameters())
             shard_sizes = [b.shard_size for b in self._all_buckets()]
             self._auto = build_auto(
-                self.config, self.topology, shard_sizes, itemsize, self.root_device, self._wait_all_weights, links
+                self.config,
+                self.topology,
+                shard_sizes,
+                itemsize,
+                self.root_device,
+                before_probe=self._wait_all_weights,
+                links=links,
+                fits=self._replica_fits,
             )
             self._auto_seen_step = -1
         # Global-norm and value clipping on the shards (Lightning clips through the precision plugin).
@@ -416,6 +436,8 @@ class SDP4BitStrategy(DDPStrategy):
         """Shard param groups added since set-up (``add_param_group``, e.g. by ``BackboneFinetuning``)."""
         added = shard_new_groups(raw, buckets, self._param_names(), self._layout())
         if added:
+            if self._formats.replicated:
+                replicate(raw, buckets)  # the new groups' buckets (the others are replicated already)
             self._index_params()
 
     # ------------------------------------------------------------------------------------------------ step
@@ -483,7 +505,10 @@ class SDP4BitStrategy(DDPStrategy):
             self._pending_clip.pop(id(raw), None)
             for bucket in buckets:
                 bucket.master.grad = None
-        if not self._skip_current:
+        if self._formats.replicated:
+            finish_replicated_step(buckets)  # no weight all-gather: every rank stepped every value
+            self.weight_drift = 0.0
+        elif not self._skip_current:
             self._weights.launch(buckets)
             if not self._weights.defer:
                 self._wait_all_weights()
@@ -511,7 +536,7 @@ class SDP4BitStrategy(DDPStrategy):
                 continue
             if absent:
                 self._absent[id(bucket)] = absent
-                for a, b in bucket.shard_ranges(absent):
+                for a, b in bucket.master_ranges(absent):
                     shard[a:b].zero_()
             bucket.master.grad = shard
 
@@ -774,9 +799,30 @@ class SDP4BitStrategy(DDPStrategy):
             return  # not a new optimizer step (gradient accumulation)
         self._auto_seen_step, decided = self._step, len(self._auto.decisions)
         active = self._auto.observe(self._step)
+        if active.replicated != self._formats.replicated:
+            with self._outside_the_step():
+                self._set_replicated(active.replicated)
         self._formats.weight, self._formats.gradient = active.weight, active.gradient
         if len(self._auto.decisions) > decided:
             rank_zero_say(self._auto.decisions[-1].describe())
+
+    def _set_replicated(self, replicated: bool) -> None:
+        """Switch every sharded optimizer to DDP's exchange (a replicated state) or back (see ``replication``)."""
+        self._wait_all_weights()
+        for opt in self.optimizers:
+            raw = unwrap_optimizer(opt)
+            buckets = self._buckets.get(id(raw))
+            if buckets is not None:
+                (replicate if replicated else shard)(raw, buckets)
+        self._formats.replicated = replicated
+
+    def _replica_fits(self, candidate: Candidate) -> tuple[bool, str]:
+        """Whether every rank has the memory to replicate its optimizer state (a collective; see ``replication``)."""
+        needed = 0
+        for opt in self.optimizers:
+            raw = unwrap_optimizer(opt)
+            needed += extra_bytes(raw, self._buckets.get(id(raw), []))
+        return replica_fits(needed, self.root_device)
 
     @property
     def auto_decisions(self) -> list[Decision]:

@@ -55,6 +55,7 @@ class SDP4BitConfig:
     auto_trial_steps: int = 3
     auto_recheck_every_n_steps: int = 1000
     optimizer_state: Literal["auto", "shard"] = "auto"
+    gradients_in_hooks: bool = True
 
     def __post_init__(self) -> None:
         check_options(self, "SDP4BitStrategy")

@@ -690,6 +690,28 @@ def restore_absent(optimizer: Optimizer, snapshots: list[AbsentSnapshot]) -> Non
                 v.index_fill_(0, idx, float(optimizer.param_groups[index][fresh]) if fresh else 0.0)
 
 
+@torch.no_grad()
+def expose_gradients(buckets: list[FlatBucket], absent: dict[int, list[int]]) -> None:
+    """Put the reduced gradients in the parameters' ``.grad``, as DDP holds them (a collective unless replicated).
+
+    Each bucket's gradient shards are all-gathered into one fp32 buffer; the parameters' ``.grad`` become views of
+    it (copies for other dtypes) and the master's gradient becomes the view of this rank's shard, so an in-place
+    edit of an fp32 ``.grad`` (scaling, clipping by hand) reaches the step. Parameters without a gradient on any rank
+    (``absent``) keep ``None``.
+    """
+    for bucket in buckets:
+        grad = bucket.master.grad
+        if grad is None:
+            continue
+        full = grad if bucket.replicated else bucket.gather_full(grad)
+        if not bucket.replicated:
+            bucket.master.grad = full[bucket.lo : bucket.lo + bucket.shard_size]
+        skip = set(absent.get(id(bucket), []))
+        for i, (p, view) in enumerate(zip(bucket.params, bucket.views(full), strict=True)):
+            if i not in skip:
+                p.grad = view if p.dtype == torch.float32 else view.to(p.dtype)
+
+
 def clip_shard_grads(buckets: list[FlatBucket], kind: str, clip_val: float, device: torch.device) -> None:
     """Clip the reduced shard gradients of ``buckets`` in place, as if the whole model's gradients were clipped.
 

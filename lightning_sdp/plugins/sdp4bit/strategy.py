@@ -28,6 +28,7 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -57,6 +58,7 @@ from lightning_sdp.plugins.sdp4bit.sharding import (
     check_trainable,
     clip_shard_grads,
     consolidate_state,
+    expose_gradients,
     load_consolidated_state,
     padding_warning,
     put_master_weights,
@@ -150,6 +152,11 @@ class SDP4BitStrategy(DDPStrategy):
             fp32 all-reduce of the gradients and a replicated optimizer step, no weight all-gather), kept when it is
             the fastest and the replicated optimizer state fits in free memory; the decision logs the memory given
             up. ``"shard"``: the optimizer state is always sharded.
+        gradients_in_hooks: when the LightningModule or a callback overrides ``on_before_optimizer_step``, put the
+            reduced gradients in the parameters' ``.grad`` before it, as under DDP, so Lightning's ``grad_norm`` and
+            in-place edits work there (default ``True``: one fp32 all-gather of the gradients per step, said once).
+            ``False``: ``.grad`` stays ``None`` there (warned once); use
+            :func:`~lightning_sdp.plugins.sdp4bit.grad_norm`.
         accelerator: see :class:`~lightning.pytorch.strategies.DDPStrategy`.
         parallel_devices: see ``DDPStrategy``.
         cluster_environment: see ``DDPStrategy``.
@@ -201,6 +208,7 @@ class SDP4BitStrategy(DDPStrategy):
         auto_trial_steps: int = 3,
         auto_recheck_every_n_steps: int = 1000,
         optimizer_state: Literal["auto", "shard"] = "auto",
+        gradients_in_hooks: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -233,6 +241,7 @@ class SDP4BitStrategy(DDPStrategy):
             auto_trial_steps=auto_trial_steps,
             auto_recheck_every_n_steps=auto_recheck_every_n_steps,
             optimizer_state=optimizer_state,
+            gradients_in_hooks=gradients_in_hooks,
         )
         super().__init__(
             accelerator=accelerator,
@@ -271,6 +280,7 @@ class SDP4BitStrategy(DDPStrategy):
         self._single_process = False
         self._bucket_numel: int | None = None  # values per bucket of this fit (``bucket_size_mb`` may be "auto")
         self._validation_paused = False  # validation's time is left out of auto's trials
+        self._gradients_in_hooks = False  # this fit all-gathers the reduced gradients for on_before_optimizer_step
 
     # ------------------------------------------------------------------------------------------------ set-up
 
@@ -346,6 +356,7 @@ class SDP4BitStrategy(DDPStrategy):
             if warning := padding_warning(self._buckets[id(raw)], self.world_size, self.alignment):
                 rank_zero_warn(warning)
         self._index_params()
+        self._gradients_in_hooks = self._hooks_read_gradients()
         if self.config.auto:
             assert self.topology is not None and self.lightning_module is not None
             itemsize = max(p.element_size() for p in self.lightning_module.parameters())
@@ -364,6 +375,32 @@ class SDP4BitStrategy(DDPStrategy):
         # Global-norm and value clipping on the shards (Lightning clips through the precision plugin).
         if not isinstance(self.precision_plugin, ShardedClippingPrecision):
             self.precision_plugin = ShardedClippingPrecision(self.precision_plugin, self._clip_shards)
+
+    def _hooks_read_gradients(self) -> bool:
+        """Whether to all-gather the reduced gradients into ``.grad`` before ``on_before_optimizer_step``: when the
+        module or a callback overrides it and ``gradients_in_hooks`` (says which once; warns when it is off)."""
+        module = self.lightning_module
+        assert module is not None
+        hook = "on_before_optimizer_step"
+        owners = [type(module).__name__] if is_overridden(hook, module) else []
+        callbacks: list[pl.Callback] = getattr(module.trainer, "callbacks", [])  # set by the Trainer at run time
+        owners += [type(cb).__name__ for cb in callbacks if is_overridden(hook, cb, parent=pl.Callback)]
+        if not owners:
+            return False
+        where = f"{hook} of {', '.join(owners)}"
+        if self.config.gradients_in_hooks:
+            rank_zero_say(
+                f"SDP4BitStrategy: the reduced gradients are all-gathered into the parameters' .grad before the {where} "
+                "(one fp32 all-gather of the gradients per step). If the hook reads no .grad, or computes norms with "
+                "lightning_sdp.plugins.sdp4bit.grad_norm, pass `gradients_in_hooks=False` to save it."
+            )
+            return True
+        rank_zero_warn(
+            f"SDP4BitStrategy(gradients_in_hooks=False): the parameters' .grad is None in the {where} (the reduced "
+            "gradients live in this rank's shard): Lightning's grad_norm there returns nothing. Use "
+            "lightning_sdp.plugins.sdp4bit.grad_norm, or pass `gradients_in_hooks=True`."
+        )
+        return False
 
     def _check_trainable(self) -> None:
         assert self.lightning_module is not None
@@ -490,6 +527,8 @@ class SDP4BitStrategy(DDPStrategy):
             self._exchanged = True
             self._apply_pending_clip(raw)
             self._restore = snapshot_absent(raw, buckets, self._absent)
+            if self._gradients_in_hooks:
+                expose_gradients(buckets, self._absent)  # for on_before_optimizer_step, which runs next
             return result
 
         try:
@@ -505,6 +544,8 @@ class SDP4BitStrategy(DDPStrategy):
             self._pending_clip.pop(id(raw), None)
             for bucket in buckets:
                 bucket.master.grad = None
+                if self._gradients_in_hooks:
+                    bucket.zero_model_grads()
         if self._formats.replicated:
             finish_replicated_step(buckets)  # no weight all-gather: every rank stepped every value
             self.weight_drift = 0.0

@@ -206,12 +206,13 @@ def _run(rank: int, world: int) -> dict:
         if name == "none":
             consolidated = strategy.optimizer_state(trainer.optimizers[0])
             out["finetune/ckpt_groups"] = [g["params"] for g in consolidated["param_groups"]]
-    # item 6: a finite gradient near the fp32 limit, skipped under compression, used as is without
-    for name, strategy in (("sdp", sdp(nonfinite_gradients="skip")), ("none", sdp("none", "none"))):
+    # item 6: a finite gradient near the fp32 limit: too large to quantise, exchanged uncompressed instead
+    for name, strategy in (("sdp", sdp()), ("none", sdp("none", "none"))):
         module = _module("sgd", huge_grad_at=2)
         _fit(module, strategy, max_steps=4)
         out[f"huge/{name}"] = _state(module)
         out[f"huge/{name}/skipped"] = strategy.skipped_steps
+        out[f"huge/{name}/redone"] = strategy.redone_uncompressed
     return out
 
 
@@ -292,12 +293,14 @@ def test_backbone_finetuning_adds_a_param_group(two):
 
 
 @pytest.mark.slow
-def test_gradients_too_large_to_quantise_are_caught(two):
+def test_gradients_too_large_to_quantise_are_exchanged_uncompressed(two):
     for res in two:
-        assert res["huge/sdp/skipped"] == 1
+        # 32 such values summed by the Hadamard transform overflow fp32: the divergence guard sends that step's
+        # gradients uncompressed (where they fit), on every rank, instead of failing or skipping the step
+        assert res["huge/sdp/skipped"] == 0 and res["huge/sdp/redone"] == 1
         assert all(np.isfinite(v).all() for v in res["huge/sdp"].values())
         # without compression nothing overflows: the step is taken, as before
-        assert res["huge/none/skipped"] == 0
+        assert res["huge/none/skipped"] == 0 and res["huge/none/redone"] == 0
 
 
 @pytest.mark.slow

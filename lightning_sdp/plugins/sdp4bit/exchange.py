@@ -717,6 +717,7 @@ class WeightExchange:
         self.model_flat, self.master, self.topo, self.mode = model_flat, master_shard, topo, mode
         self.bits, self.group_size, self.codec, self.ops = fmt.bits, group_size, codec, codec.ops
         self.stats, self.group = codec.stats, group
+        self.redone = False  # the codes had a non-finite scale: sent again uncompressed
         self._gathered: Tensor | None = None
         self._nbytes = 0
 
@@ -771,6 +772,22 @@ class WeightExchange:
         gathered = torch.empty(w, row.shape[1], dtype=row.dtype, device=row.device)
         self._gather(gathered.view(-1), row.view(-1), s)
         self._gathered, self._nbytes = gathered, payload.numel()
+        if not bool(torch.isfinite(_unpack(gathered, self._nbytes)[1]).all()):
+            self._redo_uncompressed()  # every rank sees the same scales: the same decision, no extra collective
+
+    def _redo_uncompressed(self) -> None:
+        """The divergence guard: a rank's codes have a non-finite scale, so the weights travel uncompressed instead;
+        when the master weights themselves are non-finite, raise and leave the model's weights as they were."""
+        full = torch.empty_like(self.model_flat)
+        self._gather(full, self.master.to(self.model_flat.dtype), self.master.numel())
+        if not bool(torch.isfinite(full).all()):
+            raise FloatingPointError(
+                "SDP4BitStrategy: the optimizer step made master weights non-finite (NaN/Inf); the model keeps its "
+                "last finite weights. Lower the learning rate, clip the gradients (`gradient_clip_val`) or check "
+                "the loss for a division by zero."
+            )
+        self.model_flat.copy_(full)
+        self._gathered, self.redone = None, True
 
     def apply(self) -> None:
         """Decode every rank's codes into the model buffer (``w += decode(d)``; ``w = decode(w)`` for ``"qw"``)."""

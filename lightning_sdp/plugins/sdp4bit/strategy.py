@@ -256,6 +256,7 @@ class SDP4BitStrategy(DDPStrategy):
         self.comm_stats = CommStats()
         self.topology: Topology | None = None
         self.skipped_steps = 0
+        self._redone_gradients = 0  # steps whose quantised gradient exchange was redone uncompressed
         self.weight_drift = float("nan")
         self._step = 0
         self._buckets: dict[int, list[FlatBucket]] = {}  # per optimizer (keyed by id of the raw optimizer)
@@ -564,6 +565,13 @@ class SDP4BitStrategy(DDPStrategy):
         the step (:func:`~lightning_sdp.plugins.sdp4bit.sharding.snapshot_absent`), as torch leaves it alone.
         """
         reduced = self._gradients.finish(buckets)
+        if reduced.redone:
+            self._redone_gradients += 1
+            rank_zero_warn(
+                f"SDP4BitStrategy: at optimizer step {self._step} the quantised gradient exchange of "
+                f"{reduced.redone} bucket(s) gave a non-finite or overflowing value from finite gradients; they were "
+                f"exchanged again uncompressed (steps redone so far: {self.redone_uncompressed})."
+            )
         if reduced.nonfinite:
             self._handle_nonfinite(buckets, reduced.bad_names)
             return
@@ -587,6 +595,7 @@ class SDP4BitStrategy(DDPStrategy):
             names = [None] * self.world_size
             dist.all_gather_object(names, bad_local)
         report = "; ".join(f"rank {r}: {', '.join(n)}" for r, n in enumerate(names) if n)
+        report = report or "the reduced gradients (finite gradients summed beyond the fp32 range)"
         for b in buckets:
             b.zero_model_grads()
             b.master.grad = None
@@ -636,6 +645,13 @@ class SDP4BitStrategy(DDPStrategy):
                 "gathered before each training_step. If this step read them stale, pass "
                 "`overlap_param_gather=False`."
             )
+
+    @property
+    def redone_uncompressed(self) -> int:
+        """Exchanges the divergence guard redid uncompressed: optimizer steps whose quantised gradient exchange gave
+        a non-finite or overflowing value from finite gradients, plus weight all-gathers whose codes had a
+        non-finite scale (logged as ``sdp4bit/redone_uncompressed``)."""
+        return self._redone_gradients + self._weights.redone
 
     @property
     def buckets_launched_in_backward(self) -> int:
@@ -722,6 +738,7 @@ class SDP4BitStrategy(DDPStrategy):
             return
         metrics = self.comm_stats.metrics(codec=isinstance(self._ops, TimedOps))
         metrics["sdp4bit/skipped_steps"] = float(self.skipped_steps)
+        metrics["sdp4bit/redone_uncompressed"] = float(self.redone_uncompressed)
         if self.config.track_drift and not math.isnan(self.weight_drift):
             metrics["sdp4bit/weight_drift"] = self.weight_drift
         if self._auto is not None:

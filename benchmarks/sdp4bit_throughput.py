@@ -221,6 +221,10 @@ class _Meter(StepTimer):
         if self.auto:
             self.warmup = -1  # set at the decision
         self.losses: list[float] = []
+        self.backward_starts: list[float] = []
+        self.backward_ends: list[float] = []
+        self.first_bucket_ready: list[float] = []  # seconds from backward's start to the first bucket's last gradient
+        self._first_ready = math.nan
         self.marks: dict[str, tuple[int | None, dict[str, float] | None]] = {}
         self.cpu: dict[str, float] = {}
         self.threads: dict[str, dict[str, float]] = {}
@@ -232,6 +236,35 @@ class _Meter(StepTimer):
         # the process's CPU time, all its threads (gloo's and the exchange threads' included)
         self.cpu[name] = time.process_time()
         self.threads[name] = thread_cpu_seconds()
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # when backward has produced the first bucket's gradients (the link cannot start before)
+        for p in first_bucket_params(self.strategy, pl_module) or []:
+            p.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    def _gradient_ready(self, param: Any) -> None:
+        self._first_ready = time.perf_counter()  # the last of the bucket's hooks to fire leaves its time
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        self.backward_starts.append(time.perf_counter())
+        self._first_ready = math.nan
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        self.backward_ends.append(time.perf_counter())
+        self.first_bucket_ready.append(self._first_ready - self.backward_starts[-1])
+
+    def profile(self, first: int) -> dict[str, float | None]:
+        """Median forward (batch start to backward start), backward, and first bucket's backward seconds of the
+        steps from ``first`` on (``None`` for the last where the first bucket's parameters are not known)."""
+        steps = range(first, min(len(self.starts), len(self.backward_starts), len(self.backward_ends)))
+        forward = [self.backward_starts[i] - self.starts[i] for i in steps]
+        backward = [self.backward_ends[i] - self.backward_starts[i] for i in steps]
+        ready = [self.first_bucket_ready[i] for i in steps if not math.isnan(self.first_bucket_ready[i])]
+        return {
+            "forward_s": statistics.median(forward) if forward else math.nan,
+            "backward_s": statistics.median(backward) if backward else math.nan,
+            "first_bucket_backward_s": statistics.median(ready) if ready else None,
+        }
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
@@ -267,6 +300,64 @@ def thread_cpu_seconds() -> dict[str, float]:
     return out
 
 
+def first_bucket_params(strategy: Any, model: Any) -> list[Any] | None:
+    """The parameters whose gradients the first bucket a method sends waits for.
+
+    SDP4Bit: its first bucket in launch order; DDP (and ZeRO + DDP): the last parameters up to DDP's first bucket
+    size (1 MiB, filled in the order backward produces the gradients); FSDP2 and others: ``None``.
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_sdp.plugins.sdp4bit.overlap import launch_order
+
+    buckets = getattr(strategy, "buckets", None)
+    if buckets:
+        first_use = {id(p): i for i, p in enumerate(model.parameters())}
+        first = buckets[launch_order([b.params for b in buckets], first_use)[0]]
+        return [p for p in first.params if p.requires_grad]
+    if not isinstance(getattr(strategy, "model", None), DistributedDataParallel):
+        return None
+    params, size = [], 0
+    for p in reversed([p for p in model.parameters() if p.requires_grad]):
+        params.append(p)
+        size += p.numel() * p.element_size()
+        if size >= dist._DEFAULT_FIRST_BUCKET_BYTES:
+            break
+    return params
+
+
+def bucket_shares(strategy: Any, model: Any) -> tuple[float, float] | None:
+    """The shares of the gradient values in the first and the last bucket a method sends (in the order backward
+    completes them): the link idles until the first is ready, and the last one's exchange follows backward.
+
+    SDP4Bit: its flat buckets in launch order; DDP (and ZeRO + DDP): the reducer's buckets after their rebuild;
+    FSDP2: one unit per Transformer block, the last block first, the root's own parameters last.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_sdp.plugins.sdp4bit.overlap import launch_order
+
+    buckets = getattr(strategy, "buckets", None)
+    wrapped = getattr(strategy, "model", None)
+    if buckets:
+        first_use = {id(p): i for i, p in enumerate(model.parameters())}
+        order = launch_order([b.params for b in buckets], first_use)
+        sizes = [sum(p.numel() for p in buckets[i].params if p.requires_grad) for i in order]
+    elif isinstance(wrapped, DistributedDataParallel):
+        info = wrapped._get_ddp_logging_data()
+        text = info.get("rebuilt_bucket_sizes") or info.get("bucket_sizes")
+        sizes = [int(x) for x in str(text).split(",")] if text else []
+    elif hasattr(model, "transformer"):  # FSDP2: a unit per block, then the root
+        blocks = [sum(p.numel() for p in block.parameters()) for block in model.transformer.h]
+        sizes = [*blocks[::-1], sum(p.numel() for p in model.parameters()) - sum(blocks)]
+    else:
+        return None
+    sizes = [size for size in sizes if size > 0]
+    total = sum(sizes)
+    return (sizes[0] / total, sizes[-1] / total) if total else None
+
+
 def _run_method(method: str, bandwidth: float, steps: int, validate: bool, args: argparse.Namespace) -> dict:
     import lightning.pytorch as pl
     import torch.distributed as dist
@@ -298,6 +389,7 @@ def _run_method(method: str, bandwidth: float, steps: int, validate: bool, args:
     # end-to-end intervals of the steps after the warm-up (each holds a whole step, its communication included)
     warmup = meter.warmup if meter.warmup > 0 else args.warmup
     durations = [b - a for a, b in zip(meter.ends[warmup - 1 :], meter.ends[warmup:], strict=False)]
+    shares = bucket_shares(strategy, model)
     timed = len(durations)
     cpu_per_step = (meter.cpu["end"] - meter.cpu["start"]) / timed
     start_threads, end_threads = meter.threads["start"], meter.threads["end"]
@@ -349,6 +441,12 @@ def _run_method(method: str, bandwidth: float, steps: int, validate: bool, args:
             kind: statistics.mean(e["cpu_by_thread"][kind] for e in everyone) for kind in by_thread
         },
         "train_losses_rank0": meter.losses,
+        # the dependency chain of a step (see chain_limit): forward, backward, the first and last bucket's shares
+        "profile": {
+            **meter.profile(warmup),
+            "first_bucket_share": shares[0] if shares else None,
+            "last_bucket_share": shares[1] if shares else None,
+        },
         "val_loss": val,
         "wall_s": wall,
         "params": sum(p.numel() for p in model.parameters()) if method != "fsdp2" else None,
@@ -448,6 +546,36 @@ def machine_limit(
     return limit, limit / row["median_step_s"]
 
 
+def chain_limit(
+    row: dict[str, Any], ddp: dict[str, Any] | None, bandwidth_mbit: float, world: int, cores: int
+) -> tuple[float, float]:
+    """A limit that DDP itself can reach, and the method's fraction of it: ``(limit_s, limit_s / step_s)``.
+
+    The link cannot start before forward and the backward of the first bucket are done, and the last bucket's
+    exchange work is left after the last byte arrives; so the step is at least
+    ``forward + first bucket's backward + wire time + last bucket's exposed exchange``, from the method's own profile
+    in the same run: the median forward, the median time from backward's start to the first bucket's last gradient
+    (where its parameters are known; else the backward times the bucket's share of the values, an upper bound for a
+    method whose backward waits for its communication), the method's wire bytes over the link, and the exchange
+    threads' CPU per step times the last bucket's share; and at least DDP's CPU-bound step as in
+    :func:`machine_limit`. NaN when something was not measured.
+    """
+    nan = float("nan")
+    cpu_s = ddp.get("cpu_s_per_step_per_rank") if ddp else None
+    wire, profile = row.get("wire_bytes_per_step_per_node"), row.get("profile") or {}
+    first, last = profile.get("first_bucket_share"), profile.get("last_bucket_share")
+    if cpu_s is None or wire is None or first is None or last is None or not row.get("median_step_s"):
+        return nan, nan
+    threads = row.get("cpu_s_per_step_by_thread") or {}
+    exchange_cpu = threads.get("gloo", 0.0) + threads.get("other", 0.0)  # the collectives' and exchange threads'
+    first_backward = profile.get("first_bucket_backward_s")
+    if first_backward is None:
+        first_backward = profile["backward_s"] * first
+    chain = profile["forward_s"] + first_backward + 8.0 * wire / (bandwidth_mbit * 1e6)
+    limit = max(cpu_s * world / cores, chain + exchange_cpu * last)
+    return limit, limit / row["median_step_s"]
+
+
 def merge_rounds(rows: list[dict[str, Any]]) -> dict[tuple[str, float], dict[str, Any]]:
     """One row per (method, bandwidth): the first round's row (its losses, validation and ``auto`` decision) with
     the step time, CPU time and wire bytes replaced by their medians over the rounds (listed in ``rounds_*``)."""
@@ -465,9 +593,22 @@ def merge_rounds(rows: list[dict[str, Any]]) -> dict[tuple[str, float], dict[str
         splits = [r["cpu_s_per_step_by_thread"] for r in group if r.get("cpu_s_per_step_by_thread")]
         if splits:
             row["cpu_s_per_step_by_thread"] = {k: statistics.median(split[k] for split in splits) for k in splits[0]}
+        profiles = [r["profile"] for r in group if r.get("profile")]
+        if profiles:
+            row["profile"] = _median_profile(profiles)
         row["tokens_per_s"] = group[0]["tokens_per_s"] * group[0]["median_step_s"] / row["median_step_s"]
         merged[key] = row
     return merged
+
+
+def _median_profile(profiles: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each profile entry's median over the rounds (``None`` where a round did not measure it)."""
+
+    def median(key: str) -> float | None:
+        values = [p.get(key) for p in profiles]
+        return None if any(v is None for v in values) else statistics.median(values)
+
+    return {key: median(key) for key in profiles[0]}
 
 
 def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dict, str, Any]:
@@ -509,6 +650,8 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
                 ),
                 "CPU-bound step (s)": r.get("cpu_s_per_step_per_rank", float("nan")) * args.world / _cores(),
                 "limit step (s)": limit, "fraction of limit": fraction,
+                "chain limit (s)": chain_limit(r, d, bw, args.world, _cores())[0],
+                "fraction of chain limit": chain_limit(r, d, bw, args.world, _cores())[1],
                 "load": round(r["load_avg_1m"], 1),
             })  # fmt: skip
     quality = []
@@ -542,16 +685,19 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
             / (AUTO_RECHECK * a["median_step_s"]),
             "skipped (wire time too long)": len(a.get("auto_skipped", [])),
         })  # fmt: skip
-    speedups, fractions = [], []
+    speedups, fractions, chains = [], [], []
     for m in methods:
         row: dict[str, Any] = {"method": m}
         share: dict[str, Any] = {"method": m}
+        chain: dict[str, Any] = {"method": m}
         for bw in bws:
             r, d = by.get((m, bw)), by.get(("ddp", bw))
             row[f"{bw:g}"] = d["median_step_s"] / r["median_step_s"] if r and d else float("nan")
             share[f"{bw:g}"] = machine_limit(r, d, bw, args.world, _cores())[1] if r else float("nan")
+            chain[f"{bw:g}"] = chain_limit(r, d, bw, args.world, _cores())[1] if r else float("nan")
         speedups.append(row)
         fractions.append(share)
+        chains.append(chain)
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for ax, rows_, ylabel in ((axes[0], speedups, "speed-up over DDP"), (axes[1], fractions, "fraction of the limit")):
@@ -606,6 +752,17 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
         "",
         markdown_table(fractions, floatfmt="{:.2f}"),
         "",
+        "## Fraction of the dependency-chain limit",
+        "",
+        "A limit DDP itself can reach: the link cannot start before forward and the backward of the first bucket to "
+        "leave, and the last bucket's exchange work follows its last byte, so each method's step is at least its "
+        "forward + the first bucket's backward (from backward's start to that bucket's last gradient; FSDP2: its "
+        "backward x the bucket's share of the values) + its wire time + its exchange threads' CPU per step x the "
+        "last bucket's share, all from the same run, and at least DDP's CPU-bound step as above. The fraction is "
+        "that limit over the measured median step.",
+        "",
+        markdown_table(chains, floatfmt="{:.2f}"),
+        "",
         "## `auto` against the best fixed setting",
         "",
         "Each `sdp4bit_auto` run is timed from two steps after its decision; the steps it spent trying candidates "
@@ -627,7 +784,8 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
     if failed:
         md += ["## Methods that did not run", ""] + [f"- `{m}`: {e}" for m, e in failed.items()] + [""]
     payload = {"args": vars(args), "rows": rows, "speedups": speedups, "fractions_of_limit": fractions,
-               "quality": quality, "table": table, "auto": autos, "failed": failed}  # fmt: skip
+               "fractions_of_chain_limit": chains, "quality": quality, "table": table, "auto": autos,
+               "failed": failed}  # fmt: skip
     return payload, "\n".join(md), fig
 
 

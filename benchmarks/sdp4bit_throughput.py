@@ -112,7 +112,7 @@ def _hooked_ddp_strategy(hook: Any, state_factory: Any, timeout: timedelta, **dd
     return _HookedDDPStrategy(process_group_backend="gloo", timeout=timeout, **ddp_kwargs)
 
 
-def _build(method: str, args: argparse.Namespace, vocab_size: int) -> tuple[Any, Any]:
+def build_method(method: str, args: argparse.Namespace, vocab_size: int) -> tuple[Any, Any]:
     """The LightningModule and the strategy of ``method``."""
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -367,7 +367,7 @@ def _run_method(method: str, bandwidth: float, steps: int, validate: bool, args:
     pl.seed_everything(args.seed, verbose=False)
     dm = CharTextDataModule(args.data, block_size=args.block, batch_size=args.batch, seed=args.seed)
     dm.setup("fit")
-    model, strategy = _build(method, args, dm.vocab_size)
+    model, strategy = build_method(method, args, dm.vocab_size)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     ifname = os.environ.get("EMULATED_CLUSTER_IFNAME")
     auto = bool(getattr(getattr(strategy, "config", None), "auto", False))

@@ -232,20 +232,20 @@ def test_rounds_merge_into_medians_and_keep_the_first_rounds_quality() -> None:
 
 
 def test_method_names_map_to_strategy_arguments_through_the_table() -> None:
-    from benchmarks.sdp4bit_throughput import METHODS, SDP4BIT_METHODS, _build
+    from benchmarks.sdp4bit_throughput import METHODS, SDP4BIT_METHODS, build_method
 
     args = _parser().parse_args([])
     args.world = 4
-    _, strategy = _build("sdp4bit_qwd_tlq_hs_onebucket", args, vocab_size=10)
+    _, strategy = build_method("sdp4bit_qwd_tlq_hs_onebucket", args, vocab_size=10)
     config = strategy.config
     assert (config.weight_compression, config.gradient_compression, config.bucket_size_mb) == ("qwd", "tlq_hs", None)
-    _, strategy = _build("sdp4bit_none_tlq_hs_g8", args, vocab_size=10)
+    _, strategy = build_method("sdp4bit_none_tlq_hs_g8", args, vocab_size=10)
     assert (strategy.config.weight_compression, strategy.config.gradient_inter_bits) == ("none", 8)
-    assert _build("sdp4bit_auto", args, vocab_size=10)[1].config.auto
+    assert build_method("sdp4bit_auto", args, vocab_size=10)[1].config.auto
     for method in SDP4BIT_METHODS:  # every entry is a valid set of options
-        _build(method, args, vocab_size=10)
+        build_method(method, args, vocab_size=10)
     with pytest.raises(ValueError, match="Unknown method"):
-        _build("sdp4bit_qwd_tlq_hs_fast", args, vocab_size=10)  # no suffix parsing: unknown names are refused
+        build_method("sdp4bit_qwd_tlq_hs_fast", args, vocab_size=10)  # no suffix parsing: unknown names are refused
     # every method of the stored result sets still runs
     results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
     stored = set()

@@ -281,7 +281,7 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
         "on an fp32 one, which steps the weights in place). Codec: what SDP4Bit's numba codec adds to a process "
         "once (import and compilation, before the baseline).",
         "",
-        markdown_table(table, floatfmt="{:.3g}"),
+        markdown_table(table, floatfmt="{:.4g}"),
         "",
     ]
     if failed:

@@ -26,6 +26,7 @@ the others train ``--steps`` steps. Needs nothing but the CPU (no root, no share
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import resource
 import time
@@ -126,10 +127,9 @@ def _run(method: str, model_name: str, steps: int, world: int, accelerator: str)
     from torch.utils.data import DataLoader, TensorDataset
 
     from benchmarks.sdp4bit_throughput import build_method
-    from lightning_sdp._imports import _NUMBA_AVAILABLE
 
     codec = rss_bytes()
-    if method.startswith("sdp4bit") and accelerator == "cpu" and _NUMBA_AVAILABLE:
+    if method.startswith("sdp4bit") and accelerator == "cpu" and importlib.util.find_spec("numba") is not None:
         warm_codec()
     base = rss_bytes()
     codec = base - codec

@@ -111,6 +111,7 @@ def test_yaml_config_builds_the_strategy(tmp_path):
         ({"rounding": "up"}, "rounding"),
         ({"intra_node_size": 0}, "intra_node_size"),
         ({"nonfinite_gradients": "ignore"}, "nonfinite_gradients"),
+        ({"optimizer_state": "replicate"}, "optimizer_state must be one of 'auto', 'shard'"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -266,6 +267,9 @@ def test_config_holds_the_checked_options():
         SDP4BitConfig(weight_bits=2)
     with pytest.raises(TypeError, match="log_metrics must be a bool"):
         SDP4BitStrategy(log_metrics="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="gradients_in_hooks must be a bool"):
+        SDP4BitStrategy(gradients_in_hooks="yes")  # type: ignore[arg-type]
+    assert SDP4BitStrategy(optimizer_state="shard").config.optimizer_state == "shard"
 
 
 def test_the_measurement_knob_is_not_an_option():

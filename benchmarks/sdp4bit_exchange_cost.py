@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 
 from benchmarks._common import free_port, machine_info, markdown_table, write_results
 from lightning_sdp.plugins.sdp4bit.exchange import (
+    Codec,
     CommStats,
     GradientExchange,
     NumbaOps,
@@ -41,7 +42,7 @@ from lightning_sdp.plugins.sdp4bit.exchange import (
     WeightExchange,
     padded_shard_size,
 )
-from lightning_sdp.plugins.sdp4bit.formats import gradient_format
+from lightning_sdp.plugins.sdp4bit.formats import WeightFormat, gradient_format
 from lightning_sdp.plugins.sdp4bit.topology import build_topology
 
 METHODS = ("ddp_allreduce", "none/none", "qwd/tlq_hs")
@@ -88,17 +89,15 @@ def measure(rank: int, world: int, values: int, buckets: int, method: str, steps
             return [g[topo.shard * s : (topo.shard + 1) * s] for g in out]
         shards = []
         for b in range(buckets):
-            exchange = GradientExchange(
-                grads[b].clone(), topo, fmt, GRADIENT_GROUP, "stochastic", rng.child(b), ops, CommStats()
-            )
+            codec = Codec(ops, "stochastic", rng.child(b), CommStats())
+            exchange = GradientExchange(grads[b].clone(), topo, fmt, GRADIENT_GROUP, codec)
             exchange.first()
             shards.append(exchange.second())
         for b in range(buckets):
             masters[b] += 1e-4
-            gather = WeightExchange(
-                models[b], masters[b], topo, weights, 4, WEIGHT_GROUP, "stochastic", rng.child(buckets + b), ops,
-                CommStats(), topo.world_group,
-            )  # fmt: skip
+            codec = Codec(ops, "stochastic", rng.child(buckets + b), CommStats())
+            weight_format = WeightFormat(weights, 4, WEIGHT_GROUP)
+            gather = WeightExchange(models[b], masters[b], topo, weight_format, codec, topo.world_group)
             gather.send()
             gather.apply()
         return shards

@@ -11,6 +11,7 @@ every method:
 - ``fsdp2``: ``fully_shard`` (per Transformer block and the root) through Lightning's ModelParallelStrategy;
 - ``sdp4bit_auto``: SDP4BitStrategy's default, ``"auto"`` compression (timed from its decision on; the steps it
   spent trying candidates are reported apart, with their cost spread over the re-check interval);
+  ``sdp4bit_auto_shard``: the same with ``optimizer_state="shard"`` (DDP's exchange is not a candidate);
 - ``sdp4bit_none_none``, ``sdp4bit_qwd_tlq_hs``, ``sdp4bit_qw_ulq``, ``sdp4bit_qwd_none``,
   ``sdp4bit_none_tlq_hs``: SDP4BitStrategy with fixed weights/gradients formats; ``..._g8``: TLq-HS with 8 bits
   between nodes too (with the others, every format ``"auto"`` may choose);
@@ -61,33 +62,35 @@ from typing import Any
 
 from benchmarks._common import SHARED_DATA, StepTimer, free_port, machine_info, markdown_table, write_results
 
-METHODS = [
-    "ddp",
-    "ddp_fp16",
-    "ddp_bf16",
-    "powersgd_r1",
-    "powersgd_r4",
-    "zero_ddp",
-    "fsdp2",
-    "sdp4bit_auto",
-    "sdp4bit_none_none",
-    "sdp4bit_qwd_tlq_hs",
-    "sdp4bit_qwd_none",
-    "sdp4bit_none_tlq_hs",
-    "sdp4bit_qwd_tlq_hs_g8",
-    "sdp4bit_none_tlq_hs_g8",
-    "sdp4bit_qw_ulq",
-    "sdp4bit_none_none_sequential",
-    "sdp4bit_qwd_tlq_hs_sequential",
-    "sdp4bit_none_none_fwd",
-    "sdp4bit_qwd_tlq_hs_fwd",
-    "sdp4bit_qwd_tlq_hs_torchcodec",
-    "sdp4bit_none_none_onebucket",
-    "sdp4bit_qwd_tlq_hs_onebucket",
-    "sdp4bit_auto_autobucket",
-    "sdp4bit_qwd_tlq_hs_autobucket",
-    "sdp4bit_none_none_autobucket",
-]
+# SDP4BitStrategy's arguments per method (every other argument keeps the strategy's default); see the docstring
+_PAPER = {"weight_compression": "qwd", "gradient_compression": "tlq_hs"}
+_UNCOMPRESSED = {"weight_compression": "none", "gradient_compression": "none"}
+SDP4BIT_METHODS: dict[str, dict[str, Any]] = {
+    "sdp4bit_auto": {},
+    "sdp4bit_auto_shard": {"optimizer_state": "shard"},
+    "sdp4bit_none_none": _UNCOMPRESSED,
+    "sdp4bit_qwd_tlq_hs": _PAPER,
+    "sdp4bit_qwd_none": {"weight_compression": "qwd", "gradient_compression": "none"},
+    "sdp4bit_none_tlq_hs": {"weight_compression": "none", "gradient_compression": "tlq_hs"},
+    "sdp4bit_qwd_tlq_hs_g8": {**_PAPER, "gradient_inter_bits": 8},
+    "sdp4bit_none_tlq_hs_g8": {
+        "weight_compression": "none",
+        "gradient_compression": "tlq_hs",
+        "gradient_inter_bits": 8,
+    },
+    "sdp4bit_qw_ulq": {"weight_compression": "qw", "gradient_compression": "ulq"},
+    "sdp4bit_none_none_sequential": {**_UNCOMPRESSED, "overlap": False},
+    "sdp4bit_qwd_tlq_hs_sequential": {**_PAPER, "overlap": False},
+    "sdp4bit_none_none_fwd": {**_UNCOMPRESSED, "overlap_param_gather": True},
+    "sdp4bit_qwd_tlq_hs_fwd": {**_PAPER, "overlap_param_gather": True},
+    "sdp4bit_qwd_tlq_hs_torchcodec": {**_PAPER, "kernel_backend": "torch"},
+    "sdp4bit_none_none_onebucket": {**_UNCOMPRESSED, "bucket_size_mb": None},
+    "sdp4bit_qwd_tlq_hs_onebucket": {**_PAPER, "bucket_size_mb": None},
+    "sdp4bit_auto_autobucket": {"bucket_size_mb": "auto"},
+    "sdp4bit_qwd_tlq_hs_autobucket": {**_PAPER, "bucket_size_mb": "auto"},
+    "sdp4bit_none_none_autobucket": {**_UNCOMPRESSED, "bucket_size_mb": "auto"},
+}
+METHODS = ["ddp", "ddp_fp16", "ddp_bf16", "powersgd_r1", "powersgd_r4", "zero_ddp", "fsdp2", *SDP4BIT_METHODS]
 BANDWIDTHS = [50.0, 100.0, 200.0, 500.0, 1000.0, 10000.0]
 # extra steps an "auto" timing run may spend trying candidates before its timed window
 AUTO_TRIAL_ALLOWANCE = 60
@@ -109,7 +112,7 @@ def _hooked_ddp_strategy(hook: Any, state_factory: Any, timeout: timedelta, **dd
     return _HookedDDPStrategy(process_group_backend="gloo", timeout=timeout, **ddp_kwargs)
 
 
-def _build(method: str, args: argparse.Namespace, vocab_size: int) -> tuple[Any, Any]:
+def build_method(method: str, args: argparse.Namespace, vocab_size: int) -> tuple[Any, Any]:
     """The LightningModule and the strategy of ``method``."""
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -167,25 +170,10 @@ def _build(method: str, args: argparse.Namespace, vocab_size: int) -> tuple[Any,
 
         strategy = ModelParallelStrategy(data_parallel_size=args.world, tensor_parallel_size=1, timeout=timeout)
         return FSDP2GPT(**hp), strategy
-    if method.startswith("sdp4bit_"):
+    if method in SDP4BIT_METHODS:
         from lightning_sdp.plugins.sdp4bit import SDP4BitStrategy
 
-        name = method.removeprefix("sdp4bit_")
-        # the bucket variants set bucket_size_mb; every other method keeps the strategy's default
-        buckets = {f"_{k}": {"bucket_size_mb": v} for k, v in (("onebucket", None), ("autobucket", "auto"))}
-        extra = buckets.get(name[name.rfind("_") :], {})
-        name = name.removesuffix("_onebucket").removesuffix("_autobucket")
-        overlap = not name.endswith("_sequential")
-        forward_gather = name.endswith("_fwd")
-        backend = "torch" if name.endswith("_torchcodec") else "auto"
-        inter_bits = 8 if name.endswith("_g8") else 4
-        modes = name.removesuffix("_sequential").removesuffix("_fwd").removesuffix("_torchcodec").removesuffix("_g8")
-        weights, grads = ("auto", "auto") if modes == "auto" else modes.split("_", 1)
-        strategy = SDP4BitStrategy(
-            weight_compression=weights, gradient_compression=grads, seed=args.seed, timeout=timeout, overlap=overlap,
-            overlap_param_gather=forward_gather, kernel_backend=backend, gradient_inter_bits=inter_bits,
-            **extra,
-        )  # fmt: skip
+        strategy = SDP4BitStrategy(seed=args.seed, timeout=timeout, **SDP4BIT_METHODS[method])
         return GPT(**hp), strategy
     raise ValueError(f"Unknown method {method!r}; choose from {METHODS}.")
 
@@ -233,6 +221,10 @@ class _Meter(StepTimer):
         if self.auto:
             self.warmup = -1  # set at the decision
         self.losses: list[float] = []
+        self.backward_starts: list[float] = []
+        self.backward_ends: list[float] = []
+        self.first_bucket_ready: list[float] = []  # seconds from backward's start to the first bucket's last gradient
+        self._first_ready = math.nan
         self.marks: dict[str, tuple[int | None, dict[str, float] | None]] = {}
         self.cpu: dict[str, float] = {}
         self.threads: dict[str, dict[str, float]] = {}
@@ -244,6 +236,35 @@ class _Meter(StepTimer):
         # the process's CPU time, all its threads (gloo's and the exchange threads' included)
         self.cpu[name] = time.process_time()
         self.threads[name] = thread_cpu_seconds()
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # when backward has produced the first bucket's gradients (the link cannot start before)
+        for p in first_bucket_params(self.strategy, pl_module) or []:
+            p.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    def _gradient_ready(self, param: Any) -> None:
+        self._first_ready = time.perf_counter()  # the last of the bucket's hooks to fire leaves its time
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        self.backward_starts.append(time.perf_counter())
+        self._first_ready = math.nan
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        self.backward_ends.append(time.perf_counter())
+        self.first_bucket_ready.append(self._first_ready - self.backward_starts[-1])
+
+    def profile(self, first: int) -> dict[str, float | None]:
+        """Median forward (batch start to backward start), backward, and first bucket's backward seconds of the
+        steps from ``first`` on (``None`` for the last where the first bucket's parameters are not known)."""
+        steps = range(first, min(len(self.starts), len(self.backward_starts), len(self.backward_ends)))
+        forward = [self.backward_starts[i] - self.starts[i] for i in steps]
+        backward = [self.backward_ends[i] - self.backward_starts[i] for i in steps]
+        ready = [self.first_bucket_ready[i] for i in steps if not math.isnan(self.first_bucket_ready[i])]
+        return {
+            "forward_s": statistics.median(forward) if forward else math.nan,
+            "backward_s": statistics.median(backward) if backward else math.nan,
+            "first_bucket_backward_s": statistics.median(ready) if ready else None,
+        }
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
@@ -279,6 +300,64 @@ def thread_cpu_seconds() -> dict[str, float]:
     return out
 
 
+def first_bucket_params(strategy: Any, model: Any) -> list[Any] | None:
+    """The parameters whose gradients the first bucket a method sends waits for.
+
+    SDP4Bit: its first bucket in launch order; DDP (and ZeRO + DDP): the last parameters up to DDP's first bucket
+    size (1 MiB, filled in the order backward produces the gradients); FSDP2 and others: ``None``.
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_sdp.plugins.sdp4bit.overlap import launch_order
+
+    buckets = getattr(strategy, "buckets", None)
+    if buckets:
+        first_use = {id(p): i for i, p in enumerate(model.parameters())}
+        first = buckets[launch_order([b.params for b in buckets], first_use)[0]]
+        return [p for p in first.params if p.requires_grad]
+    if not isinstance(getattr(strategy, "model", None), DistributedDataParallel):
+        return None
+    params, size = [], 0
+    for p in reversed([p for p in model.parameters() if p.requires_grad]):
+        params.append(p)
+        size += p.numel() * p.element_size()
+        if size >= dist._DEFAULT_FIRST_BUCKET_BYTES:
+            break
+    return params
+
+
+def bucket_shares(strategy: Any, model: Any) -> tuple[float, float] | None:
+    """The shares of the gradient values in the first and the last bucket a method sends (in the order backward
+    completes them): the link idles until the first is ready, and the last one's exchange follows backward.
+
+    SDP4Bit: its flat buckets in launch order; DDP (and ZeRO + DDP): the reducer's buckets after their rebuild;
+    FSDP2: one unit per Transformer block, the last block first, the root's own parameters last.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_sdp.plugins.sdp4bit.overlap import launch_order
+
+    buckets = getattr(strategy, "buckets", None)
+    wrapped = getattr(strategy, "model", None)
+    if buckets:
+        first_use = {id(p): i for i, p in enumerate(model.parameters())}
+        order = launch_order([b.params for b in buckets], first_use)
+        sizes = [sum(p.numel() for p in buckets[i].params if p.requires_grad) for i in order]
+    elif isinstance(wrapped, DistributedDataParallel):
+        info = wrapped._get_ddp_logging_data()
+        text = info.get("rebuilt_bucket_sizes") or info.get("bucket_sizes")
+        sizes = [int(x) for x in str(text).split(",")] if text else []
+    elif hasattr(model, "transformer"):  # FSDP2: a unit per block, then the root
+        blocks = [sum(p.numel() for p in block.parameters()) for block in model.transformer.h]
+        sizes = [*blocks[::-1], sum(p.numel() for p in model.parameters()) - sum(blocks)]
+    else:
+        return None
+    sizes = [size for size in sizes if size > 0]
+    total = sum(sizes)
+    return (sizes[0] / total, sizes[-1] / total) if total else None
+
+
 def _run_method(method: str, bandwidth: float, steps: int, validate: bool, args: argparse.Namespace) -> dict:
     import lightning.pytorch as pl
     import torch.distributed as dist
@@ -288,10 +367,10 @@ def _run_method(method: str, bandwidth: float, steps: int, validate: bool, args:
     pl.seed_everything(args.seed, verbose=False)
     dm = CharTextDataModule(args.data, block_size=args.block, batch_size=args.batch, seed=args.seed)
     dm.setup("fit")
-    model, strategy = _build(method, args, dm.vocab_size)
+    model, strategy = build_method(method, args, dm.vocab_size)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     ifname = os.environ.get("EMULATED_CLUSTER_IFNAME")
-    auto = method == "sdp4bit_auto"
+    auto = bool(getattr(getattr(strategy, "config", None), "auto", False))
     meter = _Meter(
         args.warmup, strategy, ifname if local_rank == 0 else None, None if validate else steps - args.warmup
     )
@@ -310,6 +389,7 @@ def _run_method(method: str, bandwidth: float, steps: int, validate: bool, args:
     # end-to-end intervals of the steps after the warm-up (each holds a whole step, its communication included)
     warmup = meter.warmup if meter.warmup > 0 else args.warmup
     durations = [b - a for a, b in zip(meter.ends[warmup - 1 :], meter.ends[warmup:], strict=False)]
+    shares = bucket_shares(strategy, model)
     timed = len(durations)
     cpu_per_step = (meter.cpu["end"] - meter.cpu["start"]) / timed
     start_threads, end_threads = meter.threads["start"], meter.threads["end"]
@@ -361,6 +441,12 @@ def _run_method(method: str, bandwidth: float, steps: int, validate: bool, args:
             kind: statistics.mean(e["cpu_by_thread"][kind] for e in everyone) for kind in by_thread
         },
         "train_losses_rank0": meter.losses,
+        # the dependency chain of a step (see chain_limit): forward, backward, the first and last bucket's shares
+        "profile": {
+            **meter.profile(warmup),
+            "first_bucket_share": shares[0] if shares else None,
+            "last_bucket_share": shares[1] if shares else None,
+        },
         "val_loss": val,
         "wall_s": wall,
         "params": sum(p.numel() for p in model.parameters()) if method != "fsdp2" else None,
@@ -460,6 +546,36 @@ def machine_limit(
     return limit, limit / row["median_step_s"]
 
 
+def chain_limit(
+    row: dict[str, Any], ddp: dict[str, Any] | None, bandwidth_mbit: float, world: int, cores: int
+) -> tuple[float, float]:
+    """A limit that DDP itself can reach, and the method's fraction of it: ``(limit_s, limit_s / step_s)``.
+
+    The link cannot start before forward and the backward of the first bucket are done, and the last bucket's
+    exchange work is left after the last byte arrives; so the step is at least
+    ``forward + first bucket's backward + wire time + last bucket's exposed exchange``, from the method's own profile
+    in the same run: the median forward, the median time from backward's start to the first bucket's last gradient
+    (where its parameters are known; else the backward times the bucket's share of the values, an upper bound for a
+    method whose backward waits for its communication), the method's wire bytes over the link, and the exchange
+    threads' CPU per step times the last bucket's share; and at least DDP's CPU-bound step as in
+    :func:`machine_limit`. NaN when something was not measured.
+    """
+    nan = float("nan")
+    cpu_s = ddp.get("cpu_s_per_step_per_rank") if ddp else None
+    wire, profile = row.get("wire_bytes_per_step_per_node"), row.get("profile") or {}
+    first, last = profile.get("first_bucket_share"), profile.get("last_bucket_share")
+    if cpu_s is None or wire is None or first is None or last is None or not row.get("median_step_s"):
+        return nan, nan
+    threads = row.get("cpu_s_per_step_by_thread") or {}
+    exchange_cpu = threads.get("gloo", 0.0) + threads.get("other", 0.0)  # the collectives' and exchange threads'
+    first_backward = profile.get("first_bucket_backward_s")
+    if first_backward is None:
+        first_backward = profile["backward_s"] * first
+    chain = profile["forward_s"] + first_backward + 8.0 * wire / (bandwidth_mbit * 1e6)
+    limit = max(cpu_s * world / cores, chain + exchange_cpu * last)
+    return limit, limit / row["median_step_s"]
+
+
 def merge_rounds(rows: list[dict[str, Any]]) -> dict[tuple[str, float], dict[str, Any]]:
     """One row per (method, bandwidth): the first round's row (its losses, validation and ``auto`` decision) with
     the step time, CPU time and wire bytes replaced by their medians over the rounds (listed in ``rounds_*``)."""
@@ -477,9 +593,22 @@ def merge_rounds(rows: list[dict[str, Any]]) -> dict[tuple[str, float], dict[str
         splits = [r["cpu_s_per_step_by_thread"] for r in group if r.get("cpu_s_per_step_by_thread")]
         if splits:
             row["cpu_s_per_step_by_thread"] = {k: statistics.median(split[k] for split in splits) for k in splits[0]}
+        profiles = [r["profile"] for r in group if r.get("profile")]
+        if profiles:
+            row["profile"] = _median_profile(profiles)
         row["tokens_per_s"] = group[0]["tokens_per_s"] * group[0]["median_step_s"] / row["median_step_s"]
         merged[key] = row
     return merged
+
+
+def _median_profile(profiles: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each profile entry's median over the rounds (``None`` where a round did not measure it)."""
+
+    def median(key: str) -> float | None:
+        values = [p.get(key) for p in profiles]
+        return None if any(v is None for v in values) else statistics.median(values)
+
+    return {key: median(key) for key in profiles[0]}
 
 
 def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dict, str, Any]:
@@ -521,6 +650,8 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
                 ),
                 "CPU-bound step (s)": r.get("cpu_s_per_step_per_rank", float("nan")) * args.world / _cores(),
                 "limit step (s)": limit, "fraction of limit": fraction,
+                "chain limit (s)": chain_limit(r, d, bw, args.world, _cores())[0],
+                "fraction of chain limit": chain_limit(r, d, bw, args.world, _cores())[1],
                 "load": round(r["load_avg_1m"], 1),
             })  # fmt: skip
     quality = []
@@ -554,16 +685,19 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
             / (AUTO_RECHECK * a["median_step_s"]),
             "skipped (wire time too long)": len(a.get("auto_skipped", [])),
         })  # fmt: skip
-    speedups, fractions = [], []
+    speedups, fractions, chains = [], [], []
     for m in methods:
         row: dict[str, Any] = {"method": m}
         share: dict[str, Any] = {"method": m}
+        chain: dict[str, Any] = {"method": m}
         for bw in bws:
             r, d = by.get((m, bw)), by.get(("ddp", bw))
             row[f"{bw:g}"] = d["median_step_s"] / r["median_step_s"] if r and d else float("nan")
             share[f"{bw:g}"] = machine_limit(r, d, bw, args.world, _cores())[1] if r else float("nan")
+            chain[f"{bw:g}"] = chain_limit(r, d, bw, args.world, _cores())[1] if r else float("nan")
         speedups.append(row)
         fractions.append(share)
+        chains.append(chain)
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for ax, rows_, ylabel in ((axes[0], speedups, "speed-up over DDP"), (axes[1], fractions, "fraction of the limit")):
@@ -618,6 +752,17 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
         "",
         markdown_table(fractions, floatfmt="{:.2f}"),
         "",
+        "## Fraction of the dependency-chain limit",
+        "",
+        "A limit DDP itself can reach: the link cannot start before forward and the backward of the first bucket to "
+        "leave, and the last bucket's exchange work follows its last byte, so each method's step is at least its "
+        "forward + the first bucket's backward (from backward's start to that bucket's last gradient; FSDP2: its "
+        "backward x the bucket's share of the values) + its wire time + its exchange threads' CPU per step x the "
+        "last bucket's share, all from the same run, and at least DDP's CPU-bound step as above. The fraction is "
+        "that limit over the measured median step.",
+        "",
+        markdown_table(chains, floatfmt="{:.2f}"),
+        "",
         "## `auto` against the best fixed setting",
         "",
         "Each `sdp4bit_auto` run is timed from two steps after its decision; the steps it spent trying candidates "
@@ -639,7 +784,8 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
     if failed:
         md += ["## Methods that did not run", ""] + [f"- `{m}`: {e}" for m, e in failed.items()] + [""]
     payload = {"args": vars(args), "rows": rows, "speedups": speedups, "fractions_of_limit": fractions,
-               "quality": quality, "table": table, "auto": autos, "failed": failed}  # fmt: skip
+               "fractions_of_chain_limit": chains, "quality": quality, "table": table, "auto": autos,
+               "failed": failed}  # fmt: skip
     return payload, "\n".join(md), fig
 
 

@@ -40,9 +40,20 @@ def _load_codes(ptr, rows, valid, ROWS: tl.constexpr, GROUP: tl.constexpr, PACK:
 
 @triton.jit
 def _quantize_store(
-    v, rows, valid, offs, noise_ptr, seed, out_ptr, scale_ptr,
-    ROWS: tl.constexpr, GROUP: tl.constexpr, QMAX: tl.constexpr, NOISE: tl.constexpr, PACK: tl.constexpr,
-):  # fmt: skip
+    v,
+    rows,
+    valid,
+    offs,
+    noise_ptr,
+    seed,
+    out_ptr,
+    scale_ptr,
+    ROWS: tl.constexpr,
+    GROUP: tl.constexpr,
+    QMAX: tl.constexpr,
+    NOISE: tl.constexpr,
+    PACK: tl.constexpr,
+):
     absmax = tl.max(tl.abs(v), axis=1)
     scale = tl.where(absmax == 0, 1.0, tl.math.div_rn(absmax, tl.full((ROWS,), QMAX, tl.float32)))
     if NOISE == 0:
@@ -78,10 +89,23 @@ def _hadamard_rows(v, h_ptr, ROWS: tl.constexpr, GROUP: tl.constexpr, HB: tl.con
 
 @triton.jit
 def encode_kernel(
-    x_ptr, ref_ptr, h_ptr, noise_ptr, out_ptr, scale_ptr, seed, n_groups,
-    GROUP: tl.constexpr, ROWS: tl.constexpr, HB: tl.constexpr, QMAX: tl.constexpr, HAS_REF: tl.constexpr,
-    HADAMARD: tl.constexpr, NOISE: tl.constexpr, PACK: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    ref_ptr,
+    h_ptr,
+    noise_ptr,
+    out_ptr,
+    scale_ptr,
+    seed,
+    n_groups,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    HB: tl.constexpr,
+    QMAX: tl.constexpr,
+    HAS_REF: tl.constexpr,
+    HADAMARD: tl.constexpr,
+    NOISE: tl.constexpr,
+    PACK: tl.constexpr,
+):
     rows, valid, offs = _tile(tl.program_id(0), n_groups, ROWS, GROUP)
     v = tl.load(x_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
     if HAS_REF:
@@ -92,8 +116,16 @@ def encode_kernel(
 
 
 @triton.jit
-def dequant_add_kernel(payload_ptr, scale_ptr, target_ptr, n_groups, GROUP: tl.constexpr, ROWS: tl.constexpr,
-                       PACK: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+def dequant_add_kernel(
+    payload_ptr,
+    scale_ptr,
+    target_ptr,
+    n_groups,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    PACK: tl.constexpr,
+    BF16: tl.constexpr,
+):
     rows, valid, offs = _tile(tl.program_id(0), n_groups, ROWS, GROUP)
     scale = tl.load(scale_ptr + rows, mask=valid, other=0.0)
     delta = _load_codes(payload_ptr, rows, valid, ROWS, GROUP, PACK) * scale[:, None]
@@ -109,8 +141,20 @@ def dequant_add_kernel(payload_ptr, scale_ptr, target_ptr, n_groups, GROUP: tl.c
 
 
 @triton.jit
-def _dequant_sum(payload_ptr, scale_ptr, rows, valid, offs, K, row_bytes, row_groups, ROWS: tl.constexpr,
-                 GROUP: tl.constexpr, GROUP_IN: tl.constexpr, PACK_IN: tl.constexpr):  # fmt: skip
+def _dequant_sum(
+    payload_ptr,
+    scale_ptr,
+    rows,
+    valid,
+    offs,
+    K,
+    row_bytes,
+    row_groups,
+    ROWS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_IN: tl.constexpr,
+    PACK_IN: tl.constexpr,
+):
     acc = tl.zeros((ROWS, GROUP), dtype=tl.float32)
     for k in range(K):
         q = _load_codes(payload_ptr + k * row_bytes, rows, valid, ROWS, GROUP, PACK_IN)
@@ -121,10 +165,24 @@ def _dequant_sum(payload_ptr, scale_ptr, rows, valid, offs, K, row_bytes, row_gr
 
 @triton.jit
 def dequant_sum_requant_kernel(
-    payload_ptr, scale_ptr, noise_ptr, out_ptr, out_scale_ptr, seed, K, row_bytes, row_groups, n_groups,
-    GROUP: tl.constexpr, ROWS: tl.constexpr, GROUP_IN: tl.constexpr, PACK_IN: tl.constexpr, QMAX: tl.constexpr,
-    NOISE: tl.constexpr, PACK: tl.constexpr,
-):  # fmt: skip
+    payload_ptr,
+    scale_ptr,
+    noise_ptr,
+    out_ptr,
+    out_scale_ptr,
+    seed,
+    K,
+    row_bytes,
+    row_groups,
+    n_groups,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    GROUP_IN: tl.constexpr,
+    PACK_IN: tl.constexpr,
+    QMAX: tl.constexpr,
+    NOISE: tl.constexpr,
+    PACK: tl.constexpr,
+):
     rows, valid, offs = _tile(tl.program_id(0), n_groups, ROWS, GROUP)
     acc = _dequant_sum(
         payload_ptr, scale_ptr, rows, valid, offs, K, row_bytes, row_groups, ROWS, GROUP, GROUP_IN, PACK_IN
@@ -134,10 +192,22 @@ def dequant_sum_requant_kernel(
 
 @triton.jit
 def dequant_sum_hadamard_kernel(
-    payload_ptr, scale_ptr, h_ptr, out_ptr, K, row_bytes, row_groups, inv_n, n_groups,
-    GROUP: tl.constexpr, ROWS: tl.constexpr, GROUP_IN: tl.constexpr, PACK_IN: tl.constexpr, HB: tl.constexpr,
+    payload_ptr,
+    scale_ptr,
+    h_ptr,
+    out_ptr,
+    K,
+    row_bytes,
+    row_groups,
+    inv_n,
+    n_groups,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    GROUP_IN: tl.constexpr,
+    PACK_IN: tl.constexpr,
+    HB: tl.constexpr,
     HADAMARD: tl.constexpr,
-):  # fmt: skip
+):
     rows, valid, offs = _tile(tl.program_id(0), n_groups, ROWS, GROUP)
     acc = _dequant_sum(
         payload_ptr, scale_ptr, rows, valid, offs, K, row_bytes, row_groups, ROWS, GROUP, GROUP_IN, PACK_IN

@@ -140,9 +140,21 @@ def _decode_add(
 
 @njit(inline="always")
 def _quantize_group(
-    src: np.ndarray, src_bits: np.ndarray, off: int, base: int, group: int, g: int, level: np.float32, bits: int,
-    mode: int, noise: np.ndarray, key: int, payload: np.ndarray, scales: np.ndarray, scratch: np.ndarray,
-) -> None:  # fmt: skip
+    src: np.ndarray,
+    src_bits: np.ndarray,
+    off: int,
+    base: int,
+    group: int,
+    g: int,
+    level: np.float32,
+    bits: int,
+    mode: int,
+    noise: np.ndarray,
+    key: int,
+    payload: np.ndarray,
+    scales: np.ndarray,
+    scratch: np.ndarray,
+) -> None:
     """Quantise ``src[off : off + group]`` (values ``base ..`` of the input) into ``payload`` and ``scales[g]``.
 
     One simple loop per stage, each of which LLVM vectorises (a fused loop with a branch per element it does not):
@@ -202,9 +214,19 @@ def _chunks(n_groups: int, threads: int) -> int:
 
 
 def _encode_py(
-    x: np.ndarray, reference: np.ndarray, subtract: bool, hadamard: int, bits: int, level: np.float32, mode: int,
-    noise: np.ndarray, key: int, payload: np.ndarray, scales: np.ndarray, chunks: int,
-) -> None:  # fmt: skip
+    x: np.ndarray,
+    reference: np.ndarray,
+    subtract: bool,
+    hadamard: int,
+    bits: int,
+    level: np.float32,
+    mode: int,
+    noise: np.ndarray,
+    key: int,
+    payload: np.ndarray,
+    scales: np.ndarray,
+    chunks: int,
+) -> None:
     n_groups = scales.shape[0]
     group = x.shape[0] // n_groups
     per = (n_groups + chunks - 1) // chunks
@@ -232,10 +254,22 @@ def _encode_py(
 
 
 def _sum_py(
-    payloads: np.ndarray, scales_in: np.ndarray, bits_in: int, hadamard: int, requantize: bool, bits_out: int,
-    level: np.float32, mode: int, noise: np.ndarray, key: int, group: int, total: np.ndarray, payload: np.ndarray,
-    scales: np.ndarray, chunks: int,
-) -> None:  # fmt: skip
+    payloads: np.ndarray,
+    scales_in: np.ndarray,
+    bits_in: int,
+    hadamard: int,
+    requantize: bool,
+    bits_out: int,
+    level: np.float32,
+    mode: int,
+    noise: np.ndarray,
+    key: int,
+    group: int,
+    total: np.ndarray,
+    payload: np.ndarray,
+    scales: np.ndarray,
+    chunks: int,
+) -> None:
     """Decode and sum ``K`` rows group by group; then re-quantise into ``payload``/``scales`` or write ``total``
     (after the inverse Hadamard transform)."""
     k_rows, n_groups = scales_in.shape
@@ -374,9 +408,19 @@ def encode(
     mode, noise, key = _rounding_args(xs.size, rounding)
     kernel, chunks = _kernel("encode", n_groups)
     kernel(
-        xs, ref_np, reference is not None, h, fmt.bits, np.float32(fmt.qmax), mode, noise, key, payload.numpy(),
-        scales.numpy(), chunks,
-    )  # fmt: skip
+        xs,
+        ref_np,
+        reference is not None,
+        h,
+        fmt.bits,
+        np.float32(fmt.qmax),
+        mode,
+        noise,
+        key,
+        payload.numpy(),
+        scales.numpy(),
+        chunks,
+    )
     return payload, scales
 
 
@@ -434,9 +478,22 @@ def dequantize_sum_requantize(
     mode, noise, key = _rounding_args(numel, rounding)
     kernel, chunks = _kernel("sum", n_groups)
     kernel(
-        p, s, fmt_in.bits, 0, True, fmt_out.bits, np.float32(fmt_out.qmax), mode, noise, key, fmt_in.group_size,
-        _NO_NOISE, payload.numpy(), out_scales.numpy(), chunks,
-    )  # fmt: skip
+        p,
+        s,
+        fmt_in.bits,
+        0,
+        True,
+        fmt_out.bits,
+        np.float32(fmt_out.qmax),
+        mode,
+        noise,
+        key,
+        fmt_in.group_size,
+        _NO_NOISE,
+        payload.numpy(),
+        out_scales.numpy(),
+        chunks,
+    )
     return payload, out_scales
 
 
@@ -456,7 +513,20 @@ def dequantize_sum_hadamard(
     total = torch.empty(numel, dtype=torch.float32)
     kernel, chunks = _kernel("sum", s.shape[1])
     kernel(
-        p, s, fmt.bits, h, False, fmt.bits, np.float32(fmt.qmax), _NEAREST, _NO_NOISE, 0, fmt.group_size,
-        total.numpy(), np.zeros(1, np.uint8), np.zeros(1, np.float32), chunks,
-    )  # fmt: skip
+        p,
+        s,
+        fmt.bits,
+        h,
+        False,
+        fmt.bits,
+        np.float32(fmt.qmax),
+        _NEAREST,
+        _NO_NOISE,
+        0,
+        fmt.group_size,
+        total.numpy(),
+        np.zeros(1, np.uint8),
+        np.zeros(1, np.float32),
+        chunks,
+    )
     return total

@@ -127,10 +127,24 @@ def encode(
     scales = torch.empty(n // fmt.group_size, dtype=torch.float32, device=x.device)
     n_groups = n // fmt.group_size
     kernels["encode"][_grid(n_groups, fmt.group_size)](
-        x, reference if reference is not None else x, h, noise_t, _wire_view(payload, fmt), scales, seed, n_groups,
-        GROUP=fmt.group_size, ROWS=_rows(fmt.group_size), HB=hb, QMAX=fmt.qmax, HAS_REF=reference is not None,
-        HADAMARD=hadamard_size is not None, NOISE=mode, PACK=fmt.bits == 4, **_EXACT,
-    )  # fmt: skip
+        x,
+        reference if reference is not None else x,
+        h,
+        noise_t,
+        _wire_view(payload, fmt),
+        scales,
+        seed,
+        n_groups,
+        GROUP=fmt.group_size,
+        ROWS=_rows(fmt.group_size),
+        HB=hb,
+        QMAX=fmt.qmax,
+        HAS_REF=reference is not None,
+        HADAMARD=hadamard_size is not None,
+        NOISE=mode,
+        PACK=fmt.bits == 4,
+        **_EXACT,
+    )
     return payload, scales
 
 
@@ -189,11 +203,25 @@ def dequantize_sum_requantize(
     payload = torch.empty(fmt_out.payload_bytes(n), dtype=torch.uint8, device=device)
     out_scales = torch.empty(n // fmt_out.group_size, dtype=torch.float32, device=device)
     kernels["dequant_sum_requant"][_grid(n // fmt_out.group_size, fmt_out.group_size)](
-        _wire_view(payloads.contiguous(), fmt_in), scales.contiguous(), noise_t, _wire_view(payload, fmt_out),
-        out_scales, seed, k, payloads.shape[1], scales.shape[1], n // fmt_out.group_size,
-        GROUP=fmt_out.group_size, ROWS=_rows(fmt_out.group_size), GROUP_IN=fmt_in.group_size, PACK_IN=fmt_in.bits == 4, QMAX=fmt_out.qmax,
-        NOISE=mode, PACK=fmt_out.bits == 4, **_EXACT,
-    )  # fmt: skip
+        _wire_view(payloads.contiguous(), fmt_in),
+        scales.contiguous(),
+        noise_t,
+        _wire_view(payload, fmt_out),
+        out_scales,
+        seed,
+        k,
+        payloads.shape[1],
+        scales.shape[1],
+        n // fmt_out.group_size,
+        GROUP=fmt_out.group_size,
+        ROWS=_rows(fmt_out.group_size),
+        GROUP_IN=fmt_in.group_size,
+        PACK_IN=fmt_in.bits == 4,
+        QMAX=fmt_out.qmax,
+        NOISE=mode,
+        PACK=fmt_out.bits == 4,
+        **_EXACT,
+    )
     return payload, out_scales
 
 
@@ -214,9 +242,21 @@ def dequantize_sum_hadamard(
     hb = _hadamard_block(fmt.group_size, hadamard_size)
     out = torch.empty(n, dtype=torch.float32, device=payloads.device)
     kernels["dequant_sum_hadamard"][_grid(n // fmt.group_size, fmt.group_size)](
-        _wire_view(payloads.contiguous(), fmt), scales.contiguous(), hadamard_matrix(hb, device=payloads.device),
-        out, k, payloads.shape[1], scales.shape[1], 1.0 / hb, n // fmt.group_size,
-        GROUP=fmt.group_size, ROWS=_rows(fmt.group_size), GROUP_IN=fmt.group_size, PACK_IN=fmt.bits == 4, HB=hb,
-        HADAMARD=hadamard_size is not None, **_EXACT,
-    )  # fmt: skip
+        _wire_view(payloads.contiguous(), fmt),
+        scales.contiguous(),
+        hadamard_matrix(hb, device=payloads.device),
+        out,
+        k,
+        payloads.shape[1],
+        scales.shape[1],
+        1.0 / hb,
+        n // fmt.group_size,
+        GROUP=fmt.group_size,
+        ROWS=_rows(fmt.group_size),
+        GROUP_IN=fmt.group_size,
+        PACK_IN=fmt.bits == 4,
+        HB=hb,
+        HADAMARD=hadamard_size is not None,
+        **_EXACT,
+    )
     return out

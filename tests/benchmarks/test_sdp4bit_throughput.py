@@ -19,6 +19,7 @@ from benchmarks.sdp4bit_throughput import (
     _hooked_ddp_strategy,
     _parser,
     _run_method,
+    chain_limit,
     machine_limit,
     merge_rounds,
     summarise,
@@ -89,6 +90,26 @@ def test_machine_limit_is_the_larger_of_ddp_cpu_work_and_the_methods_own_wire_ti
     assert all(math.isnan(x) for x in machine_limit({"median_step_s": 0.5}, ddp, 100.0, 4, 2))
 
 
+def test_chain_limit_counts_forward_the_first_buckets_backward_the_wire_and_the_last_exchange() -> None:
+    ddp = {"cpu_s_per_step_per_rank": 0.1, "median_step_s": 1.0}  # 4 ranks on 2 cores: 0.2 s CPU-bound
+    row = {
+        "median_step_s": 0.5,
+        "wire_bytes_per_step_per_node": 1.25e6,  # 0.1 s at 100 Mbit/s
+        "cpu_s_per_step_by_thread": {"main": 0.05, "gloo": 0.02, "other": 0.08},
+        "profile": {"forward_s": 0.1, "backward_s": 0.2, "first_bucket_share": 0.25, "last_bucket_share": 0.5},
+    }
+    # 0.1 forward + 0.2 x 0.25 of backward + 0.1 on the wire + (0.02 + 0.08) x 0.5 of the exchange work = 0.3 s
+    assert chain_limit(row, ddp, 100.0, 4, 2) == pytest.approx((0.3, 0.6))
+    # the first bucket's backward as measured (from backward's start to its last gradient) replaces the estimate
+    timed = {**row, "profile": {**row["profile"], "first_bucket_backward_s": 0.01}}
+    assert chain_limit(timed, ddp, 100.0, 4, 2)[0] == pytest.approx(0.26)
+    fast = {**row, "wire_bytes_per_step_per_node": 0.0, "profile": {**row["profile"], "forward_s": 0.0}}
+    assert chain_limit(fast, ddp, 100.0, 4, 2)[0] == pytest.approx(0.2)  # DDP's CPU-bound step is the floor
+    no_buckets = {**row, "profile": {**row["profile"], "first_bucket_share": None}}
+    assert all(math.isnan(x) for x in chain_limit(no_buckets, ddp, 100.0, 4, 2))
+    assert all(math.isnan(x) for x in chain_limit(row, None, 100.0, 4, 2))
+
+
 def _run_methods(rank: int, world: int, data: str, methods: list[str]) -> list[dict[str, Any]]:
     import warnings
 
@@ -114,6 +135,7 @@ def _run_methods(rank: int, world: int, data: str, methods: list[str]) -> list[d
                     "accounted_inter_bytes_per_step_per_node",
                     "cpu_s_per_step_per_rank",
                     "cpu_s_per_step_by_thread",
+                    "profile",
                 )
             }
         )
@@ -137,6 +159,12 @@ def test_worker_runs_zero_and_sdp4bit_and_accounts_sdp4bit_bytes(tmp_path: Path)
         # the threads' clock ticks (10 ms over 3 timed steps) add up to the process's CPU time
         assert sum(split.values()) == pytest.approx(row["cpu_s_per_step_per_rank"], abs=0.03)
     zero, sdp4bit = results[0]
+    for row in results[0]:  # the dependency chain's profile: forward, backward, the buckets' shares
+        profile = row["profile"]
+        assert profile["forward_s"] > 0 and profile["backward_s"] > 0
+        # from backward's start to the first bucket's last gradient (DDP's first 1 MiB, SDP4Bit's first bucket)
+        assert 0 < profile["first_bucket_backward_s"] <= profile["backward_s"]
+        assert 0 < profile["first_bucket_share"] <= 1 and 0 < profile["last_bucket_share"] <= 1
     assert zero["accounted_inter_bytes_per_step_per_node"] is None  # only SDP4Bit keeps its own accounting
     assert sdp4bit["accounted_inter_bytes_per_step_per_node"] > 0  # one node: the weight all-gather's ring edge
 
@@ -160,7 +188,8 @@ def test_auto_is_timed_after_its_decision(tmp_path: Path) -> None:
     row = run_distributed(_run_auto, 2, str(data), init_group=False, timeout=300)[0]
     decided = row["auto_decided_at_step"]
     assert decided is not None and row["auto_choice"] != "undecided"
-    assert len(row["auto_measured"]) + len(row["auto_skipped"]) == 4  # one node: {qwd, none} x {8-bit, fp32}
+    # one node: {qwd, none} x {8-bit, fp32}, and DDP's exchange
+    assert len(row["auto_measured"]) + len(row["auto_skipped"]) == 5
     assert row["timed_steps"] == 3  # the timing run's 4 steps less 1 of warm-up, all after the decision
     assert row["steps"] == decided + 2 + 3  # then training stopped
     assert math.isfinite(row["auto_trial_cost_s"])
@@ -200,3 +229,30 @@ def test_rounds_merge_into_medians_and_keep_the_first_rounds_quality() -> None:
     assert sorted(ddp["rounds_median_step_s"]) == sorted(steps)
     assert ddp["cpu_s_per_step_by_thread"] == pytest.approx({"main": 0.19, "gloo": 0.02})
     assert merged[("sdp4bit_auto", 100.0)]["median_step_s"] == 0.3
+
+
+def test_method_names_map_to_strategy_arguments_through_the_table() -> None:
+    from benchmarks.sdp4bit_throughput import METHODS, SDP4BIT_METHODS, build_method
+
+    args = _parser().parse_args([])
+    args.world = 4
+    _, strategy = build_method("sdp4bit_qwd_tlq_hs_onebucket", args, vocab_size=10)
+    config = strategy.config
+    assert (config.weight_compression, config.gradient_compression, config.bucket_size_mb) == ("qwd", "tlq_hs", None)
+    _, strategy = build_method("sdp4bit_none_tlq_hs_g8", args, vocab_size=10)
+    assert (strategy.config.weight_compression, strategy.config.gradient_inter_bits) == ("none", 8)
+    assert build_method("sdp4bit_auto", args, vocab_size=10)[1].config.auto
+    for method in SDP4BIT_METHODS:  # every entry is a valid set of options
+        build_method(method, args, vocab_size=10)
+    with pytest.raises(ValueError, match="Unknown method"):
+        build_method("sdp4bit_qwd_tlq_hs_fast", args, vocab_size=10)  # no suffix parsing: unknown names are refused
+    # every method of the stored result sets still runs
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    stored = set()
+    for path in results.glob("sdp4bit_*.json"):
+        payload = json.loads(path.read_text())
+        if isinstance(payload.get("args"), dict) and "methods" in payload["args"]:
+            stored |= {
+                m for m in payload["args"]["methods"] if m.startswith(("ddp", "sdp4bit", "zero", "fsdp", "power"))
+            }
+    assert stored <= set(METHODS)

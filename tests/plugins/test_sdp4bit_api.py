@@ -111,6 +111,7 @@ def test_yaml_config_builds_the_strategy(tmp_path):
         ({"rounding": "up"}, "rounding"),
         ({"intra_node_size": 0}, "intra_node_size"),
         ({"nonfinite_gradients": "ignore"}, "nonfinite_gradients"),
+        ({"optimizer_state": "replicate"}, "optimizer_state must be one of 'auto', 'shard'"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -266,6 +267,9 @@ def test_config_holds_the_checked_options():
         SDP4BitConfig(weight_bits=2)
     with pytest.raises(TypeError, match="log_metrics must be a bool"):
         SDP4BitStrategy(log_metrics="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="gradients_in_hooks must be a bool"):
+        SDP4BitStrategy(gradients_in_hooks="yes")  # type: ignore[arg-type]
+    assert SDP4BitStrategy(optimizer_state="shard").config.optimizer_state == "shard"
 
 
 def test_the_measurement_knob_is_not_an_option():
@@ -344,12 +348,12 @@ def test_a_module_without_configure_optimizers_gets_lightnings_error(single_proc
 
 
 def test_parameters_live_in_the_flat_buffer_and_fall_back_to_copies():
-    from lightning_sdp.plugins.sdp4bit.sharding import FlatBucket
+    from lightning_sdp.plugins.sdp4bit.sharding import FlatBucket, ShardLayout
 
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(5))]
     before = [p.detach().clone() for p in params]
-    bucket = FlatBucket(params, ["w", "b"], world_size=2, rank=0, alignment=8)
+    bucket = FlatBucket(params, ["w", "b"], ShardLayout(world_size=2, rank=0, alignment=8))
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
     # the weight all-gather writes the flat buffer: the parameters see it without a copy
     bucket.model_flat[: bucket.numel].add_(1.0)

@@ -26,7 +26,7 @@ def test_bucket_count_minimises_exposed_wire_plus_bucket_cost():
 
 def test_auto_is_an_option_and_other_strings_are_not():
     assert SDP4BitConfig(bucket_size_mb="auto").bucket_numel is None
-    with pytest.raises(ValueError, match="or 'auto'"):
+    with pytest.raises(ValueError, match="bucket_size_mb must be 'auto', a number or None"):
         SDP4BitConfig(bucket_size_mb="large")
 
 
@@ -59,10 +59,7 @@ def _probes_with_both_autos(rank: int, world: int) -> tuple:
     config = SDP4BitConfig(bucket_size_mb="auto")  # and "auto" formats, the default
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(300_000))])
     numel, words, links = bucket_size.bucket_numel(config, topo, torch.device("cpu"), [optimizer], config.alignment)
-    controller = auto.build_auto(
-        config.weight_candidates, config.gradient_candidates, topo, [numel // world], 4, 128, torch.device("cpu"),
-        2, 0, links=links,
-    )  # fmt: skip
+    controller = auto.build_auto(config, topo, [numel // world], 4, torch.device("cpu"), links=links)
     topo.destroy()
     return len(calls), controller.links is links, words is not None
 

@@ -11,6 +11,7 @@ from lightning_sdp.kernels import quantization as q
 from lightning_sdp.kernels.hadamard import hadamard_transform
 from lightning_sdp.kernels.quantization import QuantFormat
 from lightning_sdp.plugins.sdp4bit.exchange import (
+    Codec,
     CommStats,
     NumbaOps,
     RoundingRNG,
@@ -20,7 +21,7 @@ from lightning_sdp.plugins.sdp4bit.exchange import (
     padded_shard_size,
     reduce_scatter_gradients,
 )
-from lightning_sdp.plugins.sdp4bit.formats import gradient_format
+from lightning_sdp.plugins.sdp4bit.formats import WeightFormat, gradient_format
 from lightning_sdp.plugins.sdp4bit.topology import build_topology, shard_index
 from tests._distributed import run_distributed
 
@@ -79,13 +80,13 @@ def _gradient_checks(rank: int, world: int, intra: int, ops_name: str = "torch")
         rng.reset(0)
         stats = CommStats()
         stats.new_step()
-        got = reduce_scatter_gradients(flats[rank].clone(), topo, fmt, G, "stochastic", rng, ops, stats)
+        got = reduce_scatter_gradients(flats[rank].clone(), topo, fmt, G, Codec(ops, "stochastic", rng, stats))
         out[mode] = {
             "rel_err": float((got - exact).norm() / exact.norm()),
             "bits_intra": stats.bits_per_element("grad_intra"),
             "bits_inter": stats.bits_per_element("grad_inter"),
         }
-        nearest = reduce_scatter_gradients(flats[rank].clone(), topo, fmt, G, "nearest", rng, ops)
+        nearest = reduce_scatter_gradients(flats[rank].clone(), topo, fmt, G, Codec(ops, "nearest", rng))
         sim = _simulate(flats, fmt, topo.inter_size, topo.intra_size)[k * s : (k + 1) * s]
         out[mode]["sim_diff"] = float((nearest - sim).abs().max())
     # unbiased: the mean over independent roundings approaches the exact sum
@@ -93,7 +94,7 @@ def _gradient_checks(rank: int, world: int, intra: int, ops_name: str = "torch")
     reps = [
         (
             rng.reset(step),
-            reduce_scatter_gradients(flats[rank].clone(), topo, fmt, G, "stochastic", rng, ops),
+            reduce_scatter_gradients(flats[rank].clone(), topo, fmt, G, Codec(ops, "stochastic", rng)),
         )[1]
         for step in range(8)
     ]
@@ -103,7 +104,7 @@ def _gradient_checks(rank: int, world: int, intra: int, ops_name: str = "torch")
             reps[3],
             (
                 rng.reset(3),
-                reduce_scatter_gradients(flats[rank].clone(), topo, fmt, G, "stochastic", rng, ops),
+                reduce_scatter_gradients(flats[rank].clone(), topo, fmt, G, Codec(ops, "stochastic", rng)),
             )[1],
         )
     )
@@ -128,10 +129,16 @@ def _weight_checks(rank: int, world: int, ops_name: str = "torch") -> dict:
             master += 0.01 * torch.randn(s, generator=gen)
             rng.reset(step)
             stats.new_step()
-            all_gather_weights(model, master, topo, mode, 4, 2048, "stochastic", rng, ops, stats)
+            all_gather_weights(model, master, topo, WeightFormat(mode, 4, 2048), Codec(ops, "stochastic", rng, stats))
             if step < 20:
                 rng.reset(step)
-                all_gather_weights(flat_model, master, flat_topo, mode, 4, 2048, "stochastic", rng, ops, flat_stats)
+                all_gather_weights(
+                    flat_model,
+                    master,
+                    flat_topo,
+                    WeightFormat(mode, 4, 2048),
+                    Codec(ops, "stochastic", rng, flat_stats),
+                )
                 same_as_flat &= torch.equal(model, flat_model)
             mine = model[topo.shard * s : (topo.shard + 1) * s]
             drift.append(float((master - mine).norm() / master.norm()))
@@ -279,9 +286,7 @@ def test_padding_and_bad_sizes():
             Topology(0, 4, 2, 2),
             fmt,
             G,
-            "nearest",
-            RoundingRNG(0, 0, torch.device("cpu")),
-            TorchOps(),
+            Codec(TorchOps(), "nearest", RoundingRNG(0, 0, torch.device("cpu"))),
         )
     with pytest.raises(ValueError, match="gradient_compression"):
         gradient_format("fp8", 8, 4, 32)

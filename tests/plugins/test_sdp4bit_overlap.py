@@ -231,11 +231,20 @@ def test_pipeline_keeps_order_and_reports_errors():
     assert Pipeline(threaded=False).submit(lambda: None, lambda: 7).result() == 7
 
 
-@pytest.mark.parametrize("value", [0, -1.0, float("nan"), "big", True])
-def test_bad_bucket_size_is_refused(value):
+@pytest.mark.parametrize(
+    "value,error,match",
+    [
+        (0, ValueError, "bucket_size_mb must be a positive number"),
+        (-1.0, ValueError, "bucket_size_mb must be a positive number"),
+        (float("nan"), ValueError, "bucket_size_mb must be a positive number"),
+        ("big", ValueError, "bucket_size_mb must be 'auto', a number or None, got 'big'"),
+        (True, TypeError, "bucket_size_mb must be 'auto', a number or None, got True"),
+    ],
+)
+def test_bad_bucket_size_is_refused(value, error, match):
     from lightning_sdp.plugins.sdp4bit import SDP4BitStrategy
 
-    with pytest.raises(ValueError, match="bucket_size_mb must be a positive number"):
+    with pytest.raises(error, match=match):
         SDP4BitStrategy(bucket_size_mb=value)
     with pytest.raises(TypeError, match="overlap must be a bool"):
         SDP4BitStrategy(overlap="yes")

@@ -307,8 +307,8 @@ def test_several_processes_wrap_the_clipping_and_log_the_metrics(launched):
         rows = list(csv.DictReader(f))
     columns = sorted(c.removeprefix("sdp4bit/") for c in rows[0] if c.startswith("sdp4bit/"))
     assert columns == [
-        "bytes_per_step", "codec_ms", "grad_bits_per_element_inter", "grad_bits_per_element_intra", "skipped_steps",
-        "weight_bits_per_element", "weight_drift",
+        "bytes_per_step", "codec_ms", "grad_bits_per_element_inter", "grad_bits_per_element_intra",
+        "redone_uncompressed", "skipped_steps", "weight_bits_per_element", "weight_drift",
     ]  # fmt: skip
     for column in ("sdp4bit/bytes_per_step", "train/loss"):  # at the logger's cadence
         assert [int(r["step"]) for r in rows if r[column]] == [1, 3, 5], column

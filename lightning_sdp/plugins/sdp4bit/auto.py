@@ -9,12 +9,17 @@ may not), on the CPU or GPU that runs the codec, and on the model. :class:`AutoC
 2. Over the first optimizer steps the candidate with the least wire time runs for ``trial_steps`` steps (after two
    to settle); the candidates whose wire time alone exceeds its step are not tried. It and the others then run in
    rounds of one step each, ``trial_steps`` rounds after one to settle, so that a machine whose speed drifts
-   slows every candidate alike; median step times are agreed across ranks (the slowest rank's).
-3. The fastest measured candidate is kept (of those within 3% of its step, measured and on the wire, the least
-   compressed: as fast, and exact), the same on every rank since every rank decides from the same agreed numbers,
-   and tried again every ``recheck_every`` steps.
+   slows every candidate alike. Every step time is agreed across ranks (the slowest rank's), so every rank decides
+   the same from the same numbers.
+3. A compressed (lossy) candidate is kept only when it wins by more than the noise of the trials. Each candidate is
+   compared with the fastest round by round; it ties when the median of its step minus the fastest one's is within
+   the spread of those differences (:func:`trial_spread`) or 3%, and so is its extra wire time. Of the fastest and
+   those tying with it, the least compressed is kept (as fast, and cheaper to trust). Trials are repeated every
+   ``recheck_every`` steps.
 
-Every trial step is a real training step; only its format differs. Nothing here imports Lightning.
+Every trial step is a real training step; only its format differs. The time the training loop spends outside the
+steps (validation, checkpoints) is taken out of the step it falls in (:meth:`AutoCompression.exclude`). Nothing here
+imports Lightning.
 """
 
 from __future__ import annotations
@@ -29,12 +34,16 @@ import torch
 import torch.distributed as dist
 
 from lightning_sdp.kernels.quantization import QuantFormat
+from lightning_sdp.plugins.sdp4bit.config import SDP4BitConfig
 from lightning_sdp.plugins.sdp4bit.formats import GradientFormat, WeightFormat
 from lightning_sdp.plugins.sdp4bit.topology import Topology
 
-# Step times this close are one another's noise on a shared machine; the less compressed of two such is then
-# preferred (same speed, exact values).
+# Step times this close are one another's noise on a shared machine even when the trials scatter less; the less
+# compressed of two such is then preferred (same speed, exact values).
 EQUAL_WITHIN = 0.03
+# A trial step this many times its candidate's median is a hiccup (a garbage collection, another job's burst), not the
+# machine's noise: its round is left out of the spreads (the medians ignore it anyway).
+HICCUP = 2.0
 # A probe message is timed once it takes at least this long (or reaches the largest size).
 _PROBE_SECONDS = 0.05
 _PROBE_BYTES = (2**16, 2**24)
@@ -44,13 +53,17 @@ Agree = Callable[[Sequence[float]], list[float]]
 
 @dataclass(frozen=True)
 class Candidate:
-    """One weight format and one gradient format used together."""
+    """One weight format and one gradient format used together, or (``replicated``) DDP's exchange: an fp32
+    all-reduce of the gradients and a replicated optimizer (then the formats are the uncompressed ones)."""
 
     weight: WeightFormat
     gradient: GradientFormat
+    replicated: bool = False
 
     def describe(self) -> str:
         """In words, e.g. ``"weights 4-bit qwd, gradients 8-bit intra / 4-bit inter, Hadamard 32"``."""
+        if self.replicated:
+            return "DDP's exchange (fp32 all-reduce, optimizer state replicated)"
         return f"weights {self.weight.describe()}, gradients {self.gradient.describe()}"
 
     @property
@@ -59,6 +72,12 @@ class Candidate:
         weight = 32 if not self.weight.quantized else self.weight.bits
         gradient = 32 if not self.gradient.quantized else (self.gradient.inter_bits or 32)
         return weight, gradient
+
+    @property
+    def trust(self) -> tuple[int, int, int]:
+        """Larger for the candidate to keep among equally fast ones: the least compressed, and of two exact ones the
+        sharded (it keeps the optimizer-memory saving)."""
+        return (*self.exactness, 0 if self.replicated else 1)
 
 
 @dataclass(frozen=True)
@@ -70,8 +89,8 @@ class LinkSpeeds:
 
     def describe(self) -> str:
         """In words, in Mbit/s per rank."""
-        parts = [f"{name} {speed * 8 / 1e6:,.0f} Mbit/s" for name, speed in (("intra-node", self.intra),
-                 ("inter-node", self.inter)) if speed is not None]  # fmt: skip
+        levels = (("intra-node", self.intra), ("inter-node", self.inter))
+        parts = [f"{name} {speed * 8 / 1e6:,.0f} Mbit/s" for name, speed in levels if speed is not None]
         # the ranks of a node share its links: each rank's share, not the link's rate
         return ", ".join(parts) + " per rank" if parts else "no link"
 
@@ -125,6 +144,11 @@ def wire_bytes(
         gradient_group: values per gradient scale.
     """
     nodes, local, world = topo.inter_size, topo.intra_size, topo.world_size
+    if candidate.replicated:
+        # a ring all-reduce over the ranks, node by node: each rank sends 2 (W - 1) / W of the buffer, and one rank
+        # per node sends across nodes (counted per rank, as the links' speeds are)
+        total = sum(2 * (world - 1) / world * 4 * world * s for s in shard_sizes)
+        return (total * (local - 1) / local, total / local) if nodes > 1 else (total, 0.0)
     weight = candidate.weight
     weight_value = (
         QuantFormat(weight.bits, weight.group_size).bits_per_value / 8 if weight.quantized else weight_itemsize
@@ -175,36 +199,52 @@ def agree_max(topo: Topology, device: torch.device) -> Agree:
 
 
 def distinct_candidates(
-    weights: Sequence[WeightFormat], gradients: Sequence[GradientFormat], topo: Topology
+    weights: Sequence[WeightFormat], gradients: Sequence[GradientFormat], topo: Topology, replicated: bool = False
 ) -> list[Candidate]:
     """Every pair of formats, without those that would send the same codes on this topology (with one node the
-    inter-node bits are never used)."""
+    inter-node bits are never used), and with ``replicated`` DDP's exchange last (when uncompressed weights and
+    gradients are among the formats)."""
     seen: dict[tuple[Any, ...], Candidate] = {}
     for w in weights:
         for g in gradients:
-            key = (w, g.intra_bits if topo.intra_size > 1 else None, g.inter_bits if topo.inter_size > 1 else None,
-                   g.hadamard)  # fmt: skip
+            intra = g.intra_bits if topo.intra_size > 1 else None
+            inter = g.inter_bits if topo.inter_size > 1 else None
+            key = (w, intra, inter, g.hadamard)
             seen.setdefault(key, Candidate(w, g))
+    exact = [c for c in seen.values() if not c.weight.quantized and not c.gradient.quantized]
+    if replicated and exact:
+        return [*seen.values(), Candidate(exact[0].weight, exact[0].gradient, replicated=True)]
     return list(seen.values())
+
+
+def trial_spread(samples: Sequence[float]) -> float:
+    """How far trial step times (or their differences) scatter: their range (0 for fewer than two)."""
+    return max(samples) - min(samples) if len(samples) > 1 else 0.0
 
 
 @dataclass
 class Decision:
-    """One choice of ``"auto"``: when, what, and the step times (s) it was chosen from."""
+    """One choice of ``"auto"``: when, what, and the step times (s) it was chosen from with their spreads."""
 
     step: int
     chosen: Candidate
     measured: dict[str, float]
     links: LinkSpeeds
     skipped: list[str] = field(default_factory=list)
+    spread: dict[str, float] = field(default_factory=dict)
+    note: str = ""
 
     def describe(self) -> str:
         """The decision in words, as logged."""
-        others = "; ".join(f"{name}: {seconds:.3f} s" for name, seconds in self.measured.items())
+        others = "; ".join(
+            f"{name}: {seconds:.3f} s" + (f" (spread {self.spread[name]:.3f} s)" if name in self.spread else "")
+            for name, seconds in self.measured.items()
+        )
         text = f"SDP4Bit auto (step {self.step}): {self.chosen.describe()}. Step times tried: {others}."
         if self.skipped:
-            text += f" Not tried (their wire time alone is longer): {'; '.join(self.skipped)}."
-        return f"{text} Links: {self.links.describe()}."
+            text += f" Not tried: {'; '.join(self.skipped)}."
+        text += f" Links: {self.links.describe()}."
+        return f"{text} {self.note}" if self.note else text
 
 
 class AutoCompression:
@@ -221,6 +261,12 @@ class AutoCompression:
         agree: element-wise maximum of a list of floats over all ranks.
         links: the measured link speeds (reported with each decision).
         remeasure: called before a recheck; returns fresh ``(wire_seconds, links)``.
+        fits: for a ``replicated`` candidate that may be tried, whether its optimizer state fits and the bytes in
+            words (called on every rank at the same step; may be a collective); ``None``: it always fits.
+
+    Attributes:
+        clock: the seconds :meth:`observe` reads when it is given no time (``time.perf_counter``); measure what you
+            pass to :meth:`exclude` with it.
     """
 
     def __init__(
@@ -232,14 +278,17 @@ class AutoCompression:
         agree: Agree,
         links: LinkSpeeds,
         remeasure: Callable[[], tuple[list[float], LinkSpeeds]] | None = None,
+        fits: Callable[[Candidate], tuple[bool, str]] | None = None,
     ) -> None:
         if not candidates or len(candidates) != len(wire_seconds):
             raise ValueError("AutoCompression needs one wire time per candidate, and at least one candidate.")
         self.candidates, self.wire = list(candidates), list(wire_seconds)
         self.trial_steps, self.recheck_every = trial_steps, recheck_every
-        self.agree, self.links, self.remeasure = agree, links, remeasure
+        self.agree, self.links, self.remeasure, self.fits = agree, links, remeasure, fits
         self.decisions: list[Decision] = []
+        self.clock: Callable[[], float] = time.perf_counter
         self._last: float | None = None
+        self._excluded, self._paused, self._paused_at = 0.0, 0, 0.0
         self._start_trials(warm_up=True)
 
     @property
@@ -248,22 +297,45 @@ class AutoCompression:
         return self._schedule is not None
 
     def _start_trials(self, warm_up: bool) -> None:
-        self._order = sorted(range(len(self.candidates)), key=lambda i: (self.wire[i], i))
+        # replicated last among equals: its memory is checked before it runs (after the first candidate's steps)
+        self._order = sorted(
+            range(len(self.candidates)), key=lambda i: (self.wire[i], self.candidates[i].replicated, i)
+        )
         # first the candidate with the least wire time alone (after the fit's slow first steps), for pruning
         first = self._order[0]
         self._schedule: list[int] | None = [first] * ((2 if warm_up else 1) + self.trial_steps)
         self._timed_from, self._position = len(self._schedule) - self.trial_steps, 0
         self._samples: dict[int, list[float]] = {}
         self._measured: dict[int, float] = {}
-        self._skipped: list[int] = []
+        self._skipped: dict[int, str] = {}
+        self._memory: dict[int, str] = {}
         self._pruned = False
         self.active = self.candidates[first]
         self._decided_at: int | None = None
 
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` out of the step that is running (time the training loop spent outside the step:
+        validation, checkpoints, the strategy re-arranging its state)."""
+        self._excluded += seconds
+
+    def pause(self) -> None:
+        """Stop counting the running step's time until the matching :meth:`resume` (pauses nest: a checkpoint
+        saved during validation is left out once)."""
+        if self._paused == 0:
+            self._paused_at = self.clock()
+        self._paused += 1
+
+    def resume(self) -> None:
+        """Count the step's time again (see :meth:`pause`)."""
+        self._paused -= 1
+        if self._paused == 0:
+            self.exclude(self.clock() - self._paused_at)
+
     def observe(self, step: int, now: float | None = None) -> Candidate:
         """Note that optimizer step ``step`` starts (a collective when a trial ends); returns the formats to use."""
-        now = time.perf_counter() if now is None else now
-        elapsed, self._last = (None if self._last is None else now - self._last), now
+        now = self.clock() if now is None else now
+        elapsed = None if self._last is None else max(0.0, now - self._last - self._excluded)
+        self._last, self._excluded = now, 0.0
         if self._schedule is None:
             if self.recheck_every and self._decided_at is not None and step - self._decided_at >= self.recheck_every:
                 if self.remeasure is not None:
@@ -283,17 +355,18 @@ class AutoCompression:
         return self.active
 
     def _end_of_schedule(self, step: int) -> None:
-        """Agree on the medians; after the first candidate, prune by wire time and interleave the rest with it."""
+        """Agree on the step times; after the first candidate, prune by wire time and interleave the rest with it."""
         ids = list(self._samples)
-        medians = self.agree([statistics.median(self._samples[i]) for i in ids])
-        self._measured = dict(zip(ids, medians, strict=True))
+        agreed = iter(self.agree([t for i in ids for t in self._samples[i]]))
+        self._samples = {i: [next(agreed) for _ in self._samples[i]] for i in ids}
+        self._measured = {i: statistics.median(self._samples[i]) for i in ids}
         fastest = min(self._measured, key=lambda i: (self._measured[i], i))
         best = self._measured[fastest]
         if not self._pruned:
             self._pruned = True
             rest = self._order[1:]
-            self._skipped = [i for i in rest if self.wire[i] >= best]
-            survivors = [i for i in rest if self.wire[i] < best]
+            self._skipped = {i: f"wire time {self.wire[i]:.3f} s" for i in rest if self.wire[i] >= best}
+            survivors = [i for i in rest if i not in self._skipped and self._fits(i)]
             if survivors:
                 # rounds of one step per candidate, the first round to settle: a machine whose speed drifts slows
                 # every candidate alike
@@ -301,21 +374,67 @@ class AutoCompression:
                 self._schedule = ring * (1 + self.trial_steps)
                 self._timed_from, self._position, self._samples = len(ring), 0, {}
                 return
-        # equal only if the wire agrees: trial steps can all be slow (the fit's first steps), which hides a wire-time
-        # difference that every later step would pay
-        close = [
-            i for i, t in self._measured.items()
-            if t <= best * (1 + EQUAL_WITHIN) and self.wire[i] - self.wire[fastest] <= best * EQUAL_WITHIN
-        ]  # fmt: skip
-        chosen = max(close, key=lambda i: (self.candidates[i].exactness, -self._measured[i]))
+        chosen = self._choose(fastest)
         self.active, self._schedule, self._decided_at = self.candidates[chosen], None, step
-        measured = {self.candidates[i].describe(): t for i, t in sorted(self._measured.items(), key=lambda x: x[1])}
-        skipped = [f"{self.candidates[i].describe()} ({self.wire[i]:.3f} s)" for i in self._skipped]
-        self.decisions.append(Decision(step, self.active, measured, self.links, skipped))
+        order = sorted(self._measured, key=lambda i: self._measured[i])
+        measured = {self.candidates[i].describe(): self._measured[i] for i in order}
+        spread = {self.candidates[i].describe(): trial_spread(self._against(i, fastest)) for i in order}
+        skipped = [f"{self.candidates[i].describe()} ({why})" for i, why in self._skipped.items()]
+        note = ""
+        if self.active.replicated:
+            note = (
+                f"The optimizer state is replicated: {self._memory.get(chosen, 'sharding is off')}; that is the memory sharding saved. "
+                "Pass optimizer_state='shard' to keep it sharded."
+            )
+        self.decisions.append(Decision(step, self.active, measured, self.links, skipped, spread, note))
+
+    def _fits(self, i: int) -> bool:
+        """Whether candidate ``i`` may be tried: always, unless it replicates an optimizer state that does not fit."""
+        if not self.candidates[i].replicated:
+            return True
+        fits, words = self.fits(self.candidates[i]) if self.fits is not None else (True, "")
+        self._memory[i] = words
+        if not fits:
+            self._skipped[i] = f"its optimizer state would not fit: {words}"
+        return fits
+
+    def _against(self, i: int, fastest: int) -> list[float]:
+        """Candidate ``i``'s step minus the fastest one's, round by round, without the rounds where either had a
+        hiccup (its own steps when ``i`` is the fastest)."""
+
+        def usual(k: int) -> list[float | None]:
+            return [t if t <= HICCUP * self._measured[k] else None for t in self._samples[k]]
+
+        mine, theirs = usual(i), usual(fastest)
+        if i == fastest:
+            return [a for a in mine if a is not None]
+        if len(mine) != len(theirs):  # not timed in the same rounds: against the fastest one's median
+            return [a - self._measured[fastest] for a in mine if a is not None]
+        return [a - b for a, b in zip(mine, theirs, strict=True) if a is not None and b is not None]
+
+    def _choose(self, fastest: int) -> int:
+        """The least compressed candidate that the fastest one does not beat by more than the noise.
+
+        A candidate ties with the fastest when, round by round, its step is longer by a median of at most the
+        spread of those differences (or 3% of the fastest step), and so is its wire time: trial steps can all be
+        slow (the fit's first steps), which hides a wire-time difference that every later step would pay. Round by
+        round, a machine whose speed drifts adds no spread.
+        """
+        best = self._measured[fastest]
+
+        def ties(i: int) -> bool:
+            if i == fastest:
+                return True
+            differences = self._against(i, fastest) or [self._measured[i] - best]
+            margin = max(trial_spread(differences), EQUAL_WITHIN * best)
+            return statistics.median(differences) <= margin and self.wire[i] - self.wire[fastest] <= margin
+
+        close = [i for i in self._measured if ties(i)]
+        return max(close, key=lambda i: (self.candidates[i].trust, -self._measured[i]))
 
     def metrics(self) -> dict[str, float]:
         """``sdp4bit/auto_*`` scalars: whether candidates are being tried, the links in Mbit/s per rank."""
-        out = {"sdp4bit/auto_trialling": float(self.trialling)}
+        out = {"sdp4bit/auto_trialling": float(self.trialling), "sdp4bit/replicated": float(self.active.replicated)}
         for name, speed in (("intra", self.links.intra), ("inter", self.links.inter)):
             if speed is not None:
                 out[f"sdp4bit/link_{name}_mbit_s"] = speed * 8 / 1e6
@@ -323,41 +442,36 @@ class AutoCompression:
 
 
 def build_auto(
-    weights: Sequence[WeightFormat],
-    gradients: Sequence[GradientFormat],
+    config: SDP4BitConfig,
     topo: Topology,
     shard_sizes: Sequence[int],
     weight_itemsize: int,
-    gradient_group: int,
     device: torch.device,
-    trial_steps: int,
-    recheck_every: int,
     before_probe: Callable[[], None] = lambda: None,
     links: LinkSpeeds | None = None,
+    fits: Callable[[Candidate], tuple[bool, str]] | None = None,
 ) -> AutoCompression:
-    """Probe the links (a collective) and return the controller that chooses among ``weights x gradients``.
+    """Probe the links (a collective) and return the controller that chooses among the config's candidate formats.
 
     Args:
-        weights: candidate weight formats.
-        gradients: candidate gradient formats.
+        config: the strategy's options (candidate formats, gradient group size, trial steps, re-check interval).
         topo: the process topology.
         shard_sizes: values per rank of every bucket.
         weight_itemsize: bytes of one model weight.
-        gradient_group: values per gradient scale.
         device: the strategy's root device.
-        trial_steps: see :class:`AutoCompression`.
-        recheck_every: see :class:`AutoCompression`.
         before_probe: called before a recheck's probe (wait for the exchanges in flight).
         links: links this set-up already probed (every rank passes them or none does); ``None``: probe them.
+        fits: see :class:`AutoCompression` (DDP's exchange is a candidate with ``optimizer_state="auto"``).
     """
-    candidates = distinct_candidates(weights, gradients, topo)
+    replicated = config.optimizer_state == "auto"
+    candidates = distinct_candidates(config.weight_candidates, config.gradient_candidates, topo, replicated)
     agree = agree_max(topo, device)
 
     def measure(known: LinkSpeeds | None = None) -> tuple[list[float], LinkSpeeds]:
         links = known or probe_links(topo, device, agree)
         seconds = []
         for candidate in candidates:
-            intra, inter = wire_bytes(candidate, topo, shard_sizes, weight_itemsize, gradient_group)
+            intra, inter = wire_bytes(candidate, topo, shard_sizes, weight_itemsize, config.gradient_group_size)
             seconds.append(intra / (links.intra or float("inf")) + inter / (links.inter or float("inf")))
         return seconds, links
 
@@ -366,4 +480,5 @@ def build_auto(
         return measure()
 
     seconds, probed = measure(links)
-    return AutoCompression(candidates, seconds, trial_steps, recheck_every, agree, probed, remeasure)
+    trials, recheck = config.auto_trial_steps, config.auto_recheck_every_n_steps
+    return AutoCompression(candidates, seconds, trials, recheck, agree, probed, remeasure, fits)

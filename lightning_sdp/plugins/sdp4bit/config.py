@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
+from lightning_sdp._options import check_options
 from lightning_sdp.kernels.quantization import Rounding
 from lightning_sdp.plugins.sdp4bit.formats import (
-    GRADIENT_MODES,
-    WEIGHT_MODES,
     GradientCompression,
     GradientFormat,
     WeightCompression,
@@ -22,27 +21,16 @@ from lightning_sdp.plugins.sdp4bit.formats import (
 MAX_GROUP_SIZE = 2**16
 # The Hadamard transform builds a dense n x n matrix.
 MAX_HADAMARD_SIZE = 1024
-_INTS = (
-    "weight_bits", "weight_group_size", "gradient_intra_bits", "gradient_inter_bits", "gradient_group_size",
-    "hadamard_size", "seed", "auto_trial_steps", "auto_recheck_every_n_steps",
-)  # fmt: skip
-_FLAGS = ("track_drift", "allow_any_optimizer", "overlap", "overlap_param_gather", "log_metrics")
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "weight_compression": ("auto", *WEIGHT_MODES),
-    "gradient_compression": ("auto", *GRADIENT_MODES),
-    "rounding": ("stochastic", "nearest"),
-    "nonfinite_gradients": ("raise", "skip"),
-    "kernel_backend": ("auto", "torch", "triton", "numba"),
-}
 
 
 @dataclass(frozen=True)
 class SDP4BitConfig:
     """What SDP4Bit compresses and how it overlaps; the arguments of :class:`SDP4BitStrategy` of the same names.
 
-    Construction checks every value once: a wrong type raises ``TypeError``, a wrong value ``ValueError``, each
-    naming the argument and what to pass instead. :attr:`weight_candidates`, :attr:`gradient_candidates`,
-    :attr:`weight_format`, :attr:`gradient_format` and :attr:`alignment` are derived from the options.
+    Construction checks every value once (:func:`~lightning_sdp._options.check_options` from the annotations, then
+    the ranges): a wrong type raises ``TypeError``, a wrong value ``ValueError``, each naming the argument and what to
+    pass instead. :attr:`weight_candidates`, :attr:`gradient_candidates`, :attr:`weight_format`,
+    :attr:`gradient_format` and :attr:`alignment` are derived from the options.
     """
 
     weight_compression: WeightCompression = "auto"
@@ -66,13 +54,11 @@ class SDP4BitConfig:
     log_metrics: bool = True
     auto_trial_steps: int = 3
     auto_recheck_every_n_steps: int = 1000
+    optimizer_state: Literal["auto", "shard"] = "auto"
+    gradients_in_hooks: bool = True
 
     def __post_init__(self) -> None:
-        self._check_types()
-        for name, allowed in _CHOICES.items():
-            value = getattr(self, name)
-            if value not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
+        check_options(self, "SDP4BitStrategy")
         for name in ("weight_bits", "gradient_intra_bits", "gradient_inter_bits"):
             if getattr(self, name) not in (4, 8):
                 raise ValueError(f"{name} must be 4 or 8, got {getattr(self, name)}.")
@@ -92,22 +78,11 @@ class SDP4BitConfig:
             )
         if self.intra_node_size is not None and self.intra_node_size < 1:
             raise ValueError(f"intra_node_size must be positive, got {self.intra_node_size}.")
+        self._check_bucket_size()
 
-    def _check_types(self) -> None:
-        for name in _INTS:
-            _check_int(name, getattr(self, name))
-        if self.intra_node_size is not None:
-            _check_int("intra_node_size", self.intra_node_size)
-        for name in _FLAGS:
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__}).")
+    def _check_bucket_size(self) -> None:
         size = self.bucket_size_mb
-        if (
-            size is not None
-            and size != "auto"
-            and (isinstance(size, bool) or not isinstance(size, (int, float)) or not math.isfinite(size) or size <= 0)
-        ):
+        if isinstance(size, (int, float)) and not (math.isfinite(size) and size > 0):
             raise ValueError(
                 f"bucket_size_mb must be a positive number of MiB, None for one bucket per param group, or 'auto' "
                 f"(chosen at set-up from the measured link), got {size!r}."
@@ -176,11 +151,6 @@ class SDP4BitConfig:
         if self.bucket_size_mb is None or self.bucket_size_mb == "auto":
             return None
         return max(1, int(self.bucket_size_mb * 2**20) // 4)
-
-
-def _check_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
 
 
 def _check_group_size(name: str, size: int) -> None:

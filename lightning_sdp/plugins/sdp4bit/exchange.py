@@ -33,12 +33,13 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_sdp.kernels import quantization as ref
 from lightning_sdp.kernels.quantization import QuantFormat, Rounding, RoundingSource
 from lightning_sdp.plugins.sdp4bit.collectives import all_gather_rows, all_to_all, reduce_rows
-from lightning_sdp.plugins.sdp4bit.formats import WEIGHT_MODES, GradientFormat
+from lightning_sdp.plugins.sdp4bit.formats import WEIGHT_MODES, GradientFormat, WeightFormat
 from lightning_sdp.plugins.sdp4bit.topology import Topology, in_shard_order
 
 
@@ -236,9 +237,15 @@ class TorchOps:
     name = "torch"
 
     def encode(
-        self, x: Tensor, bits: int, group: int, rounding: Rounding, rng: RoundingRNG,
-        reference: Tensor | None = None, hadamard: int | None = None,
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        self,
+        x: Tensor,
+        bits: int,
+        group: int,
+        rounding: Rounding,
+        rng: RoundingRNG,
+        reference: Tensor | None = None,
+        hadamard: int | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """(subtract) (Hadamard) quantise (pack)."""
         fmt, source = QuantFormat(bits, group), rng.source(rounding)
         if reference is not None:
@@ -248,9 +255,15 @@ class TorchOps:
         return ref.encode(x, fmt, source)
 
     def dequantize_sum_requantize(
-        self, payloads: Tensor, scales: Tensor, bits_in: int, bits_out: int, group: int, rounding: Rounding,
+        self,
+        payloads: Tensor,
+        scales: Tensor,
+        bits_in: int,
+        bits_out: int,
+        group: int,
+        rounding: Rounding,
         rng: RoundingRNG,
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    ) -> tuple[Tensor, Tensor]:
         """Decode ``K`` rows, sum, encode again."""
         return ref.dequantize_sum_requantize(
             payloads, scales, QuantFormat(bits_in, group), QuantFormat(bits_out, group), rng.source(rounding)
@@ -313,20 +326,30 @@ class FusedOps(TorchOps):
         self._k, self.name = kernels, name
 
     def encode(
-        self, x: Tensor, bits: int, group: int, rounding: Rounding, rng: RoundingRNG,
-        reference: Tensor | None = None, hadamard: int | None = None,
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        self,
+        x: Tensor,
+        bits: int,
+        group: int,
+        rounding: Rounding,
+        rng: RoundingRNG,
+        reference: Tensor | None = None,
+        hadamard: int | None = None,
+    ) -> tuple[Tensor, Tensor]:
         source = rng.source(rounding, for_kernel=True)
         return self._k.encode(x, QuantFormat(bits, group), source, reference=reference, hadamard_size=hadamard)
 
     def dequantize_sum_requantize(
-        self, payloads: Tensor, scales: Tensor, bits_in: int, bits_out: int, group: int, rounding: Rounding,
+        self,
+        payloads: Tensor,
+        scales: Tensor,
+        bits_in: int,
+        bits_out: int,
+        group: int,
+        rounding: Rounding,
         rng: RoundingRNG,
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
-        return self._k.dequantize_sum_requantize(
-            payloads, scales, QuantFormat(bits_in, group), QuantFormat(bits_out, group),
-            rng.source(rounding, for_kernel=True),
-        )  # fmt: skip
+    ) -> tuple[Tensor, Tensor]:
+        formats = QuantFormat(bits_in, group), QuantFormat(bits_out, group)
+        return self._k.dequantize_sum_requantize(payloads, scales, *formats, rng.source(rounding, for_kernel=True))
 
     def dequantize_sum_hadamard(
         self, payloads: Tensor, scales: Tensor, bits: int, group: int, hadamard: int | None
@@ -390,6 +413,23 @@ def select_ops(backend: str, device: torch.device, *group_sizes: int) -> TorchOp
     return TorchOps()
 
 
+@dataclass
+class Codec:
+    """How one buffer's exchange quantises, and where it accounts what it sends.
+
+    Attributes:
+        ops: the kernels (torch reference, Triton or numba).
+        rounding: ``"stochastic"`` or ``"nearest"``.
+        rng: the rounding randomness of this buffer (a :meth:`RoundingRNG.child` per bucket).
+        stats: accounting, updated in place (``None``: not accounted).
+    """
+
+    ops: TorchOps
+    rounding: Rounding
+    rng: RoundingRNG
+    stats: CommStats | None = None
+
+
 def _sent_fraction(k: int) -> float:
     return (k - 1) / k
 
@@ -403,13 +443,7 @@ def first_level_bits(topo: Topology, fmt: GradientFormat) -> int:
 
 
 def encode_gradients(
-    flat: Tensor,
-    topo: Topology,
-    fmt: GradientFormat,
-    group_size: int,
-    rounding: Rounding,
-    rng: RoundingRNG,
-    ops: TorchOps,
+    flat: Tensor, topo: Topology, fmt: GradientFormat, group_size: int, codec: Codec
 ) -> tuple[Tensor, Tensor]:
     """The local first step of :func:`reduce_scatter_gradients`: (Hadamard) quantise the whole buffer.
 
@@ -421,9 +455,7 @@ def encode_gradients(
         topo: process topology.
         fmt: a quantised gradient format.
         group_size: quantisation group.
-        rounding: ``"stochastic"`` or ``"nearest"``.
-        rng: per-step rounding randomness.
-        ops: torch or Triton kernels.
+        codec: kernels and rounding (its ``stats`` are not used: nothing is sent).
 
     Returns:
         ``(payload, scales)`` of the first level.
@@ -434,7 +466,8 @@ def encode_gradients(
             f"The gradient buffer ({flat.numel()} values) is not a whole number of shards of whole groups of "
             f"{group_size} for {topo.world_size} ranks; pad the buffer."
         )
-    return ops.encode(flat, first_level_bits(topo, fmt), group_size, rounding, rng, hadamard=fmt.hadamard)
+    bits = first_level_bits(topo, fmt)
+    return codec.ops.encode(flat, bits, group_size, codec.rounding, codec.rng, hadamard=fmt.hadamard)
 
 
 def max_safe_scale(bits: int, world_size: int, hadamard: int | None) -> float:
@@ -471,10 +504,7 @@ class GradientExchange:
         topo: process topology.
         fmt: bit widths / transform (see :func:`~lightning_sdp.plugins.sdp4bit.formats.gradient_format`).
         group_size: quantisation group (``S`` must be a multiple of it when quantising).
-        rounding: ``"stochastic"`` or ``"nearest"``.
-        rng: rounding randomness of this buffer.
-        ops: torch or Triton kernels.
-        stats: accounting, updated in place.
+        codec: kernels, rounding and accounting of this buffer.
         encoded: the result of :func:`encode_gradients` on ``flat`` when the caller already computed it.
     """
 
@@ -484,10 +514,7 @@ class GradientExchange:
         topo: Topology,
         fmt: GradientFormat,
         group_size: int,
-        rounding: Rounding,
-        rng: RoundingRNG,
-        ops: TorchOps,
-        stats: CommStats | None = None,
+        codec: Codec,
         encoded: tuple[Tensor, Tensor] | None = None,
     ) -> None:
         w = topo.world_size
@@ -499,7 +526,7 @@ class GradientExchange:
                 f"The shard size {self.s} is not a whole number of groups of {group_size}; pad the buffer."
             )
         self.flat, self.topo, self.fmt, self.group_size = flat, topo, fmt, group_size
-        self.rounding, self.rng, self.ops, self.stats = rounding, rng, ops, stats
+        self.codec, self.ops, self.stats = codec, codec.ops, codec.stats
         self.encoded = encoded
         self._partial: Any = None
         self._result: Tensor | None = None
@@ -509,9 +536,7 @@ class GradientExchange:
         if not self.fmt.quantized or self.topo.world_size == 1:
             return None
         if self.encoded is None:
-            self.encoded = encode_gradients(
-                self.flat, self.topo, self.fmt, self.group_size, self.rounding, self.rng, self.ops
-            )
+            self.encoded = encode_gradients(self.flat, self.topo, self.fmt, self.group_size, self.codec)
         return self.encoded
 
     def first(self) -> None:
@@ -546,8 +571,9 @@ class GradientExchange:
             return
         assert fmt.inter_bits is not None
         # The node's partial sums of shards {local * N + n}, re-quantised for the inter-node level.
+        codec = self.codec
         payload, scales = self.ops.dequantize_sum_requantize(
-            recv_p, recv_s, bits, fmt.inter_bits, self.group_size, self.rounding, self.rng
+            recv_p, recv_s, bits, fmt.inter_bits, self.group_size, codec.rounding, codec.rng
         )
         self._partial = (payload, scales, fmt.inter_bits)
 
@@ -597,15 +623,44 @@ class GradientExchange:
         return reduce_rows(send, topo.inter_group if topo.intra_size > 1 else topo.world_group)
 
 
+class AllReduceExchange:
+    """DDP's exchange of one bucket: an fp32 all-reduce of the whole buffer, so every rank gets every sum.
+
+    The same interface as :class:`GradientExchange` (``encode``, ``first`` on the first worker thread, ``second``);
+    used while ``"auto"`` replicates the optimizer (see :mod:`~lightning_sdp.plugins.sdp4bit.replication`).
+
+    Args:
+        flat: fp32 buffer of the bucket's gradients (already divided by the world size), summed in place.
+        group: process group of all ranks (the strategy's own, as the collectives run on a worker thread).
+        stats: accounting, updated in place.
+    """
+
+    def __init__(self, flat: Tensor, group: Any, stats: CommStats | None = None) -> None:
+        self.flat, self.group, self.stats = flat, group, stats
+
+    def encode(self) -> None:
+        """Nothing is quantised."""
+        return None
+
+    def first(self) -> None:
+        """All-reduce the buffer (a ring sends ``2 (W - 1) / W`` of its bytes from every rank)."""
+        dist.all_reduce(self.flat, group=self.group)
+        if self.stats is not None:
+            world = dist.get_world_size(self.group)
+            sent = 2 * _sent_fraction(world) * self.flat.numel()
+            self.stats.record("grad_allreduce", 4 * sent, sent)
+
+    def second(self) -> Tensor:
+        """The summed buffer."""
+        return self.flat
+
+
 def reduce_scatter_gradients(
     flat: Tensor,
     topo: Topology,
     fmt: GradientFormat,
     group_size: int,
-    rounding: Rounding,
-    rng: RoundingRNG,
-    ops: TorchOps,
-    stats: CommStats | None = None,
+    codec: Codec,
     encoded: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Sum ``flat`` over all ranks and return this rank's shard (``flat`` should already be divided by W).
@@ -615,16 +670,13 @@ def reduce_scatter_gradients(
         topo: process topology.
         fmt: bit widths / transform (see :func:`~lightning_sdp.plugins.sdp4bit.formats.gradient_format`).
         group_size: quantisation group (``S`` must be a multiple of it when quantising).
-        rounding: ``"stochastic"`` or ``"nearest"``.
-        rng: per-step rounding randomness.
-        ops: torch or Triton kernels.
-        stats: accounting, updated in place.
+        codec: kernels, rounding and accounting.
         encoded: the result of :func:`encode_gradients` on ``flat`` when the caller already computed it.
 
     Returns:
         The reduced shard ``[k * S, (k + 1) * S)`` for ``k = topo.shard`` (local-major) as a new fp32 tensor.
     """
-    exchange = GradientExchange(flat, topo, fmt, group_size, rounding, rng, ops, stats, encoded)
+    exchange = GradientExchange(flat, topo, fmt, group_size, codec, encoded)
     exchange.first()
     return exchange.second()
 
@@ -640,13 +692,8 @@ class WeightExchange:
         model_flat: the model weights every rank holds (flat, model dtype, ``world_size * S`` values).
         master_shard: this rank's exact fp32 shard (``S`` values).
         topo: process topology.
-        mode: ``"qwd"`` (quantised differences), ``"qw"`` (quantised weights) or ``"none"``.
-        bits: bits of the weight codes.
-        group_size: weight quantisation group.
-        rounding: ``"stochastic"`` or ``"nearest"``.
-        rng: rounding randomness of this buffer.
-        ops: torch or Triton kernels.
-        stats: accounting, updated in place.
+        fmt: mode (``"qwd"``: quantised differences, ``"qw"``: quantised weights, ``"none"``), bits and group size.
+        codec: kernels, rounding and accounting of this buffer.
         group: process group of all ranks (default: the default group).
     """
 
@@ -655,16 +702,12 @@ class WeightExchange:
         model_flat: Tensor,
         master_shard: Tensor,
         topo: Topology,
-        mode: str,
-        bits: int,
-        group_size: int,
-        rounding: Rounding,
-        rng: RoundingRNG,
-        ops: TorchOps,
-        stats: CommStats | None = None,
+        fmt: WeightFormat,
+        codec: Codec,
         group: Any = None,
     ) -> None:
         w, s = topo.world_size, master_shard.numel()
+        mode, group_size = fmt.mode, fmt.group_size
         if model_flat.numel() != w * s:
             raise ValueError(f"model buffer ({model_flat.numel()}) != world size ({w}) x shard ({s}).")
         if mode not in WEIGHT_MODES:
@@ -672,8 +715,9 @@ class WeightExchange:
         if mode != "none" and w > 1 and s % group_size:
             raise ValueError(f"The shard size {s} is not a whole number of weight groups of {group_size}.")
         self.model_flat, self.master, self.topo, self.mode = model_flat, master_shard, topo, mode
-        self.bits, self.group_size, self.rounding, self.rng, self.ops = bits, group_size, rounding, rng, ops
-        self.stats, self.group = stats, group
+        self.bits, self.group_size, self.codec, self.ops = fmt.bits, group_size, codec, codec.ops
+        self.stats, self.group = codec.stats, group
+        self.redone = False  # the codes had a non-finite scale: sent again uncompressed
         self._gathered: Tensor | None = None
         self._nbytes = 0
 
@@ -720,13 +764,30 @@ class WeightExchange:
             return
         lo = topo.shard * s
         reference = self.model_flat[lo : lo + s] if self.mode == "qwd" else None
+        codec = self.codec
         payload, scales = self.ops.encode(
-            self.master, self.bits, self.group_size, self.rounding, self.rng, reference=reference
+            self.master, self.bits, self.group_size, codec.rounding, codec.rng, reference=reference
         )
         row = _pack(payload.view(1, -1), scales.view(1, -1))
         gathered = torch.empty(w, row.shape[1], dtype=row.dtype, device=row.device)
         self._gather(gathered.view(-1), row.view(-1), s)
         self._gathered, self._nbytes = gathered, payload.numel()
+        if not bool(torch.isfinite(_unpack(gathered, self._nbytes)[1]).all()):
+            self._redo_uncompressed()  # every rank sees the same scales: the same decision, no extra collective
+
+    def _redo_uncompressed(self) -> None:
+        """The divergence guard: a rank's codes have a non-finite scale, so the weights travel uncompressed instead;
+        when the master weights themselves are non-finite, raise and leave the model's weights as they were."""
+        full = torch.empty_like(self.model_flat)
+        self._gather(full, self.master.to(self.model_flat.dtype), self.master.numel())
+        if not bool(torch.isfinite(full).all()):
+            raise FloatingPointError(
+                "SDP4BitStrategy: the optimizer step made master weights non-finite (NaN/Inf); the model keeps its "
+                "last finite weights. Lower the learning rate, clip the gradients (`gradient_clip_val`) or check "
+                "the loss for a division by zero."
+            )
+        self.model_flat.copy_(full)
+        self._gathered, self.redone = None, True
 
     def apply(self) -> None:
         """Decode every rank's codes into the model buffer (``w += decode(d)``; ``w = decode(w)`` for ``"qw"``)."""
@@ -743,17 +804,7 @@ class WeightExchange:
 
 
 def all_gather_weights(
-    model_flat: Tensor,
-    master_shard: Tensor,
-    topo: Topology,
-    mode: str,
-    bits: int,
-    group_size: int,
-    rounding: Rounding,
-    rng: RoundingRNG,
-    ops: TorchOps,
-    stats: CommStats | None = None,
-    group: Any = None,
+    model_flat: Tensor, master_shard: Tensor, topo: Topology, fmt: WeightFormat, codec: Codec, group: Any = None
 ) -> None:
     """Bring every rank's full model copy ``model_flat`` up to date with the master shards (in place).
 
@@ -761,18 +812,11 @@ def all_gather_weights(
         model_flat: the model weights every rank holds (flat, model dtype, ``world_size * S`` values).
         master_shard: this rank's exact fp32 shard (``S`` values).
         topo: process topology.
-        mode: ``"qwd"`` (quantised differences), ``"qw"`` (quantised weights) or ``"none"``.
-        bits: bits of the weight codes.
-        group_size: weight quantisation group.
-        rounding: ``"stochastic"`` or ``"nearest"``.
-        rng: per-step rounding randomness.
-        ops: torch or Triton kernels.
-        stats: accounting, updated in place.
+        fmt: mode (``"qwd"``, ``"qw"`` or ``"none"``), bits and group size of the weight codes.
+        codec: kernels, rounding and accounting.
         group: process group of all ranks (default: the default group).
     """
-    exchange = WeightExchange(
-        model_flat, master_shard, topo, mode, bits, group_size, rounding, rng, ops, stats, group
-    )  # fmt: skip
+    exchange = WeightExchange(model_flat, master_shard, topo, fmt, codec, group)
     exchange.send()
     exchange.apply()
 

@@ -101,7 +101,10 @@ class ActiveFormats:
     Attributes:
         weight: the weight all-gather's format.
         gradient: the gradient reduce-scatter's format.
+        replicated: DDP's exchange instead (an fp32 all-reduce of the gradients, a replicated optimizer step and no
+            weight all-gather; see ``replication``).
     """
 
     weight: WeightFormat
     gradient: GradientFormat
+    replicated: bool = False

@@ -35,6 +35,8 @@ from torch.nn import Module
 from lightning_sdp.kernels import quantization
 from lightning_sdp.plugins.sdp4bit.config import SDP4BitConfig
 from lightning_sdp.plugins.sdp4bit.exchange import (
+    AllReduceExchange,
+    Codec,
     CommStats,
     GradientExchange,
     RoundingRNG,
@@ -148,33 +150,38 @@ class ReducedGradients:
     Attributes:
         shards: the reduced fp32 shard of each exchanged bucket, keyed by ``id(bucket)``.
         grad_counts: per bucket (in the optimizer's order), per parameter: on how many ranks it had a gradient.
-        nonfinite: whether some rank saw a NaN/Inf or a value too large to quantise (then ``shards`` is unusable).
+        nonfinite: whether some rank had a NaN/Inf gradient (then ``shards`` is unusable), or a bucket exchanged
+            again uncompressed still summed to one.
         bad_names: this rank's offending parameters (for the error message).
+        redone: how many buckets' quantised exchanges gave a non-finite or overflowing value from finite gradients
+            and were exchanged again uncompressed (the divergence guard).
     """
 
     shards: dict[int, Tensor]
     grad_counts: list[list[float]]
     nonfinite: bool
     bad_names: list[str]
+    redone: int = 0
 
 
 class _GradJob:
     """One bucket's gradient exchange in flight: its result, its checks, and what it was launched with."""
 
-    def __init__(self, bucket: FlatBucket, exchange: GradientExchange) -> None:
+    def __init__(self, bucket: FlatBucket, exchange: GradientExchange | AllReduceExchange) -> None:
         self.bucket = bucket
         self.exchange = exchange
         self.future: Any = None
-        self.checked = threading.Event()
-        self.finite = True
-        self.overflow: list[str] = []
+        self.finite = True  # the gradients going in
+        self.overflow: list[str] = []  # parameters whose quantisation scale is non-finite or too large
+        self.result_finite = True  # the quantised exchange's result
         # the gradient tensors and their version counters when the bucket was copied
         self.launched = [(p.grad, p.grad._version) if p.grad is not None else None for p in bucket.params]
 
     @property
-    def bad(self) -> bool:
-        """Whether the bucket holds a non-finite value or one too large to quantise."""
-        return not self.finite or bool(self.overflow)
+    def needs_redo(self) -> bool:
+        """Whether finite gradients gave a non-finite scale, an overflow or a non-finite sum: exchange them again
+        uncompressed."""
+        return self.finite and (bool(self.overflow) or not self.result_finite)
 
     def dirty(self) -> bool:
         """Whether a gradient of the bucket was replaced or edited in place after the bucket was launched."""
@@ -286,36 +293,43 @@ class GradientOverlap:
             self._next_launch += 1
             self.buckets_launched_in_backward += 1
 
-    def _launch(self, order: list[FlatBucket], pos: int) -> None:
-        """Copy bucket ``pos``'s gradients (divided by W) and queue its exchange on the pipeline."""
+    def _launch(self, order: list[FlatBucket], pos: int, uncompressed: bool = False) -> None:
+        """Copy bucket ``pos``'s gradients (divided by W) and queue its exchange on the pipeline (in fp32 with
+        ``uncompressed``, whatever the active format)."""
         ctx = self._ctx
         assert ctx is not None
         bucket = order[pos]
         if not any(p.requires_grad for p in bucket.params):
             self._jobs[pos] = None  # frozen bucket: nothing to exchange (the same on every rank)
             return
-        cfg, fmt = ctx.config, ctx.formats.gradient
+        cfg = ctx.config
+        fmt = GradientFormat(None, None, None) if uncompressed else ctx.formats.gradient
         flat = bucket.gather_grads(ctx.world_size)
         key = self._key[id(bucket)]  # the bucket's index in the optimizer, whatever the launch order
-        exchange = GradientExchange(
-            flat, ctx.topology, fmt, cfg.gradient_group_size, cfg.rounding, ctx.rng.child(key), ctx.ops, ctx.stats
-        )
+        exchange: GradientExchange | AllReduceExchange
+        if ctx.formats.replicated:
+            exchange = AllReduceExchange(flat, ctx.topology.world_group, ctx.stats)
+        else:
+            codec = Codec(ctx.ops, cfg.rounding, ctx.rng.child(key), ctx.stats)
+            exchange = GradientExchange(flat, ctx.topology, fmt, cfg.gradient_group_size, codec)
         job = _GradJob(bucket, exchange)
-        limit = 0.0
-        if fmt.quantized and ctx.world_size > 1:
-            limit = max_safe_scale(first_level_bits(ctx.topology, fmt), ctx.world_size, fmt.hadamard)
+        quantized = fmt.quantized and ctx.world_size > 1 and not ctx.formats.replicated
+        limit = max_safe_scale(first_level_bits(ctx.topology, fmt), ctx.world_size, fmt.hadamard) if quantized else 0.0
 
         def first() -> None:
-            try:
-                job.finite = _all_finite(flat)
-                encoded = exchange.encode()
-                if encoded is not None and job.finite:
-                    job.overflow = self._overflow_names(bucket, encoded[1], limit, fmt)
-            finally:
-                job.checked.set()
+            job.finite = _all_finite(flat)
+            encoded = exchange.encode()
+            if encoded is not None and job.finite:
+                job.overflow = self._overflow_names(bucket, encoded[1], limit, fmt)
             exchange.first()
 
-        job.future = ctx.pipeline.submit(first, exchange.second)
+        def second() -> Tensor:
+            result = exchange.second()
+            if quantized and job.finite and not job.overflow:
+                job.result_finite = _all_finite(result)  # a kernel or a sum gone wrong shows here
+            return result
+
+        job.future = ctx.pipeline.submit(first, second)
         self._jobs[pos] = job
 
     def _overflow_names(self, bucket: FlatBucket, scales: Tensor, limit: float, fmt: GradientFormat) -> list[str]:
@@ -350,48 +364,61 @@ class GradientOverlap:
         order = self._order
         assert order is not None and self._ctx is not None
         self._order = None  # no more launches from hooks
+        n = len(order)
         try:
-            for pos in range(self._next_launch, len(order)):
+            for pos in range(self._next_launch, n):
                 self._launch(order, pos)
-            for job in self._jobs:
-                if job is not None:
-                    job.checked.wait()
+            self._wait()
             agreed = self._agree(buckets)
-            again = [pos for pos, d in enumerate(agreed[1 : 1 + len(order)].tolist()) if d > 0]
-            if again:
-                agreed[0] = self._exchange_again(order, again)
+            nonfinite = agreed[0].item() > 0
+            redo = [pos for pos, flag in enumerate(agreed[1 : 1 + n].tolist()) if flag > 0]
+            dirty = [pos for pos, flag in enumerate(agreed[1 + n : 1 + 2 * n].tolist()) if flag > 0 and pos not in redo]
+            if not nonfinite and (redo or dirty):
+                nonfinite = self._exchange_again(order, redo, dirty)
             shards = {id(job.bucket): job.future.result() for job in self._jobs if job is not None}
             bad_names = self._bad_names()
         finally:
             self._jobs = []
-        counts = agreed[1 + len(order) :].split([len(b.params) for b in buckets])
-        return ReducedGradients(shards, [c.tolist() for c in counts], agreed[0].item() > 0, bad_names)
+        counts = agreed[1 + 2 * n :].split([len(b.params) for b in buckets])
+        return ReducedGradients(shards, [c.tolist() for c in counts], nonfinite, bad_names, len(redo))
 
-    def _agree(self, buckets: list[FlatBucket]) -> Tensor:
-        """One all-reduce of: the number of bad buckets, a flag per bucket edited after its launch, the grad flags."""
-        assert self._ctx is not None
-        dirty = [float(job is not None and job.dirty()) for job in self._jobs]
-        has_grad = torch.cat([b.has_grad_flags() for b in buckets])
-        local = torch.tensor([self._n_bad(), *dirty, *has_grad.tolist()])
-        return all_reduce_sum(local.to(self._ctx.device)).cpu()
-
-    def _exchange_again(self, order: list[FlatBucket], positions: list[int]) -> float:
-        """Gradients edited after their bucket left: wait, exchange those buckets again everywhere, agree again."""
-        assert self._ctx is not None
+    def _wait(self) -> None:
+        """Wait for every exchange in flight (re-raises what a worker thread raised)."""
         for job in self._jobs:
             if job is not None:
                 job.future.result()
-        for pos in positions:
-            self._launch(order, pos)
-        return float(all_reduce_sum(torch.tensor([self._n_bad()]).to(self._ctx.device)).cpu()[0])
 
-    def _n_bad(self) -> float:
-        return float(sum(job is not None and job.bad for job in self._jobs))
+    def _agree(self, buckets: list[FlatBucket]) -> Tensor:
+        """One all-reduce of: the number of buckets with a NaN/Inf gradient, a flag per bucket whose quantised
+        exchange must be redone, a flag per bucket edited after its launch, the grad flags."""
+        assert self._ctx is not None
+        redo = [float(job is not None and job.needs_redo) for job in self._jobs]
+        dirty = [float(job is not None and job.dirty()) for job in self._jobs]
+        has_grad = torch.cat([b.has_grad_flags() for b in buckets])
+        local = torch.tensor([self._n_nonfinite(), *redo, *dirty, *has_grad.tolist()])
+        return all_reduce_sum(local.to(self._ctx.device)).cpu()
+
+    def _exchange_again(self, order: list[FlatBucket], redo: list[int], dirty: list[int]) -> bool:
+        """Exchange buckets again everywhere: those whose quantised exchange went wrong in fp32, those whose gradients
+        were edited after they left in the same format; then agree whether anything is still non-finite."""
+        assert self._ctx is not None
+        for pos in redo:
+            self._launch(order, pos, uncompressed=True)
+        for pos in dirty:
+            self._launch(order, pos)
+        self._wait()
+        again = [self._jobs[pos] for pos in (*redo, *dirty)]
+        bad = sum(job is not None and (not job.finite or job.needs_redo) for job in again)
+        redone = [job for job in (self._jobs[pos] for pos in redo) if job is not None]
+        unusable = sum(not _all_finite(job.future.result()) for job in redone)  # fp32 sums beyond fp32
+        return float(all_reduce_sum(torch.tensor([float(bad + unusable)]).to(self._ctx.device)).cpu()[0]) > 0
+
+    def _n_nonfinite(self) -> float:
+        return float(sum(job is not None and not job.finite for job in self._jobs))
 
     def _bad_names(self) -> list[str]:
         jobs = sorted((job for job in self._jobs if job is not None), key=lambda job: self._key[id(job.bucket)])
         names = [name for job in jobs if not job.finite for name in job.bucket.non_finite_names()]
-        names += [name for job in jobs for name in job.overflow]
         if not names and any(not job.finite for job in jobs):
             names = ["<non-finite value in a quantisation group>"]
         return names
@@ -412,10 +439,13 @@ class WeightOverlap:
         pending_at_forward: summed over steps, how many buckets' all-gathers were still running when the first
             forward after the optimizer step started.
         forward_waits: how many times a module's forward had to wait for its bucket's all-gather.
+        redone: how many all-gathers were sent again uncompressed because a rank's codes had a non-finite scale.
     """
 
     def __init__(self) -> None:
         self.defer = False
+        self.redone = 0
+        self._exchanges: list[WeightExchange] = []
         self.eager: dict[int, FlatBucket] = {}
         self.pending_at_forward = 0
         self.forward_waits = 0
@@ -469,11 +499,12 @@ class WeightOverlap:
         self._forward_started = False
         for index, bucket in sorted(enumerate(buckets), key=lambda item: self._forward_position(item[1])):
             stats = CommStats()  # merged into the strategy's stats by wait_all, on the training thread
+            codec = Codec(ctx.ops, cfg.rounding, ctx.rng.child(len(buckets) + index), stats)
             exchange = WeightExchange(
-                bucket.model_flat, bucket.master.detach(), ctx.topology, fmt.mode, fmt.bits, fmt.group_size,
-                cfg.rounding, ctx.rng.child(len(buckets) + index), ctx.ops, stats, ctx.topology.world_group,
-            )  # fmt: skip
+                bucket.model_flat, bucket.master.detach(), ctx.topology, fmt, codec, ctx.topology.world_group
+            )
             future = ctx.pipeline.submit(_no_grad(exchange.send), _no_grad(self._finish(bucket, exchange, drift)))
+            self._exchanges.append(exchange)
             self._jobs[id(bucket)] = future
             self._stats.append(stats)
             futures.append(future)
@@ -528,6 +559,8 @@ class WeightOverlap:
                 future.result()
             except BaseException as err:  # wait for all, then raise the first
                 error = error or err
+        exchanges, self._exchanges = self._exchanges, []
+        self.redone += sum(exchange.redone for exchange in exchanges)
         stats, self._stats = self._stats, []
         for one in stats:
             assert self._ctx is not None
@@ -588,9 +621,10 @@ class WeightOverlap:
             if id(bucket) in self.eager:
                 continue
             names = [
-                n for p, n in zip(bucket.params, bucket.names, strict=True)
+                n
+                for p, n in zip(bucket.params, bucket.names, strict=True)
                 if p.grad is not None and id(p) not in self._covered
-            ]  # fmt: skip
+            ]
             if names:
                 self.eager[id(bucket)] = bucket
                 new.extend(names)

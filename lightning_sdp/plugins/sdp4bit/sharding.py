@@ -12,6 +12,7 @@ again for the world size that loads it.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,9 +27,7 @@ from lightning_sdp.plugins.sdp4bit.topology import in_shard_order, shard_index
 
 # Optimizers whose update is element-wise, so that stepping a shard equals stepping the whole tensor. Subclasses of
 # these (``class MyAdamW(AdamW)``) are accepted too: they inherit the element-wise update.
-SUPPORTED_OPTIMIZERS = (
-    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD", "Rprop",
-)  # fmt: skip
+SUPPORTED_OPTIMIZERS = tuple("SGD Adam AdamW Adamax NAdam RAdam RMSprop Adagrad Adadelta ASGD Rprop".split())
 
 # Optimizers that can never run on a flat shard, and why.
 UNSHARDABLE_OPTIMIZERS = {
@@ -97,32 +96,48 @@ def check_optimizer(optimizer: Optimizer, allow_any: bool = False) -> None:
     )
 
 
+@dataclass(frozen=True)
+class ShardLayout:
+    """How every param group of a ``fit`` is cut into flat buckets and which shard of each this rank owns.
+
+    Attributes:
+        world_size: data-parallel world size.
+        rank: this rank.
+        alignment: every shard is a multiple of this many values (lcm of the group sizes and the Hadamard size).
+        param_alignment: every parameter starts at a multiple of this in the flat buffer (the Hadamard block size
+            when gradients are Hadamard-transformed, so that no block mixes two parameters; 1 otherwise).
+        intra_size: processes per node, which decides the shard this rank owns (``None``: shard ``rank``).
+        bucket_numel: values per bucket (see :func:`split_params`); ``None``: one bucket per param group.
+    """
+
+    world_size: int
+    rank: int
+    alignment: int
+    param_alignment: int = 1
+    intra_size: int | None = None
+    bucket_numel: int | None = None
+
+    @property
+    def shard(self) -> int:
+        """The index of the shard this rank owns (local-major, see :func:`shard_index`)."""
+        return shard_index(self.rank, self.world_size, self.intra_size)
+
+
 class FlatBucket:
     """One param group flattened: full model copy (every rank), fp32 master shard (this rank), grad buffer.
+
+    The master is this rank's shard ``[lo, lo + shard_size)`` of the flat buffer, or, while :attr:`replicated`
+    (``"auto"`` chose DDP's exchange, see :mod:`~lightning_sdp.plugins.sdp4bit.replication`), the whole buffer on
+    every rank. Either way each rank accounts for its own shard in sums over ranks (norms, clipping): :meth:`own`.
 
     Args:
         params: the group's parameters (one dtype and device).
         names: a name per parameter (for error messages).
-        world_size: data-parallel world size.
-        rank: this rank.
-        alignment: ``S`` is a multiple of this (lcm of the group sizes and the Hadamard size).
-        param_alignment: every parameter starts at a multiple of this in the flat buffer (the Hadamard block size
-            when gradients are Hadamard-transformed, so that no block mixes two parameters; 1 otherwise).
+        layout: world size, rank, alignments and shard ownership.
         group_index: index of the optimizer param group this bucket belongs to (a group may own several buckets).
-        intra_size: processes per node, which decides the shard this rank owns (``None``: shard ``rank``).
     """
 
-    def __init__(
-        self,
-        params: list[Tensor],
-        names: list[str],
-        world_size: int,
-        rank: int,
-        alignment: int,
-        param_alignment: int = 1,
-        group_index: int = 0,
-        intra_size: int | None = None,
-    ) -> None:
+    def __init__(self, params: list[Tensor], names: list[str], layout: ShardLayout, group_index: int = 0) -> None:
         if not params:
             raise ValueError("An optimizer param group has no parameters.")
         dtypes = {p.dtype for p in params}
@@ -139,18 +154,20 @@ class FlatBucket:
         # offsets[i] is where parameter i starts; offsets[-1] is the end of the last one
         self.offsets = []
         end = 0
+        align = layout.param_alignment
         for n in self.numels:
-            start = -(-end // param_alignment) * param_alignment
+            start = -(-end // align) * align
             self.offsets.append(start)
             end = start + n
         self.offsets.append(end)
         self.numel = end
-        self.world_size = world_size
-        self.rank = rank
-        self.shard_size = padded_shard_size(self.numel, world_size, alignment)
-        self.padded = world_size * self.shard_size
-        self.intra_size = intra_size
-        self.lo = shard_index(rank, world_size, intra_size) * self.shard_size
+        self.layout = layout
+        self.world_size = layout.world_size
+        self.rank = layout.rank
+        self.shard_size = padded_shard_size(self.numel, layout.world_size, layout.alignment)
+        self.padded = layout.world_size * self.shard_size
+        self.intra_size = layout.intra_size
+        self.lo = layout.shard * self.shard_size
         self.dtype = params[0].dtype
         self.device = params[0].device
         self.model_flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
@@ -159,6 +176,7 @@ class FlatBucket:
         self._cached_views = {id(flat): self._make_views(flat) for flat in (self.model_flat, self.grad_flat)}
         self.load_from_params()
         self.master = self.model_flat[self.lo : self.lo + self.shard_size].float().clone()
+        self.replicated = False
         # the parameters become views of the flat model buffer, so the weight all-gather writes them in place (no
         # copy per step); should something give a parameter other storage, store_to_params copies instead
         for p, view in zip(params, self._cached_views[id(self.model_flat)], strict=True):
@@ -174,8 +192,8 @@ class FlatBucket:
 
     def _detached_copies(self) -> tuple[list[Tensor], list[Tensor]]:
         """(parameters, their views of the model buffer) for the parameters that do not alias their view."""
-        pairs = [(p.detach(), v) for p, v in zip(self.params, self.views(self.model_flat), strict=True)
-                 if p.data_ptr() != v.data_ptr()]  # fmt: skip
+        views = self.views(self.model_flat)
+        pairs = [(p.detach(), v) for p, v in zip(self.params, views, strict=True) if p.data_ptr() != v.data_ptr()]
         return [p for p, _ in pairs], [v for _, v in pairs]
 
     @torch.no_grad()
@@ -214,14 +232,31 @@ class FlatBucket:
         """One value per parameter: 1.0 where this rank holds a gradient, 0.0 where it is ``None``."""
         return torch.tensor([float(p.grad is not None) for p in self.params], dtype=torch.float32)
 
+    @property
+    def master_lo(self) -> int:
+        """Where the master starts in the flat buffer (its shard's start; 0 while replicated)."""
+        return 0 if self.replicated else self.lo
+
+    def own(self, tensor: Tensor) -> Tensor:
+        """This rank's shard of a master-shaped tensor (``tensor`` itself unless replicated): what it adds to sums
+        over ranks, so that every value is counted once."""
+        return tensor[self.lo : self.lo + self.shard_size] if self.replicated else tensor
+
     def shard_ranges(self, indices: list[int]) -> list[tuple[int, int]]:
         """Where parameters ``indices`` lie in this rank's shard, as ``[a, b)`` ranges of shard positions."""
+        return self._ranges(indices, self.lo, self.shard_size)
+
+    def master_ranges(self, indices: list[int]) -> list[tuple[int, int]]:
+        """Where parameters ``indices`` lie in the master (the shard, or the whole buffer while replicated)."""
+        return self._ranges(indices, self.master_lo, self.master.numel())
+
+    def _ranges(self, indices: list[int], lo: int, size: int) -> list[tuple[int, int]]:
         out = []
         for i in indices:
-            a = max(self.offsets[i], self.lo)
-            b = min(self.offsets[i] + self.numels[i], self.lo + self.shard_size)
+            a = max(self.offsets[i], lo)
+            b = min(self.offsets[i] + self.numels[i], lo + size)
             if a < b:
-                out.append((a - self.lo, b - self.lo))
+                out.append((a - lo, b - lo))
         return out
 
     def names_in(self, start: int, stop: int) -> list[str]:
@@ -250,8 +285,9 @@ class FlatBucket:
         return self.gather_full(self.master)
 
     def gather_full(self, shard: Tensor) -> Tensor:
-        """All-gather a shard-shaped tensor (e.g. ``exp_avg``) into the full flat buffer (a collective)."""
-        if self.world_size == 1:
+        """All-gather a master-shaped tensor (e.g. ``exp_avg``) into the full flat buffer (a collective, unless
+        replicated: then it is the full buffer already and is copied)."""
+        if self.world_size == 1 or self.replicated:
             return shard.detach().clone()
         by_rank = torch.empty(self.padded, dtype=shard.dtype, device=shard.device)
         all_gather_rows(by_rank, shard.detach().contiguous(), None)
@@ -260,11 +296,11 @@ class FlatBucket:
         return in_shard_order(by_rank, self.world_size, self.intra_size).reshape(-1)
 
     def shard_of(self, per_param: list[Tensor]) -> Tensor:
-        """This rank's slice of the flat concatenation of ``per_param`` (zero padding), as fp32."""
+        """The master-shaped slice of the flat concatenation of ``per_param`` (zero padding), as fp32."""
         full = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
         for view, t in zip(self.views(full), per_param, strict=True):
             view.copy_(t.reshape(view.shape))
-        return full[self.lo : self.lo + self.shard_size].clone()
+        return full if self.replicated else full[self.lo : self.lo + self.shard_size].clone()
 
 
 def padding_warning(buckets: list[FlatBucket], world_size: int, alignment: int) -> str | None:
@@ -307,38 +343,22 @@ def split_params(params: list[Tensor], bucket_numel: int | None) -> list[list[Te
 
 
 def shard_group(
-    group: dict[str, Any],
-    names: dict[int, str],
-    world_size: int,
-    rank: int,
-    alignment: int,
-    param_alignment: int = 1,
-    group_index: int = 0,
-    bucket_numel: int | None = None,
-    intra_size: int | None = None,
+    group: dict[str, Any], names: dict[int, str], layout: ShardLayout, group_index: int = 0
 ) -> list[FlatBucket]:
     """Build the :class:`FlatBucket` s of one param group (its ``"params"`` are left as they are).
 
     Args:
         group: an optimizer param group holding model parameters.
         names: ``id(param) -> name`` for error messages.
-        world_size: data-parallel world size.
-        rank: this rank.
-        alignment: shard sizes are multiples of this.
-        param_alignment: parameter starts are multiples of this.
+        layout: how the buckets are cut and which shard this rank owns.
         group_index: index of the group in the optimizer.
-        bucket_numel: values per bucket (see :func:`split_params`); ``None``: one bucket for the group.
-        intra_size: processes per node (decides which shard this rank owns); ``None``: one node.
     """
     params = list(group["params"])
     if not params:
         raise ValueError("An optimizer param group has no parameters.")
     buckets = []
-    for run in split_params(params, bucket_numel):
-        bucket = FlatBucket(
-            run, [names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in run], world_size, rank, alignment,
-            param_alignment, group_index, intra_size,
-        )  # fmt: skip
+    for run in split_params(params, layout.bucket_numel):
+        bucket = FlatBucket(run, [names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p in run], layout, group_index)
         bucket.master.requires_grad_(True)
         buckets.append(bucket)
     return buckets
@@ -355,15 +375,7 @@ def group_params(buckets: list[FlatBucket], group_index: int) -> list[Tensor]:
 
 
 def shard_optimizer(
-    optimizer: Optimizer,
-    names: dict[int, str],
-    world_size: int,
-    rank: int,
-    alignment: int,
-    param_alignment: int = 1,
-    allow_any: bool = False,
-    bucket_numel: int | None = None,
-    intra_size: int | None = None,
+    optimizer: Optimizer, names: dict[int, str], layout: ShardLayout, allow_any: bool = False
 ) -> list[FlatBucket]:
     """Build the flat buckets of every param group of an optimizer that holds no state yet. Returns the buckets.
 
@@ -373,13 +385,8 @@ def shard_optimizer(
     Args:
         optimizer: the user's optimizer, still holding the model parameters and no state.
         names: ``id(param) -> name`` for error messages.
-        world_size: data-parallel world size.
-        rank: this rank.
-        alignment: shard sizes are multiples of this.
-        param_alignment: parameter starts are multiples of this.
+        layout: how the buckets are cut and which shard this rank owns.
         allow_any: see :func:`check_optimizer`.
-        bucket_numel: values per bucket (see :func:`split_params`); ``None``: one bucket per param group.
-        intra_size: processes per node (decides which shard this rank owns); ``None``: one node.
     """
     check_optimizer(optimizer, allow_any)
     if any(len(s) for s in optimizer.state.values()):
@@ -388,26 +395,14 @@ def shard_optimizer(
             "the optimizer in `configure_optimizers` and load optimizer state through `ckpt_path=`."
         )
     buckets = [
-        bucket
-        for i, group in enumerate(optimizer.param_groups)
-        for bucket in shard_group(
-            group, names, world_size, rank, alignment, param_alignment, i, bucket_numel, intra_size
-        )
+        bucket for i, group in enumerate(optimizer.param_groups) for bucket in shard_group(group, names, layout, i)
     ]
     optimizer.state.clear()
     return buckets
 
 
 def shard_new_groups(
-    optimizer: Optimizer,
-    buckets: list[FlatBucket],
-    names: dict[int, str],
-    world_size: int,
-    rank: int,
-    alignment: int,
-    param_alignment: int = 1,
-    bucket_numel: int | None = None,
-    intra_size: int | None = None,
+    optimizer: Optimizer, buckets: list[FlatBucket], names: dict[int, str], layout: ShardLayout
 ) -> bool:
     """Shard the param groups added since :func:`shard_optimizer` (``add_param_group``, e.g. by
     ``BackboneFinetuning``), appending their buckets to ``buckets``. Returns whether there were any.
@@ -431,9 +426,7 @@ def shard_new_groups(
                 "`optimizer.add_param_group(...)` instead."
             )
     for i in range(n_known, len(groups)):
-        buckets.extend(
-            shard_group(groups[i], names, world_size, rank, alignment, param_alignment, i, bucket_numel, intra_size)
-        )
+        buckets.extend(shard_group(groups[i], names, layout, i))
     return len(groups) > n_known
 
 
@@ -495,11 +488,7 @@ def _consolidate_bucket(
 ) -> int:
     """Add one bucket's parameters to a consolidated state from ``index`` on; returns the next free index."""
     shard_state = optimizer.state.get(bucket.master, {})
-    full = {
-        k: bucket.gather_full(v) if isinstance(v, Tensor) and v.numel() == bucket.shard_size and v.dim() == 1
-        else v
-        for k, v in sorted(shard_state.items())
-    }  # fmt: skip
+    full = {k: bucket.gather_full(v) if _is_shard_state(v, bucket) else v for k, v in sorted(shard_state.items())}
     master_full = bucket.full_master()
     for i, p in enumerate(bucket.params):
         a, n = bucket.offsets[i], bucket.numels[i]
@@ -628,7 +617,8 @@ def _load_bucket(optimizer: Optimizer, bucket: FlatBucket, ids: list[int], saved
     else:
         with torch.no_grad():
             bucket.load_from_params()
-            bucket.master.copy_(bucket.model_flat[bucket.lo : bucket.lo + bucket.shard_size].float())
+            lo = bucket.master_lo
+            bucket.master.copy_(bucket.model_flat[lo : lo + bucket.master.numel()].float())
 
 
 # Value of a fresh optimizer state entry where it is not zero (Rprop starts every step size at the learning rate).
@@ -646,7 +636,7 @@ def _fresh_state(optimizer: Optimizer, bucket: FlatBucket, key: str, param: Tens
 
 
 def _is_shard_state(value: Any, bucket: FlatBucket) -> bool:
-    return isinstance(value, Tensor) and value.dim() == 1 and value.numel() == bucket.shard_size
+    return isinstance(value, Tensor) and value.dim() == 1 and value.numel() == bucket.master.numel()
 
 
 def _range_index(bucket: FlatBucket, ranges: list[tuple[int, int]]) -> Tensor:
@@ -671,7 +661,7 @@ def snapshot_absent(
         indices = absent.get(id(bucket))
         if not indices or bucket.master.grad is None:
             continue
-        ranges = bucket.shard_ranges(indices)
+        ranges = bucket.master_ranges(indices)
         if not ranges:
             continue
         idx = _range_index(bucket, ranges)
@@ -700,20 +690,43 @@ def restore_absent(optimizer: Optimizer, snapshots: list[AbsentSnapshot]) -> Non
                 v.index_fill_(0, idx, float(optimizer.param_groups[index][fresh]) if fresh else 0.0)
 
 
+@torch.no_grad()
+def expose_gradients(buckets: list[FlatBucket], absent: dict[int, list[int]]) -> None:
+    """Put the reduced gradients in the parameters' ``.grad``, as DDP holds them (a collective unless replicated).
+
+    Each bucket's gradient shards are all-gathered into one fp32 buffer; the parameters' ``.grad`` become views of
+    it (copies for other dtypes) and the master's gradient becomes the view of this rank's shard, so an in-place
+    edit of an fp32 ``.grad`` (scaling, clipping by hand) reaches the step. Parameters without a gradient on any rank
+    (``absent``) keep ``None``.
+    """
+    for bucket in buckets:
+        grad = bucket.master.grad
+        if grad is None:
+            continue
+        full = grad if bucket.replicated else bucket.gather_full(grad)
+        if not bucket.replicated:
+            bucket.master.grad = full[bucket.lo : bucket.lo + bucket.shard_size]
+        skip = set(absent.get(id(bucket), []))
+        for i, (p, view) in enumerate(zip(bucket.params, bucket.views(full), strict=True)):
+            if i not in skip:
+                p.grad = view if p.dtype == torch.float32 else view.to(p.dtype)
+
+
 def clip_shard_grads(buckets: list[FlatBucket], kind: str, clip_val: float, device: torch.device) -> None:
     """Clip the reduced shard gradients of ``buckets`` in place, as if the whole model's gradients were clipped.
 
     ``"norm"`` is ``clip_grad_norm_`` (the norm of all shards, all-reduced across ranks), ``"value"`` is
     ``clip_grad_value_``.
     """
-    grads = [b.master.grad for b in buckets if b.master.grad is not None]
+    with_grad = [b for b in buckets if b.master.grad is not None]
+    grads = [b.master.grad for b in with_grad if b.master.grad is not None]
     if kind == "value":
         for g in grads:
             g.clamp_(-clip_val, clip_val)
         return
     sq = torch.zeros(1, dtype=torch.float32, device=device)
-    for g in grads:
-        sq += g.pow(2).sum()
+    for b, g in zip(with_grad, grads, strict=True):
+        sq += b.own(g).pow(2).sum()  # each value once over the ranks (a replicated master holds every value)
     total = all_reduce_sum(sq).sqrt()
     coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
     for g in grads:
@@ -743,7 +756,8 @@ def shard_grad_norms(
                 continue
             out.append(names[id(p)])
             ranges = bucket.shard_ranges([i])
-            values = grad[ranges[0][0] : ranges[0][1]].double().abs() if ranges else grad.new_zeros(0).double()
+            own = bucket.own(grad)
+            values = own[ranges[0][0] : ranges[0][1]].double().abs() if ranges else grad.new_zeros(0).double()
             if math.isinf(norm_type):
                 parts.append(values.max() if values.numel() else values.new_zeros(()))
             else:

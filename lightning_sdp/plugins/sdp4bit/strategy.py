@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal, cast
 
@@ -22,31 +23,42 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sdp._registry import register_class_aliases
-from lightning_sdp.plugins.sdp4bit.auto import AutoCompression, Decision, build_auto
+from lightning_sdp.plugins.sdp4bit.auto import AutoCompression, Candidate, Decision, build_auto
 from lightning_sdp.plugins.sdp4bit.bucket_size import bucket_numel
 from lightning_sdp.plugins.sdp4bit.config import SDP4BitConfig
 from lightning_sdp.plugins.sdp4bit.exchange import CommStats, RoundingRNG, TimedOps, TorchOps, select_ops
 from lightning_sdp.plugins.sdp4bit.formats import ActiveFormats, GradientCompression, WeightCompression
 from lightning_sdp.plugins.sdp4bit.overlap import ExchangeContext, GradientOverlap, Pipeline, WeightOverlap
 from lightning_sdp.plugins.sdp4bit.precision import ClipKind, ShardedClippingPrecision
+from lightning_sdp.plugins.sdp4bit.replication import (
+    extra_bytes,
+    finish_replicated_step,
+    replica_fits,
+    replicate,
+    shard,
+)
 from lightning_sdp.plugins.sdp4bit.sharding import (
     AbsentSnapshot,
     FlatBucket,
+    ShardLayout,
     check_optimizer,
     check_trainable,
     clip_shard_grads,
     consolidate_state,
+    expose_gradients,
     load_consolidated_state,
     padding_warning,
     put_master_weights,
@@ -59,7 +71,7 @@ from lightning_sdp.plugins.sdp4bit.sharding import (
     use_shards,
 )
 from lightning_sdp.plugins.sdp4bit.topology import Topology, build_topology
-from lightning_sdp.utilities import unwrap_optimizer
+from lightning_sdp.utilities import rank_zero_say, unwrap_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -136,13 +148,23 @@ class SDP4BitStrategy(DDPStrategy):
         auto_trial_steps: with ``"auto"``, optimizer steps timed per candidate (default 3, after those to settle).
         auto_recheck_every_n_steps: with ``"auto"``, optimizer steps between a choice and the next round of
             trials (default 1000; 0: choose once per ``fit``).
+        optimizer_state: ``"auto"`` (default): with ``"auto"`` compression DDP's exchange is a candidate too (an
+            fp32 all-reduce of the gradients and a replicated optimizer step, no weight all-gather), kept when it is
+            the fastest and the replicated optimizer state fits in free memory; the decision logs the memory given
+            up. ``"shard"``: the optimizer state is always sharded.
+        gradients_in_hooks: when the LightningModule or a callback overrides ``on_before_optimizer_step``, put the
+            reduced gradients in the parameters' ``.grad`` before it, as under DDP, so Lightning's ``grad_norm`` and
+            in-place edits work there (default ``True``: one fp32 all-gather of the gradients per step, said once).
+            ``False``: ``.grad`` stays ``None`` there (warned once); use
+            :func:`~lightning_sdp.plugins.sdp4bit.grad_norm`.
         accelerator: see :class:`~lightning.pytorch.strategies.DDPStrategy`.
         parallel_devices: see ``DDPStrategy``.
         cluster_environment: see ``DDPStrategy``.
         checkpoint_io: see ``DDPStrategy``.
         precision_plugin: see ``DDPStrategy``.
         process_group_backend: ``"gloo"`` (CPU default) or ``"nccl"`` (CUDA default).
-        timeout: process-group timeout.
+        timeout: how long a collective waits for a peer before it fails, on the default process group and on the
+            strategy's own (intra-node, inter-node, weight all-gather) groups.
         start_method: ``"popen"`` (default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
 
     Raises:
@@ -185,6 +207,8 @@ class SDP4BitStrategy(DDPStrategy):
         log_metrics: bool = True,
         auto_trial_steps: int = 3,
         auto_recheck_every_n_steps: int = 1000,
+        optimizer_state: Literal["auto", "shard"] = "auto",
+        gradients_in_hooks: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -195,23 +219,44 @@ class SDP4BitStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         self.config = SDP4BitConfig(
-            weight_compression=weight_compression, gradient_compression=gradient_compression,
-            weight_bits=weight_bits, weight_group_size=weight_group_size, gradient_intra_bits=gradient_intra_bits,
-            gradient_inter_bits=gradient_inter_bits, gradient_group_size=gradient_group_size,
-            hadamard_size=hadamard_size, rounding=rounding, intra_node_size=intra_node_size,
-            nonfinite_gradients=nonfinite_gradients, seed=seed, kernel_backend=kernel_backend, track_drift=track_drift,
-            allow_any_optimizer=allow_any_optimizer, bucket_size_mb=bucket_size_mb, overlap=overlap,
-            overlap_param_gather=overlap_param_gather, log_metrics=log_metrics, auto_trial_steps=auto_trial_steps,
+            weight_compression=weight_compression,
+            gradient_compression=gradient_compression,
+            weight_bits=weight_bits,
+            weight_group_size=weight_group_size,
+            gradient_intra_bits=gradient_intra_bits,
+            gradient_inter_bits=gradient_inter_bits,
+            gradient_group_size=gradient_group_size,
+            hadamard_size=hadamard_size,
+            rounding=rounding,
+            intra_node_size=intra_node_size,
+            nonfinite_gradients=nonfinite_gradients,
+            seed=seed,
+            kernel_backend=kernel_backend,
+            track_drift=track_drift,
+            allow_any_optimizer=allow_any_optimizer,
+            bucket_size_mb=bucket_size_mb,
+            overlap=overlap,
+            overlap_param_gather=overlap_param_gather,
+            log_metrics=log_metrics,
+            auto_trial_steps=auto_trial_steps,
             auto_recheck_every_n_steps=auto_recheck_every_n_steps,
-        )  # fmt: skip
+            optimizer_state=optimizer_state,
+            gradients_in_hooks=gradients_in_hooks,
+        )
         super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
-        )  # fmt: skip
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
         self.comm_stats = CommStats()
         self.topology: Topology | None = None
         self.skipped_steps = 0
+        self._redone_gradients = 0  # steps whose quantised gradient exchange was redone uncompressed
         self.weight_drift = float("nan")
         self._step = 0
         self._buckets: dict[int, list[FlatBucket]] = {}  # per optimizer (keyed by id of the raw optimizer)
@@ -235,6 +280,8 @@ class SDP4BitStrategy(DDPStrategy):
         # World size 1 at `fit`: nothing is sharded and the steps take Lightning's plain path (see the docstring).
         self._single_process = False
         self._bucket_numel: int | None = None  # values per bucket of this fit (``bucket_size_mb`` may be "auto")
+        self._validation_paused = False  # validation's time is left out of auto's trials
+        self._gradients_in_hooks = False  # this fit all-gathers the reduced gradients for on_before_optimizer_step
 
     # ------------------------------------------------------------------------------------------------ set-up
 
@@ -250,6 +297,17 @@ class SDP4BitStrategy(DDPStrategy):
         if hadamard and self.world_size > 1 and self._align_hadamard_blocks:
             return hadamard
         return 1
+
+    def _layout(self) -> ShardLayout:
+        """How this ``fit`` cuts the param groups into buckets and which shard this rank owns."""
+        return ShardLayout(
+            world_size=self.world_size,
+            rank=self.global_rank,
+            alignment=self.alignment,
+            param_alignment=self._param_alignment,
+            intra_size=getattr(self.topology, "intra_size", None),
+            bucket_numel=self._bucket_numel,
+        )
 
     def _intra_size(self) -> int:
         world = self.world_size
@@ -292,29 +350,58 @@ class SDP4BitStrategy(DDPStrategy):
             self.config, self.topology, self.root_device, [unwrap_optimizer(o) for o in self.optimizers], self.alignment
         )
         if chosen:
-            rank_zero_info(chosen)
+            rank_zero_say(chosen)
         for opt in self.optimizers:
             raw = unwrap_optimizer(opt)
-            self._buckets[id(raw)] = shard_optimizer(
-                raw, names, self.world_size, self.global_rank, self.alignment, self._param_alignment,
-                self.config.allow_any_optimizer, self._bucket_numel, getattr(self.topology, "intra_size", None),
-            )  # fmt: skip
+            self._buckets[id(raw)] = shard_optimizer(raw, names, self._layout(), self.config.allow_any_optimizer)
             if warning := padding_warning(self._buckets[id(raw)], self.world_size, self.alignment):
                 rank_zero_warn(warning)
         self._index_params()
+        self._gradients_in_hooks = self._hooks_read_gradients()
         if self.config.auto:
-            cfg, topo = self.config, self.topology
-            assert topo is not None and self.lightning_module is not None
+            assert self.topology is not None and self.lightning_module is not None
             itemsize = max(p.element_size() for p in self.lightning_module.parameters())
+            shard_sizes = [b.shard_size for b in self._all_buckets()]
             self._auto = build_auto(
-                cfg.weight_candidates, cfg.gradient_candidates, topo, [b.shard_size for b in self._all_buckets()],
-                itemsize, cfg.gradient_group_size, self.root_device, cfg.auto_trial_steps,
-                cfg.auto_recheck_every_n_steps, self._wait_all_weights, links,
-            )  # fmt: skip
+                self.config,
+                self.topology,
+                shard_sizes,
+                itemsize,
+                self.root_device,
+                before_probe=self._wait_all_weights,
+                links=links,
+                fits=self._replica_fits,
+            )
             self._auto_seen_step = -1
         # Global-norm and value clipping on the shards (Lightning clips through the precision plugin).
         if not isinstance(self.precision_plugin, ShardedClippingPrecision):
             self.precision_plugin = ShardedClippingPrecision(self.precision_plugin, self._clip_shards)
+
+    def _hooks_read_gradients(self) -> bool:
+        """Whether to all-gather the reduced gradients into ``.grad`` before ``on_before_optimizer_step``: when the
+        module or a callback overrides it and ``gradients_in_hooks`` (says which once; warns when it is off)."""
+        module = self.lightning_module
+        assert module is not None
+        hook = "on_before_optimizer_step"
+        owners = [type(module).__name__] if is_overridden(hook, module) else []
+        callbacks: list[pl.Callback] = getattr(module.trainer, "callbacks", [])  # set by the Trainer at run time
+        owners += [type(cb).__name__ for cb in callbacks if is_overridden(hook, cb, parent=pl.Callback)]
+        if not owners:
+            return False
+        where = f"{hook} of {', '.join(owners)}"
+        if self.config.gradients_in_hooks:
+            rank_zero_say(
+                f"SDP4BitStrategy: the reduced gradients are all-gathered into the parameters' .grad before the {where} "
+                "(one fp32 all-gather of the gradients per step). If the hook reads no .grad, or computes norms with "
+                "lightning_sdp.plugins.sdp4bit.grad_norm, pass `gradients_in_hooks=False` to save it."
+            )
+            return True
+        rank_zero_warn(
+            f"SDP4BitStrategy(gradients_in_hooks=False): the parameters' .grad is None in the {where} (the reduced "
+            "gradients live in this rank's shard): Lightning's grad_norm there returns nothing. Use "
+            "lightning_sdp.plugins.sdp4bit.grad_norm, or pass `gradients_in_hooks=True`."
+        )
+        return False
 
     def _check_trainable(self) -> None:
         assert self.lightning_module is not None
@@ -339,14 +426,12 @@ class SDP4BitStrategy(DDPStrategy):
     def _setup_exchange(self) -> None:
         """Process groups, kernels, rounding streams and worker threads of this ``fit``."""
         if self.world_size > 1 and dist.is_initialized():
-            self.topology = build_topology(self.global_rank, self.world_size, self._intra_size())
+            self.topology = build_topology(self.global_rank, self.world_size, self._intra_size(), self._timeout)
         else:
             self.topology = Topology.single()
         topo = self.topology
-        log.info(
-            "SDP4Bit topology: rank %d, intra-node size %d, inter-node size %d", topo.rank, topo.intra_size,
-            topo.inter_size,
-        )  # fmt: skip
+        sizes = (topo.rank, topo.intra_size, topo.inter_size)
+        log.info("SDP4Bit topology: rank %d, intra-node size %d, inter-node size %d", *sizes)
         self._ops = self._select_ops()
         if self.root_device.type == "cpu":
             self._ops = TimedOps(self._ops, self.comm_stats)  # sdp4bit/codec_ms: quantise/dequantise time per step
@@ -354,9 +439,16 @@ class SDP4BitStrategy(DDPStrategy):
         self._pipeline = Pipeline(threaded=self.config.overlap and self.world_size > 1)
         self._formats = ActiveFormats(self.config.weight_format, self.config.gradient_format)
         context = ExchangeContext(
-            self.config, topo, self.world_size, self.root_device, self._rng, self._ops, self.comm_stats, self._pipeline,
-            self._formats,
-        )  # fmt: skip
+            config=self.config,
+            topology=topo,
+            world_size=self.world_size,
+            device=self.root_device,
+            rng=self._rng,
+            ops=self._ops,
+            stats=self.comm_stats,
+            pipeline=self._pipeline,
+            formats=self._formats,
+        )
         assert self.lightning_module is not None
         automatic = self.lightning_module.automatic_optimization
         self._gradients.setup(context)
@@ -380,11 +472,10 @@ class SDP4BitStrategy(DDPStrategy):
 
     def _sync_groups(self, raw: Optimizer, buckets: list[FlatBucket]) -> None:
         """Shard param groups added since set-up (``add_param_group``, e.g. by ``BackboneFinetuning``)."""
-        added = shard_new_groups(
-            raw, buckets, self._param_names(), self.world_size, self.global_rank, self.alignment,
-            self._param_alignment, self._bucket_numel, getattr(self.topology, "intra_size", None),
-        )  # fmt: skip
+        added = shard_new_groups(raw, buckets, self._param_names(), self._layout())
         if added:
+            if self._formats.replicated:
+                replicate(raw, buckets)  # the new groups' buckets (the others are replicated already)
             self._index_params()
 
     # ------------------------------------------------------------------------------------------------ step
@@ -437,6 +528,8 @@ class SDP4BitStrategy(DDPStrategy):
             self._exchanged = True
             self._apply_pending_clip(raw)
             self._restore = snapshot_absent(raw, buckets, self._absent)
+            if self._gradients_in_hooks:
+                expose_gradients(buckets, self._absent)  # for on_before_optimizer_step, which runs next
             return result
 
         try:
@@ -452,7 +545,12 @@ class SDP4BitStrategy(DDPStrategy):
             self._pending_clip.pop(id(raw), None)
             for bucket in buckets:
                 bucket.master.grad = None
-        if not self._skip_current:
+                if self._gradients_in_hooks:
+                    bucket.zero_model_grads()
+        if self._formats.replicated:
+            finish_replicated_step(buckets)  # no weight all-gather: every rank stepped every value
+            self.weight_drift = 0.0
+        elif not self._skip_current:
             self._weights.launch(buckets)
             if not self._weights.defer:
                 self._wait_all_weights()
@@ -467,6 +565,13 @@ class SDP4BitStrategy(DDPStrategy):
         the step (:func:`~lightning_sdp.plugins.sdp4bit.sharding.snapshot_absent`), as torch leaves it alone.
         """
         reduced = self._gradients.finish(buckets)
+        if reduced.redone:
+            self._redone_gradients += 1
+            rank_zero_warn(
+                f"SDP4BitStrategy: at optimizer step {self._step} the quantised gradient exchange of "
+                f"{reduced.redone} bucket(s) gave a non-finite or overflowing value from finite gradients; they were "
+                f"exchanged again uncompressed (steps redone so far: {self.redone_uncompressed})."
+            )
         if reduced.nonfinite:
             self._handle_nonfinite(buckets, reduced.bad_names)
             return
@@ -480,7 +585,7 @@ class SDP4BitStrategy(DDPStrategy):
                 continue
             if absent:
                 self._absent[id(bucket)] = absent
-                for a, b in bucket.shard_ranges(absent):
+                for a, b in bucket.master_ranges(absent):
                     shard[a:b].zero_()
             bucket.master.grad = shard
 
@@ -490,6 +595,7 @@ class SDP4BitStrategy(DDPStrategy):
             names = [None] * self.world_size
             dist.all_gather_object(names, bad_local)
         report = "; ".join(f"rank {r}: {', '.join(n)}" for r, n in enumerate(names) if n)
+        report = report or "the reduced gradients (finite gradients summed beyond the fp32 range)"
         for b in buckets:
             b.zero_model_grads()
             b.master.grad = None
@@ -539,6 +645,13 @@ class SDP4BitStrategy(DDPStrategy):
                 "gathered before each training_step. If this step read them stale, pass "
                 "`overlap_param_gather=False`."
             )
+
+    @property
+    def redone_uncompressed(self) -> int:
+        """Exchanges the divergence guard redid uncompressed: optimizer steps whose quantised gradient exchange gave
+        a non-finite or overflowing value from finite gradients, plus weight all-gathers whose codes had a
+        non-finite scale (logged as ``sdp4bit/redone_uncompressed``)."""
+        return self._redone_gradients + self._weights.redone
 
     @property
     def buckets_launched_in_backward(self) -> int:
@@ -625,6 +738,7 @@ class SDP4BitStrategy(DDPStrategy):
             return
         metrics = self.comm_stats.metrics(codec=isinstance(self._ops, TimedOps))
         metrics["sdp4bit/skipped_steps"] = float(self.skipped_steps)
+        metrics["sdp4bit/redone_uncompressed"] = float(self.redone_uncompressed)
         if self.config.track_drift and not math.isnan(self.weight_drift):
             metrics["sdp4bit/weight_drift"] = self.weight_drift
         if self._auto is not None:
@@ -633,9 +747,39 @@ class SDP4BitStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------------------------------------ checkpoints
 
+    @contextmanager
+    def _outside_the_step(self, together: bool = False) -> Iterator[None]:
+        """Leave the time spent inside out of ``"auto"``'s trial step (validation, checkpoints, re-sharding).
+
+        Args:
+            together: end with a barrier, so that the ranks that finish first do not wait inside the next step
+                (rank 0 writes a checkpoint alone, ranks validate at their own pace).
+        """
+        auto = self._auto
+        if auto is None or not auto.trialling:
+            yield
+            return
+        auto.pause()
+        try:
+            yield
+            if together:
+                self.barrier("SDP4BitStrategy: outside the step")
+        finally:
+            auto.resume()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """As DDP; while ``"auto"`` times its trials, the write is left out of the step (see ``auto``)."""
+        with self._outside_the_step(together=True):
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         """Consolidated, world-size-independent state keyed like the unsharded optimizer (a collective)."""
+        with self._outside_the_step():
+            return self._optimizer_state(optimizer)
+
+    def _optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         self._wait_all_weights()
         buckets = self._buckets_of(optimizer)
         if buckets is None:
@@ -690,11 +834,12 @@ class SDP4BitStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model's state dict with the exact (consolidated) master weights in place of the reconstructed ones."""
         assert self.lightning_module is not None
-        self._wait_all_weights()
-        state = self.lightning_module.state_dict()
-        if not self._buckets:
-            return state
-        return put_master_weights(state, self.lightning_module, self._all_buckets())
+        with self._outside_the_step():
+            self._wait_all_weights()
+            state = self.lightning_module.state_dict()
+            if not self._buckets:
+                return state
+            return put_master_weights(state, self.lightning_module, self._all_buckets())
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -712,9 +857,30 @@ class SDP4BitStrategy(DDPStrategy):
             return  # not a new optimizer step (gradient accumulation)
         self._auto_seen_step, decided = self._step, len(self._auto.decisions)
         active = self._auto.observe(self._step)
+        if active.replicated != self._formats.replicated:
+            with self._outside_the_step():
+                self._set_replicated(active.replicated)
         self._formats.weight, self._formats.gradient = active.weight, active.gradient
         if len(self._auto.decisions) > decided:
-            rank_zero_info(self._auto.decisions[-1].describe())
+            rank_zero_say(self._auto.decisions[-1].describe())
+
+    def _set_replicated(self, replicated: bool) -> None:
+        """Switch every sharded optimizer to DDP's exchange (a replicated state) or back (see ``replication``)."""
+        self._wait_all_weights()
+        for opt in self.optimizers:
+            raw = unwrap_optimizer(opt)
+            buckets = self._buckets.get(id(raw))
+            if buckets is not None:
+                (replicate if replicated else shard)(raw, buckets)
+        self._formats.replicated = replicated
+
+    def _replica_fits(self, candidate: Candidate) -> tuple[bool, str]:
+        """Whether every rank has the memory to replicate its optimizer state (a collective; see ``replication``)."""
+        needed = 0
+        for opt in self.optimizers:
+            raw = unwrap_optimizer(opt)
+            needed += extra_bytes(raw, self._buckets.get(id(raw), []))
+        return replica_fits(needed, self.root_device)
 
     @property
     def auto_decisions(self) -> list[Decision]:
@@ -735,7 +901,19 @@ class SDP4BitStrategy(DDPStrategy):
     @override
     def on_validation_start(self) -> None:
         self._wait_all_weights()
+        self._validation_paused = self._auto is not None and self._auto.trialling
+        if self._auto is not None and self._validation_paused:
+            self._auto.pause()
         super().on_validation_start()
+
+    @override
+    def on_validation_end(self) -> None:
+        """Leave validation (and the checkpoints saved at its end) out of ``"auto"``'s trial step."""
+        super().on_validation_end()
+        paused, self._validation_paused = self._validation_paused, False
+        if self._auto is not None and paused:
+            self.barrier("SDP4BitStrategy: validation done")  # the ranks leave together
+            self._auto.resume()
 
     @override
     def on_test_start(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -31,6 +32,7 @@ class Topology:
             local index for the weight all-gather's inter-node stage, or ``None``.
         weight_intra_group: the same for its intra-node stage (this rank's node), or ``None``.
         owned_groups: the process groups :func:`build_topology` created that hold this rank (to destroy them).
+        timeout: how long a collective on these groups waits for a peer (``None``: torch's default).
     """
 
     rank: int
@@ -43,6 +45,7 @@ class Topology:
     weight_inter_group: Any = None
     weight_intra_group: Any = None
     owned_groups: list[Any] = field(default_factory=list)
+    timeout: timedelta | None = None
 
     def destroy(self) -> None:
         """Destroy the process groups this topology created (not the default group); idempotent."""
@@ -103,13 +106,15 @@ def in_shard_order(by_rank: Tensor, world_size: int, intra_size: int | None) -> 
     return by_rank.view(world_size // local, local, -1).transpose(0, 1)
 
 
-def build_topology(rank: int, world_size: int, intra_size: int) -> Topology:
+def build_topology(rank: int, world_size: int, intra_size: int, timeout: timedelta | None = None) -> Topology:
     """Create the intra- and inter-node process groups. Every rank must call this, in the same order.
 
     Args:
         rank: global rank of the caller.
         world_size: size of the default process group.
         intra_size: processes per node; must divide ``world_size``.
+        timeout: how long a collective on these groups waits for a peer before it fails (``None``: torch's default
+            for a new group, 30 minutes; the strategy passes its own ``timeout``).
     """
     if intra_size < 1 or world_size % intra_size:
         raise ValueError(
@@ -117,7 +122,7 @@ def build_topology(rank: int, world_size: int, intra_size: int) -> Topology:
             "`SDP4BitStrategy(intra_node_size=...)` to the number of processes per node."
         )
     inter_size = world_size // intra_size
-    topo = Topology(rank=rank, world_size=world_size, intra_size=intra_size, inter_size=inter_size)
+    topo = Topology(rank=rank, world_size=world_size, intra_size=intra_size, inter_size=inter_size, timeout=timeout)
     if world_size == 1:
         return topo
     nodes = [list(range(n * intra_size, (n + 1) * intra_size)) for n in range(inter_size)]
@@ -139,7 +144,7 @@ def _own_group(topo: Topology, partition: list[list[int]]) -> Any:
     """Create one process group per rank list (every rank creates all of them, in order); keep the caller's."""
     mine = None
     for ranks in partition:
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=topo.timeout)
         if topo.rank in ranks:
             mine = group
             topo.owned_groups.append(group)

@@ -68,7 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.against:
         return run_against(config, args.against, args.quick, extra)
-    return run(config, args.quick, args.out, extra, args.dry_run, background_jobs=args.background_jobs)
+    jobs = args.background_jobs or config.background_jobs
+    return run(config, args.quick, args.out, extra, args.dry_run, background_jobs=jobs)
 
 
 def listing() -> str:
@@ -170,7 +171,7 @@ def run_all(quick: bool, out: Path | None, dry_run: bool) -> int:
         elif quick and config.quick_args is None:
             outcomes.append((config.key, "skipped: has no --quick form"))
         else:
-            code = run(config, quick, out, dry_run=dry_run)
+            code = run(config, quick, out, dry_run=dry_run, background_jobs=0 if quick else config.background_jobs)
             outcomes.append((config.key, "ok" if code == 0 else f"FAILED (exit {code})"))
     print("\n".join(f"{key:<34} {outcome}" for key, outcome in outcomes))
     return 1 if any(outcome.startswith("FAILED") for _, outcome in outcomes) else 0

@@ -35,6 +35,7 @@ class Configuration:
             ``pkg:<importable module>``.
         module: the module under ``benchmarks/`` (default: ``benchmark``), or a dotted module path.
         minutes: roughly how long the full run takes on a 2-core machine.
+        background_jobs: CPU-bound processes run beside it (a machine with another job running).
     """
 
     benchmark: str
@@ -45,6 +46,7 @@ class Configuration:
     needs: tuple[str, ...] = ()
     module: str = ""
     minutes: float = 0.0
+    background_jobs: int = 0
     extra_stems: tuple[str, ...] = field(default=(), repr=False)
 
     @property
@@ -105,6 +107,9 @@ def benchmarks() -> Iterator[Configuration]:
 
 _SDP_SWEEP = ("--bandwidths", "50", "100", "200", "1000", "10000", "--timing-steps", "16", "--rounds", "2")
 _SDP_METHODS = ("ddp", "sdp4bit_auto", "sdp4bit_none_none", "sdp4bit_qwd_tlq_hs", "sdp4bit_qwd_tlq_hs_autobucket")
+_SDP_FIXED = ("sdp4bit_none_none", "sdp4bit_qwd_tlq_hs", "sdp4bit_qwd_none", "sdp4bit_qwd_tlq_hs_g8")
+_SDP_LOADED = ("ddp", "sdp4bit_auto", "sdp4bit_none_none", "sdp4bit_qwd_tlq_hs")
+_GPT_3X320 = ("--n-layer", "3", "--n-embd", "320")
 _SDP_10G = ("--bandwidths", "10000", "--rounds", "4", "--steps", "24", "--timing-steps", "24")
 _PEERS = ("ddp", "ddp_fp16", "powersgd_r1", "powersgd_r4", "zero_ddp", "fsdp2", "sdp4bit_auto", "sdp4bit_none_none")
 _SDP_FORMATS = ("sdp4bit_qwd_tlq_hs", "sdp4bit_qwd_none", "sdp4bit_none_tlq_hs", "sdp4bit_qwd_tlq_hs_g8")
@@ -122,6 +127,46 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
         ("--bandwidths", "50", "100", "200", "10000", "--methods", *_PEERS, *_SDP_FORMATS, "sdp4bit_none_tlq_hs_g8"),
         needs=(ROOT, SHAKESPEARE),
         minutes=60,
+    ),
+    Configuration(
+        "sdp4bit_throughput",
+        "sweep",
+        "defaults and fixed formats over 50 Mbit/s-10 Gbit/s, two alternating rounds, both limit columns",
+        (*_SDP_SWEEP, "--methods", "ddp", "sdp4bit_auto", "sdp4bit_auto_shard", *_SDP_FIXED),
+        needs=(ROOT, SHAKESPEARE),
+        minutes=25,
+    ),
+    Configuration(
+        "sdp4bit_throughput",
+        "sweep_3x320",
+        "the same sweep on a GPT of 3 layers x 320",
+        (*_SDP_SWEEP, "--methods", "ddp", "sdp4bit_auto", "sdp4bit_auto_shard", *_SDP_FIXED, *_GPT_3X320),
+        needs=(ROOT, SHAKESPEARE),
+        minutes=25,
+    ),
+    Configuration(
+        "sdp4bit_throughput",
+        "sweep_loaded",
+        "the sweep with another job running (one busy process)",
+        (*_SDP_SWEEP, "--methods", *_SDP_LOADED),
+        needs=(ROOT, SHAKESPEARE),
+        minutes=15,
+        background_jobs=1,
+    ),
+    Configuration(
+        "sdp4bit_throughput",
+        "sweep_3x320_loaded",
+        "the 3 x 320 sweep with another job running (one busy process)",
+        (*_SDP_SWEEP, "--methods", *_SDP_LOADED, *_GPT_3X320),
+        needs=(ROOT, SHAKESPEARE),
+        minutes=15,
+        background_jobs=1,
+    ),
+    Configuration(
+        "sdp4bit_memory",
+        "default",
+        "peak memory per rank of DDP, ZeRO + DDP, FSDP2 and SDP4Bit at 2 and 4 processes, two GPT sizes",
+        minutes=9,
     ),
     Configuration(
         "sdp4bit_throughput",

@@ -44,7 +44,7 @@ import torch
 from benchmarks._common import RESULTS_DIR, SHARED_DATA, machine_info, markdown_table, write_results
 from benchmarks.interaction_suite import CATALOGUES, REAL, SUITE
 from lightning_sdp.datamodules.interactions import InteractionsDataModule, split_validation
-from lightning_sdp.models.simplex import InteractionStats, SimpleXModule, auto_grid
+from lightning_sdp.models.simplex import SimpleXModule
 from lightning_sdp.plugins.heat import set_cpu_threads
 from lightning_sdp.recipes import (
     DEFAULT_GRID,
@@ -64,8 +64,7 @@ ITERATIVE = ("als", "bpr", "lightfm", "cornac_bpr", "reference")
 # data); the cosine contrastive loss's grid whatever the data; HEAT's softmax loss's grid whatever the data; the
 # earlier recipe (its search ranks trials by their last validation score, not the score extrapolated to the final
 # length, and may cut the anchor configuration early); the wide CCL grid; the final fit as three warm restarts whose
-# best snapshot on validation is kept; the default with the temperature searched too (softmax data); the default with
-# the tables warm-started from a truncated SVD of the training matrix
+# best snapshot on validation is kept
 BUDGETED: dict[str, dict[str, Any]] = {
     "heat_budget": {},
     "heat_budget_ccl": {"grid": DEFAULT_GRID},
@@ -73,8 +72,6 @@ BUDGETED: dict[str, dict[str, Any]] = {
     "heat_budget_last": {"selection": "last", "keep_anchor": False},
     "heat_budget_wide": {"grid": WIDE_GRID},
     "heat_budget_cycles": {"cycles": 3},
-    "heat_budget_temperature": {"search_temperature": True},
-    "heat_budget_svd": {"model_kwargs": {"init": "svd"}},
 }
 SCHEDULED = ("heat", "heat_attention", *BUDGETED)
 DATASETS = (*REAL, "synthetic", "synthetic_fresh", "synthetic_holdout", "synthetic_holdout2", *CATALOGUES)
@@ -475,9 +472,6 @@ def run_method(method: str, split: Split, args: argparse.Namespace) -> dict[str,
     if method in BUDGETED:
         points = []
         settings = {"refit": args.refit and BUDGETED[method].get("cycles", 1) == 1, **BUDGETED[method]}
-        if settings.pop("search_temperature", False):  # the grid the data calls for, with the temperature searched
-            stats = InteractionStats.from_csr(*split.train, split.num_items)
-            settings["grid"] = auto_grid(stats, search_temperature=True)
         for budget in budgets:
             fit = fit_simplex_within_budget(
                 split.train,

@@ -34,6 +34,7 @@ SOFTMAX_GRAD_CLIP = 0.1
 #: guide's Gowalla recipe at a smaller dimension).
 CCL_GRID: dict[str, list[Any]] = {
     "loss": ["ccl"],
+    "init": ["normal", "svd"],
     "dim": [128, 64, 256],
     "num_negatives": [200, 64],
     "margin": [0.9, 0.8],
@@ -45,19 +46,24 @@ CCL_GRID: dict[str, list[Any]] = {
 #: the search gives every first-round trial a few epochs *of the anchor*, and every negative of the softmax loss
 #: gets a gradient, so an anchor with 200 negatives, at twice the cost of a step or more, left a search of a few
 #: minutes on two cores room for few configurations (half as many or fewer on the development suite).
+#: Temperatures of the softmax grid: HEAT's 0.07 (the anchor), then the softer ones that scored higher on validation
+#: after short schedules on most of the development suite's softmax catalogues and on Last.fm
+#: (``benchmarks/heat_temperature.py``, ``benchmarks/heat_recipe_candidates.py``).
+SOFTMAX_TEMPERATURES: tuple[float, ...] = (0.07, 0.15, 0.1)
+#: Both grids search the tables' initialisation (``SimpleXModule(init=...)``). On softmax data the anchor starts from
+#: the truncated SVD of the training matrix, which scored higher on validation than a normal start on every softmax
+#: catalogue of the development suite and on Last.fm, at 5 and at 20 epochs; on sparse (CCL) data it helped Gowalla
+#: and lost at 20 epochs on the sparsest catalogue, so there the normal start stays the anchor and the SVD a candidate
+#: (``benchmarks/heat_recipe_candidates.py``).
 SOFTMAX_GRID: dict[str, list[Any]] = {
     "loss": ["softmax"],
     "grad_clip": [SOFTMAX_GRAD_CLIP],
+    "init": ["svd", "normal"],
+    "temperature": list(SOFTMAX_TEMPERATURES),
     "dim": [128, 64, 256],
     "num_negatives": [64, 200],
     "lr": [0.1, 0.3, 0.03],
 }
-
-
-#: Temperatures searched with ``auto_grid(..., search_temperature=True)``: HEAT's 0.07 (the anchor), then the softer
-#: ones that scored higher on validation after short schedules on most of the development suite's softmax catalogues
-#: and on Last.fm (``benchmarks/heat_temperature.py``, ``benchmarks/heat_recipe_candidates.py``).
-SOFTMAX_TEMPERATURES: tuple[float, ...] = (0.07, 0.15, 0.1)
 
 
 @dataclass(frozen=True)
@@ -131,20 +137,14 @@ def auto_settings(stats: InteractionStats | None) -> dict[str, Any]:
     return {"loss": loss, "grad_clip": SOFTMAX_GRAD_CLIP if loss == "softmax" else None}
 
 
-def auto_grid(stats: InteractionStats, search_temperature: bool = False) -> dict[str, list[Any]]:
+def auto_grid(stats: InteractionStats) -> dict[str, list[Any]]:
     """The recipe's search space for this data: :data:`SOFTMAX_GRID` or :data:`CCL_GRID` by :func:`choose_loss`.
 
     Args:
         stats: the training interactions' shape.
-        search_temperature: with the softmax loss, also search its temperature over :data:`SOFTMAX_TEMPERATURES`
-            (HEAT's 0.07 first, the anchor); pass the result as ``fit_simplex_within_budget(grid=...)``.
-            Default ``False``.
     """
     grid = SOFTMAX_GRID if choose_loss(stats) == "softmax" else CCL_GRID
-    out = {k: list(v) for k, v in grid.items()}
-    if search_temperature and out["loss"] == ["softmax"]:
-        out["temperature"] = list(SOFTMAX_TEMPERATURES)
-    return out
+    return {k: list(v) for k, v in grid.items()}
 
 
 def explain(stats: InteractionStats) -> str:

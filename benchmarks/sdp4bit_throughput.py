@@ -671,8 +671,9 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
     autos = []
     for bw in bws:
         a, d = by.get(("sdp4bit_auto", bw)), by.get(("ddp", bw))
-        fixed = {m: by[(m, bw)]["median_step_s"] for m in methods if m.startswith("sdp4bit_") and m != "sdp4bit_auto"
-                 and (m, bw) in by}  # fmt: skip
+        # every setting auto may choose, fixed: the strategy's formats and DDP's exchange
+        fixed = {m: by[(m, bw)]["median_step_s"] for m in methods if (m.startswith("sdp4bit_") or m == "ddp")
+                 and not m.startswith("sdp4bit_auto") and (m, bw) in by}  # fmt: skip
         if a is None:
             continue
         best = min(fixed, key=fixed.__getitem__) if fixed else None

@@ -66,8 +66,8 @@ def test_ddps_exchange_is_a_candidate_unless_sharding_is_forced():
     grid = distinct_candidates(config.weight_candidates, config.gradient_candidates, _grid(), replicated=True)
     assert len(grid) == 7 and grid[-1].replicated and not any(c.replicated for c in grid[:-1])
     assert grid[-1].describe().startswith("DDP's exchange") and grid[-1].exactness == (32, 32)
-    exact = grid[-2]  # sharded, uncompressed: as exact, and it keeps the memory saving
-    assert exact.exactness == (32, 32) and exact.trust > grid[-1].trust > grid[0].trust
+    exact = grid[-2]  # sharded, uncompressed: as exact (their measured steps tell them apart)
+    assert exact.exactness == (32, 32) and exact.trust == grid[-1].trust > grid[0].trust
     fixed = SDP4BitConfig("qwd", "tlq_hs")  # no uncompressed formats: no DDP's exchange either
     assert not any(
         c.replicated for c in distinct_candidates(fixed.weight_candidates, fixed.gradient_candidates, _grid(), True)
@@ -82,10 +82,12 @@ def test_ddps_exchange_is_a_candidate_unless_sharding_is_forced():
     )
 
 
-def test_ties_go_to_the_sharded_exact_candidate_and_a_clear_win_to_ddps_exchange():
+def test_the_faster_exact_exchange_is_kept_and_an_exact_tie_goes_to_the_sharded_one():
     config = SDP4BitConfig(weight_group_size=256)
     candidates = distinct_candidates(config.weight_candidates, config.gradient_candidates, _grid(), replicated=True)
-    for ddp, chosen in ((0.299, 5), (0.25, 6)):  # within 3% of sharded fp32: the sharded; 17% faster: DDP's exchange
+    # equal steps: the sharded fp32 exchange (it keeps the memory saving); faster, even within the noise margin
+    # that guards lossy formats: DDP's exchange, so the default is never slower than DDP's arithmetic
+    for ddp, chosen in ((0.300, 5), (0.297, 6), (0.25, 6)):
         compute = [0.5, 0.5, 0.5, 0.5, 0.5, 0.300, ddp]
         auto = AutoCompression(candidates, [0.001] * 7, 3, 0, lambda v: list(v), LINKS)
         _drive(auto, lambda c, compute=compute: compute[candidates.index(c)], 60)

@@ -14,7 +14,8 @@ may not), on the CPU or GPU that runs the codec, and on the model. :class:`AutoC
 3. A compressed (lossy) candidate is kept only when it wins by more than the noise of the trials. Each candidate is
    compared with the fastest round by round; it ties when the median of its step minus the fastest one's is within
    the spread of those differences (:func:`trial_spread`) or 3%, and so is its extra wire time. Of the fastest and
-   those tying with it, the least compressed is kept (as fast, and cheaper to trust). Trials are repeated every
+   those tying with it, the least compressed is kept (as fast, and cheaper to trust); of equally exact ones, the
+   fastest, so DDP's exchange runs whenever it measured fastest (its state fitting). Trials are repeated every
    ``recheck_every`` steps.
 
 Every trial step is a real training step; only its format differs. The time the training loop spends outside the
@@ -74,10 +75,11 @@ class Candidate:
         return weight, gradient
 
     @property
-    def trust(self) -> tuple[int, int, int]:
-        """Larger for the candidate to keep among equally fast ones: the least compressed, and of two exact ones the
-        sharded (it keeps the optimizer-memory saving)."""
-        return (*self.exactness, 0 if self.replicated else 1)
+    def trust(self) -> tuple[int, int]:
+        """Larger for the candidate to keep among equally fast ones: the least compressed. Equally exact candidates
+        (the sharded and the replicated fp32 exchange) are told apart by their measured steps instead: the noise
+        margin guards against lossy formats, not against the faster of two exact ones."""
+        return self.exactness
 
 
 @dataclass(frozen=True)
@@ -430,7 +432,10 @@ class AutoCompression:
             return statistics.median(differences) <= margin and self.wire[i] - self.wire[fastest] <= margin
 
         close = [i for i in self._measured if ties(i)]
-        return max(close, key=lambda i: (self.candidates[i].trust, -self._measured[i]))
+        # measured equal: the sharded one (it keeps the optimizer-memory saving)
+        return max(
+            close, key=lambda i: (self.candidates[i].trust, -self._measured[i], not self.candidates[i].replicated)
+        )
 
     def metrics(self) -> dict[str, float]:
         """``sdp4bit/auto_*`` scalars: whether candidates are being tried, the links in Mbit/s per rank."""

@@ -125,6 +125,22 @@ def test_load_from_checkpoint_rebuilds_estimators_and_refuses_other_loss(tmp_pat
         _trainer(tmp_path, 2).fit(other, _dm(), ckpt_path=str(path))
 
 
+def test_load_from_checkpoint_of_a_module_built_from_an_nn_module_names_the_model_argument(tmp_path):
+    import open_clip
+
+    module = FastCLIPModule(model=open_clip.CLIP(**MICRO), loss="fastclip_v1", warmup_steps=2)
+    trainer = _trainer(tmp_path, 1, callbacks=_callbacks(), max_steps=2)
+    trainer.fit(module, _dm())
+    path = tmp_path / "custom.ckpt"
+    trainer.save_checkpoint(path)
+    # the architecture of a module is not a hyper-parameter: say what to pass instead of a long key mismatch
+    with pytest.raises(ValueError, match=r"(?s)model=<.*CLIP.*>.*load_from_checkpoint\(.*model="):
+        FastCLIPModule.load_from_checkpoint(path)
+    loaded = FastCLIPModule.load_from_checkpoint(path, model=open_clip.CLIP(**MICRO))
+    for (name, a), b in zip(module.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_gradient_accumulation_is_refused(tmp_path):
     module = FastCLIPModule(model=MICRO, loss="fastclip_v3")
     with pytest.raises(ValueError, match="Gradient accumulation"):

@@ -372,10 +372,13 @@ class FastCLIPModule(LightningModule):
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["fastclip"] = {"loss": self._hp.loss, "data_size": self.data_size}
+        if isinstance(self._model_spec, nn.Module):  # not a hyper-parameter: loading needs it passed again
+            checkpoint["fastclip"]["model_class"] = _qualified_name(self._model_spec)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         meta = checkpoint.get("fastclip", {})
+        self._check_model_given(meta, checkpoint.get("hyper_parameters", {}))
         if meta and meta.get("loss") != self._hp.loss:
             raise ValueError(
                 f"The checkpoint was trained with loss={meta.get('loss')!r} but this module uses "
@@ -394,3 +397,21 @@ class FastCLIPModule(LightningModule):
                 f"The checkpoint's estimators cover data_size={size} but this module has data_size={self.data_size}; "
                 "resume on the same training set."
             )
+
+    def _check_model_given(self, meta: dict[str, Any], hparams: dict[str, Any]) -> None:
+        """Refuse to load weights of a module built from an ``nn.Module`` into the default model, naming ``model=``."""
+        trained_on_module = "model_class" in meta or (bool(hparams) and "model" not in hparams)
+        if not trained_on_module or isinstance(self._model_spec, nn.Module):
+            return
+        cls = meta.get("model_class", "an nn.Module")
+        raise ValueError(
+            f"The checkpoint was trained with FastCLIPModule(model=<{cls}>): a module's architecture is not a "
+            f"hyper-parameter, so this module built model={self._model_spec!r} instead. Pass the same architecture: "
+            "FastCLIPModule.load_from_checkpoint(path, model=<a freshly built model of that class>), e.g. "
+            "model=open_clip.create_model(name) or model=open_clip.CLIP(**config)."
+        )
+
+
+def _qualified_name(obj: object) -> str:
+    """``module.Class`` of an object's type (``open_clip.model.CLIP``)."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"

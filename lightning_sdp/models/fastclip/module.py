@@ -18,6 +18,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_sdp.models.fastclip.accumulation import HeldBatches, closes_window, placeholder_loss
 from lightning_sdp.models.fastclip.lamb import Lamb
 from lightning_sdp.models.fastclip.losses import (
     DEFAULT_EPS,
@@ -48,7 +49,9 @@ class FastCLIPModule(LightningModule):
     :class:`~lightning_sdp.callbacks.TemperatureScheduler` (temperature clamp, v3's learning-rate rule, logging);
     it provides what their protocols :class:`~lightning_sdp.callbacks.fastclip.GammaModule` and
     :class:`~lightning_sdp.callbacks.fastclip.TemperatureModule` describe (``variant``, ``gcl_loss``,
-    ``logit_scale_parameter()``, ``tau_lr_factor``).
+    ``logit_scale_parameter()``, ``tau_lr_factor``). With ``Trainer(accumulate_grad_batches=k)`` the ``k``
+    micro-batches of an optimizer step form one contrastive batch (as open_clip's ``--accum-freq``). A module built
+    from an ``nn.Module`` is loaded with ``FastCLIPModule.load_from_checkpoint(path, model=<the same architecture>)``.
 
     Args:
         model: ``"tiny"`` or ``"nano"`` (bundled ~1.7M / ~0.8M-parameter open_clip configs for CPUs, see
@@ -135,6 +138,7 @@ class FastCLIPModule(LightningModule):
         if data_size is not None or self.variant.objective in ("mbcl", "sigmoid"):
             self._build_loss(data_size)
         self._tokenizer: Callable[..., Tensor] | None = None
+        self._held = HeldBatches()  # micro-batches of the current optimizer step (gradient accumulation)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -269,13 +273,13 @@ class FastCLIPModule(LightningModule):
 
     @override
     def on_fit_start(self) -> None:
+        if self.trainer.accumulate_grad_batches > 1 and self.trainer.strategy.handles_gradient_accumulation:
+            raise ValueError(
+                f"The {type(self.trainer.strategy).__name__} strategy accumulates gradients itself, so FastCLIPModule "
+                "cannot make the accumulated micro-batches one contrastive batch. Use accumulate_grad_batches=1 "
+                "(a larger batch) or a strategy such as 'ddp'."
+            )
         if self.variant.objective not in ("mbcl", "sigmoid"):
-            if self.trainer.accumulate_grad_batches != 1:
-                raise ValueError(
-                    f"Gradient accumulation is not supported with the {self._hp.loss} loss: the estimator update "
-                    "assumes one optimizer step per batch. Use accumulate_grad_batches=1 (a larger batch, or more "
-                    "devices)."
-                )
             # Trainer.callbacks is assigned by Lightning's callback connector; the Trainer class does not declare it
             callbacks = self.trainer.callbacks  # type: ignore[attr-defined]
             if self.variant.gamma_schedule is not None and not any(
@@ -297,24 +301,45 @@ class FastCLIPModule(LightningModule):
 
     @override
     def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
+        """One optimizer step's batch, or one micro-batch of it with ``Trainer(accumulate_grad_batches=k)``: then the
+        ``k`` micro-batches form one contrastive batch (as open_clip's ``--accum-freq``) and the loss, with FastCLIP's
+        estimator update, is computed once, at the last one (see :mod:`~lightning_sdp.models.fastclip.accumulation`).
+        """
         images, tokens, indices = self._unpack(batch)
-        e1, e2 = self.encode(images, tokens)
         loss_fn = self.loss_fn
         if loss_fn is None:
             raise RuntimeError(
                 f"The {self._hp.loss} loss is built in setup(): train through a Trainer, or pass "
                 "FastCLIPModule(data_size=len(train_set))."
             )
+        accumulate = int(self.trainer.accumulate_grad_batches) if self._trainer is not None else 1
+        if accumulate > 1 and not closes_window(batch_idx, accumulate, self.trainer.num_training_batches):
+            self._held.hold(self.encode, images, tokens, indices)
+            return placeholder_loss(images)
+        e1, e2 = self.encode(images, tokens)
+        if len(self._held):
+            e1, e2, indices = self._held.release(e1, e2, indices)
         if self.variant.objective == "sigmoid":
             out: LossOutput = loss_fn(e1, e2, indices, self.logit_scale_arg(), self.logit_bias_parameter())
         else:
             out = loss_fn(e1, e2, indices, self.logit_scale_arg())
-        b = images.shape[0]
+        b = e1.shape[0]
         self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=b)
         self.log("train/objective", out.value, batch_size=b)
         if self.gcl_loss is not None:
             self.log("train/gamma", self.gcl_loss.gamma, batch_size=b)
-        return out.loss
+        # Lightning divides the loss by accumulate_grad_batches; this one already covers the whole step
+        return out.loss * accumulate
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if len(self._held):
+            self._held.clear()
+            raise RuntimeError(
+                "FastCLIPModule held micro-batches for a later optimizer step, but Lightning steps now: the "
+                "accumulation window did not end where expected (every accumulate_grad_batches batches and at the "
+                "epoch's last batch). Use a dataloader with a known length, or accumulate_grad_batches=1."
+            )
 
     @override
     def validation_step(self, batch: Sequence[Tensor], batch_idx: int) -> dict[str, Tensor]:

@@ -23,13 +23,13 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils._pytree import tree_flatten
 from typing_extensions import override
 
+from lightning_sdp._files import write_text_atomic
 from lightning_sdp.callbacks.engine_profiler.outputs import (
     TraceExportError,
     check_writable,
     closing_message,
     export_trace,
 )
-from lightning_sdp.profiling.files import write_text_atomic
 from lightning_sdp.profiling.results import DeviceInfo, EngineReport, MergedReport, ModelDims
 
 _MODEL_DIM_KEYS = {

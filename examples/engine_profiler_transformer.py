@@ -7,7 +7,7 @@ optimizer), per module group, with FLOPs and findings. Run from the repository r
 
     .venv/bin/python examples/engine_profiler_transformer.py --seq-len 256
 
-Outputs land in ``engine_profiler_example/`` (JSON report, gzip Chrome trace for chrome://tracing or Perfetto,
+Outputs land in ``runs/engine_profiler_example/`` (JSON report, gzip Chrome trace for chrome://tracing or Perfetto,
 PNG). On a GPU pass ``--accelerator cuda --precision bf16-mixed`` to see tensor-core use.
 """
 
@@ -67,7 +67,7 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         # The only line lightning-sdp adds to the project:
-        callbacks=[EngineProfiler(wait=2, warmup=1, active=3, dirpath="engine_profiler_example")],
+        callbacks=[EngineProfiler(wait=2, warmup=1, active=3, dirpath="runs/engine_profiler_example")],
     )
     trainer.fit(TokenClassifier(), loader)
 

@@ -17,6 +17,7 @@ _EXPORTS = {
     "SDP4BitStrategy": "lightning_sdp.plugins.sdp4bit",
     "SDP4BitConfig": "lightning_sdp.plugins.sdp4bit",
     "HEATAccelerator": "lightning_sdp.plugins.heat",
+    "VerifiedCheckpointIO": "lightning_sdp.plugins.checkpoint_io",
     # models
     "GPT": "lightning_sdp.models.gpt",
     "FastCLIPModule": "lightning_sdp.models.fastclip",

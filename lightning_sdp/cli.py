@@ -6,6 +6,11 @@ string aliases (``strategy: sdp4bit``, ``accelerator: heat``) work in YAML. ``li
 on built-in data and prints where its results went. Tools of individual plugins are sub-commands too
 (``lightning-sdp tools`` lists them).
 
+Relative data paths written in a config file (``data.init_args.path``, ``val_path``, ``test_path``, ``train_data``,
+``val_data``) are read relative to the config file's folder, so a config runs from any working folder; on the command
+line they stay relative to the working folder. Without ``--trainer.default_root_dir`` runs write under ``runs/`` in
+the working folder (logs, checkpoints, ``config.yaml``), never loose files into it.
+
 Each run saves its full config as ``config.yaml`` in the Trainer's log folder. A run never overwrites the
 ``config.yaml`` of an earlier run: with a logger every run gets a fresh ``version_N`` folder; where the folder is
 reused (``--trainer.logger=false``, a fixed logger ``version``), the run stops before training with a message that
@@ -19,12 +24,19 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from typing_extensions import override
 
 import lightning_sdp  # noqa: F401  (registers the string aliases)
+
+DATA_PATH_KEYS = ("path", "val_path", "test_path", "train_data", "val_data")
+"""``data.init_args`` keys that name files or folders: relative values in a config file are relative to it."""
+DEFAULT_ROOT_DIR = "runs"
+"""Where runs write (relative to the working folder) when the config and command line set no ``default_root_dir``."""
 
 # name -> ("module:function", help). Each function takes argv (list[str]) and returns an exit code or None.
 _TOOLS: dict[str, tuple[str, str]] = {
@@ -108,13 +120,35 @@ class LightningSdpCLI(LightningCLI):
             default=False,
             help="Replace the config.yaml of an earlier run in the same log folder (default: refuse and stop).",
         )
+        parser.set_defaults({"trainer.default_root_dir": DEFAULT_ROOT_DIR})
 
     @override
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         self.save_config_kwargs = {**self.save_config_kwargs, "overwrite": bool(config.get("overwrite_config"))}
+        _resolve_config_relative_paths(config)
         # The saved config records `false`: rerunning it in the same folder asks again rather than overwriting.
         config["overwrite_config"] = False
+
+
+def _resolve_config_relative_paths(config: Any) -> None:
+    """Make the relative data paths that a ``--config`` file wrote relative to that file's folder.
+
+    A value the command line changed afterwards (it differs from the file's) stays as given.
+    """
+    import yaml
+
+    init_args = config.get("data") and config["data"].get("init_args")
+    if not init_args:
+        return
+    for config_file in config.get("config") or []:
+        folder = Path(os.fspath(config_file)).parent
+        written = ((yaml.safe_load(Path(os.fspath(config_file)).read_text()) or {}).get("data") or {}).get("init_args")
+        for key in DATA_PATH_KEYS:
+            value = (written or {}).get(key)
+            relative = isinstance(value, str) and value and "://" not in value and not os.path.isabs(value)
+            if relative and init_args.get(key) == value:
+                init_args[key] = os.path.normpath(folder / value)
 
 
 def cli_main(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI:

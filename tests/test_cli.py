@@ -44,6 +44,32 @@ def test_fit_from_yaml_runs_two_steps(tmp_path):
     assert list(tmp_path.rglob("*.ckpt")), "fit should have written a checkpoint"
 
 
+def test_config_data_paths_are_relative_to_the_config_file(tmp_path, monkeypatch):
+    """heat_gowalla.yaml names ../shared/data relative to itself: the same folder from any working folder; a path
+    given on the command line stays relative to the working folder."""
+    config = next(p for p in CONFIGS if p.name == "heat_gowalla.yaml")
+    expected = str(config.parents[3] / "shared" / "data" / "gowalla")
+    seen = []
+    for cwd in (config.parents[2], tmp_path):
+        monkeypatch.chdir(cwd)
+        cli = cli_main(["--config", str(config), f"--trainer.default_root_dir={tmp_path}"], run=False)
+        seen.append(cli.config["data"]["init_args"]["path"])
+    assert seen == [expected, expected]
+    given = cli_main(["--config", str(config), "--data.init_args.path=mine"], run=False)
+    assert given.config["data"]["init_args"]["path"] == "mine"
+
+
+@pytest.mark.slow
+def test_a_cli_run_writes_under_runs_not_into_the_working_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = next(p for p in CONFIGS if p.name == "gpt_char.yaml")
+    tiny = ["--trainer.max_steps=1", "--trainer.logger=false", "--trainer.limit_val_batches=0"]
+    tiny += ["--trainer.enable_progress_bar=false", "--model.init_args.n_layer=1", "--model.init_args.n_embd=16"]
+    main(["fit", "--config", str(config), *tiny, "--data.init_args.batch_size=2"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+    assert (tmp_path / "runs" / "config.yaml").is_file()
+
+
 def test_unknown_alias_in_config_says_what_to_do(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text(

@@ -37,6 +37,9 @@ TINY: dict[str, tuple[list[str], list[str], list[pytest.MarkDecorator]]] = {
     ),
 }
 
+# Scripts whose outputs go under runs/ in the working folder, and nowhere else there.
+WRITES_UNDER_RUNS = {"engine_profiler_transformer.py"}
+
 # Scripts that another test already runs end to end (so the suite does not pay for them twice).
 COVERED_ELSEWHERE = {
     "sdp4bit_two_nodes.py": "tests/plugins/test_sdp4bit_multinode.py runs it with --launch --steps 2",
@@ -64,3 +67,5 @@ def test_example_runs_on_tiny_settings(script, tmp_path):
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{output[-6000:]}"
     for text in expected:
         assert text in output, f"{script}: expected {text!r} in its output:\n{output[-4000:]}"
+    if script in WRITES_UNDER_RUNS:  # nothing loose in the working folder: outputs go to runs/
+        assert sorted(os.listdir(tmp_path)) == ["runs"], sorted(os.listdir(tmp_path))

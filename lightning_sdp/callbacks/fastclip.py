@@ -218,7 +218,7 @@ class GammaScheduler(Callback):
 class TemperatureScheduler(Callback):
     """Keep the temperature in range after each optimizer step, apply v3's threshold rule, log the temperature.
 
-    After every training batch: clamps ``logit_scale`` to ``[0, ln(1 / tau_min)]`` (so ``tau >= tau_min``, the
+    After every optimizer step (with gradient accumulation: after the last micro-batch of each step): clamps ``logit_scale`` to ``[0, ln(1 / tau_min)]`` (so ``tau >= tau_min``, the
     OpenCLIP clamp to 100 with the default); for FastCLIP-v3 sets the temperature's learning rate to
     ``lr_tau * thresh_factor`` while ``tau <= step_thresh`` and to ``lr_tau`` otherwise, re-checked after every step
     (FastCLIP's ``step_thresh`` rule); logs
@@ -252,6 +252,7 @@ class TemperatureScheduler(Callback):
         # (expected change of the temperature's lr, its lr and a reference group's lr when tau_lr_factor changed)
         self._lr_check: tuple[float, float, float] | None = None
         self._warned_unread = False
+        self._step_at_batch_start = -1
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -281,9 +282,15 @@ class TemperatureScheduler(Callback):
             _refuse("TemperatureScheduler", "TemperatureModule", pl_module, missing, "the individual temperatures")
 
     @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._step_at_batch_start = trainer.global_step
+
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if trainer.global_step == self._step_at_batch_start:
+            return  # a micro-batch of gradient accumulation: the optimizer has not stepped
         module = cast(TemperatureModule, pl_module)  # setup checked the protocol
         variant = module.variant
         if variant.temperature != "individual":

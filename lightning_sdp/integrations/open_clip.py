@@ -14,7 +14,6 @@ Bundled configs (:data:`CLIP_CONFIGS`), usable as ``model="tiny"`` / ``model="na
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import stat
@@ -26,6 +25,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_sdp._files import write_text_atomic
 from lightning_sdp._imports import require
 
 TINY_NAME = "fastclip-tiny"
@@ -75,8 +75,8 @@ def register_config(alias: str) -> str:
     open_clip reads configs from files, so the config is written as JSON into a private per-user folder of the
     temporary directory (``<tmp>/lightning_sdp_open_clip_<uid>``, created with mode 0700). A folder there that is
     a symlink, belongs to another user or is writable by group/others is refused (it could hold a planted file or
-    symlink); the file is written through :func:`tempfile.mkstemp` and moved into place with :func:`os.replace`,
-    which never follows a symlink at either name.
+    symlink); the file is written with mode 0600 through :func:`lightning_sdp._files.write_text_atomic` (a fresh
+    private folder, then :func:`os.replace`, which never follows a symlink at either name).
 
     Args:
         alias: a key of :data:`CLIP_CONFIGS` (``"tiny"`` or ``"nano"``).
@@ -90,7 +90,7 @@ def register_config(alias: str) -> str:
     path = folder / f"{name}.json"
     text = json.dumps(CLIP_CONFIGS[alias], indent=1)
     if path.is_symlink() or not path.is_file() or path.read_text() != text:
-        _write_private(path, text)
+        write_text_atomic(path, text, private=True)
     open_clip.add_model_config(path)
     return name
 
@@ -133,19 +133,6 @@ def _private_dir(folder: Path) -> Path:
             # ours and writable only by us (earlier versions created it 0755): nobody else can have planted anything
             os.chmod(folder, 0o700)
     return folder
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically: a fresh ``mkstemp`` file (mode 0600) renamed over ``path``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def resolve_model_name(name: str) -> str:

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from lightning_sdp.profiling.files import write_text_atomic
+from lightning_sdp._files import write_text_atomic
 from lightning_sdp.profiling.report import roofline_points, save_figure
 from lightning_sdp.profiling.results import EngineReport
 

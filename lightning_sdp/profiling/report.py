@@ -17,6 +17,7 @@ from lightning_sdp.profiling.breakdown import CategoryBreakdown
 from lightning_sdp.profiling.categories import CATEGORIES
 from lightning_sdp.profiling.flops import WorkCount
 from lightning_sdp.profiling.hpu_trace import EngineOverlap
+from lightning_sdp.profiling.memory import SOURCES, StepMemory
 from lightning_sdp.profiling.module_groups import MODULE_GROUPS
 from lightning_sdp.profiling.peaks import attention_model, crossover_seq_len
 from lightning_sdp.profiling.results import (
@@ -65,6 +66,7 @@ def build_report(
     start_batch: int = 0,
     measured_peaks: dict[str, float | None] | None = None,
     peak_sources: dict[str, str | None] | None = None,
+    memory: StepMemory | None = None,
 ) -> EngineReport:
     """Assemble the report of one profiling window.
 
@@ -85,6 +87,7 @@ def build_report(
         measured_peaks: ceilings measured on this device (:mod:`~lightning_sdp.profiling.engine_bench`), reported
             next to ``peaks`` with their own utilisation (``utilisation_measured``), or ``None``.
         peak_sources: where each value of ``peaks`` comes from (``datasheet``, ``user``, ``measured``).
+        memory: the peak memory of each active step, or ``None`` where unknown.
     """
     if steps <= 0:
         raise ValueError(f"steps must be positive, got {steps}")
@@ -194,6 +197,7 @@ def build_report(
         analytic=analytic,
         cuda=cuda,
         hpu=HpuEngines.from_overlap(overlap) if overlap is not None else None,
+        memory=memory,
     )
     report.findings = findings(report)
     return report
@@ -344,7 +348,7 @@ def _attention_finding(report: EngineReport, timing: _TimingCheck) -> None:
     cross_txt = (
         f"; the analytic crossover for this device is n* ≈ {cross:,.0f} tokens (measured at n = {seq})"
         if cross
-        else f" at sequence length {seq} (no device peaks known for the analytic crossover)"
+        else f" at sequence length {seq} (no analytic crossover: {crossover_missing(report)})"
     )
     timing(
         "attention_dominating",
@@ -354,6 +358,23 @@ def _attention_finding(report: EngineReport, timing: _TimingCheck) -> None:
         "Use fused attention (scaled_dot_product_attention / flash attention), shorter sequences, or a "
         "linear-attention variant for long contexts.",
     )
+
+
+def crossover_missing(report: EngineReport) -> str:
+    """Why the analytic crossover was not computed: the model's width and heads, or the device's peaks, unknown."""
+    missing_dims = [k for k in ("d_model", "n_heads") if not getattr(report.model, k)]
+    if missing_dims:
+        return (
+            f"the model's {' and '.join(missing_dims)} unknown; pass EngineProfiler(d_model=..., n_heads=...) or "
+            "keep them in the module's hparams (n_embd/d_model/hidden_size, n_head/n_heads/num_heads)"
+        )
+    missing_peaks = [k for k in ("matrix_tflops", "vector_tflops") if not report.peaks.get(k)]
+    if missing_peaks:
+        return (
+            f"no {' or '.join(missing_peaks)} peak known for this device; pass EngineProfiler(peaks={{...}}) or "
+            "keep measure_peaks=True"
+        )
+    return "not applicable"
 
 
 def _imbalance_finding(report: EngineReport, out: list[Finding], timing: _TimingCheck) -> None:
@@ -488,6 +509,9 @@ def combine_windows(reports: list[EngineReport]) -> EngineReport:
             for k in out.hpu.state_fractions
         }
     out.batch_shapes = [s for r in reports for s in r.batch_shapes]
+    steps_memory = [r.memory for r in reports if r.memory is not None]
+    if steps_memory:
+        out.memory = StepMemory(steps_memory[-1].source, [b for m in steps_memory for b in m.peak_bytes])
     uncertain: list[Finding] = []
     out.findings = findings(out, uncertain=uncertain)
     out.findings_within_spread = uncertain
@@ -551,6 +575,8 @@ def metrics(report: EngineReport) -> dict[str, float]:
     if report.hpu is not None:
         for s, v in report.hpu.state_fractions.items():
             m[f"engine/hpu_{s}_frac"] = float(v)
+    if report.memory is not None:
+        m["engine/peak_memory_mb"] = report.memory.max_bytes / 2**20
     return m
 
 
@@ -614,18 +640,30 @@ def summary_table(report: EngineReport) -> str:
         + (f" ({', '.join(kinds)})" if kinds else "")
         + (f"; measured on this device: {_describe_peaks(pm)}" if pm and kinds != ["measured"] else "")
     )
-    if report.cuda is not None and report.cuda.tensor_core_frac is not None:
-        lines.append(f"tensor-core share of matrix-kernel time: {report.cuda.tensor_core_frac:.1%}")
-    if report.hpu is not None:
-        lines.append("HPU engines: " + ", ".join(f"{k} {v:.1%}" for k, v in report.hpu.state_fractions.items()))
-    an = report.analytic
-    if an is not None:
-        lines.append(f"analytic crossover n* ≈ {an.crossover_seq_len:,.0f} tokens (k={an.softmax_k:g})")
+    lines += _device_lines(report)
     for f in report.findings:
         lines.append(f"[{f.check}] {f.message}. {f.advice}")
     for f in report.findings_within_spread or []:
         lines.append(f"(not a finding: {f.check}: {f.message})")
     return "\n".join(lines)
+
+
+def _device_lines(report: EngineReport) -> list[str]:
+    """The summary's lines on tensor cores, Gaudi engines, peak memory and the analytic crossover."""
+    lines: list[str] = []
+    if report.cuda is not None and report.cuda.tensor_core_frac is not None:
+        lines.append(f"tensor-core share of matrix-kernel time: {report.cuda.tensor_core_frac:.1%}")
+    if report.hpu is not None:
+        lines.append("HPU engines: " + ", ".join(f"{k} {v:.1%}" for k, v in report.hpu.state_fractions.items()))
+    if report.memory is not None:
+        mib = ", ".join(f"{b / 2**20:.1f}" for b in report.memory.peak_bytes)
+        lines.append(f"peak memory per step: {mib} MiB ({SOURCES.get(report.memory.source, report.memory.source)})")
+    an = report.analytic
+    if an is not None:
+        lines.append(f"analytic crossover n* ≈ {an.crossover_seq_len:,.0f} tokens (k={an.softmax_k:g})")
+    else:
+        lines.append(f"analytic crossover: not computed ({crossover_missing(report)})")
+    return lines
 
 
 def _describe_peaks(peaks: dict[str, float | None]) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 
 from lightning_sdp.profiling.flops import WorkCount
 from lightning_sdp.profiling.hpu_trace import EngineOverlap
+from lightning_sdp.profiling.memory import StepMemory
 
 
 @dataclass
@@ -238,6 +239,8 @@ class EngineReport:
         findings: checks that fired, with advice.
         trace_file: the window's Chrome trace, or ``None`` when not exported.
         analysis_s: one-off seconds after the window (profiler stop, trace export, parsing, report).
+        memory: the peak memory of each profiled step (all windows' steps in a combined report), or ``None`` where
+            it cannot be measured.
         windows: combined reports: number of windows (``None`` on a window report).
         cycles: combined reports: the windows' cycles.
         start_batches: combined reports: the windows' first active batches.
@@ -276,6 +279,7 @@ class EngineReport:
     findings: list[Finding] = field(default_factory=list)
     trace_file: str | None = None
     analysis_s: float | None = None
+    memory: StepMemory | None = None
     windows: int | None = None
     cycles: list[int] | None = None
     start_batches: list[int] | None = None
@@ -306,7 +310,7 @@ class EngineReport:
             ValueError: ``data`` is not an EngineProfiler report (keys are missing).
         """
         required = [f.name for f in fields(cls) if f.name not in _COMBINED_FIELDS]
-        required = [k for k in required if k not in ("findings", "trace_file", "analysis_s")]
+        required = [k for k in required if k not in ("findings", "trace_file", "analysis_s", "memory")]
         missing = [k for k in required if not isinstance(data, dict) or k not in data]
         if missing:
             raise ValueError(
@@ -323,6 +327,7 @@ class EngineReport:
         kw["cuda"] = None if data["cuda"] is None else CudaKernels.from_dict(data["cuda"])
         kw["hpu"] = None if data["hpu"] is None else HpuEngines.from_dict(data["hpu"])
         kw["findings"] = [Finding.from_dict(f) for f in data.get("findings") or []]
+        kw["memory"] = None if data.get("memory") is None else StepMemory.from_dict(data["memory"])
         if data.get("findings_within_spread") is not None:
             kw["findings_within_spread"] = [Finding.from_dict(f) for f in data["findings_within_spread"]]
         return cls(**kw)

@@ -18,7 +18,13 @@ from lightning_sdp.integrations.open_clip import NANO_CONFIG
 from tests._warm_python import run_python
 
 REPO = Path(__file__).resolve().parents[2]
-NAMES = ("fastclip_small_batch", "fastclip_small_batch_10k", "fastclip_u_diagnostic", "fastclip_many_visits")
+NAMES = (
+    "fastclip_small_batch",
+    "fastclip_small_batch_10k",
+    "fastclip_u_diagnostic",
+    "fastclip_many_visits",
+    "fastclip_batch_gap",
+)
 
 
 def _run_quick(name: str) -> dict:
@@ -65,6 +71,42 @@ def test_small_batch_10k_quick_reports_the_u_diagnostic_every_epoch():
     assert [p["epoch"] for p in v3["u_probe"]] == list(range(payload["args"]["epochs"]))
     assert all(p["u_rel_err_median"] >= 0 for p in v3["u_probe"])
     assert next(r for r in payload["runs"] if r["loss"] == "openclip")["u_probe"] == []
+
+
+@pytest.mark.bench
+@pytest.mark.slow
+@pytest.mark.open_clip
+def test_batch_gap_quick_runs_the_four_configurations_and_the_gap_table():
+    payload = _run_quick("fastclip_batch_gap")
+    assert payload["complete"]
+    assert sorted(r["label"] for r in payload["runs"]) == sorted(
+        ["openclip_large", "openclip_small", "fastclip_v3_small", "siglip_small"]
+    )
+    large = next(r for r in payload["runs"] if r["label"] == "openclip_large")
+    small = next(r for r in payload["runs"] if r["label"] == "openclip_small")
+    assert large["batch"] == 4 * small["batch"] and large["lr"] == pytest.approx(2 * small["lr"])  # sqrt scaling
+    assert {(g["metric"], g["peer"]) for g in payload["gap"]} == {
+        (m, p) for m in ("zeroshot_top1", "retrieval_r1") for p in ("fastclip_v3_small", "siglip_small")
+    }
+    assert "zeroshot_top1" in payload["verdict"]
+
+
+def test_batch_gap_closed_share_and_verdict_on_made_up_runs():
+    from benchmarks.fastclip_batch_gap import gap_analysis, verdict
+
+    def run(label, seed, top1):
+        return {"label": label, "seed": seed, "zeroshot_top1": top1 / 100}
+
+    runs = [run("openclip_large", s, 40 + s) for s in range(3)] + [run("openclip_small", s, 30 + s) for s in range(3)]
+    runs += [run("fastclip_v3_small", s, 35 + s) for s in range(3)]
+    (row,) = gap_analysis(runs, "zeroshot_top1", ["fastclip_v3_small"])
+    assert row["gap"] == pytest.approx(10) and row["gap_std"] == pytest.approx(0)
+    assert row["seed_spread"] == pytest.approx(1) and row["gap_beyond_spread"]
+    assert row["closed"] == pytest.approx(0.5) and row["closed_per_seed"] == [0.5, 0.5, 0.5]
+    assert "closes 50 %" in verdict([row])
+    tied = [run("openclip_large", s, 30 + 3 * s) for s in range(3)] + [run("openclip_small", s, 31) for s in range(3)]
+    (row,) = gap_analysis([*tied, *runs[6:]], "zeroshot_top1", ["fastclip_v3_small"])
+    assert not row["gap_beyond_spread"] and "cannot show the claim" in verdict([row])
 
 
 def test_estimate_stats_gives_the_sign_of_the_bias():

@@ -176,6 +176,41 @@ def test_repeat_runs_exactly_the_scheduled_windows(tmp_path, monkeypatch):
     assert [r.start_batch for r in cb.reports] == [2, 5]
 
 
+def test_skip_first_starts_the_windows_later(tmp_path, monkeypatch):
+    prof, work, hooks = _patch_counters(monkeypatch)
+    cb = EngineProfiler(skip_first=4, wait=1, warmup=1, active=1, repeat=2, dirpath=str(tmp_path), save_plot=False)
+    _trainer(tmp_path, cb, max_steps=11).fit(_model(), _loader())
+    assert prof.calls == 2 and work.calls == 2
+    assert [r.start_batch for r in cb.reports] == [6, 9]
+    auto = EngineProfiler(skip_first=7, wait=1, warmup=1, active=1, dirpath=str(tmp_path / "auto"), save_plot=False)
+    _trainer(tmp_path, auto, max_steps=13).fit(_model(), _loader())  # (13 - 7) // 3: two windows fit after the skip
+    assert [r.start_batch for r in auto.reports] == [9, 12]
+
+
+def test_peak_memory_per_step_beside_the_shares(tmp_path, capsys):
+    from lightning_sdp.profiling.report import metrics, summary_table
+
+    cb = EngineProfiler(wait=0, warmup=1, active=3, repeat=1, dirpath=str(tmp_path), save_plot=False)
+    _trainer(tmp_path, cb, max_steps=4).fit(_model(), _loader())
+    memory = cb.reports[0].memory
+    assert memory is not None and memory.source == "cpu" and len(memory.peak_bytes) == 3
+    assert all(b > 10 * 2**20 for b in memory.peak_bytes)  # a process's resident set: tens of MiB at least
+    assert metrics(cb.reports[0])["engine/peak_memory_mb"] == pytest.approx(max(memory.peak_bytes) / 2**20)
+    assert (
+        "peak memory per step:" in summary_table(cb.reports[0]) and "peak memory per step:" in capsys.readouterr().out
+    )
+    saved = json.loads((tmp_path / "engine_profile-rank0.json").read_text())[0]
+    assert EngineReport.from_dict(saved).memory == memory
+
+
+def test_a_trace_over_the_bound_is_not_kept(tmp_path):
+    cb = EngineProfiler(wait=0, warmup=1, active=1, repeat=1, dirpath=str(tmp_path), save_plot=False, max_trace_mb=1e-4)
+    with pytest.warns(UserWarning, match=r"could not write the trace of window 0 .* over the bound of 0.0 MiB"):
+        _trainer(tmp_path, cb, max_steps=2).fit(_model(), _loader())
+    assert cb.reports[0].trace_file is None and cb.reports[0].steps == 1
+    assert not list(tmp_path.glob("*.gz")) and not list(tmp_path.glob(".*"))
+
+
 def test_pytorch_profiler_present_warns_and_stays_off(tmp_path):
     from lightning.pytorch.profilers import PyTorchProfiler
 
@@ -235,6 +270,8 @@ def test_checkpoint_resume_keeps_the_schedule(tmp_path):
         ({"filename": "a/b"}, "plain file stem"),
         ({"softmax_k": 0}, "softmax_k"),
         ({"peaks": {"matrix": 1.0}}, "unknown peak"),
+        ({"skip_first": -1}, "skip_first must be"),
+        ({"max_trace_mb": 0}, "max_trace_mb must be positive"),
     ],
 )
 def test_bad_arguments(kwargs, match):

@@ -1,4 +1,5 @@
-"""EngineProfiler under 2 gloo processes: per-global-rank files, merged summary on rank 0."""
+"""EngineProfiler under 2 gloo processes: rank 0 only by default; with all_ranks, per-global-rank files and the
+merged summary on rank 0."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from tests._distributed import run_distributed
 
 
-def _fit_two_ranks(rank: int, world_size: int, out: str) -> dict:
+def _fit_two_ranks(rank: int, world_size: int, out: str, all_ranks: bool) -> dict:
     import torch
     from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader, TensorDataset
@@ -22,7 +23,7 @@ def _fit_two_ranks(rank: int, world_size: int, out: str) -> dict:
     x = torch.randint(0, 17, (32, 8))
     loader = DataLoader(TensorDataset(x, torch.roll(x, -1, 1)), batch_size=2)
     model = GPT(vocab_size=17, n_layer=1, n_head=2, n_embd=16, block_size=8, attention="explicit")
-    cb = EngineProfiler(wait=1, warmup=1, active=1, dirpath=out, print_summary=False)
+    cb = EngineProfiler(wait=1, warmup=1, active=1, dirpath=out, print_summary=False, all_ranks=all_ranks)
     trainer = Trainer(
         accelerator="cpu",
         devices=world_size,
@@ -35,12 +36,20 @@ def _fit_two_ranks(rank: int, world_size: int, out: str) -> dict:
         enable_model_summary=False,
     )
     trainer.fit(model, loader)
+    first = cb.reports[0] if cb.reports else None
     return {
         "global_rank": trainer.global_rank,
-        "report_rank": cb.reports[0].rank,
-        "comm_frac": cb.reports[0].fractions["communication"],
+        "report_rank": None if first is None else first.rank,
+        "comm_frac": None if first is None else first.fractions["communication"],
         "merged_ranks": None if cb.merged is None else cb.merged.ranks,
-        "matrix_util": cb.reports[0].utilisation["matrix"],
+        "matrix_util": None if first is None else first.utilisation["matrix"],
+    }
+
+
+def _fit_both(rank: int, world_size: int, out: str) -> dict:
+    return {
+        "all": _fit_two_ranks(rank, world_size, f"{out}/all", all_ranks=True),
+        "zero": _fit_two_ranks(rank, world_size, f"{out}/zero", all_ranks=False),
     }
 
 
@@ -48,7 +57,15 @@ def _fit_two_ranks(rank: int, world_size: int, out: str) -> dict:
 def test_per_rank_files_and_merged_summary(tmp_path, monkeypatch):
     monkeypatch.setenv("LIGHTNING_SDP_CACHE_DIR", str(tmp_path / "cache"))  # measured ceilings: a private cache
     out = tmp_path / "ep"
-    results = run_distributed(_fit_two_ranks, 2, str(out), init_group=False, timeout=240)
+    both = run_distributed(_fit_both, 2, str(out), init_group=False, timeout=240)
+    # default: rank 0 alone profiles and writes; rank 1 does nothing
+    zero = [r["zero"] for r in both]
+    assert zero[0]["report_rank"] == 0 and zero[1]["report_rank"] is None
+    assert zero[0]["merged_ranks"] == [0] and zero[1]["merged_ranks"] is None
+    assert sorted(p.name for p in (out / "zero").iterdir() if "rank1" in p.name) == []
+    assert (out / "zero" / "engine_profile-rank0.json").is_file()
+    results = [r["all"] for r in both]
+    out = out / "all"
     assert [r["global_rank"] for r in results] == [0, 1]
     assert [r["report_rank"] for r in results] == [0, 1]
     # DDP's gradient all-reduce shows up as communication.

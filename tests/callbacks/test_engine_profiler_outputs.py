@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_sdp._files import write_text_atomic
 from lightning_sdp.callbacks import EngineProfiler
 from lightning_sdp.callbacks.engine_profiler import outputs
 from lightning_sdp.callbacks.engine_profiler.outputs import TraceExportError, export_trace
-from lightning_sdp.profiling import files
-from lightning_sdp.profiling.files import default_file_mode, write_text_atomic
+from tests._full_disk import small_disk
 from tests.callbacks.test_engine_profiler import _loader, _model, _trainer
 
 TRACE = {"traceEvents": [{"name": "aten::mm", "ph": "X", "ts": 1.0, "dur": 2.0}]}
@@ -60,24 +60,26 @@ def test_export_trace_writes_a_gzip_that_reads_back(tmp_path):
     with gzip.open(path, "rt") as fh:
         assert json.load(fh) == TRACE
     assert os.listdir(tmp_path) == [path.name], "no temporary file is left"
-    assert path.stat().st_mode & 0o777 == default_file_mode()
+    (tmp_path / "by_open").write_text("")
+    assert path.stat().st_mode & 0o777 == (tmp_path / "by_open").stat().st_mode & 0o777
 
 
 @pytest.mark.parametrize(
     ("write", "reason"),
     [
-        (lambda path: None, "torch wrote an empty trace"),
+        (lambda path: Path(path).write_bytes(b""), "torch wrote an empty trace"),
         (_raise_disk_full, r"export_chrome_trace failed \(OSError: .*No space left on device"),
         (lambda path: Path(path).write_bytes(b"\x00\x01garbage"), "torch's trace is not JSON"),
-        (lambda path: os.unlink(path), "cannot be read back"),
+        (lambda path: None, "torch wrote no trace file .* MiB free"),
+        (_write_trace, "over the bound of 0.0 MiB"),
     ],
-    ids=["empty", "disk-full", "not-json", "vanished"],
+    ids=["empty", "disk-full", "not-json", "nothing", "too-large"],
 )
 def test_failed_export_raises_its_reason_and_leaves_no_file(tmp_path, write, reason):
     path = tmp_path / "t.pt.trace.json.gz"
     path.write_bytes(b"an earlier run's trace")
     with pytest.raises(TraceExportError, match=reason):
-        export_trace(_FakeProfiler(write), path)
+        export_trace(_FakeProfiler(write), path, max_bytes=10 if write is _write_trace else None)
     assert os.listdir(tmp_path) == [], "neither temporary files nor a file under the trace's name remain"
 
 
@@ -93,23 +95,31 @@ def test_compression_failing_midway_leaves_no_partial_gz(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
-# ------------------------------------------------------------------------------------------ atomic JSON (unit)
+def _torch_profile() -> torch.profiler.profile:
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(20)])
+    with torch.profiler.profile() as prof:
+        for _ in range(3):
+            model(torch.randn(8, 32)).sum().backward()
+    return prof
 
 
-def test_write_text_atomic_replaces_whole_or_keeps_the_old_file(tmp_path, monkeypatch):
-    path = tmp_path / "report.json"
-    write_text_atomic(path, '{"run": 1}\n')
-    assert path.read_text() == '{"run": 1}\n'
-    assert path.stat().st_mode & 0o777 == default_file_mode()
+def _torch_fails_on_a_full_disk(path: str) -> None:
+    """What torch's trace writer does on a full disk: a partial ``<path>.tmp``, an error message, no exception."""
+    Path(path + ".tmp").write_text('{"traceEvents": [')
 
-    def failing_replace(src, dst):
-        raise OSError(errno.EIO, "I/O error")
 
-    monkeypatch.setattr(files.os, "replace", failing_replace)
-    with pytest.raises(OSError, match="I/O error"):
-        write_text_atomic(path, '{"run": 2}\n')
-    assert path.read_text() == '{"run": 1}\n', "a failed write leaves the earlier content whole"
-    assert os.listdir(tmp_path) == ["report.json"], "and no temporary file"
+def test_trace_export_on_a_full_disk_leaves_no_partial_file(tmp_path):
+    """torch's writer leaves ``<name>.tmp`` behind on a full disk (no exception): the export says so, and the
+    private folder it wrote in is removed with that file."""
+    with small_disk(tmp_path, 64) as disk:
+        if disk is None:  # not root: emulate torch's behaviour on a full disk
+            prof, folder = _FakeProfiler(_torch_fails_on_a_full_disk), tmp_path
+        else:
+            prof, folder = _torch_profile(), disk
+        path = folder / "t.pt.trace.json.gz"
+        with pytest.raises(TraceExportError, match="torch wrote no trace file"):
+            export_trace(prof, path)
+        assert [p for p in os.listdir(folder) if p != "small_disk"] == []
 
 
 # ------------------------------------------------------------------------------------------ in a Trainer run
@@ -137,7 +147,9 @@ def test_failed_trace_in_a_run_warns_names_no_trace_and_writes_json_atomically(t
         print_summary=False,
     )
     trace = out / "engine_profile-rank0-window0.pt.trace.json.gz"
-    with pytest.warns(UserWarning, match=rf"could not write the trace of window 0 to {trace}: torch wrote an empty"):
+    with pytest.warns(
+        UserWarning, match=rf"could not write the trace of window 0 to {trace}: torch wrote no trace file"
+    ):
         _trainer(tmp_path, cb, max_steps=2).fit(_model(), _loader())
     assert cb.reports[0].trace_file is None
     assert json.loads((out / "engine_profile-rank0.json").read_text())[0]["trace_file"] is None

@@ -248,8 +248,9 @@ class _ProtocolCLIP(_PlainCLIP):
         return self.loss_fn(e1, e2, batch[2], self.logit_scale).loss
 
 
-def _fit(module, callbacks, tmp_path, max_epochs: int = 1):
+def _fit(module, callbacks, tmp_path, max_epochs: int = 1, accumulate: int = 1):
     trainer = pl.Trainer(
+        accumulate_grad_batches=accumulate,
         max_epochs=max_epochs,
         accelerator="cpu",
         devices=1,
@@ -331,7 +332,7 @@ class _ReadingCLIP(_ProtocolCLIP):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def _tau_lr_factor_warnings(module, tmp_path, monkeypatch) -> tuple[list[str], list[int]]:
+def _tau_lr_factor_warnings(module, tmp_path, monkeypatch, accumulate: int = 1) -> tuple[list[str], list[int]]:
     """Messages about tau_lr_factor from a 2-epoch fit that starts at tau = 0.02, below v3's step threshold (the
     rule switches after the first step), and how many times the scheduler checked the learning rate."""
     checks: list[int] = []
@@ -346,7 +347,8 @@ def _tau_lr_factor_warnings(module, tmp_path, monkeypatch) -> tuple[list[str], l
         module.logit_scale_parameter().fill_(math.log(50.0))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _fit(module, [TemperatureScheduler(tau_min=0.01, step_thresh=0.03)], tmp_path, max_epochs=2)
+        scheduler = TemperatureScheduler(tau_min=0.01, step_thresh=0.03)
+        _fit(module, [scheduler], tmp_path, max_epochs=2 * accumulate, accumulate=accumulate)
     return [str(w.message) for w in caught if "tau_lr_factor" in str(w.message)], checks
 
 
@@ -364,6 +366,13 @@ def test_temperature_scheduler_is_quiet_when_the_learning_rate_follows_tau_lr_fa
     messages, checks = _tau_lr_factor_warnings(module, tmp_path, monkeypatch)
     assert messages == [] and checks == [2]  # checked one step after the switch, and it followed
     assert module.trainer.optimizers[0].param_groups[1]["lr"] == pytest.approx(0.01 / 3)
+
+
+def test_temperature_scheduler_acts_after_optimizer_steps_not_micro_batches(tmp_path, monkeypatch):
+    """With gradient accumulation the clamp, the v3 rule and its one-step-later check follow optimizer steps."""
+    module = _ReadingCLIP()
+    messages, checks = _tau_lr_factor_warnings(module, tmp_path, monkeypatch, accumulate=2)
+    assert messages == [] and checks == [2], (messages, checks)
 
 
 @pytest.mark.open_clip

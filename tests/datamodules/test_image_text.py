@@ -132,6 +132,36 @@ def test_train_loader_drop_last_is_an_argument_defaulting_to_true():
         ImageTextDataModule(model=MICRO, num_train=6, num_val=4, batch_size=8).train_dataloader()
 
 
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_global_batches_do_not_depend_on_the_number_of_processes(drop_last):
+    """On K processes with batch b each, the ranks' batches (in rank order) are the one-process batches of K * b."""
+    from types import SimpleNamespace
+
+    n, world, b = 27, 3, 2
+    one = ImageTextDataModule(
+        model=MICRO, num_train=n, num_val=4, batch_size=world * b, augment=False, drop_last=drop_last
+    )
+    one.trainer = SimpleNamespace(global_rank=0, world_size=1)
+    loaders = []
+    for rank in range(world):
+        dm = ImageTextDataModule(model=MICRO, num_train=n, num_val=4, batch_size=b, augment=False, drop_last=drop_last)
+        dm.trainer = SimpleNamespace(global_rank=rank, world_size=world)  # what Lightning attaches
+        loader = dm.train_dataloader()
+        assert isinstance(loader.sampler, torch.utils.data.DistributedSampler)  # so Lightning keeps it
+        loader.sampler.set_epoch(1)
+        loaders.append(loader)
+    one_loader = one.train_dataloader()
+    one_loader.sampler.set_epoch(1)
+    expected = [batch[2].tolist() for batch in one_loader]
+    per_rank = [[batch[2].tolist() for batch in loader] for loader in loaders]
+    assert len({len(r) for r in per_rank}) == 1  # every rank runs the same number of steps
+    together = [sum(parts, []) for parts in zip(*per_rank, strict=True)]
+    if drop_last:
+        assert together == expected  # 4 global batches of 6
+    else:  # 27 = 4 x 6 + 3: the remainder is split evenly, one pair per rank
+        assert together[:-1] == expected[:-1] and together[-1] == expected[-1][:3]
+
+
 @pytest.mark.sklearn
 def test_digits_set_has_prompt_captions():
     dm = ImageTextDataModule(dataset="digits", model=MICRO, val_fraction=0.2)

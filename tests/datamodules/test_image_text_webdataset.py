@@ -155,3 +155,38 @@ def test_a_huge_brace_range_is_refused_at_once_with_its_size(tmp_path):
     _shard(tmp_path / "x-007.tar", [_good(0)])
     _shard(tmp_path / "x-008.tar", [_good(1)])
     assert [p.name for p in expand_shards(str(tmp_path / "x-{007..008}.tar"))] == ["x-007.tar", "x-008.tar"]
+
+
+def test_a_decompression_bomb_names_shard_and_key_in_both_modes(tmp_path, monkeypatch):
+    from PIL import Image
+
+    shard = _shard(tmp_path / "b.tar", [_good(0), ("bomb", "png", _image(5), b"a caption")])
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 200)  # a 24 x 24 image is then more than twice the limit
+    ds = _dataset([shard])
+    with pytest.raises(OSError, match=r"Cannot decode the image of .*b\.tar sample '0000'.*decompression bomb"):
+        ds[0]
+    with pytest.warns(UserWarning, match="Skipped 2"):
+        skipped = _dataset([shard], on_error="skip")
+    assert "b.tar sample 'bomb'" in skipped.skipped[1] and "DecompressionBombError" in skipped.skipped[1]
+
+
+def test_a_damaged_member_header_says_checksum_and_names_the_last_good_key(tmp_path):
+    shard = _shard(tmp_path / "h.tar", [_good(0), _good(1), _good(2)])
+    with tarfile.open(shard) as tar:
+        second = tar.getmember("0001.png")
+    data = bytearray(shard.read_bytes())
+    data[second.offset] ^= 1  # one bit of the member's name: its header checksum no longer matches
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"h\.tar: .*byte {second.offset} on \(a damaged member header: bad checksum"):
+        _dataset([shard])
+
+
+def test_a_bomb_in_a_csv_image_names_the_file(tmp_path, monkeypatch):
+    from PIL import Image
+
+    from lightning_sdp.datamodules.image_text.datasets import FileImageText
+
+    (tmp_path / "a.png").write_bytes(_image(3))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 200)
+    with pytest.raises(OSError, match=rf"cannot be read as images, first: {tmp_path / 'a.png'}"):
+        FileImageText([tmp_path / "a.png"], ["a caption"], transform=lambda img: img, tokenizer=None)

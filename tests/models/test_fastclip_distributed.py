@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -182,3 +183,103 @@ def test_lightning_ddp_keeps_identical_estimators_on_every_rank(tmp_path):
     assert int((torch.from_numpy(r0["u1"]) > 0).sum()) == 24
     for key in ("u1", "tau1", "param"):
         assert (r0[key] == r1[key]).all(), key
+
+
+# ---------------------------------------------------------------- resuming on another number of processes
+RESUME_DATA, GLOBAL_BATCH = 32, 8  # 4 optimizer steps per epoch
+STATE_KEYS = ("loss_fn.u1", "loss_fn.u2", "loss_fn.tau1", "loss_fn.tau2", "loss_fn.bound1", "loss_fn.m1", "loss_fn.v2")
+
+
+def _resume_fit(
+    world_size: int, root: str, epochs: int, ckpt: str | None = None, save: str | None = None, accumulate: int = 1
+) -> dict[str, object]:
+    """Train FastCLIP-v2 (per-sample estimators and temperatures) in float64 on ``world_size`` processes with the
+    same global batches whatever ``world_size``; return the final state and the estimators right after loading."""
+    import lightning.pytorch as pl
+
+    from lightning_sdp.callbacks import GammaScheduler, TemperatureScheduler
+    from lightning_sdp.datamodules import ImageTextDataModule
+    from lightning_sdp.models import FastCLIPModule
+
+    class _LoadedState(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.state = {k: v.detach().numpy().copy() for k, v in pl_module.state_dict().items() if k in STATE_KEYS}
+
+    pl.seed_everything(0)
+    batch = GLOBAL_BATCH // world_size // accumulate
+    dm = ImageTextDataModule(model=MICRO, num_train=RESUME_DATA, num_val=8, batch_size=batch, augment=False)
+    module = FastCLIPModule(
+        model=MICRO, loss="fastclip_v2", data_size=RESUME_DATA, warmup_steps=2, lr=5e-3, max_steps=8
+    )
+    # float64 before the checkpoint is loaded: Lightning restores the weights before "64-true" converts the module
+    module = module.double()
+    loaded = _LoadedState()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy="ddp" if world_size > 1 else "auto",
+        max_epochs=epochs,
+        precision="64-true",
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=root,
+        callbacks=[GammaScheduler(gamma_min=0.5, decay_epochs=2), TemperatureScheduler(), loaded],
+    )
+    trainer.fit(module, dm, ckpt_path=ckpt)
+    if save:
+        trainer.save_checkpoint(save)
+    return {
+        "state": {k: v.detach().numpy().copy() for k, v in module.state_dict().items()},
+        "loaded": loaded.state,
+        "steps": trainer.global_step,
+    }
+
+
+def _two_ranks_resume(rank: int, world_size: int, root: str) -> dict[str, object]:
+    """On 2 ranks: (a) resume the 1-process checkpoint of epoch 1 for epoch 2; (b) train epoch 1 and save it;
+    (c) one epoch with gradient accumulation (2 micro-batches of 2 per rank: global batch 8)."""
+    return {
+        "from_one": _resume_fit(2, root, 2, ckpt=f"{root}/one.ckpt"),
+        "first_epoch": _resume_fit(2, root, 1, save=f"{root}/two.ckpt"),
+        "accumulated": _resume_fit(2, root, 1, accumulate=2),
+    }
+
+
+def _assert_state_close(ours: dict, ref: dict, what: str) -> None:
+    assert ours.keys() == ref.keys()
+    for k in ref:
+        torch.testing.assert_close(
+            torch.from_numpy(ours[k]), torch.from_numpy(ref[k]), rtol=1e-9, atol=1e-12, msg=f"{what}: {k}"
+        )
+
+
+@pytest.mark.open_clip
+def test_per_sample_state_resumes_on_another_number_of_processes(tmp_path):
+    """1 -> 2 and 2 -> 1 processes. The per-sample state (u, v2's temperatures, bounds, moments) is loaded
+    bit-identical on every rank, and training on continues as an uninterrupted one-process run to 1e-9 relative
+    (float64: the two-process sums are taken in another order, so equality is to rounding, not to the bit)."""
+    root = str(tmp_path)
+    straight = _resume_fit(1, root, 2)
+    _resume_fit(1, root, 1, save=f"{root}/one.ckpt")
+    ranks = run_distributed(_two_ranks_resume, 2, root, init_group=False, timeout=500)
+    saved_one = torch.load(f"{root}/one.ckpt", weights_only=False)["state_dict"]
+    for r in ranks:  # 1 -> 2
+        for k in STATE_KEYS:
+            assert (r["from_one"]["loaded"][k] == saved_one[k].numpy()).all(), k
+        assert r["from_one"]["steps"] == 8
+        _assert_state_close(r["from_one"]["state"], straight["state"], "1 -> 2")
+    back = _resume_fit(1, root, 2, ckpt=f"{root}/two.ckpt")  # 2 -> 1
+    saved_two = torch.load(f"{root}/two.ckpt", weights_only=False)["state_dict"]
+    for k in STATE_KEYS:
+        assert (back["loaded"][k] == saved_two[k].numpy()).all(), k
+        assert (ranks[0]["first_epoch"]["state"][k] == ranks[1]["first_epoch"]["state"][k]).all(), k
+    _assert_state_close(back["state"], straight["state"], "2 -> 1")
+    assert float(np.abs(straight["state"]["loss_fn.tau1"] - 0.03).max()) > 1e-3  # the temperatures moved
+    # gradient accumulation on 2 processes: one epoch equals one epoch at the same global batch
+    one_epoch = _resume_fit(1, root, 1)
+    for r in ranks:
+        _assert_state_close(r["accumulated"]["state"], one_epoch["state"], "accumulated on 2 ranks")

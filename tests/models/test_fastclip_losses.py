@@ -96,6 +96,48 @@ def test_first_visit_sets_u_to_g_then_moving_average():
     assert float(loss.u1[0]) == pytest.approx(float(out3.g1[3]))
 
 
+def _opposed_pairs() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two float32 pairs whose positives are nearly opposite and whose negatives nearly agree: at tau = 0.01 the
+    scaled logit difference (and so v2's running bound) jumps from 0 to about 140."""
+    a = torch.tensor([1.0, 0.0, 0.0])
+    b = torch.tensor([0.0, 1.0, 0.0])
+    e1 = torch.stack([a, b])
+    e2 = F.normalize(torch.stack([b - 0.95 * a, a - 0.95 * b]), dim=1)
+    return e1, e2
+
+
+@pytest.mark.parametrize("gamma", [0.5, 1.0])
+def test_v2_estimator_reset_tests_the_stored_u_before_rescaling(gamma):
+    """The official rule (``Optimization-AI/fast_clip``, ``FastCLIPLossIndividual.forward``): with gamma < 1, a stored
+    u below 1e-35 (or not finite) is replaced by g; the test is made on the stored u, *before* it is rescaled to the new
+    bound, so a stored estimate that the rescaling sends to 0 (a bound jump above ~104 in float32) is averaged,
+    ``u = (1 - gamma) * 0 + gamma * g``, not reset to ``g``."""
+    loss = GlobalContrastiveLoss(4, objective="rgcl", temperature="individual", gamma=gamma)
+    loss.tau1.fill_(0.01)
+    loss.tau2.fill_(0.01)
+    loss.u1.fill_(1.0)
+    loss.u2.fill_(1.0)
+    e1, e2 = _opposed_pairs()
+    idx = torch.tensor([0, 1])
+    out = loss(e1, e2, idx, None)
+    assert float(loss.bound1[idx].min()) > 120  # the bound jumped: exp(-jump) underflows in float32
+    assert float(torch.exp(-loss.bound1[idx]).max()) == 0.0
+    expected = gamma * out.g1 if gamma < 1 else out.g1
+    assert torch.equal(loss.u1[idx], expected)
+
+
+def test_estimator_reset_below_1e_35_only_when_gamma_below_one():
+    """A stored u in (0, 1e-35) is a reset (``u = g``) in the official code when gamma < 1, not a moving average."""
+    loss = GlobalContrastiveLoss(8, objective="gcl", temperature="constant", gamma=0.25)
+    loss.u1.fill_(1e-36)
+    loss.u2.fill_(2e-35)  # above the threshold: averaged
+    e1, e2 = (t.detach().float() for t in _features(4))
+    idx = torch.tensor([0, 2, 4, 6])
+    out = loss(e1, e2, idx, math.log(10.0))
+    assert torch.equal(loss.u1[idx], out.g1)
+    torch.testing.assert_close(loss.u2[idx], 0.75 * torch.tensor(2e-35) + 0.25 * out.g2)
+
+
 def test_v3_tau_gradient_is_rgcl_g_gradient_when_u_equals_g():
     """With gamma = 1 (u = g) the logit_scale gradient equals autograd of the rgcl_g objective.
 

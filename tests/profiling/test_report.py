@@ -97,7 +97,19 @@ def test_findings_trigger_and_stay_quiet():
     # Attention module takes 80 % of the matrix time -> attention dominates at 72 % of the step.
     att = _report(matrix=900, vector=100)
     f = next(x for x in att.findings if x.check == "attention_dominating")
-    assert "no device peaks" in f.message
+    assert "no matrix_tflops or vector_tflops peak known" in f.message and "d_model" not in f.message
+    no_dims = build_report(
+        breakdown=_breakdown(0.8, matrix=900, vector=100),
+        steps=2,
+        device=DeviceInfo(type="cpu", name=None, precision="32-true", matrix_dtype="fp32"),
+        work=_work(),
+        peaks={"matrix_tflops": 2.0, "vector_tflops": 0.1, "mem_gbps": None},
+        batch_shapes=[[[4, 64]]],
+        model_dims=ModelDims(seq_len=64),
+    )
+    f0 = next(x for x in no_dims.findings if x.check == "attention_dominating")
+    assert "d_model and n_heads unknown" in f0.message and "EngineProfiler(d_model=..., n_heads=...)" in f0.message
+    assert "analytic crossover: not computed (the model's d_model and n_heads unknown" in summary_table(no_dims)
     att2 = _report(matrix=900, vector=100, peaks={"matrix_tflops": 2.0, "vector_tflops": 0.1, "mem_gbps": None})
     f2 = next(x for x in att2.findings if x.check == "attention_dominating")
     assert "crossover" in f2.message
@@ -173,12 +185,13 @@ def test_steps_must_be_positive():
         )
 
 
-# The keys of the dict reports of earlier releases: result files written before the typed report stay readable.
+# The keys of the dict reports of earlier releases (and ``memory``, which they lack): result files written before the
+# typed report stay readable.
 _WINDOW_KEYS = [
     "rank", "world_size", "cycle", "start_batch", "device", "steps", "step_time_s", "window_us", "batch_shapes",
     "model", "categories_s", "fractions", "overlap_scale", "modules", "top_ops", "flops", "throughput", "peaks",
     "peak_sources", "peaks_measured", "utilisation", "utilisation_measured", "analytic", "cuda", "hpu", "findings",
-    "trace_file", "analysis_s",
+    "trace_file", "analysis_s", "memory",
 ]  # fmt: skip
 
 

@@ -23,13 +23,13 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils._pytree import tree_flatten
 from typing_extensions import override
 
+from lightning_sdp._files import write_text_atomic
 from lightning_sdp.callbacks.engine_profiler.outputs import (
     TraceExportError,
     check_writable,
     closing_message,
     export_trace,
 )
-from lightning_sdp.profiling.files import write_text_atomic
 from lightning_sdp.profiling.results import DeviceInfo, EngineReport, MergedReport, ModelDims
 
 _MODEL_DIM_KEYS = {
@@ -68,7 +68,13 @@ class EngineProfiler(Callback):
     (``print_summary=True``) rank 0 prints the summary table and logs once (``rank_zero_info``) where the files are
     and whether the device ceilings were measured in this run or read from the cache, naming the cache file.
 
+    By default only global rank 0 profiles (``all_ranks=True``: every rank, each writing its own files, rank 0 the
+    merged summary); the other ranks do nothing at all. Beside the engine shares the report gives the peak memory of
+    each profiled step (the CUDA / HPU allocator's peak, or on the CPU the process's peak resident set).
+
     Args:
+        skip_first: batches to skip once before the first cycle (``torch.profiler.schedule``'s ``skip_first``), e.g.
+            to profile after the first epoch's start-up. Default 0.
         wait: batches to skip at the start of each cycle. Default 2.
         warmup: batches before the active ones; the last counts FLOPs (needs ``>= 1`` for TFLOPS). Default 1.
         active: profiled batches per cycle. Default 3.
@@ -77,6 +83,10 @@ class EngineProfiler(Callback):
         dirpath: output folder; default ``<trainer.log_dir or default_root_dir>/engine_profiler``.
         filename: stem of the output files. Default ``"engine_profile"``.
         export_trace: write the gzip Chrome trace per rank and window. Default True.
+        max_trace_mb: largest compressed trace kept per window, in MiB; a larger one is not written (a warning gives
+            its size; the report is made all the same). ``None``: no bound. Default 100.
+        all_ranks: profile every rank (each writes its own ``-rank<R>`` files); ``False`` (default): global rank 0
+            only.
         save_plot: rank 0 writes the PNG at the end. Default True.
         count_flops: count FLOPs and vector work in the last warm-up batch. Default True.
         module_view: open a ``record_function`` scope per module during active batches for the per-module view
@@ -98,6 +108,7 @@ class EngineProfiler(Callback):
 
     def __init__(
         self,
+        skip_first: int = 0,
         wait: int = 2,
         warmup: int = 1,
         active: int = 3,
@@ -105,6 +116,8 @@ class EngineProfiler(Callback):
         dirpath: str | None = None,
         filename: str = "engine_profile",
         export_trace: bool = True,
+        max_trace_mb: float | None = 100.0,
+        all_ranks: bool = False,
         save_plot: bool = True,
         count_flops: bool = True,
         module_view: bool = True,
@@ -119,6 +132,7 @@ class EngineProfiler(Callback):
     ) -> None:
         super().__init__()
         for name, value, low in (
+            ("skip_first", skip_first, 0),
             ("wait", wait, 0),
             ("warmup", warmup, 0),
             ("active", active, 1),
@@ -130,9 +144,12 @@ class EngineProfiler(Callback):
             raise ValueError(f"EngineProfiler: filename must be a plain file stem, got {filename!r}")
         if softmax_k <= 0:
             raise ValueError(f"EngineProfiler: softmax_k must be positive, got {softmax_k}")
+        if max_trace_mb is not None and not max_trace_mb > 0:
+            raise ValueError(f"EngineProfiler: max_trace_mb must be positive or None, got {max_trace_mb!r}")
         from lightning_sdp.profiling.peaks import resolve_peaks
 
         resolve_peaks(None, "fp32", peaks)  # validates the override keys and values now, not mid-training
+        self.skip_first = skip_first
         self.wait = wait
         self.warmup = warmup
         self.active = active
@@ -140,6 +157,8 @@ class EngineProfiler(Callback):
         self.dirpath = dirpath
         self.filename = filename
         self.export_trace = export_trace
+        self.max_trace_mb = max_trace_mb
+        self.all_ranks = all_ranks
         self.save_plot = save_plot
         self.count_flops = count_flops
         self.module_view = module_view
@@ -170,6 +189,7 @@ class EngineProfiler(Callback):
         self._ceilings_note: str | None = None  # where the machine ceilings came from, for the closing message
         self._files_written: list[Path] = []
         self._traces_written = 0
+        self._memory: Any = None  # the PeakMemoryMeter of the training device, from setup on
         self._reset_window()
 
     # ------------------------------------------------------------------ schedule
@@ -179,8 +199,11 @@ class EngineProfiler(Callback):
         return self.wait + self.warmup + self.active
 
     def _phase(self, batch: int) -> tuple[str | None, int, int]:
-        """(phase, position in the cycle, cycle) of a batch index; phase None after the last cycle."""
-        cycle, pos = divmod(batch, self.cycle_length)
+        """(phase, position in the cycle, cycle) of a batch index; phase None after the last cycle. The first
+        ``skip_first`` batches are ``wait`` batches of cycle 0 at negative positions."""
+        if batch < self.skip_first:
+            return "wait", batch - self.skip_first, 0
+        cycle, pos = divmod(batch - self.skip_first, self.cycle_length)
         if self._repeat and cycle >= self._repeat:
             return None, pos, cycle
         if pos < self.wait:
@@ -198,6 +221,7 @@ class EngineProfiler(Callback):
         self._t_start = 0.0
         self._active_steps = 0
         self._batch_shapes: list[list[list[int]]] = []
+        self._step_peaks: list[int] = []
         self._seq_len: int | None = None
         self._window_start_batch = 0
 
@@ -220,6 +244,12 @@ class EngineProfiler(Callback):
         self._device_type = trainer.strategy.root_device.type
         self._rank = trainer.global_rank
         self._world_size = trainer.world_size
+        if not self.all_ranks and self._rank != 0:
+            self._disabled = True  # rank 0 profiles; this rank does nothing (all_ranks=True profiles every rank)
+            return
+        from lightning_sdp.profiling.memory import PeakMemoryMeter
+
+        self._memory = PeakMemoryMeter(trainer.strategy.root_device)
         base = (
             Path(self.dirpath)
             if self.dirpath
@@ -236,7 +266,8 @@ class EngineProfiler(Callback):
         total = self._total_batches(trainer)
         if self.repeat is None:
             # As many windows as the run holds (planned from the whole run, so a resumed run plans the same).
-            self._repeat = AUTO_WINDOWS if total is None else max(1, min(AUTO_WINDOWS, total // self.cycle_length))
+            cycles = None if total is None else (total - self.skip_first) // self.cycle_length
+            self._repeat = AUTO_WINDOWS if cycles is None else max(1, min(AUTO_WINDOWS, cycles))
         remaining = None if total is None else total - self._batches_seen
         if remaining is not None and self._phase(self._batches_seen)[0] is not None:
             need = self.cycle_length - self._phase(self._batches_seen)[1]
@@ -320,6 +351,8 @@ class EngineProfiler(Callback):
         if pos == self.wait + self.warmup:
             self._start_profiler(pl_module)
             self._window_start_batch = self._batches_seen
+        if self._prof is not None and self._memory is not None:
+            self._memory.start()
 
     @override
     def on_train_batch_end(
@@ -339,6 +372,9 @@ class EngineProfiler(Callback):
             return
         if self._prof is not None:
             self._active_steps += 1
+            peak = self._memory.stop() if self._memory is not None else None
+            if peak is not None:
+                self._step_peaks.append(peak)
         if pos == self.cycle_length - 1:
             if self._prof is None:
                 rank_zero_warn(
@@ -480,7 +516,8 @@ class EngineProfiler(Callback):
         path = self._trace_path(cycle)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            export_trace(prof, path)
+            max_bytes = None if self.max_trace_mb is None else int(self.max_trace_mb * 2**20)
+            export_trace(prof, path, max_bytes=max_bytes)
         except (TraceExportError, OSError) as err:
             # Each rank writes its own trace, so every rank warns for its own (not only rank 0).
             warnings.warn(
@@ -555,6 +592,7 @@ class EngineProfiler(Callback):
             start_batch=self._window_start_batch,
             measured_peaks=self._measured_peaks,
             peak_sources=sources,
+            memory=self._step_memory(),
         )
         report.trace_file = str(trace_path) if trace_path is not None and self.export_trace else None
         # One-off cost after the window: stopping the profiler, exporting the trace, parsing and classifying.
@@ -563,6 +601,14 @@ class EngineProfiler(Callback):
         self._write_json(f"{self.filename}-rank{self._rank}.json", [r.to_dict() for r in self.reports])
         self._reset_window()
         return report
+
+    def _step_memory(self) -> Any:
+        """The window's per-step peak memory (a :class:`~lightning_sdp.profiling.memory.StepMemory`), or ``None``."""
+        from lightning_sdp.profiling.memory import StepMemory
+
+        if not self._step_peaks or self._memory is None or self._memory.source is None:
+            return None
+        return StepMemory(self._memory.source, list(self._step_peaks))
 
     def _device_and_peaks(self, trainer: Trainer) -> tuple[DeviceInfo, dict[str, float | None], dict[str, str | None]]:
         from lightning_sdp.profiling.peaks import device_key, device_name_of, effective_peaks
@@ -622,7 +668,8 @@ class EngineProfiler(Callback):
         if combined is not None and (combined.windows or 1) > 1 and self.log_metrics:
             self._log_medians_and_spread(trainer, combined)
         gathered: list[Any] = [combined]
-        if self._world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if self.all_ranks and self._world_size > 1 and distributed:
             gathered = [None] * self._world_size
             torch.distributed.all_gather_object(gathered, combined)
         if self._rank != 0:
@@ -641,7 +688,11 @@ class EngineProfiler(Callback):
             self._print_summary(reports)
             rank_zero_info(
                 closing_message(
-                    self._dir, self._files_written, self._traces_written, self._world_size, self._ceilings_note
+                    self._dir,
+                    self._files_written,
+                    self._traces_written,
+                    self._world_size if self.all_ranks else 1,
+                    self._ceilings_note,
                 )
             )
 

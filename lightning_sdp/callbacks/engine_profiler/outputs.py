@@ -1,21 +1,19 @@
 """EngineProfiler's output files: the folder check at setup, the checked trace export, and the closing message.
 
-Reports are JSON written atomically (:func:`~lightning_sdp.profiling.files.write_text_atomic`). The Chrome trace
-is exported by torch; :func:`export_trace` checks what torch wrote before the report names the file, because a
-failed export can otherwise leave an empty or truncated ``.gz`` under the final name.
+Reports are JSON written atomically (:func:`~lightning_sdp._files.write_text_atomic`). The Chrome trace is exported
+by torch; :func:`export_trace` checks what torch wrote before the report names the file, because a failed export can
+otherwise leave an empty or truncated ``.gz`` under the final name (or torch's own ``.tmp`` files beside it).
 """
 
 from __future__ import annotations
 
 import gzip
-import os
 import shutil
 import tempfile
-from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
-from lightning_sdp.profiling.files import default_file_mode
+from lightning_sdp._files import atomic_path
 
 
 class TraceExportError(OSError):
@@ -32,9 +30,8 @@ def check_writable(path: Path, given: bool) -> None:
     what = "dirpath" if given else "the default output folder (<log_dir>/engine_profiler)"
     try:
         path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path, prefix=".engine_profiler_probe_")
-        os.close(fd)
-        os.unlink(probe)
+        with tempfile.TemporaryFile(dir=path, prefix=".engine_profiler_probe_") as probe:
+            probe.write(b"probe")
     except OSError as err:
         raise OSError(
             f"EngineProfiler: cannot write to {what} {str(path)!r} ({type(err).__name__}: {err.strerror or err}). "
@@ -42,64 +39,68 @@ def check_writable(path: Path, given: bool) -> None:
         ) from err
 
 
-def export_trace(prof: Any, path: Path) -> Path:
+def export_trace(prof: Any, path: Path, max_bytes: int | None = None) -> Path:
     """Write the profiler's Chrome trace to ``path`` (gzip) and check that it reads back.
 
-    torch writes the trace as plain JSON to a temporary file in the same folder, which is then compressed in large
-    blocks at a fast level into a second temporary file (torch's own ``.gz`` export compresses line by line, in
-    many small writes); that one is renamed to ``path`` only once it is non-empty and decompresses to what torch
-    wrote. Temporary files are removed whatever happens, and so is an earlier file at ``path``, so that a file of
-    that name is always this export's.
+    torch writes the trace as plain JSON into a private temporary folder beside ``path`` (where it may also create
+    files of its own), which is compressed in large blocks at a fast level (torch's own ``.gz`` export compresses
+    line by line, in many small writes) into a temporary file that is renamed to ``path`` only once it is non-empty,
+    within ``max_bytes`` and decompresses to what torch wrote (:func:`~lightning_sdp._files.atomic_path`). The
+    temporary folders are removed whatever happens, and so is an earlier file at ``path``, so that a file of that
+    name is always this export's.
 
     Args:
         prof: a stopped ``torch.profiler.profile``.
         path: the ``.pt.trace.json.gz`` file to write; its folder must exist.
+        max_bytes: largest compressed trace to keep; ``None``: no bound.
 
     Returns:
         ``path``.
 
     Raises:
-        TraceExportError: torch's export raised or wrote nothing readable, or compressing failed; the message says
-            which and why.
+        TraceExportError: torch's export raised or wrote nothing readable, compressing failed, or the trace is larger
+            than ``max_bytes``; the message says which and why.
     """
-    raw = _mkstemp_closed(path, ".json.tmp")
-    packed = _mkstemp_closed(path, ".gz.tmp")
     try:
-        try:
-            prof.export_chrome_trace(raw)
-        except Exception as err:
-            raise TraceExportError(f"torch's export_chrome_trace failed ({type(err).__name__}: {err})") from err
-        head = _check_json_start(Path(raw))
-        try:
-            with open(raw, "rb") as src, gzip.open(packed, "wb", compresslevel=1) as dst:
-                shutil.copyfileobj(src, dst, length=1 << 20)
-            with gzip.open(packed, "rb") as check:
-                readback = check.read(len(head))
-        except (OSError, EOFError) as err:
-            raise TraceExportError(f"compressing the trace failed ({type(err).__name__}: {err})") from err
-        if readback != head:
-            raise TraceExportError("the compressed trace does not read back as the trace torch wrote")
-        os.chmod(packed, default_file_mode())
-        os.replace(packed, path)
+        with tempfile.TemporaryDirectory(
+            prefix=f".{path.name}.", suffix=".tmp", dir=path.parent, ignore_cleanup_errors=True
+        ) as folder:
+            raw = Path(folder) / "trace.json"
+            try:
+                prof.export_chrome_trace(str(raw))
+            except Exception as err:
+                raise TraceExportError(f"torch's export_chrome_trace failed ({type(err).__name__}: {err})") from err
+            head = _check_json_start(raw)
+            try:
+                with atomic_path(path) as packed:
+                    _compress(raw, packed, head, max_bytes)
+            except OSError as err:
+                if isinstance(err, TraceExportError):
+                    raise
+                raise TraceExportError(f"compressing the trace failed ({type(err).__name__}: {err})") from err
     except BaseException:
-        with suppress(OSError):
-            path.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
         raise
-    finally:
-        for tmp in (raw, packed):
-            with suppress(OSError):
-                Path(tmp).unlink(missing_ok=True)
     return path
 
 
-def _mkstemp_closed(path: Path, suffix: str) -> str:
-    """A new, empty temporary file beside ``path`` (hidden, unpredictable name); returns its path."""
+def _compress(raw: Path, packed: Path, head: bytes, max_bytes: int | None) -> None:
+    """gzip ``raw`` into ``packed``; raise unless the result is within ``max_bytes`` and starts with ``head``."""
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
-    except OSError as err:
-        raise TraceExportError(f"cannot create a file in {path.parent} ({type(err).__name__}: {err})") from err
-    os.close(fd)
-    return tmp
+        with open(raw, "rb") as src, gzip.open(packed, "wb", compresslevel=1) as dst:
+            shutil.copyfileobj(src, dst, length=1 << 20)
+        size = packed.stat().st_size
+        with gzip.open(packed, "rb") as check:
+            readback = check.read(len(head))
+    except EOFError as err:
+        raise TraceExportError(f"compressing the trace failed ({type(err).__name__}: {err})") from err
+    if max_bytes is not None and size > max_bytes:
+        raise TraceExportError(
+            f"the compressed trace has {size / 2**20:.1f} MiB, over the bound of {max_bytes / 2**20:.1f} MiB "
+            "(max_trace_mb); not kept"
+        )
+    if readback != head:
+        raise TraceExportError("the compressed trace does not read back as the trace torch wrote")
 
 
 def _check_json_start(raw: Path, size: int = 64) -> bytes:
@@ -107,6 +108,12 @@ def _check_json_start(raw: Path, size: int = 64) -> bytes:
     try:
         with open(raw, "rb") as fh:
             head = fh.read(size)
+    except FileNotFoundError as err:
+        free = shutil.disk_usage(raw.parent).free
+        raise TraceExportError(
+            f"torch wrote no trace file ({free / 2**20:.1f} MiB free in {raw.parent.parent}; torch's trace writer "
+            "fails without raising, e.g. on a full disk)"
+        ) from err
     except OSError as err:
         raise TraceExportError(f"torch's trace cannot be read back ({type(err).__name__}: {err})") from err
     if not head:

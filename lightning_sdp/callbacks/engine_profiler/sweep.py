@@ -24,9 +24,9 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_sdp._files import write_text_atomic
 from lightning_sdp.callbacks.engine_profiler.callback import EngineProfiler
 from lightning_sdp.models.gpt import GPT
-from lightning_sdp.profiling.files import write_text_atomic
 from lightning_sdp.profiling.peaks import calibrate_cpu
 from lightning_sdp.profiling.results import EngineReport
 

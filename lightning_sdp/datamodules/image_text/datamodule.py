@@ -3,6 +3,7 @@ or WebDataset shards; samples are ``(image, tokens, index)``."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sized
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -27,7 +28,7 @@ from lightning_sdp.datamodules.image_text.webdataset import (
     expand_shards,
     is_webdataset_path,
 )
-from lightning_sdp.datamodules.sampling import EpochSeededSampler
+from lightning_sdp.datamodules.sampling import EpochSeededSampler, epoch_permutation
 from lightning_sdp.integrations.open_clip import image_size_of, preprocess_for, tokenizer_for
 
 _ImageTextSet = ImageTextDataset | WebDatasetImageText | WebDatasetSubset
@@ -51,7 +52,10 @@ class ImageTextDataModule(LightningDataModule):
         val_data: same for validation; ``None`` holds out ``val_fraction`` of the training pairs.
         model: model whose tokenizer and image size to use (``"tiny"``, an open_clip name or config dict). Default
             ``"tiny"``.
-        batch_size: per-device training batch size (FastCLIP's global batch = this times the devices). Default 64.
+        batch_size: per-device training batch size (FastCLIP's global batch = this times the devices). The global
+            batches do not depend on the number of devices: ``batch_size=b`` on ``K`` devices trains on the same
+            batches, in the same order, as ``batch_size=K * b`` on one (so a run can resume on another number of
+            processes). Default 64.
         val_batch_size: validation batch size (default ``batch_size``).
         num_workers: DataLoader workers. Default 0.
         num_train: number of generated training samples (``shapes``, ``scenes``). Default 2000.
@@ -205,7 +209,7 @@ class ImageTextDataModule(LightningDataModule):
         return WebDatasetSubset(train, tr, train_tf), WebDatasetSubset(train, va, val_tf)
 
     def _world(self) -> tuple[int, int]:
-        trainer = self._trainer if hasattr(self, "_trainer") else None
+        trainer = self.trainer
         if trainer is not None:
             return trainer.global_rank, trainer.world_size
         return 0, 1
@@ -216,8 +220,7 @@ class ImageTextDataModule(LightningDataModule):
         rank, world = self._world()
         hp = self._hp
         if world > 1:
-            # drop_last: no padding duplicates (the estimators need distinct samples) and equal shards
-            sampler: Any = DistributedSampler(train_set, world, rank, shuffle=True, seed=hp.seed, drop_last=True)
+            sampler: Any = _GlobalBatchShard(train_set, world, rank, hp.batch_size, hp.seed, bool(hp.drop_last))
         else:
             sampler = EpochSeededSampler(len(train_set), seed=hp.seed)
         drop_last = bool(hp.drop_last)
@@ -253,3 +256,40 @@ def _holdout_split(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, 
     perm = np.random.default_rng(seed).permutation(n)
     n_val = max(1, int(round(n * val_fraction)))
     return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+
+
+class _GlobalBatchShard(DistributedSampler):
+    """Process ``rank``'s share of each global batch of the one-process order (:class:`EpochSeededSampler`).
+
+    Global batch ``s`` holds positions ``[s * G, (s + 1) * G)`` of the epoch's permutation (``G = world * batch``);
+    rank ``r`` takes its ``r``-th slice of ``batch`` positions, so the ranks together (in rank order, as FastCLIP
+    gathers them) train on the batches one process would train on with ``batch_size = G``. No sample is repeated
+    (no padding: the estimators need distinct samples). Without ``drop_last`` the remainder is split evenly (what
+    does not divide is left out), so every rank runs the same number of steps. A ``DistributedSampler``, so
+    Lightning keeps it (and calls ``set_epoch``).
+    """
+
+    def __init__(self, dataset: Sized, world: int, rank: int, batch: int, seed: int, drop_last: bool) -> None:
+        super().__init__(dataset, world, rank, shuffle=True, seed=seed, drop_last=True)  # type: ignore[arg-type]
+        self.n, self.batch = len(dataset), int(batch)
+        self.keep_rest = not drop_last
+
+    def _positions(self) -> list[int]:
+        global_batch = self.batch * self.num_replicas
+        full = self.n // global_batch
+        out: list[int] = []
+        for s in range(full):
+            start = s * global_batch + self.rank * self.batch
+            out.extend(range(start, start + self.batch))
+        if self.keep_rest:
+            per_rank = (self.n - full * global_batch) // self.num_replicas
+            start = full * global_batch + self.rank * per_rank
+            out.extend(range(start, start + per_rank))
+        return out
+
+    def __iter__(self) -> Iterator[int]:
+        order = epoch_permutation(self.n, self.seed, self.epoch)
+        return iter(order[self._positions()].tolist())
+
+    def __len__(self) -> int:
+        return len(self._positions())

@@ -7,7 +7,9 @@
 from __future__ import annotations
 
 import logging
+import struct
 import warnings
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -155,8 +157,22 @@ class FileImageText(ImageTextDataset):
         try:
             with Image.open(path) as img:
                 return img.convert("RGB")
-        except (OSError, ValueError) as err:
+        except image_errors() as err:
             raise OSError(f"Cannot read image {path}: {err}") from err
+
+
+_IMAGE_ERRORS: tuple[type[BaseException], ...] = (OSError, SyntaxError, ValueError, EOFError, struct.error, zlib.error)
+"""What PIL raises on a file it cannot decode (``UnidentifiedImageError``, "image file is truncated" and "broken data
+stream" (a failed zlib check) are ``OSError``; ``verify()`` raises ``SyntaxError`` on a broken PNG chunk); see
+:func:`image_errors` for the full tuple, with PIL's decompression-bomb error."""
+
+
+def image_errors() -> tuple[type[BaseException], ...]:
+    """Every error decoding an image may raise: :data:`_IMAGE_ERRORS` and ``PIL.Image.DecompressionBombError`` (an
+    image with more than twice ``Image.MAX_IMAGE_PIXELS`` pixels)."""
+    from PIL import Image
+
+    return _IMAGE_ERRORS + (Image.DecompressionBombError,)
 
 
 def has_text(caption: Any) -> bool:
@@ -172,7 +188,7 @@ def _readable_header(path: Path) -> bool:
         with Image.open(path) as img:
             img.size  # noqa: B018 - parsed from the header
         return True
-    except (OSError, ValueError, SyntaxError):
+    except image_errors():
         return False
 
 
@@ -183,8 +199,8 @@ def _readable_image(path: Path) -> bool:
         with Image.open(path) as img:
             img.verify()
         return True
-    except (OSError, ValueError, SyntaxError):
+    except image_errors():
         return False
 
 
-__all__ = ["ArrayImageText", "FileImageText", "ImageTextDataset", "has_text"]
+__all__ = ["ArrayImageText", "FileImageText", "ImageTextDataset", "has_text", "image_errors"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from lightning_sdp._files import naming_the_file, utf8_lines
+
 
 def read_csv_pairs(
     path: str | Path, img_key: str = "filepath", caption_key: str = "title", separator: str = "\t"
@@ -22,15 +24,17 @@ def read_csv_pairs(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"CSV file not found: {path}")
-    with path.open(newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f, delimiter=separator)
-        fields = reader.fieldnames or []
-        for key in (img_key, caption_key):
-            if key not in fields:
-                raise KeyError(
-                    f"Column {key!r} not in {path} (columns: {fields}). Set csv_img_key/csv_caption_key/csv_separator."
-                )
-        rows = list(reader)
+    with path.open("rb") as f:
+        reader = csv.DictReader(utf8_lines(f, path), delimiter=separator)
+        with naming_the_file(path, line=lambda: reader.line_num, hint="Check csv_separator and the file's quoting."):
+            fields = reader.fieldnames or []
+            for key in (img_key, caption_key):
+                if key not in fields:
+                    raise KeyError(
+                        f"Column {key!r} not in {path} (columns: {fields}). Set csv_img_key/csv_caption_key/"
+                        "csv_separator."
+                    )
+            rows = list(reader)
     for line, r in enumerate(rows, 2):
         for key in (img_key, caption_key):
             if r.get(key) is None:
@@ -53,7 +57,9 @@ def read_folder_pairs(folder: str | Path, captions_file: str = "captions.tsv") -
     if not cap.is_file():
         raise FileNotFoundError(f"Captions file not found: {cap} (expected lines 'file_name<TAB>caption').")
     paths, captions = [], []
-    for n, line in enumerate(cap.read_text(encoding="utf-8").splitlines(), 1):
+    with cap.open("rb") as f:
+        lines = list(utf8_lines(f, cap))
+    for n, line in enumerate((raw.rstrip("\r\n") for raw in lines), 1):
         if not line.strip():
             continue
         if "\t" not in line:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import logging
-import struct
 import tarfile
 import warnings
 from collections.abc import Callable, Sequence
@@ -15,6 +14,8 @@ from typing import Any, Literal
 import numpy as np
 from torch import Tensor
 from torch.utils.data import Dataset
+
+from lightning_sdp.datamodules.image_text.datasets import image_errors
 
 _log = logging.getLogger(__name__)
 
@@ -105,11 +106,6 @@ def _brace_expand(text: str) -> list[str]:
     return [head + o + rest for o in options for rest in _brace_expand(tail)]
 
 
-_IMAGE_ERRORS: tuple[type[BaseException], ...] = (OSError, SyntaxError, ValueError, EOFError, struct.error)
-"""What PIL raises on a file it cannot decode (``UnidentifiedImageError`` and "image file is truncated" are
-``OSError``; ``verify()`` raises ``SyntaxError`` on a broken PNG chunk)."""
-
-
 def _decode_image(data: bytes) -> Any:
     """The RGB image of ``data`` (fully decoded)."""
     from PIL import Image
@@ -128,7 +124,7 @@ def _image_problem(data: bytes) -> str | None:
         with Image.open(io.BytesIO(data)) as img:
             img.draft("RGB", (1, 1))  # JPEG: decode at 1/8 scale, still reading every byte
             img.load()
-    except _IMAGE_ERRORS + (Image.DecompressionBombError,) as err:
+    except image_errors() as err:
         return f"an image that cannot be decoded ({type(err).__name__}: {err})"
     return None
 
@@ -173,8 +169,21 @@ def _scan_shard(shard: Path) -> tuple[list[str], dict[str, dict[str, TarInfo]], 
         end = tar.offset
     size = shard.stat().st_size
     if damage is None and not _only_padding(shard, end, size):
-        damage = f"the tar has unreadable data from byte {end} on"  # tarfile stops quietly at a bad header
+        # tarfile stops quietly at a bad header: say what is wrong with it (e.g. its checksum)
+        damage = f"the tar has unreadable data from byte {end} on{_header_problem(shard, end)}"
     return order, members, damage
+
+
+def _header_problem(shard: Path, offset: int) -> str:
+    """Why the 512-byte block at ``offset`` of ``shard`` is not a tar header (`` (bad checksum)``...), or ``""``."""
+    with open(shard, "rb") as f:
+        f.seek(offset)
+        block = f.read(tarfile.BLOCKSIZE)
+    try:
+        tarfile.TarInfo.frombuf(block, tarfile.ENCODING, "surrogateescape")
+    except tarfile.HeaderError as err:
+        return f" (a damaged member header: {err})"
+    return ""
 
 
 def _only_padding(shard: Path, start: int, size: int) -> bool:
@@ -312,7 +321,7 @@ class WebDatasetImageText(Dataset):
         data = self._read(index, io_off, io_size)
         try:
             return _decode_image(data)
-        except _IMAGE_ERRORS as err:
+        except image_errors() as err:
             where = f"{self.shards[int(self._rows[index, 0])]} sample {self.keys[index]!r}"
             raise OSError(
                 f"Cannot decode the image of {where}: {err}. Fix the shard, or pass on_error='skip' to drop such "

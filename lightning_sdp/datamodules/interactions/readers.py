@@ -15,6 +15,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from lightning_sdp._files import naming_the_file, utf8_lines
+
 ID_RULE = "ids must be non-negative decimal integers of at most 18 digits, e.g. 0 or 42 (as in LightGCN files)"
 _ID = re.compile(r"[0-9]{1,18}")
 _LIGHTGCN_LINE = re.compile(r"[0-9]{1,18}(?:[ \t]+[0-9]{1,18})*")
@@ -66,8 +68,8 @@ def read_lightgcn(path: Path) -> Pairs:
     users: list[np.ndarray] = []
     items: list[np.ndarray] = []
     lines: list[np.ndarray] = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(utf8_lines(f, path), 1):
             text = line.strip()
             if not text:
                 continue
@@ -106,8 +108,11 @@ def read_id_table(path: Path, weight_column: int | str | None = None) -> Pairs:
     values: list[float] = []
     column = weight_column if isinstance(weight_column, int) else None
     first = True
-    with open(path, newline="") as f:
-        for lineno, row in enumerate(csv.reader(f, delimiter=delimiter), 1):
+    with open(path, "rb") as f:
+        reader = csv.reader(utf8_lines(f, path), delimiter=delimiter)
+        with naming_the_file(path, line=lambda: reader.line_num):
+            rows = list(enumerate(reader, 1))
+        for lineno, row in rows:
             if not row or not "".join(row).strip():
                 continue
             if len(row) < 2:

@@ -15,15 +15,15 @@ Run ``python -m lightning_sdp.datamodules.solar.ptycho --out ptycho.h5 --num-sam
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
+
+from lightning_sdp._files import atomic_path
 
 INPUT_KEY = "diffraction"
 TARGET_KEYS = ("amplitude", "phase")
@@ -122,18 +122,10 @@ def make_ptycho_h5(
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True (CLI: --overwrite) to replace it")
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Written through the descriptor of a fresh, unpredictable name in the target folder, then renamed over
-    # ``path`` in one step: a reader never sees half a file, and no file or link planted beforehand is written to.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w+b") as fh:
-            _write_ptycho(fh, num_samples, size, seed, chunk_samples, block, physics)
-            os.fchmod(fh.fileno(), 0o666 & ~_umask())  # mkstemp makes the file 0600; give it open()'s mode
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    # Written into a fresh private folder in the target folder, then renamed over ``path`` in one step: a reader never
+    # sees half a file, and no file or link planted beforehand is written to.
+    with atomic_path(path) as tmp, open(tmp, "w+b") as fh:
+        _write_ptycho(fh, num_samples, size, seed, chunk_samples, block, physics)
     return path
 
 
@@ -156,19 +148,6 @@ def _write_ptycho(
         f.attrs["generator"] = "lightning_sdp.datamodules.solar.ptycho"
         f.attrs["seed"] = seed
         f.attrs["input_formula"] = "log1p(Poisson(photons * |FFT(probe * A * exp(i*phi))|^2 / sum)) / log1p(photons)"
-
-
-def _umask() -> int:
-    """The process umask, read from ``/proc`` where it can be (``os.umask`` reads it only by setting it)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -459,11 +459,9 @@ class GlobalContrastiveLoss(nn.Module):
             g1d, g2d = g1.detach(), g2.detach()
             gamma = self.gamma
             u1_old, u2_old = self.u1[indices], self.u2[indices]
-            if individual:  # re-express the old estimate relative to the new bound
-                u1_old = u1_old * torch.exp(old_b1 - new_b1)
-                u2_old = u2_old * torch.exp(old_b2 - new_b2)
-            u1_new = _estimator_update(u1_old, g1d, gamma)
-            u2_new = _estimator_update(u2_old, g2d, gamma)
+            # (individual temperatures: the old estimate is re-expressed relative to the new bound)
+            u1_new = _estimator_update(u1_old, g1d, gamma, torch.exp(old_b1 - new_b1) if individual else None)
+            u2_new = _estimator_update(u2_old, g2d, gamma, torch.exp(old_b2 - new_b2) if individual else None)
             cols = [u1_new, u2_new]
             if individual:
                 gt1 = self._tau_gradient(u1_new, new_b1, ex1.detach(), d1.detach(), n)
@@ -577,10 +575,25 @@ class GlobalContrastiveLoss(nn.Module):
             tau[idx] = (tau[idx] - step).clamp(self.tau_min, self.tau_max)
 
 
-def _estimator_update(u_old: Tensor, g: Tensor, gamma: float) -> Tensor:
-    """``(1 - gamma) u + gamma g``, and ``u = g`` on a first visit (``u == 0``) or a non-finite estimate."""
-    first = (u_old <= 0) | ~torch.isfinite(u_old)
-    return torch.where(first, g, (1.0 - gamma) * u_old + gamma * g)
+RESET_BELOW = 1e-35
+"""A stored estimate below this (a first visit stores 0) is replaced by ``g`` when gamma < 1 (the official rule)."""
+
+
+def _estimator_update(u_stored: Tensor, g: Tensor, gamma: float, rescale: Tensor | None = None) -> Tensor:
+    """``(1 - gamma) u + gamma g``, with ``u = u_stored * rescale`` (v2: the stored estimate at the new bound).
+
+    The official rule (``Optimization-AI/fast_clip``, ``FastCLIPLoss.local`` and ``FastCLIPLossIndividual.forward``):
+    only when gamma < 1, a *stored* estimate below :data:`RESET_BELOW` or not finite (a first visit) is replaced by
+    ``g``. The test reads the stored value before the rescaling, so an estimate that the rescaling sends to 0 (a bound
+    jump above ~104 in float32) is averaged with 0, not reset. With gamma = 1 the update is ``g``.
+    """
+    if gamma >= 1.0:
+        return g.clone()
+    kept = (1.0 - gamma) * u_stored
+    if rescale is not None:  # in the official code's order of operations, so float32 rounds alike
+        kept = kept * rescale
+    reset = (u_stored < RESET_BELOW) | ~torch.isfinite(u_stored)
+    return torch.where(reset, g, kept + gamma * g)
 
 
 def _log_eps(g: Tensor, eps: float, bound: Tensor | None) -> Tensor:

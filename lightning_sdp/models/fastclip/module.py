@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol, cast
+from pathlib import Path
+from typing import IO, Any, Literal, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_sdp.models.fastclip.accumulation import HeldBatches, closes_window, placeholder_loss
 from lightning_sdp.models.fastclip.lamb import Lamb
 from lightning_sdp.models.fastclip.losses import (
     DEFAULT_EPS,
@@ -28,6 +30,7 @@ from lightning_sdp.models.fastclip.losses import (
     build_loss,
     get_variant,
 )
+from lightning_sdp.plugins.checkpoint_io import naming_load_errors, use_verified_checkpoints, verify_checkpoint
 from lightning_sdp.schedules import WarmupCosine
 
 
@@ -48,7 +51,9 @@ class FastCLIPModule(LightningModule):
     :class:`~lightning_sdp.callbacks.TemperatureScheduler` (temperature clamp, v3's learning-rate rule, logging);
     it provides what their protocols :class:`~lightning_sdp.callbacks.fastclip.GammaModule` and
     :class:`~lightning_sdp.callbacks.fastclip.TemperatureModule` describe (``variant``, ``gcl_loss``,
-    ``logit_scale_parameter()``, ``tau_lr_factor``).
+    ``logit_scale_parameter()``, ``tau_lr_factor``). With ``Trainer(accumulate_grad_batches=k)`` the ``k``
+    micro-batches of an optimizer step form one contrastive batch (as open_clip's ``--accum-freq``). A module built
+    from an ``nn.Module`` is loaded with ``FastCLIPModule.load_from_checkpoint(path, model=<the same architecture>)``.
 
     Args:
         model: ``"tiny"`` or ``"nano"`` (bundled ~1.7M / ~0.8M-parameter open_clip configs for CPUs, see
@@ -135,6 +140,7 @@ class FastCLIPModule(LightningModule):
         if data_size is not None or self.variant.objective in ("mbcl", "sigmoid"):
             self._build_loss(data_size)
         self._tokenizer: Callable[..., Tensor] | None = None
+        self._held = HeldBatches()  # micro-batches of the current optimizer step (gradient accumulation)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -232,8 +238,33 @@ class FastCLIPModule(LightningModule):
         return self.encode(images, tokens)
 
     # ------------------------------------------------------------------ Lightning hooks
+    @classmethod
+    def load_from_checkpoint(
+        cls,
+        checkpoint_path: str | Path | IO,
+        map_location: Any = None,
+        hparams_file: str | Path | None = None,
+        strict: bool | None = None,
+        weights_only: bool | None = None,
+        **kwargs: Any,
+    ) -> FastCLIPModule:
+        """Lightning's ``load_from_checkpoint``, after checking a local file (truncated, damaged or not a checkpoint:
+        an error naming it; see :func:`~lightning_sdp.plugins.checkpoint_io.verify_checkpoint`). A module built from
+        an ``nn.Module`` needs ``model=`` (the same architecture) among ``kwargs``."""
+        if not isinstance(checkpoint_path, (str, Path)) or "://" in str(checkpoint_path):
+            return super().load_from_checkpoint(
+                checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
+            )
+        verify_checkpoint(checkpoint_path)
+        with naming_load_errors(Path(checkpoint_path)):
+            return super().load_from_checkpoint(
+                checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
+            )
+
     @override
     def setup(self, stage: str) -> None:
+        if self._trainer is not None:  # checkpoints written whole and checked before loading
+            use_verified_checkpoints(self.trainer)
         self._check_datamodule_model()
         if self.loss_fn is None:
             dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
@@ -269,13 +300,13 @@ class FastCLIPModule(LightningModule):
 
     @override
     def on_fit_start(self) -> None:
+        if self.trainer.accumulate_grad_batches > 1 and self.trainer.strategy.handles_gradient_accumulation:
+            raise ValueError(
+                f"The {type(self.trainer.strategy).__name__} strategy accumulates gradients itself, so FastCLIPModule "
+                "cannot make the accumulated micro-batches one contrastive batch. Use accumulate_grad_batches=1 "
+                "(a larger batch) or a strategy such as 'ddp'."
+            )
         if self.variant.objective not in ("mbcl", "sigmoid"):
-            if self.trainer.accumulate_grad_batches != 1:
-                raise ValueError(
-                    f"Gradient accumulation is not supported with the {self._hp.loss} loss: the estimator update "
-                    "assumes one optimizer step per batch. Use accumulate_grad_batches=1 (a larger batch, or more "
-                    "devices)."
-                )
             # Trainer.callbacks is assigned by Lightning's callback connector; the Trainer class does not declare it
             callbacks = self.trainer.callbacks  # type: ignore[attr-defined]
             if self.variant.gamma_schedule is not None and not any(
@@ -297,24 +328,45 @@ class FastCLIPModule(LightningModule):
 
     @override
     def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
+        """One optimizer step's batch, or one micro-batch of it with ``Trainer(accumulate_grad_batches=k)``: then the
+        ``k`` micro-batches form one contrastive batch (as open_clip's ``--accum-freq``) and the loss, with FastCLIP's
+        estimator update, is computed once, at the last one (see :mod:`~lightning_sdp.models.fastclip.accumulation`).
+        """
         images, tokens, indices = self._unpack(batch)
-        e1, e2 = self.encode(images, tokens)
         loss_fn = self.loss_fn
         if loss_fn is None:
             raise RuntimeError(
                 f"The {self._hp.loss} loss is built in setup(): train through a Trainer, or pass "
                 "FastCLIPModule(data_size=len(train_set))."
             )
+        accumulate = int(self.trainer.accumulate_grad_batches) if self._trainer is not None else 1
+        if accumulate > 1 and not closes_window(batch_idx, accumulate, self.trainer.num_training_batches):
+            self._held.hold(self.encode, images, tokens, indices)
+            return placeholder_loss(images)
+        e1, e2 = self.encode(images, tokens)
+        if len(self._held):
+            e1, e2, indices = self._held.release(e1, e2, indices)
         if self.variant.objective == "sigmoid":
             out: LossOutput = loss_fn(e1, e2, indices, self.logit_scale_arg(), self.logit_bias_parameter())
         else:
             out = loss_fn(e1, e2, indices, self.logit_scale_arg())
-        b = images.shape[0]
+        b = e1.shape[0]
         self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=b)
         self.log("train/objective", out.value, batch_size=b)
         if self.gcl_loss is not None:
             self.log("train/gamma", self.gcl_loss.gamma, batch_size=b)
-        return out.loss
+        # Lightning divides the loss by accumulate_grad_batches; this one already covers the whole step
+        return out.loss * accumulate
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if len(self._held):
+            self._held.clear()
+            raise RuntimeError(
+                "FastCLIPModule held micro-batches for a later optimizer step, but Lightning steps now: the "
+                "accumulation window did not end where expected (every accumulate_grad_batches batches and at the "
+                "epoch's last batch). Use a dataloader with a known length, or accumulate_grad_batches=1."
+            )
 
     @override
     def validation_step(self, batch: Sequence[Tensor], batch_idx: int) -> dict[str, Tensor]:
@@ -372,10 +424,13 @@ class FastCLIPModule(LightningModule):
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["fastclip"] = {"loss": self._hp.loss, "data_size": self.data_size}
+        if isinstance(self._model_spec, nn.Module):  # not a hyper-parameter: loading needs it passed again
+            checkpoint["fastclip"]["model_class"] = _qualified_name(self._model_spec)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         meta = checkpoint.get("fastclip", {})
+        self._check_model_given(meta, checkpoint.get("hyper_parameters", {}))
         if meta and meta.get("loss") != self._hp.loss:
             raise ValueError(
                 f"The checkpoint was trained with loss={meta.get('loss')!r} but this module uses "
@@ -394,3 +449,21 @@ class FastCLIPModule(LightningModule):
                 f"The checkpoint's estimators cover data_size={size} but this module has data_size={self.data_size}; "
                 "resume on the same training set."
             )
+
+    def _check_model_given(self, meta: dict[str, Any], hparams: dict[str, Any]) -> None:
+        """Refuse to load weights of a module built from an ``nn.Module`` into the default model, naming ``model=``."""
+        trained_on_module = "model_class" in meta or (bool(hparams) and "model" not in hparams)
+        if not trained_on_module or isinstance(self._model_spec, nn.Module):
+            return
+        cls = meta.get("model_class", "an nn.Module")
+        raise ValueError(
+            f"The checkpoint was trained with FastCLIPModule(model=<{cls}>): a module's architecture is not a "
+            f"hyper-parameter, so this module built model={self._model_spec!r} instead. Pass the same architecture: "
+            "FastCLIPModule.load_from_checkpoint(path, model=<a freshly built model of that class>), e.g. "
+            "model=open_clip.create_model(name) or model=open_clip.CLIP(**config)."
+        )
+
+
+def _qualified_name(obj: object) -> str:
+    """``module.Class`` of an object's type (``open_clip.model.CLIP``)."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"

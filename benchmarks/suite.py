@@ -230,6 +230,12 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
     ),
     # FastCLIP
     Configuration(
+        "fastclip_batch_gap",
+        "default",
+        "OpenCLIP at batch 512 and 32, FastCLIP-v3 and SigLIP at 32: the large-batch gap and the share v3 closes",
+        minutes=60,
+    ),
+    Configuration(
         "fastclip_small_batch_10k",
         "default",
         "zero-shot and retrieval at batch 16/32/64, 10,240 pairs, 3 seeds",

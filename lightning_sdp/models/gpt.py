@@ -19,6 +19,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_sdp.models._checkpoints import VerifiedCheckpoints
 from lightning_sdp.schedules import WarmupCosine
 
 AttentionKind = Literal["sdpa", "explicit", "linear"]
@@ -138,7 +139,7 @@ class _Transformer(nn.ModuleDict):
     ln_f: nn.LayerNorm
 
 
-class GPT(LightningModule):
+class GPT(VerifiedCheckpoints, LightningModule):
     """Decoder-only Transformer language model (nanoGPT layout, weight-tied output head).
 
     Args:
@@ -232,6 +233,7 @@ class GPT(LightningModule):
 
     @override
     def setup(self, stage: str) -> None:
+        super().setup(stage)
         if self.transformer is not None:
             return
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None

@@ -18,6 +18,8 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_sdp.models._checkpoints import VerifiedCheckpoints
+
 
 def _block(c_in: int, c_out: int) -> nn.Sequential:
     return nn.Sequential(
@@ -41,7 +43,7 @@ class _Decoder(nn.Module):
         return self.net(x)
 
 
-class PtychoNN(LightningModule):
+class PtychoNN(VerifiedCheckpoints, LightningModule):
     """Encoder-decoder CNN from diffraction to (amplitude, phase), trained with a per-sample MSE.
 
     Args:

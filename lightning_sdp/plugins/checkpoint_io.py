@@ -13,9 +13,11 @@ file with a flipped bit without noticing. This ``CheckpointIO`` plugin:
   an error naming the file (and the damaged record);
 - adds the file to the errors ``torch.load`` raises.
 
-It works for any LightningModule: ``Trainer(plugins=[VerifiedCheckpointIO()])``. ``FastCLIPModule`` installs it
-itself (at ``setup``) when the Trainer uses Lightning's default ``TorchCheckpointIO``. Remote (``fsspec``) paths are
-handed to ``TorchCheckpointIO`` unchanged.
+It works for any LightningModule: ``Trainer(plugins=[VerifiedCheckpointIO()])``. The package's own modules
+(``GPT``, ``PtychoNN``, ``SimpleXModule``, ``FastCLIPModule``) install it themselves at ``setup`` when the Trainer
+uses Lightning's default ``TorchCheckpointIO``, and check a file in ``load_from_checkpoint``
+(:class:`lightning_sdp.models._checkpoints.VerifiedCheckpoints`). Remote (``fsspec``) paths are handed to
+``TorchCheckpointIO`` unchanged.
 """
 
 from __future__ import annotations

@@ -155,3 +155,43 @@ def test_full_disk_leaves_no_partial_checkpoint_and_names_the_file(tmp_path, mon
         with pytest.raises((OSError, RuntimeError), match=rf"cannot write the checkpoint {path} .* MiB free"):
             trainer.save_checkpoint(path)
         assert [p for p in os.listdir(folder)] == []
+
+
+def _package_modules():
+    from lightning_sdp.datamodules import CharTextDataModule, InteractionsDataModule
+    from lightning_sdp.models import GPT, PtychoNN, SimpleXModule
+
+    frames = torch.randn(8, 1, 8, 8)
+    ptycho_data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(frames, torch.randn(8, 2, 8, 8)), batch_size=4
+    )
+    return {
+        "gpt": (
+            lambda: GPT(n_layer=1, n_head=1, n_embd=8, block_size=8),
+            lambda: CharTextDataModule(block_size=8, batch_size=2),
+        ),
+        "simplex": (
+            lambda: SimpleXModule(backend="reference", dim=4, num_negatives=2),
+            lambda: InteractionsDataModule(num_users=20, num_items=10, batch_size=16),
+        ),
+        "ptychonn": (lambda: PtychoNN(image_size=8, base_channels=2, depth=1), lambda: ptycho_data),
+    }
+
+
+@pytest.mark.parametrize("name", ["gpt", "simplex", "ptychonn"])
+def test_every_package_module_writes_and_checks_verified_checkpoints(tmp_path, name):
+    make_module, make_data = _package_modules()[name]
+    trainer = _trainer(tmp_path)
+    data = make_data()
+    fit_args = {"datamodule": data} if isinstance(data, pl.LightningDataModule) else {"train_dataloaders": data}
+    trainer.fit(make_module(), **fit_args)
+    assert type(trainer.strategy.checkpoint_io) is VerifiedCheckpointIO
+    good = tmp_path / "good.ckpt"
+    trainer.save_checkpoint(good)
+    verify_checkpoint(good)
+    flipped = _damaged(good, tmp_path, "bitflip")
+    cls = type(trainer.lightning_module)
+    with pytest.raises(CheckpointError, match=rf"{flipped} {CASES['bitflip']}"):
+        cls.load_from_checkpoint(flipped)
+    with pytest.raises(CheckpointError, match=rf"{flipped} {CASES['bitflip']}"):
+        _trainer(tmp_path, max_steps=2).fit(make_module(), **fit_args, ckpt_path=str(flipped))

@@ -9,8 +9,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import IO, Any, Literal, Protocol, cast
+from typing import Any, Literal, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +18,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_sdp.models._checkpoints import VerifiedCheckpoints
 from lightning_sdp.models.fastclip.accumulation import HeldBatches, closes_window, placeholder_loss
 from lightning_sdp.models.fastclip.lamb import Lamb
 from lightning_sdp.models.fastclip.losses import (
@@ -30,7 +30,6 @@ from lightning_sdp.models.fastclip.losses import (
     build_loss,
     get_variant,
 )
-from lightning_sdp.plugins.checkpoint_io import naming_load_errors, use_verified_checkpoints, verify_checkpoint
 from lightning_sdp.schedules import WarmupCosine
 
 
@@ -42,7 +41,7 @@ class _Encoders(Protocol):
     def encode_text(self, tokens: Tensor) -> Tensor: ...
 
 
-class FastCLIPModule(LightningModule):
+class FastCLIPModule(VerifiedCheckpoints, LightningModule):
     """Contrastive image-text training with OpenCLIP's loss or one of FastCLIP's (default: FastCLIP-v3).
 
     Batches are ``(images, tokens, indices)``: ``indices`` are the samples' dataset indices, which address the
@@ -238,33 +237,9 @@ class FastCLIPModule(LightningModule):
         return self.encode(images, tokens)
 
     # ------------------------------------------------------------------ Lightning hooks
-    @classmethod
-    def load_from_checkpoint(
-        cls,
-        checkpoint_path: str | Path | IO,
-        map_location: Any = None,
-        hparams_file: str | Path | None = None,
-        strict: bool | None = None,
-        weights_only: bool | None = None,
-        **kwargs: Any,
-    ) -> FastCLIPModule:
-        """Lightning's ``load_from_checkpoint``, after checking a local file (truncated, damaged or not a checkpoint:
-        an error naming it; see :func:`~lightning_sdp.plugins.checkpoint_io.verify_checkpoint`). A module built from
-        an ``nn.Module`` needs ``model=`` (the same architecture) among ``kwargs``."""
-        if not isinstance(checkpoint_path, (str, Path)) or "://" in str(checkpoint_path):
-            return super().load_from_checkpoint(
-                checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
-            )
-        verify_checkpoint(checkpoint_path)
-        with naming_load_errors(Path(checkpoint_path)):
-            return super().load_from_checkpoint(
-                checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
-            )
-
     @override
     def setup(self, stage: str) -> None:
-        if self._trainer is not None:  # checkpoints written whole and checked before loading
-            use_verified_checkpoints(self.trainer)
+        super().setup(stage)  # checkpoints written whole and checked before loading
         self._check_datamodule_model()
         if self.loss_fn is None:
             dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None

@@ -24,6 +24,7 @@ from typing_extensions import override
 
 from lightning_sdp.kernels import cf_reference as ref
 from lightning_sdp.metrics import NDCGAtK, RecallAtK
+from lightning_sdp.models._checkpoints import VerifiedCheckpoints
 from lightning_sdp.models.simplex import kernel
 from lightning_sdp.models.simplex.auto import InteractionStats, explain
 from lightning_sdp.models.simplex.backends import LearningRates, make_backend
@@ -49,7 +50,7 @@ from lightning_sdp.models.simplex.svd_init import svd_factors, warm_start
 from lightning_sdp.schedules import LinearDecay
 
 
-class SimpleXModule(LightningModule):
+class SimpleXModule(VerifiedCheckpoints, LightningModule):
     """SimpleX (behaviour aggregator with gate ``g``) and MF-CCL (``g = 1``) trained with the cosine contrastive loss.
 
     Loss per positive ``(u, i)`` with ``n`` uniform negatives: ``relu(1 - cos(p_u, e_i)) + (w / n) sum_j
@@ -350,6 +351,7 @@ class SimpleXModule(LightningModule):
 
     @override
     def setup(self, stage: str) -> None:
+        super().setup(stage)
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if dm is not None and hasattr(dm, "train_csr"):
             if self.user_embedding is None:

@@ -188,7 +188,7 @@ def test_resume_with_other_sizes_fails_clearly(tmp_path):
     torch.testing.assert_close(loaded.item_embedding.weight, model.item_embedding.weight)
 
 
-def test_bad_input():
+def test_bad_input(tmp_path):
     with pytest.raises(ValueError, match="use optimizer='sgd'"):
         SimpleXModule(backend="fused", optimizer="adam")
     with pytest.raises(ValueError, match="tile sampler"):
@@ -207,21 +207,10 @@ def test_bad_input():
     with pytest.raises(ValueError, match="users but the user table"):
         model.set_interactions(np.zeros(3, np.int64), np.zeros(0, np.int64))
     with pytest.raises(ValueError, match="model has 5 users"):
-        SimpleXModule(5, dm.num_items, **_SMALL).setup.__func__(
-            _WithDM(SimpleXModule(5, dm.num_items, **_SMALL), dm), "fit"
-        )
+        _trainer(tmp_path, max_steps=1).fit(SimpleXModule(5, dm.num_items, **_SMALL), datamodule=dm)
     with pytest.raises(RuntimeError, match="tables do not exist"):
         _ = SimpleXModule().num_users
 
-
-class _WithDM:
-    """Stands in for ``self`` in ``setup`` with a trainer that has a datamodule (no full Trainer needed)."""
-
-    def __init__(self, model: SimpleXModule, dm: InteractionsDataModule) -> None:
-        self.__dict__.update({"model": model, "_trainer": True, "trainer": type("T", (), {"datamodule": dm})()})
-
-    def __getattr__(self, name):
-        return getattr(self.__dict__["model"], name)
 
 
 @pytest.mark.slow

@@ -72,10 +72,14 @@ class ReadAhead:
     @property
     def queued_keys(self) -> list[tuple[int, int]]:
         """Keys of the requests read and not yet taken, being read, and queued, in order."""
+        return [key for key, _ in self.queued()]
+
+    def queued(self) -> list[tuple[tuple[int, int], np.ndarray]]:
+        """``(key, ids)`` of the requests read and not yet taken, being read, and queued, in order."""
         with self._cond:
-            done = [r.key for r in self._done if isinstance(r, ReadResult)]
+            done = [(r.key, r.ids) for r in self._done if isinstance(r, ReadResult)]
             reading = [self._reading] if self._reading is not None else []
-            return done + reading + [k for k, _ in self._pending]
+            return done + reading + list(self._pending)
 
     def submit(self, key: tuple[int, int], ids: np.ndarray) -> None:
         """Queue one request (read after those queued before it)."""
@@ -125,7 +129,7 @@ class ReadAhead:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=60)
 
-    _reading: tuple[int, int] | None = None
+    _reading: tuple[tuple[int, int], np.ndarray] | None = None
 
     def _run(self) -> None:
         while True:
@@ -135,7 +139,7 @@ class ReadAhead:
                 if self._closed:
                     return
                 key, ids = self._pending.popleft()
-                generation, self._reading = self._generation, key
+                generation, self._reading = self._generation, (key, ids)
                 size = len(ids) * self.sample_nbytes
                 self._held += size
                 self.peak_held_bytes = max(self.peak_held_bytes, self._held)

@@ -450,6 +450,21 @@ def data_fingerprint(path: str | os.PathLike, keys: Sequence[str]) -> dict[str, 
     }
 
 
+def _contiguous_offset(f: Any, key: str) -> int | None:
+    """Byte offset in ``f``'s file of dataset ``key``'s rows, or ``None`` when positional reads of that file would not
+    find them there: a dataset behind an external link (its rows are in the linked file), a virtual, chunked,
+    filtered, compact or externally stored one, one not yet written, or one in a non-native byte order."""
+    import h5py
+
+    d = f[key]
+    if d.id.fileno != f.id.fileno:  # an external link: the offset is the linked file's
+        return None
+    if d.id.get_create_plist().get_layout() != h5py.h5d.CONTIGUOUS or d.external or not d.dtype.isnative:
+        return None
+    offset = d.id.get_offset()
+    return None if offset is None else int(offset)
+
+
 class HDF5Reader:
     """Reads samples of several equal-length datasets of one HDF5 file, opening it lazily per process.
 
@@ -543,16 +558,17 @@ class HDF5Reader:
         return self._file
 
     def direct_layout(self) -> dict[str, tuple[int, int]] | None:
-        """``{key: (file offset, row bytes)}`` when every key is contiguous and unfiltered, else ``None``."""
+        """``{key: (file offset, row bytes)}`` when every key's rows lie in ``path`` itself at one offset, else
+        ``None`` (the rows are then read through h5py, which follows links and mappings and applies filters)."""
         f = self._handle()
         if self._layout is None:
             layout: dict[str, tuple[int, int]] = {}
             for key in self.keys:
-                d = f[key]
-                offset = d.id.get_offset()
-                if d.chunks is not None or offset is None or d.external or not d.dtype.isnative:
+                offset = _contiguous_offset(f, key)
+                if offset is None:
                     return None
-                layout[key] = (int(offset), int(np.prod(d.shape[1:], dtype=np.int64)) * d.dtype.itemsize)
+                d = f[key]
+                layout[key] = (offset, int(np.prod(d.shape[1:], dtype=np.int64)) * d.dtype.itemsize)
             self._layout = layout
         return self._layout
 

@@ -101,7 +101,15 @@ def test_mid_epoch_resume_without_workers_crosses_the_next_epoch_boundary(tiny, 
 
 
 def _linked_files(tmp_path, kind):
-    """A file whose datasets live in another file: an external link or a virtual dataset mapping it."""
+    """A file whose datasets are not rows at one offset of it: compressed, or behind an external link or a virtual
+    dataset mapping another file."""
+    if kind == "compressed":
+        path = tmp_path / "compressed.h5"
+        with h5py.File(path, "w") as f:
+            x = np.repeat(np.arange(32, dtype=np.float32)[:, None], 4, axis=1)
+            f.create_dataset("x", data=x, chunks=(5, 4), compression="gzip", shuffle=True)
+            f.create_dataset("y", data=np.arange(32, dtype=np.float32), chunks=(5,), compression="gzip")
+        return str(path)
     source = tmp_path / "source.h5"
     with h5py.File(source, "w") as f:
         f["pad"] = np.full(4096, -1.0, np.float32)  # the data start at another offset than in the linking file
@@ -121,8 +129,8 @@ def _linked_files(tmp_path, kind):
     return str(linking)
 
 
-@pytest.mark.parametrize("kind", ["external_link", "virtual"])
-def test_datasets_stored_in_another_file_are_read_exactly(tmp_path, kind):
+@pytest.mark.parametrize("kind", ["external_link", "virtual", "compressed"])
+def test_datasets_not_stored_as_rows_of_the_file_are_read_exactly(tmp_path, kind):
     path = _linked_files(tmp_path, kind)
     dm = SolarDataModule(path, input_key="x", target_key="y", batch_size=4, batch_format="dict", max_epochs=1)
     dm.setup("fit")

@@ -51,7 +51,7 @@ from lightning_sdp.datamodules.solar.readplan import (
     plan_reads,
     probe_storage,
 )
-from lightning_sdp.datamodules.solar.schedule import EPOCH_ORDERS, SolarSchedule, even_split
+from lightning_sdp.datamodules.solar.schedule import EPOCH_ORDERS, SolarSchedule, epoch_steps, even_split
 
 _log = logging.getLogger(__name__)
 DEFAULT_READ_AHEAD_BYTES = 64 * 2**20
@@ -442,8 +442,7 @@ class SolarDataModule(LightningDataModule):
         return profile
 
     def _build_schedule(self, plan: ReadPlan) -> None:
-        g = self.world_size * self.batch_size
-        steps = self.num_train // g if self.drop_last else -(-self.num_train // g)
+        steps = epoch_steps(self.num_train, self.world_size, self.batch_size, self.drop_last)
         if self.train_loader is not None:
             self.train_loader.close()
         self.train_loader = None

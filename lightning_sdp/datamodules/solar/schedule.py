@@ -29,7 +29,7 @@ from lightning_sdp.datamodules.solar.buffer import EVICTION_POLICIES, Buffer, ma
 
 EPOCH_ORDERS = ("identity", "tsp")
 _NEVER = np.int64(2**62)
-_SCHEDULE_VERSION = 1
+_SCHEDULE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,23 @@ class _SimState:
     plans: dict[int, list[StepPlan]] = field(default_factory=dict)
 
 
+def epoch_steps(num_samples: int, world_size: int, local_batch_size: int, drop_last: bool = False) -> int:
+    """Steps per epoch: ``ceil(N / G)``, less one when the last global batch would have fewer samples than ranks
+    (those samples join the step before, so that no rank gets an empty batch); ``floor(N / G)`` with ``drop_last``.
+
+    Args:
+        num_samples: samples per epoch (``N``).
+        world_size: ranks (``P``).
+        local_batch_size: nominal per-rank batch (``G = P * B``).
+        drop_last: drop the smaller last global batch.
+    """
+    global_batch = world_size * local_batch_size
+    full, tail = divmod(num_samples, global_batch)
+    if drop_last or (0 < tail < world_size and full > 0):
+        return full
+    return full + (tail > 0)
+
+
 def even_split(total: int, parts: int) -> np.ndarray:
     """Sizes of ``parts`` contiguous chunks of ``total`` items, as even as possible (first chunks larger)."""
     base, extra = divmod(total, parts)
@@ -168,6 +185,10 @@ class SolarSchedule:
             neighbour + 2-opt).
         max_local_batch: cap on a rank's local batch when balancing. Default ``2 * local_batch_size``.
         drop_last: drop the last, smaller global batch of each epoch. Default False (every sample once per epoch).
+
+    Every rank gets at least one sample at every step: a last global batch with fewer samples than ranks joins the
+    step before (:func:`epoch_steps`), and a rank that re-routing and balancing would leave empty takes a sample from
+    the fullest rank (it reads it from storage).
     """
 
     def __init__(
@@ -206,6 +227,10 @@ class SolarSchedule:
                 "a global batch cannot be split across the ranks"
             )
         global_batch = world_size * local_batch_size
+        if num_samples < world_size:
+            raise ValueError(
+                f"{num_samples} samples cannot give each of {world_size} ranks a sample; use fewer ranks or more data"
+            )
         if drop_last and num_samples < global_batch:
             raise ValueError(
                 f"drop_last=True with {num_samples} samples and a global batch of {global_batch} "
@@ -224,10 +249,7 @@ class SolarSchedule:
         self.max_local_batch = int(max_local_batch)
         self.drop_last = bool(drop_last)
         self.global_batch_size = global_batch
-        if drop_last:
-            self.steps_per_epoch = num_samples // global_batch
-        else:
-            self.steps_per_epoch = -(-num_samples // global_batch)
+        self.steps_per_epoch = epoch_steps(num_samples, world_size, local_batch_size, drop_last)
         self.rank_capacity = even_split(self.buffer_size, self.world_size)
         self._perm_cache: dict[int, np.ndarray] = {}
         self._order = self._epoch_sequence()
@@ -305,8 +327,15 @@ class SolarSchedule:
     def global_batch(self, epoch: int, step: int) -> np.ndarray:
         """Sample ids of the global batch (positions ``[t*G, (t+1)*G)`` of the epoch's permutation)."""
         self._check_step(step)
+        start, stop = self._step_bounds(step)
+        return self.permutation(epoch)[start:stop]
+
+    def _step_bounds(self, step: int) -> tuple[int, int]:
+        """Positions ``[start, stop)`` of the step's global batch in the epoch's permutation (the last step runs to
+        the end of the epoch, unless ``drop_last``)."""
         g = self.global_batch_size
-        return self.permutation(epoch)[step * g : min((step + 1) * g, self.num_samples)]
+        last = step + 1 == self.steps_per_epoch and not self.drop_last
+        return step * g, self.num_samples if last else (step + 1) * g
 
     def _check_step(self, step: int) -> None:
         if not 0 <= step < self.steps_per_epoch:
@@ -358,7 +387,8 @@ class SolarSchedule:
             prev_tail = set(self.permutation(epoch - 1)[-self.buffer_size :].tolist())
         load_steps = self.buffer_size // self.global_batch_size if prev_tail else 0
         for t in range(self.steps_per_epoch):
-            ids = perm[t * self.global_batch_size : min((t + 1) * self.global_batch_size, self.num_samples)]
+            start, stop = self._step_bounds(t)
+            ids = perm[start:stop]
             if self.eviction == "artifact_fifo":
                 load_set = {x for x in ids.tolist() if x not in prev_tail} if t < load_steps else set()
                 for buf in state.buffers:
@@ -452,6 +482,7 @@ class SolarSchedule:
                 r = next(q for q in range(p) if need[q] > 0)
                 local[r].append(j)
                 need[r] -= 1
+        _fill_empty_ranks(local, [state.buffers[r] for r in range(p)], ids)
         return [np.asarray(sorted(pos), dtype=np.int64) for pos in local]
 
     def simulate(self, num_epochs: int | None = None, sample_nbytes: int | None = None) -> SimulationReport:
@@ -479,6 +510,22 @@ class SolarSchedule:
         total = sizes[0].sum() if sizes else 1
         rate = [float(hits[e].sum()) / max(int(total), 1) for e in range(epochs)]
         return SimulationReport(rate, self.bound, hits, reads, sizes, sample_nbytes)
+
+
+def _fill_empty_ranks(local: list[list[int]], buffers: list[Buffer], ids: np.ndarray) -> None:
+    """Give each rank without a sample one from the fullest rank, preferring one that rank does not buffer.
+
+    Re-routing can put a whole step on the ranks that buffer its samples; an empty local batch would make a mean loss
+    ``nan`` (and some layers fail), so the sample moves and is read from storage by its new rank.
+    """
+    for r in range(len(local)):
+        if local[r]:
+            continue
+        donor = max(range(len(local)), key=lambda q: (len(local[q]), -q))
+        unbuffered = [j for j in local[donor] if int(ids[j]) not in buffers[donor]]
+        j = unbuffered[-1] if unbuffered else local[donor][-1]
+        local[donor].remove(j)
+        local[r].append(j)
 
 
 def epoch_overlap_matrix(perms: list[np.ndarray], k: int) -> np.ndarray:

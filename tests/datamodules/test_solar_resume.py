@@ -228,3 +228,76 @@ def test_resume_at_any_position_continues_the_uninterrupted_run(matrix, world_si
     epochs = [flat[: steps - done], flat[steps - done :]]
     assert sorted(sum(epochs[1], [])) == list(range(MATRIX_SAMPLES))
     assert len(set(sum(epochs[0], []))) == len(sum(epochs[0], []))
+
+
+# Elastic resume: a checkpoint of 2 processes continues on 4, and one of 4 on 2, at the same sample of the epoch.
+ELASTIC_SAMPLES = 100
+
+
+def _elastic(rank, world_size, path, ckpt_dir, resume_from, save_at):
+    """This rank's batches when resuming ``resume_from`` (if given), and of a full run saving after ``save_at``."""
+    torch.set_num_threads(1)
+    kw = dict(devices=world_size, strategy="ddp", buffer_size=24)
+    out = {}
+    if resume_from is not None:
+        out["resumed"], _ = _fit(path, 3, ckpt_path=resume_from, **kw)
+    if save_at is not None:
+        out["full"], _ = _fit(path, 3, callbacks=[SaveAt(ckpt_dir, [save_at])], **kw)
+    return out
+
+
+def _global_steps(per_rank):
+    """Each step's samples over all ranks (sorted), in step order."""
+    return [sorted(sum(step, [])) for step in zip(*per_rank, strict=True)]
+
+
+def _check_continues_at_the_same_sample(per_rank, world_size, sample):
+    from lightning_sdp.datamodules.solar.schedule import SolarSchedule, epoch_steps
+
+    order = SolarSchedule(ELASTIC_SAMPLES, 3, seed=0).permutation(1)  # epoch 1's global order, on any world size
+    steps = _global_steps(per_rank)
+    g = 4 * world_size
+    rest = ELASTIC_SAMPLES - sample
+    count = epoch_steps(rest, world_size, 4)
+    for t, got in enumerate(steps[:count]):
+        stop = ELASTIC_SAMPLES if t == count - 1 else sample + (t + 1) * g
+        assert got == sorted(order[sample + t * g : stop].tolist())  # the schedule's order, from the same sample
+    assert sorted(sum(steps[:count], [])) == sorted(order[sample:].tolist())  # the rest of epoch 1, once each
+    assert sorted(sum(steps[count:], [])) == list(range(ELASTIC_SAMPLES))  # then epoch 2, whole
+    assert len(steps) == count + epoch_steps(ELASTIC_SAMPLES, world_size, 4)
+
+
+@pytest.mark.slow  # 2, 4 and 2 processes
+def test_elastic_resume_two_to_four_and_four_to_two_processes(tmp_path):
+    path = str(tmp_path / "ids.h5")
+    _write_tiny(path, ELASTIC_SAMPLES)
+    # 2 ranks x 4: 13 steps per epoch; saved after 5 steps of epoch 1 (global step 18): 40 samples of epoch 1 done
+    run_distributed(_elastic, 2, path, str(tmp_path / "two"), None, 18, init_group=False)
+    # 4 ranks x 4: 7 steps per epoch; 40 is no step boundary, so the other 60 samples make the epoch's last 4 steps.
+    # The same launch saves its own checkpoint after 3 steps of epoch 1 (global step 10): 48 samples done
+    four = run_distributed(
+        _elastic, 4, path, str(tmp_path / "four"), str(tmp_path / "two/step=18.ckpt"), 10, init_group=False
+    )
+    _check_continues_at_the_same_sample([r["resumed"] for r in four], 4, sample=40)
+    two = run_distributed(_elastic, 2, path, "", str(tmp_path / "four/step=10.ckpt"), None, init_group=False)
+    _check_continues_at_the_same_sample([r["resumed"] for r in two], 2, sample=48)
+
+
+def _sized(path, world_size, **kw):
+    dm = SolarDataModule(path, input_key="x", target_key="y", batch_size=4, log_metrics=False, **kw)
+    dm.rank, dm.world_size = 0, world_size  # as a Trainer of that many processes sets them in setup
+    dm.setup("fit")
+    return dm
+
+
+def test_another_world_size_resumes_only_in_the_same_sample_order(tiny):
+    state = _sized(tiny, 2, buffer_size=8, max_epochs=4).state_dict()
+    four = _sized(tiny, 4, buffer_size=8, max_epochs=4)
+    four.load_state_dict(state)
+    assert four._pending_position["sample"] == 0
+    # epoch_order="tsp" orders the epochs by the buffer, whose share of buffer_size the world size changes
+    tsp = _sized(tiny, 2, buffer_size=24, max_epochs=4, epoch_order="tsp").state_dict()
+    with pytest.raises(ValueError, match=r"visited the samples in another order .*world size 2 -> 4"):
+        _sized(tiny, 4, buffer_size=24, max_epochs=4, epoch_order="tsp").load_state_dict(tsp)
+    with pytest.raises(ValueError, match=r"seed: checkpoint 0 vs now 1"):
+        _sized(tiny, 4, buffer_size=8, max_epochs=4, seed=1).load_state_dict(state)

@@ -265,3 +265,27 @@ def test_bad_arguments(kwargs, match):
     base.update(kwargs)
     with pytest.raises(ValueError, match=match):
         SolarSchedule(**base)
+
+
+@pytest.mark.parametrize("sample", [0, 40, 48, 92])
+def test_resume_at_a_sample_plans_the_rest_of_the_epoch_in_the_same_order(sample):
+    two, four = SolarSchedule(100, 3, 2, 4, 24), SolarSchedule(100, 3, 4, 4, 24)
+    assert two.order_hash == four.order_hash and two.schedule_hash != four.schedule_hash
+    step = four.resume_at(1, sample)
+    plan = [sp for sp in four.epoch_plan(1) if sp.step >= step]
+    assert plan[0].step == step and plan[-1].step == four.steps_per_epoch - 1
+    order = four.permutation(1)
+    got = [np.sort(np.concatenate([rs.indices for rs in sp.ranks])) for sp in plan]
+    for sp, ids in zip(plan, got, strict=True):
+        start, stop = four.step_start(1, sp.step), four.step_start(1, sp.step + 1)
+        assert np.array_equal(ids, np.sort(order[start:stop])) and min(len(rs.indices) for rs in sp.ranks) >= 1
+    assert np.array_equal(np.sort(np.concatenate(got)), np.sort(order[sample:]))
+    assert np.array_equal(np.sort(_all_ids(four, 2)), np.arange(100))  # the next epoch is whole
+    assert four.resume_at(1, 32) == 2 and four.epoch_plan(1)[0].step == 0  # a step boundary: the plain epoch
+    with pytest.raises(ValueError, match="1 samples left cannot give each of 4 ranks a sample"):
+        four.resume_at(1, 99)
+    tsp = dict(num_samples=100, num_epochs=4, local_batch_size=4, epoch_order="tsp")
+    assert (
+        SolarSchedule(world_size=2, buffer_size=20, **tsp).order_hash
+        != SolarSchedule(world_size=4, buffer_size=40, **tsp).order_hash
+    )

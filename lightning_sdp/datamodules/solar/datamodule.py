@@ -612,7 +612,13 @@ class SolarDataModule(LightningDataModule):
         position = (
             self.train_loader.state_dict()
             if self.train_loader is not None
-            else {"epoch": 0, "step": 0, "schedule_hash": self.schedule.schedule_hash}
+            else {
+                "epoch": 0,
+                "step": 0,
+                "sample": 0,
+                "schedule_hash": self.schedule.schedule_hash,
+                "order_hash": self.schedule.order_hash,
+            }
         )
         assert self.read_plan is not None
         return {
@@ -635,6 +641,12 @@ class SolarDataModule(LightningDataModule):
             return
         if self.schedule is None:
             self._pending_state = state_dict
+            return
+        saved, current = state_dict.get("config", {}), self.schedule.config
+        resized = any(saved.get(k) != current[k] for k in ("world_size", "local_batch_size"))
+        if resized and self._elastic(state_dict):
+            self._check_data(state_dict.get("data"))
+            self._resume_position(state_dict["position"])
             return
         saved_plan = state_dict.get("read_plan")
         assert self.read_plan is not None  # set with the schedule in setup
@@ -665,11 +677,32 @@ class SolarDataModule(LightningDataModule):
                 "batch size, world size, buffer size, seed and SOLAR options, or start a new run."
             )
         self._check_data(state_dict.get("data"))
-        position = state_dict["position"]
+        self._resume_position(state_dict["position"])
+
+    def _resume_position(self, position: dict[str, Any]) -> None:
         if self.train_loader is not None:
             self.train_loader.load_state_dict(position)
         else:
             self._pending_position = position
+
+    def _elastic(self, state_dict: dict[str, Any]) -> bool:
+        """Whether a checkpoint of another world size or batch size can continue here: the same options otherwise
+        and the same global sample order. Raises when only the order differs (another buffer size with
+        ``epoch_order="tsp"``)."""
+        assert self.schedule is not None
+        saved, current = state_dict.get("config", {}), self.schedule.config
+        if any(saved.get(k) != current[k] for k in current if k not in ELASTIC_KEYS):
+            return False  # refused below, with the differences named
+        position = state_dict["position"]
+        if "sample" not in position or position.get("order_hash") != self.schedule.order_hash:
+            raise ValueError(
+                "the checkpoint's SOLAR run visited the samples in another order than this configuration would "
+                f"(world size {saved.get('world_size')} -> {current['world_size']}, batch size "
+                f"{saved.get('local_batch_size')} -> {current['local_batch_size']}), or was written by an older "
+                "lightning-sdp, so it cannot continue at the same sample. Resume with the world size and batch "
+                "size it was written with, or start a new run."
+            )
+        return True
 
     def _check_data(self, saved: dict[str, Any] | None) -> None:
         """Refuse a checkpoint written while training on other data (warn when it has no fingerprint)."""
@@ -730,6 +763,11 @@ class SolarDataModule(LightningDataModule):
     def teardown(self, stage: str) -> None:
         if self.train_loader is not None and stage == "fit":
             self.train_loader.close()
+
+
+ELASTIC_KEYS = ("world_size", "local_batch_size", "max_local_batch", "buffer_size")
+"""Schedule options a checkpoint may differ in and still continue at the same sample (the buffer's share of
+``buffer_size`` depends on the world size)."""
 
 
 def _plan_state(plan: ReadPlan) -> dict[str, int]:

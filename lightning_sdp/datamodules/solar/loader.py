@@ -34,6 +34,30 @@ def _same_requests(
     )
 
 
+def _align_lightning_step(trainer: Any, step: int) -> None:
+    """Set the training loop's batch counters to ``step`` where a resume continues at another step than the loop
+    restored: a checkpoint of another world size or batch size, whose step counted other global batches.
+
+    Lightning ends an epoch when its counter reaches the loader's length, so after such a resume the counter must
+    count this schedule's steps, or the epoch would end early (more ranks: fewer, larger steps) or late.
+    """
+    if trainer is None or not getattr(trainer, "training", False):
+        return
+    loop = trainer.fit_loop.epoch_loop
+    current, total = loop.batch_progress.current, loop.batch_progress.total
+    delta = step - current.ready
+    if delta == 0:
+        return
+    for progress in (current, total):
+        progress.ready += delta
+        progress.started += delta
+        progress.processed += delta
+        progress.completed += delta
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is not None:
+        fetcher.fetched += delta
+
+
 def no_collate(item: Any) -> Any:
     """``collate_fn`` for datasets whose items are whole batches already (``DataLoader(batch_size=None)``)."""
     return item
@@ -411,20 +435,38 @@ class SolarLoader:
         return self._next_pos
 
     def state_dict(self) -> dict[str, Any]:
-        """Position and schedule hash (the buffer content is not saved; it is re-read on resume)."""
-        epoch, step = self.position()
-        return {"epoch": epoch, "step": step, "schedule_hash": self.schedule.schedule_hash}
+        """Position (epoch, step, and the samples of the epoch's order already trained on) and the schedule's hashes
+        (the buffer content is not saved; it is re-read on resume)."""
+        epoch, step = self._resume if self._resume is not None else self.position()
+        return {
+            "epoch": epoch,
+            "step": step,
+            "sample": self.schedule.step_start(epoch, step),
+            "schedule_hash": self.schedule.schedule_hash,
+            "order_hash": self.schedule.order_hash,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue at ``state``'s position at the next ``iter``."""
-        if state.get("schedule_hash") != self.schedule.schedule_hash:
+        """Continue at ``state``'s position at the next ``iter``.
+
+        A position saved by a schedule of another world size or batch size (the same global sample order, see
+        :attr:`SolarSchedule.order_hash`) continues at the same sample of the epoch's order.
+        """
+        epoch = int(state["epoch"])
+        if state.get("schedule_hash") == self.schedule.schedule_hash:
+            step = int(state["step"])
+            if "sample" in state:  # the schedule may have to start the epoch mid-step, as when it was saved
+                step = self.schedule.resume_at(epoch, int(state["sample"]))
+        elif "sample" in state and state.get("order_hash") == self.schedule.order_hash:
+            step = self.schedule.resume_at(epoch, int(state["sample"]))
+        else:
             raise ValueError(
                 "this checkpoint's SOLAR schedule does not match the current configuration (schedule hash "
                 f"{state.get('schedule_hash')} != {self.schedule.schedule_hash}); resume with the same data, "
-                "batch size, world size, buffer size, seed and SOLAR options"
+                "seed and SOLAR options"
             )
-        self._resume = (int(state["epoch"]), int(state["step"]))
-        self._epoch_counter = int(state["epoch"])
+        self._resume = (epoch, step)
+        self._epoch_counter = epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Epoch of the next ``iter`` when no Trainer is attached."""
@@ -453,6 +495,7 @@ class SolarLoader:
         # The epoch is read at the first batch, not at iter(): Lightning calls iter() before it restores the loop's
         # epoch counter from a checkpoint (one saved on an epoch's last batch continues with the next epoch).
         epoch, start = self._start()
+        _align_lightning_step(self._trainer(), start)
         yield from self._generate(epoch, start)
 
     def _start(self) -> tuple[int, int]:
@@ -537,7 +580,7 @@ class SolarLoader:
     def _generate(self, epoch: int, start: int) -> Iterator[dict[str, torch.Tensor] | tuple[torch.Tensor, ...]]:
         plan = self.schedule.epoch_plan(epoch)
         self.schedule.release(epoch)
-        steps = plan[start:]
+        steps = [sp for sp in plan if sp.step >= start]
         requests, store_after = self._requests(steps, set(self.store))
         windows = self._windows(requests)
         self.epoch_stats = EpochStats()

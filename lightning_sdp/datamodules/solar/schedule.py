@@ -253,6 +253,7 @@ class SolarSchedule:
         self.rank_capacity = even_split(self.buffer_size, self.world_size)
         self._perm_cache: dict[int, np.ndarray] = {}
         self._order = self._epoch_sequence()
+        self._partial: tuple[int, int] | None = None
         self._state = self._fresh_state()
         self._hash: str | None = None
 
@@ -285,6 +286,55 @@ class SolarSchedule:
             h.update(self.permutation(0).tobytes())
             self._hash = h.hexdigest()
         return self._hash
+
+    @property
+    def order_hash(self) -> str:
+        """SHA-256 of what fixes every epoch's global sample order (seed, samples, epoch order): equal for schedules
+        of any world size and batch size that visit the samples in the same order."""
+        h = hashlib.sha256()
+        h.update(json.dumps({"v": _SCHEDULE_VERSION, "num_samples": self.num_samples, "seed": self.seed}).encode())
+        h.update(np.asarray(self._order, dtype=np.int64).tobytes())
+        return h.hexdigest()
+
+    def step_start(self, epoch: int, step: int) -> int:
+        """Position in ``epoch``'s permutation of the first sample of ``step`` (``num_samples``: past the end)."""
+        if step >= self.steps_per_epoch:
+            return self.num_samples
+        if self._partial is not None and self._partial[0] == epoch:
+            first = self.epoch_plan(epoch)[0].step
+            start = self._partial[1] + (step - first) * self.global_batch_size
+            return max(start, self._partial[1])
+        return step * self.global_batch_size
+
+    def resume_at(self, epoch: int, sample: int) -> int:
+        """Plan ``epoch`` from position ``sample`` of its permutation (what a checkpoint of another world size or
+        batch size reached) and return the step to continue at.
+
+        Where ``sample`` starts a step of this schedule, that step is returned and nothing changes. Otherwise the rest
+        of the epoch, ``permutation(epoch)[sample:]``, is split into global batches of this schedule's size, numbered
+        so that the last is step ``steps_per_epoch - 1``; later epochs are planned as usual.
+
+        Args:
+            epoch: the epoch the checkpoint is in.
+            sample: samples of the epoch's permutation already trained on.
+        """
+        if not 0 <= sample <= self.num_samples:
+            raise ValueError(f"sample position {sample} is outside 0..{self.num_samples}")
+        g = self.global_batch_size
+        if sample % g == 0 and sample // g < self.steps_per_epoch or sample == self.num_samples:
+            if self._partial is not None and self._partial[0] == epoch:
+                self._partial = None
+                self._state = self._fresh_state()
+            return self.steps_per_epoch if sample == self.num_samples else sample // g
+        if self.num_samples - sample < self.world_size:
+            raise ValueError(
+                f"a resumed epoch with {self.num_samples - sample} samples left cannot give each of {self.world_size} "
+                "ranks a sample; resume on fewer ranks, or from an earlier checkpoint"
+            )
+        if self._partial != (epoch, sample):
+            self._partial = (epoch, sample)
+            self._state = self._fresh_state()  # the plans from this epoch on change
+        return self.epoch_plan(epoch)[0].step
 
     @property
     def bound(self) -> float:
@@ -363,7 +413,11 @@ class SolarSchedule:
     def step_plan(self, epoch: int, step: int) -> StepPlan:
         """The plan of one global step."""
         self._check_step(step)
-        return self.epoch_plan(epoch)[step]
+        plan = self.epoch_plan(epoch)
+        first = plan[0].step if plan else 0
+        if step < first:
+            raise IndexError(f"epoch {epoch} resumes at step {first}: step {step} is not planned")
+        return plan[step - first]
 
     def release(self, before_epoch: int) -> None:
         """Forget the plans of epochs before ``before_epoch`` (they are recomputed if asked for again)."""
@@ -378,6 +432,20 @@ class SolarSchedule:
         inv[self.permutation(nxt)] = np.arange(self.num_samples, dtype=np.int64)
         return inv, nxt * self.num_samples
 
+    def _epoch_steps(self, epoch: int) -> list[tuple[int, int, int]]:
+        """``(step, start, stop)`` of each planned step of ``epoch`` (a resumed epoch starts at its sample)."""
+        if self._partial is None or self._partial[0] != epoch:
+            return [(t, *self._step_bounds(t)) for t in range(self.steps_per_epoch)]
+        first = self._partial[1]
+        rest = self.num_samples - first
+        count = epoch_steps(rest, self.world_size, self.local_batch_size, self.drop_last)
+        offset = self.steps_per_epoch - count
+        g = self.global_batch_size
+        bounds = [(first + t * g, first + (t + 1) * g) for t in range(count)]
+        if bounds and not self.drop_last:
+            bounds[-1] = (bounds[-1][0], self.num_samples)
+        return [(offset + t, a, b) for t, (a, b) in enumerate(bounds)]
+
     def _simulate_epoch(self, state: _SimState, epoch: int) -> list[StepPlan]:
         perm = self.permutation(epoch)
         inv_next, base = self._next_use_base(epoch)
@@ -386,8 +454,7 @@ class SolarSchedule:
         if self.eviction == "artifact_fifo" and epoch > 0 and self.buffer_size > 0:
             prev_tail = set(self.permutation(epoch - 1)[-self.buffer_size :].tolist())
         load_steps = self.buffer_size // self.global_batch_size if prev_tail else 0
-        for t in range(self.steps_per_epoch):
-            start, stop = self._step_bounds(t)
+        for t, start, stop in self._epoch_steps(epoch):
             ids = perm[start:stop]
             if self.eviction == "artifact_fifo":
                 load_set = {x for x in ids.tolist() if x not in prev_tail} if t < load_steps else set()

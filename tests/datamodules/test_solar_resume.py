@@ -301,3 +301,28 @@ def test_another_world_size_resumes_only_in_the_same_sample_order(tiny):
         _sized(tiny, 4, buffer_size=24, max_epochs=4, epoch_order="tsp").load_state_dict(tsp)
     with pytest.raises(ValueError, match=r"seed: checkpoint 0 vs now 1"):
         _sized(tiny, 4, buffer_size=8, max_epochs=4, seed=1).load_state_dict(state)
+
+
+@pytest.fixture(params=["spawn", "forkserver"])
+def start_method(request):
+    """Reader workers started by ``spawn`` or ``forkserver`` (Python 3.14's default on Linux)."""
+    import multiprocessing
+
+    before = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method(request.param, force=True)
+    yield request.param
+    multiprocessing.set_start_method(before, force=True)
+
+
+@pytest.mark.slow  # each worker starts a fresh interpreter that imports torch
+def test_reader_workers_start_under_spawn_and_forkserver(tiny, start_method):
+    batches = []
+    for workers in (0, 1):
+        kw = dict(batch_size=4, buffer_size=16, io_threads=2, batch_format="dict", max_epochs=2, log_metrics=False)
+        dm = SolarDataModule(tiny, input_key="x", target_key="y", num_workers=workers, **kw)
+        dm.setup("fit")
+        loader = dm.train_dataloader()
+        loader.reader.read(np.arange(4))  # the file (and its thread pool) open in this process: not sent along
+        batches.append([b["index"].tolist() for _ in range(2) for b in loader])
+        loader.close()
+    assert batches[0] == batches[1] and len(batches[1]) == 16

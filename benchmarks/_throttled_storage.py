@@ -13,8 +13,8 @@ and the read requests (``io_serviced``). Everything is undone on exit, on except
 (unmount, detach, remove the group and the image).
 
 Needs root, ``losetup``, ``mkfs.ext4``, ``mount`` and a cgroup-v1 blkio hierarchy. Without root it raises
-:class:`PermissionError` (the CLI prints the reason and exits 2). The in-process ``StorageThrottle`` of the SOLAR
-reader stays for tests and machines without root.
+:class:`PermissionError` (the CLI prints the reason and exits 2). The in-process doubles of
+:mod:`benchmarks.tools.storage` are for tests and machines without root.
 
 CLI::
 
@@ -81,8 +81,8 @@ def check_root() -> None:
     if os.geteuid() != 0:
         raise PermissionError(
             "throttled storage needs root (loop device, mount, blkio cgroup); run the benchmark as root, or use "
-            "the in-process throttle (HDF5Reader(..., throttle=StorageThrottle(latency_s, bandwidth_bytes_per_s)), "
-            "as benchmarks/solar_loading.py does) instead"
+            "the in-process throttle (benchmarks.tools.storage.ThrottledReader, as benchmarks/solar_loading.py does) "
+            "instead"
         )
     if not (BLKIO_ROOT / "blkio.throttle.read_bps_device").exists():
         raise PermissionError(f"no cgroup-v1 blkio hierarchy at {BLKIO_ROOT}; throttled storage needs one")

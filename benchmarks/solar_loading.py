@@ -4,7 +4,7 @@ An HDF5 file of PtychoNN-like samples (64x64 float32 input, two 64x64 targets: 4
 times larger than the buffer (C/N = 0.25). Before every epoch of every rank the file is evicted from the page
 cache (``posix_fadvise(DONTNEED)``). Two storage modes: the plain local disk, and a throttled mode that emulates
 shared storage (every read request costs latency + bytes / bandwidth, through
-:class:`lightning_sdp.datamodules.solar.ThrottledFile`). P ranks are simulated with the real SOLAR schedule and
+:class:`benchmarks.tools.storage.ThrottledFile`). P ranks are simulated with the real SOLAR schedule and
 real readers: each rank's loader runs its epoch alone on this machine (its own worker processes), and the
 distributed epoch time is the slowest rank's. Only loading is timed (no model).
 
@@ -33,15 +33,11 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from benchmarks._common import markdown_table, write_results
-from lightning_sdp.datamodules.solar import (
-    HDF5Reader,
-    PerSampleHDF5Dataset,
-    SolarLoader,
-    SolarSchedule,
-    StorageThrottle,
-    drop_page_cache,
-)
+from benchmarks.tools.storage import PerSampleHDF5Dataset, StorageThrottle, ThrottledReader, drop_page_cache
+from lightning_sdp.datamodules.solar import SolarSchedule
+from lightning_sdp.datamodules.solar.loader import SolarLoader
 from lightning_sdp.datamodules.solar.ptycho import INPUT_KEY, TARGET_KEYS, make_ptycho_h5
+from lightning_sdp.datamodules.solar.reader import HDF5Reader
 
 KEYS = [INPUT_KEY, *TARGET_KEYS]
 MODE_NOTES = {
@@ -88,7 +84,9 @@ def run_solar(path, n, ranks, batch, epochs, workers, throttle, seed, buffer, mo
         SolarLoader(
             schedule,
             r,
-            HDF5Reader(path, KEYS, throttle=throttle, io_threads=io_threads),
+            HDF5Reader(path, KEYS, io_threads=io_threads)
+            if throttle is None
+            else ThrottledReader(path, KEYS, throttle=throttle, io_threads=io_threads),
             INPUT_KEY,
             list(TARGET_KEYS),
             num_workers=workers,

@@ -52,10 +52,8 @@ from typing import Any
 from lightning.pytorch import Callback, LightningDataModule, Trainer
 
 KEYS = ["diffraction", "amplitude", "phase"]
-LOADERS = [
-    "memory", "dl0", "dl2", "dl4", "torchdata", "litdata", "webdataset", "solar", "solar_nowarm", "solar_workers",
-    "solar_exact",
-]  # fmt: skip
+LOADERS = ["memory", "dl0", "dl2", "dl4", "torchdata", "litdata", "webdataset"]
+LOADERS += ["solar", "solar_nowarm", "solar_workers", "solar_exact"]
 
 
 SHUFFLES = {
@@ -70,7 +68,6 @@ SHUFFLES = {
     "solar_nowarm": "exact",
     "solar_workers": "exact",
     "solar_exact": "exact",
-    "solar_previous": "exact",
 }
 """How each loader shuffles: an exact per-epoch permutation of the samples, or an approximation of one."""
 
@@ -88,7 +85,7 @@ def _val_loader(cfg: dict[str, Any]) -> Any:
     """The held-out file, read unthrottled by a plain DataLoader: the same validation pass for every loader."""
     from torch.utils.data import DataLoader
 
-    from lightning_sdp.datamodules.solar import PerSampleHDF5Dataset
+    from benchmarks.tools.storage import PerSampleHDF5Dataset
 
     return DataLoader(PerSampleHDF5Dataset(cfg["val"], KEYS[0], KEYS[1:]), batch_size=64, num_workers=0)
 
@@ -98,7 +95,7 @@ def _memory_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
     import torch
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    from lightning_sdp.datamodules.solar import PerSampleHDF5Dataset
+    from benchmarks.tools.storage import PerSampleHDF5Dataset
 
     ds = PerSampleHDF5Dataset(cfg["h5"], KEYS[0], KEYS[1:])
     tensors = [torch.stack(t) for t in zip(*(ds[i] for i in range(len(ds))), strict=True)]
@@ -111,7 +108,7 @@ def _h5py_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
     """``dl<W>`` (torch DataLoader with W workers) or ``torchdata`` (StatefulDataLoader, 2 workers): h5py reads."""
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from lightning_sdp.datamodules.solar import PerSampleHDF5Dataset
+    from benchmarks.tools.storage import PerSampleHDF5Dataset
 
     loader = cfg["loader"]
     ds = PerSampleHDF5Dataset(cfg["h5"], KEYS[0], KEYS[1:])
@@ -195,11 +192,13 @@ class _Peers(LightningDataModule):
 
 def _solar_datamodule(cfg: dict[str, Any]) -> Any:
     """``SolarDataModule`` with its defaults (``solar``) or the exact plan (``solar_exact``), shared validation set."""
-    from lightning_sdp.datamodules.solar import SolarDataModule
+    from lightning_sdp.datamodules.solar import SolarDataModule, SolarReadOptions
 
-    window: dict[str, Any] = {"read_window": 1, "max_gap": 0} if cfg["loader"] == "solar_exact" else {}
+    reads = SolarReadOptions()
+    if cfg["loader"] == "solar_exact":
+        reads = SolarReadOptions(read_window=1, max_gap=0)
     if cfg["loader"] == "solar_nowarm":  # the same plan without the page-cache warmer: what the warmer buys
-        window["warm_page_cache"] = False
+        reads = SolarReadOptions(warm_page_cache=False)
     dm = SolarDataModule(
         cfg["h5"],
         KEYS[0],
@@ -211,7 +210,7 @@ def _solar_datamodule(cfg: dict[str, Any]) -> Any:
         seed=0,
         log_metrics=False,
         batch_format="dict",  # PtychoNN's loss_scale: the global-mean gradient with SOLAR's unequal local batches
-        **window,
+        reads=reads,
     )
     dm.val_dataloader = lambda: _val_loader(cfg)  # the same held-out set for every loader
     return dm
@@ -429,12 +428,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iops", type=int, default=400)
     parser.add_argument("--readahead-kb", type=int, default=None)
     parser.add_argument("--timeout", type=int, default=600, help="seconds per (loader, ranks) run")
-    parser.add_argument(
-        "--previous-tree",
-        default=None,
-        help="a checkout of an older version (e.g. git worktree add /tmp/prev <commit>): loader solar_previous runs "
-        "its SOLAR defaults (one reader process per rank) in the same run",
-    )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--name", default="solar_vs_loaders")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -502,11 +495,6 @@ def main(argv: list[str] | None = None) -> int:
                     "out": str(out),
                     "train_samples": (args.samples // (ranks * args.batch)) * ranks * args.batch,
                 }
-                tree = REPO_ROOT
-                if loader == "solar_previous":  # an older checkout's SOLAR defaults, run by its own child code
-                    if args.previous_tree is None:
-                        raise SystemExit("solar_previous needs --previous-tree (a checkout of the older version)")
-                    tree, cfg["loader"], cfg["solar_workers"] = Path(args.previous_tree), "solar", 1
                 cmd = [sys.executable, "-m", "benchmarks.solar_vs_loaders", "--child", json.dumps(cfg)]
                 t0 = time.perf_counter()
                 try:
@@ -514,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                         cmd,
                         capture_output=True,
                         text=True,
-                        cwd=tree,
+                        cwd=REPO_ROOT,
                         timeout=args.timeout,
                         env={**os.environ, **storage.env()},
                         preexec_fn=storage.group_join,

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from lightning_sdp.datamodules.solar import SolarDataModule, make_ptycho_h5
+from lightning_sdp.datamodules.solar import make_ptycho_h5
 from lightning_sdp.datamodules.solar.prefetch import ReadAhead
 from lightning_sdp.datamodules.solar.reader import coalesce_runs
 from lightning_sdp.datamodules.solar.readplan import (
@@ -19,6 +19,7 @@ from lightning_sdp.datamodules.solar.readplan import (
     probe_storage,
     window_reads,
 )
+from tests.datamodules._solar import solar_datamodule
 
 SLOW = StorageProfile(40e6, 400.0, 0.0)
 
@@ -165,7 +166,7 @@ def test_read_ahead_reset_drops_what_was_queued_and_errors_reach_the_consumer():
 
 def _dm(path, **kw):
     args = dict(input_key="diffraction", target_key=["amplitude", "phase"], batch_size=8, buffer_size=32)
-    return SolarDataModule(str(path), **{**args, "batch_format": "dict", "max_epochs": 3, **kw})
+    return solar_datamodule(path, **{**args, "batch_format": "dict", "max_epochs": 3, **kw})
 
 
 def test_the_next_epoch_is_read_during_this_one_and_gives_the_same_batches(tmp_path):

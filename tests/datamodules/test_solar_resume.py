@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_sdp.datamodules.solar import SolarDataModule
 from tests._distributed import run_distributed
+from tests.datamodules._solar import solar_datamodule
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +76,7 @@ def _fit(path, max_epochs, ckpt_path=None, callbacks=(), devices=1, strategy="au
         enable_model_summary=False,
         callbacks=list(callbacks),
     )
-    dm = SolarDataModule(path, **args)
+    dm = solar_datamodule(path, **args)
     trainer.fit(model, dm, ckpt_path=ckpt_path)
     _fit.buffer = dm.schedule.buffer_size  # the buffer's share of buffer_size (the read-ahead holds the rest)
     return model.seen, [p.detach().clone() for p in model.parameters()]
@@ -319,7 +320,7 @@ def test_reader_workers_start_under_spawn_and_forkserver(tiny, start_method):
     batches = []
     for workers in (0, 1):
         kw = dict(batch_size=4, buffer_size=16, io_threads=2, batch_format="dict", max_epochs=2, log_metrics=False)
-        dm = SolarDataModule(tiny, input_key="x", target_key="y", num_workers=workers, **kw)
+        dm = solar_datamodule(tiny, input_key="x", target_key="y", num_workers=workers, **kw)
         dm.setup("fit")
         loader = dm.train_dataloader()
         loader.reader.read(np.arange(4))  # the file (and its thread pool) open in this process: not sent along

@@ -668,8 +668,8 @@ class SolarLoader:
             return
         layout = self.reader.direct_layout()
         if self._warmer is None:
-            if layout is None or self.reader.throttle is not None:
-                self.warm_rows = None  # chunked or filtered datasets, or an emulated device: nothing to stream
+            if layout is None:
+                self.warm_rows = None  # chunked, filtered or linked datasets: nothing to stream
                 return
             reader = self.reader
             self._warmer = PageCacheWarmer(

@@ -123,8 +123,11 @@ def _probe(path: str, size: int, threads: int, seed: int) -> StorageProfile:
     quarter = size // 4 // page
     # disjoint regions (large reads: first half; medium: third quarter; small: last quarter), so no read is served
     # from pages another one brought in; offsets are drawn without repeats for the same reason
-    kinds = {"small": (page, 3 * quarter, 4 * quarter), "mid": (64 * 1024, 2 * quarter, 3 * quarter),
-             "big": (2**20, 0, 2 * quarter)}  # fmt: skip
+    kinds = {
+        "small": (page, 3 * quarter, 4 * quarter),
+        "mid": (64 * 1024, 2 * quarter, 3 * quarter),
+        "big": (2**20, 0, 2 * quarter),
+    }
     fd = os.open(path, os.O_RDONLY)
     seconds, nbytes, counts = {}, {}, {}
     try:

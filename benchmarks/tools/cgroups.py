@@ -12,6 +12,7 @@ read limits                ``blkio.throttle.read_{bps,iops}``   ``io.max`` (``rb
 device reads               ``blkio.throttle.io_service*``       ``io.stat`` (``rbytes=... rios=...``)
 memory limit               ``memory.limit_in_bytes``            ``memory.max``
 memory now / peak          ``memory.(max_)usage_in_bytes``      ``memory.current`` / ``memory.peak``
+page cache, mapped, shm    ``memory.stat`` (``total_*``)         ``memory.stat``
 OOM kills                  ``memory.oom_control`` (oom_kill)    ``memory.events`` (oom_kill)
 =========================  ==================================  ======================================
 """
@@ -19,6 +20,8 @@ OOM kills                  ``memory.oom_control`` (oom_kill)    ``memory.events`
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -109,6 +112,22 @@ class Cgroups:
         if self.version == 1 and self.memory_dir is not None:
             (self.memory_dir / "cgroup.procs").write_text(str(pid))
 
+    def pids(self) -> list[int]:
+        """Processes in the group now."""
+        return [int(p) for p in (self.io_dir / "cgroup.procs").read_text().split()]
+
+    def kill_all(self, timeout: float = 10.0) -> int:
+        """SIGKILL every process left in the group (a run's orphaned workers) and wait until it is empty; returns
+        how many there were."""
+        left = self.pids()
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        while self.pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return len(left)
+
     def remove(self) -> None:
         """Move every process left to the root and remove the group(s) (retried for 5 s; idempotent)."""
         roots = [(self.io_dir, V2_ROOT if self.version == 2 else V1_BLKIO)]
@@ -162,6 +181,19 @@ class Cgroups:
     def memory_usage(self) -> int:
         """Bytes charged to the group now (anonymous memory plus page cache)."""
         return int(self._memory("memory.usage_in_bytes", "memory.current").read_text())
+
+    def memory_pinned(self) -> int:
+        """Bytes charged now that the kernel cannot simply drop: all but the page cache that no process maps
+        (anonymous memory, shared memory, mapped files such as loaded libraries, kernel memory)."""
+        stat = {}
+        for line in self._memory("memory.stat", "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            stat[key] = int(value)
+        if self.version == 2:
+            unmapped = stat.get("file", 0) - stat.get("file_mapped", 0) - stat.get("shmem", 0)
+        else:
+            unmapped = stat.get("total_cache", 0) - stat.get("total_mapped_file", 0) - stat.get("total_shmem", 0)
+        return self.memory_usage() - max(0, unmapped)
 
     def memory_peak(self) -> int:
         """Most bytes charged at once since the group was made or :meth:`reset_memory_peak`."""

@@ -110,3 +110,18 @@ def test_warming_is_off_for_exact_plans_and_worker_processes(ptycho):
         dm = solar_datamodule(ptycho, read_window=4, warm_page_cache=True, log_metrics=False, **{**args, **kw})
         dm.setup("fit")
         assert dm.cold_gap is None
+
+
+def test_a_reader_that_never_pauses_does_not_starve_the_warmer(ptycho):
+    # loading alone, the read-ahead thread always has a read in flight: the warmer must still stream the file
+    layout = HDF5Reader(ptycho, KEYS).direct_layout()
+    _drop(ptycho)
+    warmer = PageCacheWarmer(str(ptycho), layout, 0, 200, chunk_bytes=64 * 1024, yield_to=lambda: True)
+    try:
+        warmer.start_pass()
+        deadline = time.monotonic() + 20
+        while warmer.passes_done < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert warmer.passes_done == 1
+    finally:
+        warmer.close()

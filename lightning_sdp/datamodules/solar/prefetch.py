@@ -182,7 +182,10 @@ class PageCacheWarmer:
         hi: end of the share (exclusive).
         chunk_bytes: bytes per request (the block layer's request size).
         yield_to: while it returns ``True`` (rows a step waits for are being read past the cache), the thread sends
-            no request, so those reads have the device to themselves. Default: never.
+            no request, so those reads have the device to themselves, for at most ``max_yield_s`` per chunk: a reader
+            that always has a read in flight (loading alone, with the read-ahead never full) would otherwise stop the
+            stream the plan counts on, and its short runs would be read from a cold device all epoch. Default: never.
+        max_yield_s: the longest pause before the next chunk is read anyway. Default 0.05.
     """
 
     def __init__(
@@ -193,6 +196,7 @@ class PageCacheWarmer:
         hi: int,
         chunk_bytes: int = 2**20,
         yield_to: Callable[[], bool] | None = None,
+        max_yield_s: float = 0.05,
     ) -> None:
         import os
 
@@ -209,6 +213,7 @@ class PageCacheWarmer:
         self._first: list[tuple[int, int]] = []
         self._closed = False
         self._yield_to = yield_to or (lambda: False)
+        self.max_yield_s = float(max_yield_s)
         self.device_bytes = 0  # bytes that were not already cached
         self.passes_done = 0
         self._thread = threading.Thread(target=self._run, name="solar-page-cache", daemon=True)
@@ -250,14 +255,16 @@ class PageCacheWarmer:
                         break
                 for start in range(offset, offset + length, len(self._scratch)):
                     self._read(start, min(len(self._scratch), offset + length - start))
-            row = self.lo
+            row, paused = self.lo, 0.0
             while row < self.hi:
                 with self._cond:
                     if self._closed or self._passes != done:
                         break  # closed, or a new pass asked for: start over
-                if self._yield_to():
+                if paused < self.max_yield_s and self._yield_to():
                     time.sleep(0.002)
+                    paused += 0.002
                     continue
+                paused = 0.0
                 end = min(self.hi, row + self.rows_per_chunk)
                 for offset, nbytes in self.regions:
                     self._read(offset + row * nbytes, (end - row) * nbytes)

@@ -1,28 +1,29 @@
-"""Real, loader-independent slow storage for benchmarks: a loop-device file system throttled by a blkio cgroup.
+"""Real, loader-independent slow storage for benchmarks: a loop-device file system throttled by a cgroup.
 
 :class:`ThrottledStorage` (a context manager) creates a sparse image file, attaches it to a loop device, formats it
-ext4, mounts it, and creates a cgroup-v1 blkio group with ``read_bps_device`` / ``read_iops_device`` limits on the
-loop device's ``MAJ:MIN`` (plus a memory cgroup, to cap the page cache). Commands started with
-:meth:`ThrottledStorage.run` (and their children) read the mounted files at the limited rate, whatever loader they
-use; the controlling process stays outside the groups so that it can always clean up. Inside, a command gets a
-:class:`ThrottleGroup` from :meth:`ThrottleGroup.from_env`. :meth:`ThrottleGroup.drop_caches` empties the page cache
-(``echo 3 > /proc/sys/vm/drop_caches`` plus
-``posix_fadvise(DONTNEED)`` on every file of the mount) so each epoch reads from the device again, and
-:meth:`ThrottleGroup.device_read_bytes` reads the bytes the device served (``blkio.throttle.io_service_bytes``)
-and the read requests (``io_serviced``). Everything is undone on exit, on exceptions and on SIGINT/SIGTERM
+ext4, mounts it, and creates a cgroup (v1 ``blkio`` + ``memory``, or v2 ``io`` + ``memory``: see
+:mod:`benchmarks.tools.cgroups`) limiting reads of the loop device's ``MAJ:MIN`` in bytes and requests per second.
+Commands started with :meth:`ThrottledStorage.run` (and their children) read the mounted files at the limited rate,
+whatever loader they use; the controlling process stays outside the group so that it can always clean up. Inside, a
+command gets a :class:`ThrottleGroup` from :meth:`ThrottleGroup.from_env`. :meth:`ThrottleGroup.drop_caches` empties
+the page cache (``echo 3 > /proc/sys/vm/drop_caches`` plus ``posix_fadvise(DONTNEED)`` on every file of the mount)
+so each epoch reads from the device again; :meth:`ThrottleGroup.device_read_bytes` and
+:meth:`ThrottleGroup.device_read_requests` read what the device served the group; :meth:`ThrottleGroup.cap_memory`
+caps the group's memory, page cache included. Everything is undone on exit, on exceptions and on SIGINT/SIGTERM
 (unmount, detach, remove the group and the image).
 
-Needs root, ``losetup``, ``mkfs.ext4``, ``mount`` and a cgroup-v1 blkio hierarchy. Without root it raises
-:class:`PermissionError` (the CLI prints the reason and exits 2). The in-process ``StorageThrottle`` of the SOLAR
-reader stays for tests and machines without root.
+Needs root, ``losetup``, ``mkfs.ext4``, ``mount`` and a cgroup hierarchy with an io (v2) or blkio (v1)
+controller. Without them it raises :class:`PermissionError` (the CLI prints the reason and exits 2). The in-process
+doubles of :mod:`benchmarks.tools.storage` are for tests and machines without root.
 
 CLI::
 
     python -m benchmarks._throttled_storage --bps 40MB --iops 400 --size 512MiB \\
         --copy data.h5 -- python my_bench.py /mnt/point/data.h5
 
-The command sees ``SOLAR_THROTTLED_MOUNT`` (the mount point), ``SOLAR_THROTTLED_CGROUP`` (the blkio group folder),
-``SOLAR_THROTTLED_MEMCG`` (the memory group folder) and ``SOLAR_THROTTLED_MAJMIN``.
+The command sees ``SOLAR_THROTTLED_MOUNT`` (the mount point), ``SOLAR_THROTTLED_CGROUP`` (the io/blkio group folder),
+``SOLAR_THROTTLED_MEMCG`` (the memory group folder), ``SOLAR_THROTTLED_CGROUP_VERSION`` and
+``SOLAR_THROTTLED_MAJMIN``.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-BLKIO_ROOT = Path("/sys/fs/cgroup/blkio")
-MEMORY_ROOT = Path("/sys/fs/cgroup/memory")
+from benchmarks.tools.cgroups import Cgroups, available_version
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -80,29 +81,33 @@ def check_root() -> None:
     """Raise ``PermissionError`` with what is needed when this process cannot build the throttled device."""
     if os.geteuid() != 0:
         raise PermissionError(
-            "throttled storage needs root (loop device, mount, blkio cgroup); run the benchmark as root, or use "
-            "the in-process throttle (HDF5Reader(..., throttle=StorageThrottle(latency_s, bandwidth_bytes_per_s)), "
-            "as benchmarks/solar_loading.py does) instead"
+            "throttled storage needs root (loop device, mount, cgroup); run the benchmark as root, or use "
+            "the in-process throttle (benchmarks.tools.storage.ThrottledReader, as benchmarks/solar_loading.py does) "
+            "instead"
         )
-    if not (BLKIO_ROOT / "blkio.throttle.read_bps_device").exists():
-        raise PermissionError(f"no cgroup-v1 blkio hierarchy at {BLKIO_ROOT}; throttled storage needs one")
+    if available_version() is None:
+        raise PermissionError(
+            "no cgroup hierarchy with an io (v2) or blkio (v1) controller; throttled storage needs one"
+        )
     for tool in ("losetup", "mkfs.ext4", "mount", "umount", "blockdev"):
         if shutil.which(tool) is None:
             raise PermissionError(f"{tool} is not installed; throttled storage needs it")
 
 
 class ThrottleGroup:
-    """The cgroups of a throttled device as seen from a process running inside them (see :meth:`from_env`).
+    """The cgroup of a throttled device as seen from a process running inside it (see :meth:`from_env`).
 
     Args:
-        blkio: the blkio cgroup folder.
-        memcg: the memory cgroup folder, or ``None``.
+        blkio: the v1 blkio group folder, or the v2 group folder.
+        memcg: the v1 memory group folder (the v2 group folder), or ``None``.
         majmin: the device's ``MAJ:MIN``.
         mount: the mount point.
+        version: the cgroup version, 1 or 2. Default 1.
     """
 
-    def __init__(self, blkio: Path, memcg: Path | None, majmin: str, mount: Path) -> None:
-        self.blkio, self.memcg, self.majmin, self.mount = Path(blkio), memcg, majmin, Path(mount)
+    def __init__(self, blkio: Path, memcg: Path | None, majmin: str, mount: Path, version: int = 1) -> None:
+        self.cgroups = Cgroups(Path(blkio), Path(memcg) if memcg else None, version)
+        self.majmin, self.mount = majmin, Path(mount)
 
     @classmethod
     def from_env(cls) -> ThrottleGroup | None:
@@ -116,37 +121,20 @@ class ThrottleGroup:
             Path(memcg) if memcg else None,
             env["SOLAR_THROTTLED_MAJMIN"],
             Path(env["SOLAR_THROTTLED_MOUNT"]),
+            int(env.get("SOLAR_THROTTLED_CGROUP_VERSION", "1")),
         )
-
-    def _stat(self, fname: str) -> int:
-        total = 0
-        for line in (self.blkio / fname).read_text().splitlines():
-            parts = line.split()
-            if len(parts) == 3 and parts[0] == self.majmin and parts[1] == "Read":
-                total += int(parts[2])
-        return total
 
     def device_read_bytes(self) -> int:
         """Bytes the throttled device has served to this group's processes (cumulative)."""
-        return self._stat("blkio.throttle.io_service_bytes")
+        return self.cgroups.device_reads(self.majmin)[0]
 
     def device_read_requests(self) -> int:
         """Read requests the device has served to this group's processes (cumulative)."""
-        return self._stat("blkio.throttle.io_serviced")
+        return self.cgroups.device_reads(self.majmin)[1]
 
     def drop_caches(self) -> None:
         """Empty the page cache of the mount's files (``drop_caches`` plus ``POSIX_FADV_DONTNEED`` per file)."""
-        os.sync()
-        with contextlib.suppress(OSError):
-            Path("/proc/sys/vm/drop_caches").write_text("3")
-        for root, _, files in os.walk(self.mount):
-            for fname in files:
-                with contextlib.suppress(OSError):
-                    fd = os.open(os.path.join(root, fname), os.O_RDONLY)
-                    try:
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    finally:
-                        os.close(fd)
+        drop_caches(self.mount)
 
     def limit_memory(self, headroom: int | None) -> None:
         """Cap the group's memory (anonymous + page cache) at its current use plus ``headroom`` bytes.
@@ -156,30 +144,39 @@ class ThrottleGroup:
         against the same headroom). ``None`` lifts the cap. A process that needs more than the cap is OOM-killed,
         which is why the controlling process stays outside the group.
         """
-        if self.memcg is None:
-            raise PermissionError(f"no cgroup-v1 memory hierarchy at {MEMORY_ROOT}; cannot cap the page cache")
-        if headroom is None:
-            (self.memcg / "memory.limit_in_bytes").write_text("-1")
-            return
-        used = int((self.memcg / "memory.usage_in_bytes").read_text())
-        (self.memcg / "memory.limit_in_bytes").write_text(str(used + int(headroom)))
+        self.cap_memory(None if headroom is None else self.cgroups.memory_usage() + int(headroom))
+
+    def cap_memory(self, limit: int | None) -> None:
+        """Cap the group's memory, anonymous and page cache together, at ``limit`` bytes (``None``: no cap)."""
+        self.cgroups.set_memory_limit(limit)
 
     def memory_usage(self) -> int:
-        """Bytes charged to the group now (anonymous memory plus page cache)."""
-        return int((self.memcg / "memory.usage_in_bytes").read_text()) if self.memcg is not None else 0
+        """Bytes charged to the group now (anonymous memory plus page cache); 0 without a memory controller."""
+        return self.cgroups.memory_usage() if self.cgroups.memory_dir is not None else 0
+
+    def memory_peak(self) -> int:
+        """Most bytes charged to the group at once (see :meth:`Cgroups.reset_memory_peak`)."""
+        return self.cgroups.memory_peak()
+
+    def oom_kills(self) -> int:
+        """Processes of the group killed for exceeding the memory cap (cumulative)."""
+        return self.cgroups.oom_kills()
 
 
-def _remove_cgroup(group: Path, root: Path) -> None:
-    """Move the processes of cgroup ``group`` to the hierarchy's ``root`` and remove it (retried for 5 s)."""
-    for _ in range(50):
-        try:
-            for pid in (group / "cgroup.procs").read_text().split():
-                with contextlib.suppress(OSError):
-                    (root / "cgroup.procs").write_text(pid)
-            group.rmdir()
-            return
-        except OSError:
-            time.sleep(0.1)
+def drop_caches(mount: Path) -> None:
+    """Empty the page cache: ``sync``, ``echo 3 > /proc/sys/vm/drop_caches`` and ``POSIX_FADV_DONTNEED`` on every
+    file under ``mount``."""
+    os.sync()
+    with contextlib.suppress(OSError):
+        Path("/proc/sys/vm/drop_caches").write_text("3")
+    for root, _, files in os.walk(mount):
+        for fname in files:
+            with contextlib.suppress(OSError):
+                fd = os.open(os.path.join(root, fname), os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
 
 
 class ThrottledStorage:
@@ -214,8 +211,7 @@ class ThrottledStorage:
         self.mount: Path | None = None
         self.loop: str | None = None
         self.majmin: str | None = None
-        self.cgroup: Path | None = None
-        self.memcg: Path | None = None
+        self.cgroups: Cgroups | None = None
         self._old_handlers: dict[int, Any] = {}
         self._own_workdir = False
 
@@ -261,19 +257,14 @@ class ThrottledStorage:
         self.majmin = f"{os.major(dev)}:{os.minor(dev)}"
         if self.readahead_kb is not None:
             self._queue_file("read_ahead_kb").write_text(str(int(self.readahead_kb)))
-        self.cgroup = BLKIO_ROOT / f"{self.name}_{os.getpid()}"
-        self.cgroup.mkdir(exist_ok=True)
+        self.cgroups = Cgroups.create(f"{self.name}_{os.getpid()}")
         self.set_limits(self.read_bps, self.read_iops)
-        if (MEMORY_ROOT / "memory.limit_in_bytes").exists():
-            self.memcg = MEMORY_ROOT / f"{self.name}_{os.getpid()}"
-            self.memcg.mkdir(exist_ok=True)
 
     def set_limits(self, read_bps: int, read_iops: int) -> None:
         """Change the limits (0 removes one)."""
-        assert self.cgroup is not None
+        assert self.cgroups is not None and self.majmin is not None
         self.read_bps, self.read_iops = int(read_bps), int(read_iops)
-        (self.cgroup / "blkio.throttle.read_bps_device").write_text(f"{self.majmin} {self.read_bps}")
-        (self.cgroup / "blkio.throttle.read_iops_device").write_text(f"{self.majmin} {self.read_iops}")
+        self.cgroups.set_read_limits(self.majmin, self.read_bps, self.read_iops)
 
     def _queue_file(self, name: str) -> Path:
         assert self.loop is not None
@@ -281,14 +272,9 @@ class ThrottledStorage:
 
     def cleanup(self) -> None:
         """Move our processes out, remove the cgroups, unmount, detach and delete the image (idempotent)."""
-        if self.cgroup is not None and self.cgroup.exists():
-            with contextlib.suppress(OSError):
-                (BLKIO_ROOT / "cgroup.procs").write_text(str(os.getpid()))
-            _remove_cgroup(self.cgroup, BLKIO_ROOT)
-            self.cgroup = None
-        if self.memcg is not None and self.memcg.exists():
-            _remove_cgroup(self.memcg, MEMORY_ROOT)
-            self.memcg = None
+        if self.cgroups is not None:
+            self.cgroups.remove()
+            self.cgroups = None
         self._unmount_and_detach()
         self._remove_files()
         for sig, handler in self._old_handlers.items():
@@ -324,8 +310,9 @@ class ThrottledStorage:
     @property
     def group(self) -> ThrottleGroup:
         """Counters, cache dropping and the memory cap of the group (usable from this, the controlling, process)."""
-        assert self.cgroup is not None and self.majmin is not None and self.mount is not None
-        return ThrottleGroup(self.cgroup, self.memcg, self.majmin, self.mount)
+        assert self.cgroups is not None and self.majmin is not None and self.mount is not None
+        cg = self.cgroups
+        return ThrottleGroup(cg.io_dir, cg.memory_dir, self.majmin, self.mount, cg.version)
 
     def copy_in(self, src: str | os.PathLike, name: str | None = None) -> Path:
         """Copy a file onto the throttled file system (unthrottled: the controlling process is not in the group)."""
@@ -364,40 +351,32 @@ class ThrottledStorage:
             "scheduler": queue.get("scheduler"),
             "image_bytes": self.size,
             "filesystem": "ext4 on loop",
+            "cgroup_version": self.cgroups.version if self.cgroups is not None else None,
             "kernel": os.uname().release,
         }
 
     def env(self) -> dict[str, str]:
         """The environment variables :meth:`ThrottleGroup.from_env` reads."""
+        assert self.cgroups is not None
         return {
             "SOLAR_THROTTLED_MOUNT": str(self.mount),
-            "SOLAR_THROTTLED_CGROUP": str(self.cgroup),
-            "SOLAR_THROTTLED_MEMCG": str(self.memcg or ""),
+            "SOLAR_THROTTLED_CGROUP": str(self.cgroups.io_dir),
+            "SOLAR_THROTTLED_MEMCG": str(self.cgroups.memory_dir or ""),
+            "SOLAR_THROTTLED_CGROUP_VERSION": str(self.cgroups.version),
             "SOLAR_THROTTLED_MAJMIN": str(self.majmin),
         }
 
     def group_join(self) -> None:
         """Put the calling process into the groups (use as ``preexec_fn`` of a child; never in the controller)."""
-        assert self.cgroup is not None
-        (self.cgroup / "cgroup.procs").write_text(str(os.getpid()))
-        if self.memcg is not None:
-            (self.memcg / "cgroup.procs").write_text(str(os.getpid()))
+        assert self.cgroups is not None
+        self.cgroups.join(os.getpid())
 
     def run(self, cmd: Sequence[str], env: dict[str, str] | None = None) -> int:
         """Run ``cmd`` inside the group (its children too) and return its exit status."""
-        assert self.cgroup is not None and self.mount is not None
+        assert self.cgroups is not None and self.mount is not None
         full_env = {**os.environ, **(env or {})}
         full_env.update(self.env())
-        group = self.cgroup
-
-        memcg = self.memcg
-
-        def _join() -> None:
-            (group / "cgroup.procs").write_text(str(os.getpid()))
-            if memcg is not None:
-                (memcg / "cgroup.procs").write_text(str(os.getpid()))
-
-        proc = subprocess.Popen(list(cmd), env=full_env, preexec_fn=_join)
+        proc = subprocess.Popen(list(cmd), env=full_env, preexec_fn=self.group_join)
         try:
             return proc.wait()
         except BaseException:

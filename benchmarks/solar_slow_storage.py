@@ -48,7 +48,9 @@ DEFAULT_MODES = [
 
 def _auto_loader(path: str, samples: int, epochs: int, batch: int, buffer: int) -> Any:
     """A SolarLoader with the plan SolarDataModule would choose for this device and ``buffer`` samples of memory."""
-    from lightning_sdp.datamodules.solar import HDF5Reader, SolarLoader, SolarSchedule
+    from lightning_sdp.datamodules.solar import SolarSchedule
+    from lightning_sdp.datamodules.solar.loader import SolarLoader
+    from lightning_sdp.datamodules.solar.reader import HDF5Reader
     from lightning_sdp.datamodules.solar.readplan import page_cache_holds, plan_reads, probe_storage
 
     reader = HDF5Reader(path, KEYS, io_threads=4)
@@ -82,7 +84,10 @@ def _child(mode: str, path: str, samples: int, epochs: int, batch: int, buffer: 
     from torch.utils.data import DataLoader
 
     from benchmarks._throttled_storage import ThrottleGroup
-    from lightning_sdp.datamodules.solar import HDF5Reader, PerSampleHDF5Dataset, SolarLoader, SolarSchedule
+    from benchmarks.tools.storage import PerSampleHDF5Dataset
+    from lightning_sdp.datamodules.solar import SolarSchedule
+    from lightning_sdp.datamodules.solar.loader import SolarLoader
+    from lightning_sdp.datamodules.solar.reader import HDF5Reader
 
     torch.set_num_threads(1)
     group = ThrottleGroup.from_env()

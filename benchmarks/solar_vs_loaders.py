@@ -1,8 +1,9 @@
 """SOLAR against the loaders users pick, training PtychoNN through ``Trainer`` with real DDP ranks on slow storage.
 
 One HDF5 file (and its litdata / webdataset conversions) lies on a throttled loop device
-(:mod:`benchmarks._throttled_storage`: blkio ``read_bps`` + ``read_iops`` limits, page cache dropped before every
-epoch). For every rank count P and loader, one child process inside the cgroups runs
+(:mod:`benchmarks._throttled_storage`: cgroup ``read_bps`` + ``read_iops`` limits, page cache dropped before every
+epoch). Every run is capped in memory, page cache included, at its processes' pinned baseline plus the loaders'
+budget (:mod:`benchmarks.tools.arena`; ``--no-memory-cap`` lifts the cap); conversions run in the same cgroup. For every rank count P and loader, one child process inside the cgroups runs
 ``Trainer(accelerator="cpu", devices=P, strategy="ddp")`` (P real processes) fitting the PtychoNN-like surrogate
 for a few epochs. Rank 0 records per epoch: wall time from the previous epoch's end (including the same validation
 pass for all), samples/s, bytes and requests the
@@ -42,37 +43,22 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch import Callback, LightningDataModule, Trainer
+from lightning.pytorch import Callback, Trainer
 
-KEYS = ["diffraction", "amplitude", "phase"]
-LOADERS = [
-    "memory", "dl0", "dl2", "dl4", "torchdata", "litdata", "webdataset", "solar", "solar_nowarm", "solar_workers",
-    "solar_exact",
-]  # fmt: skip
+from benchmarks.tools.loaders import LOADERS, SHUFFLES, WORKERS, Peers, solar_datamodule
+
+CONVERSIONS = {"litdata": ("litdata", "4MB"), "litdata_tuned": ("litdata", "256KB"), "webdataset": ("webdataset", "16")}
+"""Loaders that read a converted copy of the file: the conversion's kind and its chunk bytes or shard count."""
 
 
-SHUFFLES = {
-    "memory": "exact",
-    "dl0": "exact",
-    "dl2": "exact",
-    "dl4": "exact",
-    "torchdata": "exact",
-    "litdata": "chunks",
-    "webdataset": "shards + buffer",
-    "solar": "exact",
-    "solar_nowarm": "exact",
-    "solar_workers": "exact",
-    "solar_exact": "exact",
-    "solar_previous": "exact",
-}
-"""How each loader shuffles: an exact per-epoch permutation of the samples, or an approximation of one."""
+def _child_cmd(cfg: dict[str, Any]) -> list[str]:
+    return [sys.executable, "-m", "benchmarks.solar_vs_loaders", "--child", json.dumps(cfg)]
 
 
 # ----------------------------------------------------------------------------------------------------- child side
@@ -82,139 +68,6 @@ def _peak_rss_mib() -> float:
             if line.startswith("VmHWM"):
                 return int(line.split()[1]) / 1024
     return 0.0
-
-
-def _val_loader(cfg: dict[str, Any]) -> Any:
-    """The held-out file, read unthrottled by a plain DataLoader: the same validation pass for every loader."""
-    from torch.utils.data import DataLoader
-
-    from lightning_sdp.datamodules.solar import PerSampleHDF5Dataset
-
-    return DataLoader(PerSampleHDF5Dataset(cfg["val"], KEYS[0], KEYS[1:]), batch_size=64, num_workers=0)
-
-
-def _memory_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
-    """The ceiling: the whole file read into memory first, then a DataLoader over tensors."""
-    import torch
-    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-    from lightning_sdp.datamodules.solar import PerSampleHDF5Dataset
-
-    ds = PerSampleHDF5Dataset(cfg["h5"], KEYS[0], KEYS[1:])
-    tensors = [torch.stack(t) for t in zip(*(ds[i] for i in range(len(ds))), strict=True)]
-    ram = TensorDataset(*tensors)
-    sampler = DistributedSampler(ram, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
-    return DataLoader(ram, batch_size=cfg["batch"], sampler=sampler, num_workers=0)
-
-
-def _h5py_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
-    """``dl<W>`` (torch DataLoader with W workers) or ``torchdata`` (StatefulDataLoader, 2 workers): h5py reads."""
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    from lightning_sdp.datamodules.solar import PerSampleHDF5Dataset
-
-    loader = cfg["loader"]
-    ds = PerSampleHDF5Dataset(cfg["h5"], KEYS[0], KEYS[1:])
-    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
-    workers = int(loader[2:]) if loader.startswith("dl") else 2
-    # equal memory: the workers may hold as many prefetched batches as the budget's samples allow (at least 2)
-    prefetch = max(2, cfg["budget_per_rank"] // max(1, workers * cfg["batch"]))
-    extra = {"persistent_workers": True, "prefetch_factor": prefetch} if workers else {}
-    if loader == "torchdata":
-        from torchdata.stateful_dataloader import StatefulDataLoader
-
-        return StatefulDataLoader(ds, batch_size=cfg["batch"], sampler=sampler, num_workers=workers, **extra)
-    return DataLoader(ds, batch_size=cfg["batch"], sampler=sampler, num_workers=workers, **extra)
-
-
-def _litdata_loader(cfg: dict[str, Any]) -> Any:
-    from litdata import StreamingDataLoader, StreamingDataset
-
-    # litdata copies chunks into cache_dir; keep that on the throttled device too, or later epochs would read the
-    # copies from the unthrottled disk
-    # equal memory: litdata keeps at most the budget's bytes of chunks in its cache
-    budget = f"{max(1, cfg['budget_bytes_per_rank'] // 10**6)}MB"
-    ds = StreamingDataset(
-        cfg["litdata"], cache_dir=cfg["litdata_cache"], shuffle=True, drop_last=True, seed=0, max_cache_size=budget
-    )
-    return StreamingDataLoader(ds, batch_size=cfg["batch"], num_workers=2, collate_fn=_lit_collate)
-
-
-def _webdataset_loader(cfg: dict[str, Any], world: int) -> Any:
-    import torch
-    import webdataset as wds
-
-    batch = cfg["batch"]
-    steps = cfg["train_samples"] // (world * batch)
-    pipe = (
-        wds.WebDataset(
-            cfg["wds"],
-            shardshuffle=len(cfg["wds"]),
-            nodesplitter=wds.split_by_node,
-            workersplitter=wds.split_by_worker,
-            empty_check=False,
-            seed=0,
-        )
-        .repeat()
-        .shuffle(cfg["budget_per_rank"])  # equal memory: a shuffle buffer of the budget's samples
-        .decode()
-        .to_tuple("x.npy", "y.npy")
-        .map(lambda s: (torch.from_numpy(s[0]), torch.from_numpy(s[1])))
-        .batched(batch, partial=False)
-    )
-    return wds.WebLoader(pipe, batch_size=None, num_workers=2).with_epoch(steps).with_length(steps)
-
-
-def _peer_loader(cfg: dict[str, Any], rank: int, world: int) -> Any:
-    """This rank's training loader for every ``--loaders`` entry except SOLAR's."""
-    loader = cfg["loader"]
-    if loader == "memory":
-        return _memory_loader(cfg, rank, world)
-    if loader.startswith("dl") or loader == "torchdata":
-        return _h5py_loader(cfg, rank, world)
-    if loader == "litdata":
-        return _litdata_loader(cfg)
-    if loader == "webdataset":
-        return _webdataset_loader(cfg, world)
-    raise ValueError(f"unknown loader {loader!r}; choose from {LOADERS}")
-
-
-class _Peers(LightningDataModule):
-    """A peer loader (see :func:`_peer_loader`) with the shared validation set."""
-
-    def __init__(self, cfg: dict[str, Any]) -> None:
-        super().__init__()
-        self.cfg = cfg
-
-    def train_dataloader(self) -> Any:
-        return _peer_loader(self.cfg, self.trainer.global_rank, self.trainer.world_size)
-
-    def val_dataloader(self) -> Any:
-        return _val_loader(self.cfg)
-
-
-def _solar_datamodule(cfg: dict[str, Any]) -> Any:
-    """``SolarDataModule`` with its defaults (``solar``) or the exact plan (``solar_exact``), shared validation set."""
-    from lightning_sdp.datamodules.solar import SolarDataModule
-
-    window: dict[str, Any] = {"read_window": 1, "max_gap": 0} if cfg["loader"] == "solar_exact" else {}
-    if cfg["loader"] == "solar_nowarm":  # the same plan without the page-cache warmer: what the warmer buys
-        window["warm_page_cache"] = False
-    dm = SolarDataModule(
-        cfg["h5"],
-        KEYS[0],
-        KEYS[1:],
-        batch_size=cfg["batch"],
-        buffer_size=cfg["buffer"],
-        # solar_workers: the same plan read by a worker process per rank, one epoch at a time (no read-ahead thread)
-        num_workers=1 if cfg["loader"] == "solar_workers" else cfg["solar_workers"],
-        seed=0,
-        log_metrics=False,
-        batch_format="dict",  # PtychoNN's loss_scale: the global-mean gradient with SOLAR's unequal local batches
-        **window,
-    )
-    dm.val_dataloader = lambda: _val_loader(cfg)  # the same held-out set for every loader
-    return dm
 
 
 def _solar_wait(trainer: Trainer) -> dict[str, float]:
@@ -301,7 +154,7 @@ def _train(cfg: dict[str, Any]) -> None:
     from lightning_sdp.models.ptychonn import PtychoNN
 
     torch.set_num_threads(1)
-    dm = _solar_datamodule(cfg) if cfg["loader"].startswith("solar") else _Peers(cfg)
+    dm = solar_datamodule(cfg) if cfg["loader"].startswith("solar") else Peers(cfg)
     torch.manual_seed(0)
     model = PtychoNN(image_size=cfg["size"], base_channels=cfg["channels"], depth=2)
     ranks = cfg["ranks"]
@@ -319,61 +172,6 @@ def _train(cfg: dict[str, Any]) -> None:
         num_sanity_val_steps=0,
     )
     trainer.fit(model, dm)
-
-
-def _lit_collate(items: list[dict[str, Any]]):
-    import torch
-
-    x = torch.stack([torch.as_tensor(i["x"]) for i in items])
-    y = torch.stack([torch.as_tensor(i["y"]) for i in items])
-    return x, y
-
-
-# ---------------------------------------------------------------------------------------------------- conversions
-def _lit_item(i: int, path: str = "") -> dict[str, Any]:
-    import h5py
-
-    with h5py.File(path, "r") as f:
-        import numpy as np
-
-        return {"x": f["diffraction"][i], "y": np.concatenate([f["amplitude"][i], f["phase"][i]], axis=0)}
-
-
-def _convert_litdata(src: str, dst: str, n: int) -> float:
-    import functools
-
-    from litdata import optimize
-
-    t0 = time.perf_counter()
-    optimize(
-        fn=functools.partial(_lit_item, path=src),
-        inputs=list(range(n)),
-        output_dir=dst,
-        chunk_bytes="4MB",
-        num_workers=1,
-        verbose=False,
-    )
-    return time.perf_counter() - t0
-
-
-def _convert_webdataset(src: str, dst_dir: Path, n: int, shards: int) -> tuple[list[str], float]:
-    import h5py
-    import numpy as np
-    import webdataset as wds
-
-    t0 = time.perf_counter()
-    dst_dir.mkdir(parents=True, exist_ok=True)
-    per = -(-n // shards)
-    with h5py.File(src, "r") as f:
-        x, a, p = (f[k][:n] for k in KEYS)
-    paths = []
-    for s in range(shards):
-        path = dst_dir / f"shard-{s:04d}.tar"
-        with wds.TarWriter(str(path)) as sink:
-            for i in range(s * per, min((s + 1) * per, n)):
-                sink.write({"__key__": f"{i:08d}", "x.npy": x[i], "y.npy": np.concatenate([a[i], p[i]], axis=0)})
-        paths.append(str(path))
-    return paths, time.perf_counter() - t0
 
 
 def _summarise(rows: list[dict[str, Any]], rank_counts: list[int], loaders: list[str]) -> list[dict[str, Any]]:
@@ -406,6 +204,8 @@ def _summarise(rows: list[dict[str, Any]], rank_counts: list[int], loaders: list
                     "device MiB/epoch": round(sum(r["device_mib"] for r in later) / len(later), 1),
                     "device requests/epoch": round(sum(r["device_requests"] for r in later) / len(later)),
                     "peak RSS MiB (rank 0)": round(max(r["peak_rss_mib_rank0"] for r in later)),
+                    "memory cap MiB": None if later[0]["memory_cap_mib"] is None else round(later[0]["memory_cap_mib"]),
+                    "pinned peak MiB": round(later[0]["pinned_peak_mib"]),
                     "final val loss": round(later[-1]["val_loss"], 4) if later[-1]["val_loss"] is not None else None,
                     "shuffle": SHUFFLES.get(loader, "?"),
                 }
@@ -429,14 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iops", type=int, default=400)
     parser.add_argument("--readahead-kb", type=int, default=None)
     parser.add_argument("--timeout", type=int, default=600, help="seconds per (loader, ranks) run")
-    parser.add_argument(
-        "--previous-tree",
-        default=None,
-        help="a checkout of an older version (e.g. git worktree add /tmp/prev <commit>): loader solar_previous runs "
-        "its SOLAR defaults (one reader process per rank) in the same run",
-    )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--name", default="solar_vs_loaders")
+    parser.add_argument(
+        "--no-memory-cap",
+        dest="memory_cap",
+        action="store_false",
+        help="run the loaders without the cgroup memory cap (baseline + budget); the page cache is then unbounded",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -444,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from benchmarks._common import REPO_ROOT, machine_info, markdown_table, write_results
     from benchmarks._throttled_storage import ThrottledStorage
+    from benchmarks.tools.arena import Arena, run_json
     from lightning_sdp.datamodules.solar.ptycho import make_ptycho_h5
 
     if args.quick:
@@ -463,20 +264,27 @@ def main(argv: list[str] | None = None) -> int:
         sample_nbytes = os.path.getsize(src) // args.samples
         try:
             storage = stack.enter_context(
-                ThrottledStorage(f"{max(256, int(4 * file_mib) + 64)}MiB", args.bps, args.iops, args.readahead_kb)
+                ThrottledStorage(f"{max(512, int(5 * file_mib) + 64)}MiB", args.bps, args.iops, args.readahead_kb)
             )
+            Arena(storage, 0, 1, REPO_ROOT)  # needs a memory controller too
         except PermissionError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
         h5 = str(storage.copy_in(src))
         assert storage.mount is not None
-        conversions = {}
-        lit_dir = str(storage.mount / "litdata")
-        if "litdata" in args.loaders:
-            conversions["litdata_s"] = _convert_litdata(src, lit_dir, args.samples)
+        arena = Arena(storage, buffer * sample_nbytes, args.timeout, REPO_ROOT)
+        conversions: dict[str, Any] = {}
         wds_paths: list[str] = []
-        if "webdataset" in args.loaders:
-            wds_paths, conversions["webdataset_s"] = _convert_webdataset(src, storage.mount / "wds", args.samples, 16)
+        for loader, (kind, param) in CONVERSIONS.items():
+            if loader in args.loaders:  # in the cgroup, reading the source from the device: timed and counted
+                out = Path(tmp) / f"convert_{loader}.json"
+                cmd = [sys.executable, "-m", "benchmarks.tools.loaders", kind, h5, str(storage.mount / loader)]
+                run, result = run_json(arena, [*cmd, str(args.samples), param, str(out)], out, None)
+                if result is None:
+                    print(f"conversion {loader} failed ({run.rc})\n{run.stderr_tail}", file=sys.stderr)
+                    return 1
+                conversions[loader] = {**run.to_dict(), "seconds": result["seconds"]}
+                wds_paths = result["paths"] if kind == "webdataset" else wds_paths
         os.sync()
         facts = storage.facts()
         print(f"file {file_mib:.1f} MiB, buffer {buffer}; conversions {conversions}; device {facts}", flush=True)
@@ -490,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                     "epochs": args.epochs,
                     "h5": h5,
                     "val": val,
-                    "litdata": lit_dir,
+                    "litdata": str(storage.mount / "litdata"),
+                    "litdata_tuned": str(storage.mount / "litdata_tuned"),
                     "litdata_cache": str(storage.mount / "litcache"),
                     "wds": wds_paths,
                     "buffer": buffer,
@@ -502,33 +311,21 @@ def main(argv: list[str] | None = None) -> int:
                     "out": str(out),
                     "train_samples": (args.samples // (ranks * args.batch)) * ranks * args.batch,
                 }
-                tree = REPO_ROOT
-                if loader == "solar_previous":  # an older checkout's SOLAR defaults, run by its own child code
-                    if args.previous_tree is None:
-                        raise SystemExit("solar_previous needs --previous-tree (a checkout of the older version)")
-                    tree, cfg["loader"], cfg["solar_workers"] = Path(args.previous_tree), "solar", 1
-                cmd = [sys.executable, "-m", "benchmarks.solar_vs_loaders", "--child", json.dumps(cfg)]
-                t0 = time.perf_counter()
-                try:
-                    res = subprocess.run(
-                        cmd,
-                        capture_output=True,
-                        text=True,
-                        cwd=tree,
-                        timeout=args.timeout,
-                        env={**os.environ, **storage.env()},
-                        preexec_fn=storage.group_join,
-                    )
-                    rc, err = res.returncode, res.stderr
-                except subprocess.TimeoutExpired as exc:
-                    rc, err = "timeout", str(exc.stderr or "")[-2000:]
-                if rc != 0 or not out.exists():
-                    print(f"P={ranks} {loader}: failed ({rc})\n{err[-3000:]}", flush=True)
-                    rows.append({"ranks": ranks, "loader": loader, "failed": str(rc)})
+                workers = args.solar_workers if loader == "solar" else WORKERS.get(loader, 0)
+                null = {**cfg, "loader": "null", "workers": workers, "epochs": 1, "out": str(Path(tmp) / "null.json")}
+                # every loader's processes get their pinned baseline plus the budget; memory (the ceiling) is uncapped
+                capped = args.memory_cap and loader != "memory"
+                cap = arena.cap((ranks, workers), _child_cmd(null)) if capped else None
+                run, result = run_json(arena, _child_cmd(cfg), out, cap)
+                if result is None:
+                    status = "oom-killed" if run.oom_kills else f"failed ({run.rc})"
+                    print(f"P={ranks} {loader}: {status}\n{run.stderr_tail}", flush=True)
+                    rows.append({"ranks": ranks, "loader": loader, "failed": status})
                     continue
+                costs = {"memory_cap_mib": run.memory_cap_mib, "pinned_peak_mib": run.pinned_peak_mib}
                 result = json.loads(out.read_text())
                 for e in result["epochs"]:
-                    rows.append({"ranks": ranks, "loader": loader, **e, "val_loss": result["val_loss"]})
+                    rows.append({"ranks": ranks, "loader": loader, **e, "val_loss": result["val_loss"], **costs})
                 if result.get("read_plan"):
                     plans[f"{loader} P={ranks}"] = result["read_plan"]
                 print(
@@ -536,10 +333,16 @@ def main(argv: list[str] | None = None) -> int:
                     + " ".join(
                         f"e{e['epoch']}:{e['samples_per_s']:.0f}/s,{e['device_mib']:.0f}MiB" for e in result["epochs"]
                     )
-                    + f" val {result['val_loss']:.4f} ({time.perf_counter() - t0:.0f}s)",
+                    + f" val {result['val_loss']:.4f} ({run.seconds:.0f}s)",
                     flush=True,
                 )
     summary = _summarise(rows, args.ranks, args.loaders)
+    memory_note = (
+        "every loader but memory in the cgroup capped at its pinned baseline (the same processes on zeros) + the "
+        "budget, page cache included"
+        if args.memory_cap
+        else "uncapped (--no-memory-cap)"
+    )
     md = (
         f"Training PtychoNN (base channels {args.channels}, depth 2, {args.size}x{args.size}) through Trainer with P "
         f"real DDP processes (gloo, CPU). File {file_mib:.1f} MiB ({args.samples} samples). Every loader gets the "
@@ -547,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         "over all ranks: SOLAR's buffer_size (buffer and read-ahead together), the DataLoaders' and torchdata's "
         "prefetched batches (prefetch_factor), litdata's max_cache_size, webdataset's shuffle buffer; "
         f"local batch {args.batch}; {args.epochs} epochs; page cache dropped before every epoch. Device: {facts}. "
-        f"Conversions (unthrottled source, written to the device): {conversions}. Columns are means over the epochs "
+        f"Memory: {memory_note}. Conversions (in the cgroup, reading the source from the device): {conversions}. "
+        "Columns are means over the epochs "
         "after the first; an epoch runs from the previous epoch's end (cache dropped) to this one's end and includes "
         "the same validation pass (256 samples, unthrottled) for every loader; samples/s counts the training samples "
         "the ranks actually received in the epoch (samples/epoch; a loader that yields fewer than the file's "

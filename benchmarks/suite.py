@@ -271,6 +271,27 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
         minutes=20,
     ),
     Configuration("solar_loading", "default", "loading alone, 1/2/4 simulated ranks, in-process throttle", minutes=15),
+    Configuration(
+        "solar_loading",
+        "device",
+        "loading alone on a throttled loop device, as a fraction of the device's bound",
+        ("--storage", "device", "--modes", "baseline", "solar", "solar_auto"),
+        quick_args=("--quick", "--storage", "device", "--modes", "baseline", "solar", "solar_auto"),
+        needs=(ROOT,),
+        minutes=20,
+    ),
+    *(
+        Configuration(
+            "solar_time_to_loss",
+            f"{ranks}proc",
+            f"time to a target validation loss on a 1 GiB scan in acquisition order, {ranks} process(es), peers",
+            ("--ranks", str(ranks)),
+            quick_args=("--quick", "--ranks", str(ranks)),
+            needs=(ROOT, "pkg:litdata", "pkg:webdataset"),
+            minutes=120,
+        )
+        for ranks in (1, 2, 4)
+    ),
     # HEAT
     Configuration(
         "heat_vs_peers",

@@ -1,1 +1,2 @@
-"""Tools the benchmarks use: builds of peer code and emulated hardware (never imported by the library)."""
+"""Tools the benchmarks share: builds of peer code, storage and network emulation, cgroups and measurement helpers
+(never imported by the library)."""

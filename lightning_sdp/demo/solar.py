@@ -11,9 +11,53 @@ when that file is found.
 
 from __future__ import annotations
 
+import io
 import json
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+
+class _CountedFile(io.FileIO):
+    """A read-only file whose reads are counted: what a device without a page cache would serve."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path, "rb")
+        self.bytes_read = 0
+        self.requests = 0
+
+    def readinto(self, buffer: Any) -> int:
+        n = super().readinto(buffer) or 0
+        self.bytes_read += n
+        self.requests += 1
+        return n
+
+
+class _PerSampleReads:
+    """What a plain project does with an HDF5 training set: ``dataset[i]`` reads row ``i`` of each key with h5py.
+
+    Read here in this process only (``DataLoader(num_workers=0)``), through a :class:`_CountedFile`.
+
+    Args:
+        path: the HDF5 file.
+        keys: the input key, then the target keys.
+    """
+
+    def __init__(self, path: str | os.PathLike, keys: list[str]) -> None:
+        import h5py
+
+        self.file = _CountedFile(path)
+        self.h5 = h5py.File(self.file, "r")
+        self.keys = keys
+
+    def __len__(self) -> int:
+        return int(self.h5[self.keys[0]].shape[0])
+
+    def __getitem__(self, i: int) -> tuple[Any, ...]:
+        import torch
+
+        return tuple(torch.from_numpy(self.h5[key][i]) for key in self.keys)
+
 
 RESULTS_NAME = "solar_vs_loaders.json"
 """The real-device benchmark's results file (``python -m benchmarks.solar_vs_loaders``)."""
@@ -119,10 +163,10 @@ def run(out: Path, quick: bool) -> dict[str, Any]:
     """Count the storage reads of a plain DataLoader and of SOLAR's two read plans; add the real-device result."""
     import numpy as np
     import torch
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, Dataset
     from tqdm.auto import tqdm
 
-    from lightning_sdp.datamodules.solar import PerSampleHDF5Dataset, SolarDataModule, StorageThrottle, make_ptycho_h5
+    from lightning_sdp.datamodules.solar import SolarDataModule, SolarReadOptions, make_ptycho_h5
     from lightning_sdp.datamodules.solar.ptycho import INPUT_KEY, TARGET_KEYS
 
     samples, size, epochs, batch = (256, 32, 2, 16) if quick else (1024, 32, 3, 32)
@@ -130,36 +174,42 @@ def run(out: Path, quick: bool) -> dict[str, Any]:
     make_ptycho_h5(path, num_samples=samples, size=size, seed=0, overwrite=True)
     buffer = samples // 4
     file_mib = samples * (1 + len(TARGET_KEYS)) * size * size * 4 / 2**20
-    print(f"SOLAR part: {samples} samples ({file_mib:.1f} MiB) in {path}, buffer {buffer} samples (25%), {epochs} "
-          "epochs; counting the bytes and read requests each loader issues to the file")  # fmt: skip
+    print(
+        f"SOLAR part: {samples} samples ({file_mib:.1f} MiB) in {path}, buffer {buffer} samples (25%), {epochs} "
+        "epochs; counting the bytes and read requests each loader issues to the file"
+    )
 
-    # what a plain project does: a shuffled DataLoader whose dataset reads one sample per __getitem__ with h5py;
-    # StorageThrottle() adds no delay, it only counts the requests through the file
-    baseline = PerSampleHDF5Dataset(path, INPUT_KEY, TARGET_KEYS, throttle=StorageThrottle())
-    loader = DataLoader(baseline, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(0))
-    base_mib, base_requests = [], []
+    # what a plain project does: a shuffled DataLoader whose dataset reads one sample per __getitem__ with h5py,
+    # here through a file object that counts the requests
+    baseline = _PerSampleReads(path, [INPUT_KEY, *TARGET_KEYS])
+    # a map-style dataset by its __len__ and __getitem__ (torch is imported only when the demo runs)
+    dataset = cast("Dataset[tuple[Any, ...]]", baseline)
+    loader = DataLoader(dataset, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(0))
+    base_mib: list[float] = []
+    base_requests: list[float] = []
     for epoch in range(epochs):
-        b0, r0 = baseline.bytes_read, baseline.requests
+        b0, r0 = baseline.file.bytes_read, baseline.file.requests
         for _ in tqdm(loader, desc=f"DataLoader epoch {epoch}", leave=False):
             pass
-        base_mib.append((baseline.bytes_read - b0) / 2**20)
-        base_requests.append(baseline.requests - r0)
+        base_mib.append((baseline.file.bytes_read - b0) / 2**20)
+        base_requests.append(baseline.file.requests - r0)
+    baseline.h5.close()
 
     # "default": the plan SOLAR chooses for a device of 40 MB/s and 400 read IOPS (the real-device benchmark's),
     # where a request costs as much as 100 KB; "exact": what it chooses for a fast local disk, like this one's.
     # Page-cache warming is off: it streams the file into a page cache these counts leave out
     slow_device = {"bandwidth_bytes_per_s": 40e6, "requests_per_s": 400.0, "overlap": 0.0}
-    plans: dict[str, dict[str, Any]] = {
-        "default": {"storage": slow_device, "warm_page_cache": False},
-        "exact": {"read_window": 1, "max_gap": 0},
+    plans = {
+        "default": SolarReadOptions(storage=slow_device, warm_page_cache=False),
+        "exact": SolarReadOptions(read_window=1, max_gap=0),
     }
     solar: dict[str, dict[str, list[float]]] = {}
     bounds: dict[str, float] = {}
-    for plan, options in plans.items():
+    for plan, reads in plans.items():
+        keys = dict(input_key=INPUT_KEY, target_key=list(TARGET_KEYS))
         dm = SolarDataModule(
-            str(path), input_key=INPUT_KEY, target_key=list(TARGET_KEYS), batch_size=batch, buffer_size=buffer,
-            max_epochs=epochs, log_metrics=False, **options,
-        )  # fmt: skip
+            str(path), **keys, batch_size=batch, buffer_size=buffer, max_epochs=epochs, log_metrics=False, reads=reads
+        )
         dm.setup("fit")
         assert dm.schedule is not None
         bounds[plan] = dm.schedule.bound

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks._throttled_storage import BLKIO_ROOT
+from benchmarks.tools.cgroups import V1_BLKIO, V2_ROOT, available_version
 from tests.benchmarks._throttled import REPO, _storage_unavailable
 
 _REASON = _storage_unavailable()
@@ -32,7 +32,7 @@ def test_a_double_ctrl_c_to_the_process_group_leaves_nothing_behind() -> None:
         [sys.executable, "-m", "benchmarks._throttled_storage", "--size", "64MiB", "--", "sleep", "60"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
-    cgroup = BLKIO_ROOT / f"solar_bench_{proc.pid}"
+    cgroup = (V2_ROOT if available_version() == 2 else V1_BLKIO) / f"solar_bench_{proc.pid}"
     deadline = time.monotonic() + 30
     while not (cgroup.exists() and _throttled_mounts() - before) and time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()

@@ -6,10 +6,11 @@ import time
 import pytest
 import torch
 
-from lightning_sdp.datamodules.solar import SolarDataModule
+from lightning_sdp.datamodules.solar import SolarReadOptions
 from lightning_sdp.datamodules.solar.prefetch import PageCacheWarmer
 from lightning_sdp.datamodules.solar.ptycho import make_ptycho_h5
 from lightning_sdp.datamodules.solar.reader import HDF5Reader
+from tests.datamodules._solar import solar_datamodule
 
 KEYS = ["diffraction", "amplitude", "phase"]
 
@@ -58,8 +59,8 @@ def test_page_cache_warmer_streams_its_share_and_restarts(ptycho):
 
 
 def _batches(path, warm, epochs=2):
-    dm = SolarDataModule(
-        str(path),
+    dm = solar_datamodule(
+        path,
         input_key="diffraction",
         target_key=["amplitude", "phase"],
         batch_size=8,
@@ -99,13 +100,28 @@ def test_warming_a_cold_page_cache_yields_the_same_batches(ptycho):
     for a, b in zip(plain, warmed, strict=True):
         for key in ("index", "input", "target", "loss_scale"):
             assert torch.equal(a[key], b[key])
-    with pytest.raises(ValueError, match="warm_page_cache must be True, False or 'auto'"):
-        SolarDataModule(str(ptycho), warm_page_cache="yes")
+    with pytest.raises(ValueError, match=r"warm_page_cache must be 'auto' or a bool \(True or False\), got 'yes'"):
+        SolarReadOptions(warm_page_cache="yes")
 
 
 def test_warming_is_off_for_exact_plans_and_worker_processes(ptycho):
     for kw in ({"max_gap": 0}, {"num_workers": 1}):
         args = dict(input_key="diffraction", target_key=["amplitude", "phase"], batch_size=8, buffer_size=48)
-        dm = SolarDataModule(str(ptycho), read_window=4, warm_page_cache=True, log_metrics=False, **{**args, **kw})
+        dm = solar_datamodule(ptycho, read_window=4, warm_page_cache=True, log_metrics=False, **{**args, **kw})
         dm.setup("fit")
         assert dm.cold_gap is None
+
+
+def test_a_reader_that_never_pauses_does_not_starve_the_warmer(ptycho):
+    # loading alone, the read-ahead thread always has a read in flight: the warmer must still stream the file
+    layout = HDF5Reader(ptycho, KEYS).direct_layout()
+    _drop(ptycho)
+    warmer = PageCacheWarmer(str(ptycho), layout, 0, 200, chunk_bytes=64 * 1024, yield_to=lambda: True)
+    try:
+        warmer.start_pass()
+        deadline = time.monotonic() + 20
+        while warmer.passes_done < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert warmer.passes_done == 1
+    finally:
+        warmer.close()

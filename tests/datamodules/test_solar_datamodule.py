@@ -11,13 +11,11 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_sdp.callbacks import SolarMetrics
-from lightning_sdp.datamodules.solar import EpochStats, SolarDataModule, SolarLoader, StepStats, make_ptycho_h5
-from lightning_sdp.datamodules.solar.reader import (
-    FileChangedError,
-    check_read_option,
-    data_fingerprint,
-)
+from lightning_sdp.datamodules.solar import SolarDataModule, SolarReadOptions, make_ptycho_h5
+from lightning_sdp.datamodules.solar.loader import EpochStats, SolarLoader, StepStats
+from lightning_sdp.datamodules.solar.reader import FileChangedError, data_fingerprint
 from lightning_sdp.models.ptychonn import PtychoNN
+from tests.datamodules._solar import solar_datamodule
 
 CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "solar_ptycho.yaml"
 
@@ -39,7 +37,7 @@ def _dm(path, **kw):
         input_key="diffraction", target_key=["amplitude", "phase"], batch_size=8, buffer_size=24, batch_format="dict"
     )
     args.update(kw)
-    return SolarDataModule(str(path), **args)
+    return solar_datamodule(path, **args)
 
 
 def _model(**kw):
@@ -152,9 +150,8 @@ def test_loader_stats_are_typed_and_serialise_with_the_dict_keys(ptycho):
     assert epoch_stats.reads == 96 - buffer and epoch_stats.storage_bytes == (96 - buffer) * 3 * 16 * 16 * 4
     assert epoch_stats.hit_rate == pytest.approx(buffer / 96)
     assert epoch_stats.samples_per_s == pytest.approx(96 / epoch_stats.wall_s)
-    assert list(step.to_dict()) == [
-        "samples", "hits", "hit_rate", "reads", "bytes", "wait_s", "read_s", "samples_per_s",
-    ]  # fmt: skip
+    step_keys = "samples hits hit_rate reads bytes wait_s read_s samples_per_s"
+    assert list(step.to_dict()) == step_keys.split()
     assert step.to_dict()["hit_rate"] == step.hits / step.samples
     as_dict = epoch_stats.to_dict()
     assert list(as_dict) == ["samples", "hits", "reads", "bytes", "wait_s", "read_s", "steps", "wall_s"]
@@ -305,8 +302,6 @@ def test_fingerprint_reads_the_first_and_last_lines_of_large_rows(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"io_threads": 0}, r"io_threads must be an integer >= 1 \(1 reads one run after another\); got 0"),
-        ({"prefetch_factor": 0}, r"prefetch_factor must be an integer >= 1 .*; got 0"),
         ({"num_workers": -1}, r"num_workers must be an integer >= 0; got -1"),
         ({"val_batch_size": 0}, r"val_batch_size must be an integer >= 1"),
         ({"max_epochs": 0}, r"max_epochs must be an integer >= 1"),
@@ -321,8 +316,6 @@ def test_fingerprint_reads_the_first_and_last_lines_of_large_rows(tmp_path):
             r"validate must be one of 'warn', 'raise', 'off'; got 'warning' \(did you mean 'warn'\?\)",
         ),
         ({"batch_format": "tuples"}, r"batch_format must be one of 'pair', 'dict', 'tuple'; got 'tuples'"),
-        ({"max_gap": "automatic"}, r"max_gap must be 'auto' or an int >= 0"),
-        ({"read_window": "autos"}, r"read_window must be 'auto' or an int >= 1"),
         ({"buffer_size": "8 gigs"}, r"cannot parse buffer_size '8 gigs'"),
     ],
 )
@@ -499,18 +492,29 @@ def test_tsp_epoch_order_needs_a_horizon_and_follows_it(ptycho):
     assert sorted(dm.schedule._order) == [0, 1, 2]
 
 
-def test_read_options_are_auto_or_ints_checked_up_front():
-    assert check_read_option("read_window", "auto", 1) is None
-    assert check_read_option("read_window", 3, 1) == 3 and check_read_option("max_gap", 0, 0) == 0
-    for bad in (0, -2, "big", True):
-        with pytest.raises(ValueError, match="read_window must be 'auto' or an int >= 1"):
-            check_read_option("read_window", bad, 1)
+def test_read_options_are_checked_up_front_naming_the_option():
+    assert SolarReadOptions().fixed_window is None and SolarReadOptions(read_window=3).fixed_window == 3
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match=r"SolarReadOptions: read_window must be 'auto' or an int >= 1"):
+            SolarReadOptions(read_window=bad)
+    with pytest.raises(TypeError, match=r"SolarReadOptions: read_window must be 'auto' or an int, got True"):
+        SolarReadOptions(read_window=True)
+    with pytest.raises(ValueError, match=r"read_window must be 'auto' or an int, got 'autos'"):
+        SolarReadOptions(read_window="autos")
     with pytest.raises(ValueError, match="max_gap must be 'auto' or an int >= 0"):
-        SolarDataModule("unused.h5", max_gap=-1)
-    with pytest.raises(ValueError, match="storage must be 'probe' or a StorageProfile"):
-        SolarDataModule("unused.h5", storage="fast")
+        SolarReadOptions(max_gap=-1)
+    with pytest.raises(ValueError, match=r"storage must be 'probe', a StorageProfile or a dict, got 'fast'"):
+        SolarReadOptions(storage="fast")
     with pytest.raises(ValueError, match="requests_per_s must be a positive number"):
-        SolarDataModule("unused.h5", storage={"bandwidth_bytes_per_s": 1e8, "requests_per_s": 0})
+        SolarReadOptions(storage={"bandwidth_bytes_per_s": 1e8, "requests_per_s": 0})
+    with pytest.raises(TypeError, match=r"io_threads must be an int, got '4' \(str\)"):
+        SolarReadOptions(io_threads="4")
+    with pytest.raises(ValueError, match=r"io_threads must be an int >= 1 \(1 reads one run after"):
+        SolarReadOptions(io_threads=0)
+    with pytest.raises(ValueError, match=r"prefetch_factor must be an int >= 1"):
+        SolarReadOptions(prefetch_factor=0)
+    with pytest.raises(TypeError, match=r"reads must be a SolarReadOptions or None"):
+        SolarDataModule("unused.h5", reads={"read_window": 1})
 
 
 def test_buffer_and_read_ahead_share_the_memory_budget(ptycho):
@@ -552,3 +556,13 @@ def test_read_window_and_gaps_yield_the_exact_plans_batches_in_fewer_requests(pt
     assert stats[0].hits == stats[1].hits == dm.schedule.buffer_size
     assert stats[1].storage_bytes >= stats[0].storage_bytes
     assert requests[1] < requests[0]
+
+
+def test_cli_reads_the_read_options_from_yaml_and_the_command_line(tmp_path):
+    from lightning_sdp.cli import cli_main
+
+    storage = "--data.init_args.reads.storage={bandwidth_bytes_per_s: 4.0e7, requests_per_s: 400}"
+    args = ["--config", str(CONFIG), f"--trainer.default_root_dir={tmp_path}", "--data.init_args.reads.max_gap=3"]
+    reads = cli_main([*args, storage], run=False).datamodule.reads
+    assert isinstance(reads, SolarReadOptions) and reads.max_gap == 3 and reads.read_window == "auto"
+    assert reads.storage.requests_per_s == 400 and reads.readahead is False

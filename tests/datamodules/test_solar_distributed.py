@@ -3,6 +3,7 @@ gradient (loss = loss_scale * sum of per-sample losses) equals the single-proces
 
 import hashlib
 
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -163,3 +164,71 @@ def test_lightning_ddp_matches_single_process_training(ptycho):
     for a, b, ref in zip(out[0]["weights"], out[1]["weights"], model.parameters(), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
         np.testing.assert_allclose(a, ref.detach().numpy(), rtol=1e-4, atol=1e-5)
+
+
+def _user_module():
+    """A module written for ``x, y = batch`` with a mean loss, as a user's existing project has it."""
+    from lightning.pytorch import LightningModule
+
+    class MeanLoss(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+            self.seen, self.losses = [], []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            self.seen.append(x[:, 0].long().tolist())
+            loss = torch.nn.functional.mse_loss(self.layer(x / 200).squeeze(1), y / 200)
+            self.losses.append(float(loss))
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return MeanLoss()
+
+
+def _mean_loss_ddp(rank, world_size, path):
+    from lightning.pytorch import Trainer
+
+    torch.set_num_threads(1)
+    out = {}
+    for balance in (True, False):
+        model = _user_module()
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=world_size,
+            strategy="ddp",
+            max_epochs=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        dm = SolarDataModule(path, batch_size=32, buffer_size=96, balance=balance, log_metrics=False)
+        trainer.fit(model, dm)
+        out[balance] = {"seen": model.seen, "losses": model.losses, "steps": dm.schedule.steps_per_epoch}
+    return out
+
+
+@pytest.mark.slow  # two spawned processes
+def test_mean_loss_module_never_gets_an_empty_batch_under_ddp(tmp_path):
+    # 193 samples, 2 ranks of 32: the last global batch would hold 1 sample, and one rank none (a nan mean loss)
+    path = tmp_path / "ids.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.repeat(np.arange(193, dtype=np.float32)[:, None], 4, axis=1)
+        f["y"] = np.arange(193, dtype=np.float32)
+    out = run_distributed(_mean_loss_ddp, 2, str(path), init_group=False)
+    for balance in (True, False):
+        ranks = [o[balance] for o in out]
+        for r in ranks:
+            assert np.isfinite(r["losses"]).all()  # no mean over an empty batch
+            assert min(len(b) for b in r["seen"]) >= 1
+        steps = ranks[0]["steps"]
+        assert steps == 3  # the 1-sample tail joined the third step
+        assert all(len(r["seen"]) == 2 * steps for r in ranks)
+        for epoch in range(2):
+            ids = [x for r in ranks for b in r["seen"][epoch * steps : (epoch + 1) * steps] for x in b]
+            assert sorted(ids) == list(range(193))  # every sample once per epoch

@@ -1,7 +1,6 @@
 import os
 import pickle
 import stat
-import time
 
 import h5py
 import numpy as np
@@ -10,8 +9,7 @@ import pytest
 from lightning_sdp.datamodules.solar.ptycho import make_ptycho_h5, simulate_ptycho
 from lightning_sdp.datamodules.solar.reader import (
     HDF5Reader,
-    StorageThrottle,
-    ThrottledFile,
+    PositionalFile,
     coalesce_runs,
     inspect_h5,
     read_coalesced,
@@ -110,19 +108,17 @@ def test_reader_pickles_without_handle_and_reads(h5file):
     assert baseline.requests == 2
 
 
-def test_throttled_file_counts_and_sleeps(h5file):
-    throttle = StorageThrottle(latency_s=0.005)
-    reader = HDF5Reader(h5file, ["x"], throttle=throttle)
-    plain = HDF5Reader(h5file, ["x"])
-    ids = np.arange(10, 30)
-    start = time.perf_counter()
-    rows = reader.read(ids)["x"]
-    assert np.array_equal(rows, plain.read(ids)["x"])
-    fileobj = reader._fileobj
-    assert isinstance(fileobj, ThrottledFile)
-    assert fileobj.requests >= 1 and fileobj.bytes_read >= rows.nbytes
-    assert time.perf_counter() - start >= 0.005 * fileobj.requests * 0.9
-    assert StorageThrottle(0.001, 1e6).cost(10**6) == pytest.approx(1.001)
+def test_positional_file_reads_at_offsets_and_counts(tmp_path):
+    path = tmp_path / "bytes.bin"
+    path.write_bytes(bytes(range(256)))
+    f = PositionalFile(path, readahead=False)
+    buf = bytearray(8)
+    assert f.pread_into(buf, 100) == 8 and bytes(buf) == bytes(range(100, 108))
+    assert (f.bytes_read, f.requests) == (8, 1)
+    with pytest.raises(OSError, match="unexpected end of file at byte 256"):
+        f.pread_into(bytearray(8), 252)
+    f.close()
+    f.close()
 
 
 def test_ptycho_generator_is_deterministic_and_physical(tmp_path):
@@ -199,12 +195,10 @@ def test_a_failed_ptycho_write_leaves_no_temporary_file_and_keeps_the_old_one(tm
 
 
 @pytest.mark.parametrize("max_gap", [0, 2])
-@pytest.mark.parametrize("throttled", [False, True])
-def test_threaded_direct_reads_match_hyperslab_reference(tmp_path, max_gap, throttled):
+def test_threaded_direct_reads_match_hyperslab_reference(tmp_path, max_gap):
     path = make_ptycho_h5(tmp_path / "p.h5", num_samples=50, size=8, seed=2)
     keys = ["diffraction", "amplitude", "phase"]
-    throttle = StorageThrottle(latency_s=0.001) if throttled else None
-    fast = HDF5Reader(path, keys, max_gap=max_gap, io_threads=4, throttle=throttle)
+    fast = HDF5Reader(path, keys, max_gap=max_gap, io_threads=4)
     ref = HDF5Reader(path, keys, max_gap=max_gap, readahead=True)  # h5py hyperslab reads
     assert fast.direct_layout() is not None
     rng = np.random.default_rng(max_gap)

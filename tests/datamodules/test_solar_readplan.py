@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 import time
@@ -9,16 +10,20 @@ import time
 import numpy as np
 import pytest
 
-from lightning_sdp.datamodules.solar import SolarDataModule, make_ptycho_h5
+from lightning_sdp.datamodules.solar import make_ptycho_h5
 from lightning_sdp.datamodules.solar.prefetch import ReadAhead
 from lightning_sdp.datamodules.solar.reader import coalesce_runs
 from lightning_sdp.datamodules.solar.readplan import (
     FAST_LOCAL_STORAGE,
+    ReadCosts,
     StorageProfile,
     plan_reads,
     probe_storage,
+    profile_reads,
+    read_costs,
     window_reads,
 )
+from tests.datamodules._solar import solar_datamodule
 
 SLOW = StorageProfile(40e6, 400.0, 0.0)
 
@@ -100,6 +105,86 @@ def test_windows_that_need_more_memory_than_given_are_not_chosen():
     assert alone.buffer_samples == 0 and alone.read_ahead_samples <= 256
 
 
+FILE_BYTES = 2048 * 3 * 16384  # _plan's training set
+
+
+def _stream_and_misses_s(bandwidth, iops, memory=512):
+    """Device seconds per epoch on separate byte and request limits: the file streamed in 1 MiB requests, and the
+    misses alone at one request per sample per dataset (their bytes at the bandwidth where that is longer)."""
+    misses = 2048 - memory
+    stream = max(FILE_BYTES / bandwidth, FILE_BYTES / 2**20 / iops)
+    return stream, max(misses * 3 * 16384 / bandwidth, misses * 3 / iops)
+
+
+@pytest.mark.parametrize("iops", [100, 400, 1000, 1700, 2200, 5000, 1e6])
+def test_with_the_page_cache_the_plan_reads_through_gaps_exactly_when_streaming_beats_the_misses(iops):
+    # 40 MB/s: streaming the 96 MiB costs 2.5 s; the 1536 misses x 3 datasets cost 4608 requests (1831/s: as much)
+    stream_s, misses_s = _stream_and_misses_s(40e6, iops)
+    plan = _plan(StorageProfile(40e6, iops, 0.0), page_cache=True)
+    assert plan.costs == ReadCosts(pytest.approx(stream_s), pytest.approx(misses_s))
+    if stream_s < misses_s:  # bandwidth-bound: the whole file at the bandwidth is the cheaper
+        assert plan.costs.through_gaps and plan.max_gap > 0
+        assert "reads through the gaps" in plan.describe()
+    else:  # requests to spare: the misses alone, with the largest buffer a window of one step leaves
+        assert not plan.costs.through_gaps and (plan.read_window, plan.max_gap) == (1, 0)
+        assert plan.buffer_samples == _plan(StorageProfile(40e6, iops, 0.0), read_window=1).buffer_samples
+        assert "reads only the misses" in plan.describe()
+
+
+def test_read_costs_price_both_ways_for_the_ranks_sharing_a_device():
+    disk = StorageProfile(100e6, 200.0, 1.0)  # a disk: a request's seek, then its transfer
+    costs = read_costs(
+        num_samples=4000, world_size=4, ranks_per_device=2, buffer_samples=1000, row_nbytes=[1000, 3000], storage=disk
+    )
+    misses = 2 * 1000 * 0.75  # two ranks of 1000 samples each, a quarter of them buffered
+    assert costs.through_gaps_s == pytest.approx(16e6 / 100e6 + 16e6 / 2**20 / 200)
+    assert costs.misses_s == pytest.approx(misses * 4000 / 100e6 + misses * 2 / 200)
+    assert costs.seconds == costs.through_gaps_s and costs.through_gaps
+    tie = ReadCosts(through_gaps_s=1.0, misses_s=1.015)  # within 2%: the misses (fewer bytes) win
+    assert not tie.through_gaps and tie.seconds == 1.0
+
+
+def test_the_plan_is_not_split_by_the_two_costs_where_the_page_cache_cannot_hold_the_file_or_the_gap_is_fixed():
+    assert _plan(SLOW).costs is None  # gaps re-read by every window: weighed by the drawn epoch instead
+    assert _plan(SLOW, page_cache=True, max_gap=4).costs is None
+
+
+class _SimulatedDevice:
+    """Reads that advance a simulated clock by a device's cost, except the first ``burst`` reads of each size
+    (a throttled device serves a burst at once). ``additive``: a request's fixed cost and its transfer add up (a
+    disk); else the larger counts (separate byte and request limits)."""
+
+    def __init__(self, bandwidth, iops, additive=False, burst=64):
+        self.bandwidth, self.iops, self.additive, self.burst = bandwidth, iops, additive, burst
+        self.now, self._free, self._lock = 0.0, collections.Counter(), threading.Lock()
+
+    def clock(self):
+        return self.now
+
+    def read(self, offset, length):
+        with self._lock:
+            if self._free[length] < self.burst:
+                self._free[length] += 1
+            else:
+                transfer, fixed = length / self.bandwidth, 1 / self.iops
+                self.now += transfer + fixed if self.additive else max(transfer, fixed)
+        return length
+
+
+def test_the_probe_does_not_time_a_throttled_devices_burst():
+    device = _SimulatedDevice(40e6, 400.0)
+    profile = profile_reads(device.read, 2**30, threads=4, clock=device.clock)
+    # the free reads are not timed: 40 MB/s and 400 requests/s, not the burst's rates
+    assert profile.bandwidth_bytes_per_s == pytest.approx(40e6, rel=0.01)
+    assert profile.requests_per_s == pytest.approx(400.0, rel=0.01)
+    assert profile.overlap == pytest.approx(0.0, abs=0.05)
+    disk = _SimulatedDevice(40e6, 400.0, additive=True)
+    profile = profile_reads(disk.read, 2**30, threads=4, clock=disk.clock)
+    assert profile.requests_per_s == pytest.approx(1 / (1 / 400 + 4096 / 40e6), rel=0.01)
+    assert profile.bandwidth_bytes_per_s == pytest.approx(2**20 / (2**20 / 40e6 + 1 / 400), rel=0.01)
+    assert profile.overlap > 0.7
+
+
 def test_probe_measures_positive_rates_once_per_file_system(tmp_path):
     small = tmp_path / "small.bin"
     small.write_bytes(b"\0" * 4096)
@@ -165,7 +250,7 @@ def test_read_ahead_reset_drops_what_was_queued_and_errors_reach_the_consumer():
 
 def _dm(path, **kw):
     args = dict(input_key="diffraction", target_key=["amplitude", "phase"], batch_size=8, buffer_size=32)
-    return SolarDataModule(str(path), **{**args, "batch_format": "dict", "max_epochs": 3, **kw})
+    return solar_datamodule(path, **{**args, "batch_format": "dict", "max_epochs": 3, **kw})
 
 
 def test_the_next_epoch_is_read_during_this_one_and_gives_the_same_batches(tmp_path):

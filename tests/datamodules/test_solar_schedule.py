@@ -55,7 +55,8 @@ def test_global_batch_membership_is_plain_shuffling(world_size, batch):
         assert np.array_equal(s.permutation(e), plain)
         for sp in s.epoch_plan(e):
             got = np.sort(np.concatenate([rs.indices for rs in sp.ranks]))
-            assert np.array_equal(got, np.sort(plain[sp.step * g : (sp.step + 1) * g]))
+            stop = n if sp.step == s.steps_per_epoch - 1 else (sp.step + 1) * g  # the last step takes the tail
+            assert np.array_equal(got, np.sort(plain[sp.step * g : stop]))
             assert sum(len(rs.indices) for rs in sp.ranks) == sp.global_batch_size
             assert sp.loss_scale == pytest.approx(world_size / sp.global_batch_size)
 
@@ -116,11 +117,27 @@ def test_buffer_zero_and_larger_than_data():
     assert everything.hit_rate == [0.0, 1.0, 1.0]
 
 
-def test_empty_rank_when_last_batch_is_smaller_than_world():
-    s = SolarSchedule(9, 1, 4, 2, buffer_size=0)  # last global batch has one sample for four ranks
-    last = s.epoch_plan(0)[-1]
-    assert sorted(len(rs.indices) for rs in last.ranks) == [0, 0, 0, 1]
-    assert last.loss_scale == pytest.approx(4.0)
+def test_a_tail_smaller_than_the_world_joins_the_step_before():
+    s = SolarSchedule(9, 1, 4, 2, buffer_size=0, balance=False)  # the last global batch would be 1 sample for 4 ranks
+    assert s.steps_per_epoch == 1
+    (step,) = s.epoch_plan(0)
+    assert sorted(len(rs.indices) for rs in step.ranks) == [2, 2, 2, 3]
+    assert step.loss_scale == pytest.approx(4 / 9)
+    assert SolarSchedule(12, 1, 4, 2).steps_per_epoch == 2  # a tail of 4 samples for 4 ranks stays a step
+
+
+@pytest.mark.parametrize(
+    "n,world_size,batch,buffer,balance",
+    [(193, 2, 32, 0, False), (193, 2, 32, 96, True), (9, 4, 2, 0, True), (193, 3, 4, 48, True), (97, 4, 4, 97, True)],
+)
+def test_no_rank_gets_an_empty_batch(n, world_size, batch, buffer, balance):
+    # the last two: re-routing put a whole step's buffered samples on the ranks that hold them
+    s = SolarSchedule(n, 3, world_size, batch, buffer, balance=balance)
+    for e in range(3):
+        assert min(len(rs.indices) for sp in s.epoch_plan(e) for rs in sp.ranks) >= 1
+        assert np.array_equal(np.sort(_all_ids(s, e)), np.arange(n))
+    with pytest.raises(ValueError, match="cannot give each of 4 ranks a sample"):
+        SolarSchedule(3, 1, 4, 2)
 
 
 def _naive_belady(capacity, accesses):
@@ -248,3 +265,27 @@ def test_bad_arguments(kwargs, match):
     base.update(kwargs)
     with pytest.raises(ValueError, match=match):
         SolarSchedule(**base)
+
+
+@pytest.mark.parametrize("sample", [0, 40, 48, 92])
+def test_resume_at_a_sample_plans_the_rest_of_the_epoch_in_the_same_order(sample):
+    two, four = SolarSchedule(100, 3, 2, 4, 24), SolarSchedule(100, 3, 4, 4, 24)
+    assert two.order_hash == four.order_hash and two.schedule_hash != four.schedule_hash
+    step = four.resume_at(1, sample)
+    plan = [sp for sp in four.epoch_plan(1) if sp.step >= step]
+    assert plan[0].step == step and plan[-1].step == four.steps_per_epoch - 1
+    order = four.permutation(1)
+    got = [np.sort(np.concatenate([rs.indices for rs in sp.ranks])) for sp in plan]
+    for sp, ids in zip(plan, got, strict=True):
+        start, stop = four.step_start(1, sp.step), four.step_start(1, sp.step + 1)
+        assert np.array_equal(ids, np.sort(order[start:stop])) and min(len(rs.indices) for rs in sp.ranks) >= 1
+    assert np.array_equal(np.sort(np.concatenate(got)), np.sort(order[sample:]))
+    assert np.array_equal(np.sort(_all_ids(four, 2)), np.arange(100))  # the next epoch is whole
+    assert four.resume_at(1, 32) == 2 and four.epoch_plan(1)[0].step == 0  # a step boundary: the plain epoch
+    with pytest.raises(ValueError, match="1 samples left cannot give each of 4 ranks a sample"):
+        four.resume_at(1, 99)
+    tsp = dict(num_samples=100, num_epochs=4, local_batch_size=4, epoch_order="tsp")
+    assert (
+        SolarSchedule(world_size=2, buffer_size=20, **tsp).order_hash
+        != SolarSchedule(world_size=4, buffer_size=40, **tsp).order_hash
+    )

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_sdp.datamodules.solar import SolarDataModule, SolarLoader, SolarSchedule, make_ptycho_h5
+from lightning_sdp.datamodules.solar import SolarDataModule, SolarSchedule, make_ptycho_h5
 from lightning_sdp.datamodules.solar.buffer import ArtifactFIFOBuffer, make_buffer
+from lightning_sdp.datamodules.solar.loader import SolarLoader
 from lightning_sdp.datamodules.solar.reader import HDF5Reader, inspect_h5
 
 KEYS = ["diffraction", "amplitude", "phase"]

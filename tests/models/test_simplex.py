@@ -212,7 +212,6 @@ def test_bad_input(tmp_path):
         _ = SimpleXModule().num_users
 
 
-
 @pytest.mark.slow
 def test_synthetic_yaml_trains_one_epoch(tmp_path):
     from pathlib import Path

@@ -32,14 +32,13 @@ from lightning_sdp.datamodules.solar.loader import (
     check_joinable_targets,
     no_collate,
 )
+from lightning_sdp.datamodules.solar.options import SolarReadOptions
 from lightning_sdp.datamodules.solar.reader import (
     VALIDATE_MODES,
     DatasetInfo,
     FileIdentity,
     HDF5Reader,
-    StorageThrottle,
     check_h5_path,
-    check_read_option,
     data_fingerprint,
     inspect_h5,
 )
@@ -51,7 +50,7 @@ from lightning_sdp.datamodules.solar.readplan import (
     plan_reads,
     probe_storage,
 )
-from lightning_sdp.datamodules.solar.schedule import EPOCH_ORDERS, SolarSchedule, even_split
+from lightning_sdp.datamodules.solar.schedule import EPOCH_ORDERS, SolarSchedule, epoch_steps, even_split
 
 _log = logging.getLogger(__name__)
 DEFAULT_READ_AHEAD_BYTES = 64 * 2**20
@@ -146,35 +145,11 @@ class SolarDataModule(LightningDataModule):
             and ``balance=True`` local batch sizes differ, so a per-rank mean loss is not the global mean (``setup``
             warns): use ``"dict"`` with ``loss = batch["loss_scale"] * per_sample_losses.sum()``, or
             ``balance=False`` for equal local batches.
-        max_gap: merge read runs separated by at most this many unrequested samples (read and dropped: one longer
-            request instead of two). Default ``"auto"``: chosen with ``read_window`` for the device (see
-            ``storage``). 0: exact bytes.
-        io_threads: threads per reader process that issue a step's run reads concurrently (contiguous HDF5
-            layouts; chunked data uses h5py hyperslab reads one after another). Default 4.
-        read_window: steps whose reads are issued together as one sorted, coalesced request list (the plan knows
-            them ahead). Larger windows give fewer, longer device requests (with ``max_gap``) at the cost of
-            holding two windows of read samples, taken from the buffer's share of ``buffer_size``. Default
-            ``"auto"``: the window and gap of least predicted device time per epoch
-            (:func:`~lightning_sdp.datamodules.solar.readplan.plan_reads`), weighing bytes against requests with the
-            device's measured bandwidth and request rate. ``read_window=1, max_gap=0`` reads exactly the planned
-            misses (the fewest bytes) in more, shorter requests.
-        storage: the device, for the ``"auto"`` plan. ``"probe"`` (default): rank 0 times random reads of the
-            training file at setup (about 1.5 s on a slow device; files under 8 MiB are assumed fast and not probed)
-            and shares the result; or a
-            :class:`~lightning_sdp.datamodules.solar.readplan.StorageProfile` (or a dict of its fields:
-            ``bandwidth_bytes_per_s``, ``requests_per_s``, ``overlap``).
-        readahead: let the kernel's readahead act on the training reads. Default False: reads are positional
-            reads advised ``POSIX_FADV_RANDOM``, so the device serves the planned bytes only (with readahead the
-            device read the whole file every epoch and the buffer saved nothing).
-        warm_page_cache: when the plan's long runs count on the page cache (the file fits in free memory), each
-            epoch a thread per rank streams its share of the node's file into the page cache in long requests,
-            and the training reads use the shorter runs a cold device pays for (the plan's gap with every
-            transferred row counted), so a cold cache (the first epoch, or a file the OS dropped) does not stall a
-            window until nearly the whole file is read. Default ``"auto"``: on exactly then, when ``max_gap`` is
-            ``"auto"``; ``True``: on for any plan with gaps; ``False``: off.
         validate: ``"warn"`` (default; first non-finite sample per key), ``"raise"`` or ``"off"``: check that
             float samples are finite as they are read. HDF5 checksums are verified by HDF5 where datasets have them.
-        prefetch_factor: read requests in flight per worker. Default 2.
+        reads: how the training file is read (read window, gaps, threads, the device profile, the page cache): a
+            :class:`~lightning_sdp.datamodules.solar.options.SolarReadOptions`. Default ``None``: its defaults, the
+            plan chosen for the probed device.
         drop_last: drop the smaller last global batch of each epoch. Default False.
         log_metrics: expect a :class:`lightning_sdp.callbacks.SolarMetrics` callback on the Trainer (it logs the
             ``solar/*`` metrics) and warn once in ``setup`` when there is none; ``False`` trains without those
@@ -203,14 +178,8 @@ class SolarDataModule(LightningDataModule):
         test_path: str | None = None,
         test_split: float = 0.0,
         batch_format: BatchFormat = "pair",
-        max_gap: int | Literal["auto"] = "auto",
-        io_threads: int = 4,
-        read_window: int | Literal["auto"] = "auto",
-        storage: Literal["probe"] | StorageProfile | dict[str, Any] = "probe",
-        readahead: bool = False,
-        warm_page_cache: bool | Literal["auto"] = "auto",
         validate: Literal["warn", "raise", "off"] = "warn",
-        prefetch_factor: int = 2,
+        reads: SolarReadOptions | None = None,
         drop_last: bool = False,
         log_metrics: bool = True,
     ) -> None:
@@ -218,9 +187,11 @@ class SolarDataModule(LightningDataModule):
         require("h5py", feature="SolarDataModule")
         _check_int("batch_size", batch_size, 1)
         _check_int("num_workers", num_workers, 0)
-        _check_int("io_threads", io_threads, 1, "1 reads one run after another")
-        _check_int("prefetch_factor", prefetch_factor, 1, "read requests in flight per worker")
         _check_int("seed", seed, None)
+        if reads is not None and not isinstance(reads, SolarReadOptions):
+            raise TypeError(
+                f"SolarDataModule: reads must be a SolarReadOptions or None, got {reads!r} ({type(reads).__name__})."
+            )
         if val_batch_size is not None:
             _check_int("val_batch_size", val_batch_size, 1, "None uses batch_size")
         if max_epochs is not None:
@@ -255,24 +226,9 @@ class SolarDataModule(LightningDataModule):
         self.val_batch_size = val_batch_size or batch_size
         self.test_path, self.test_split = test_path, test_split
         self.batch_format = batch_format
-        self.max_gap, self.prefetch_factor, self.drop_last = max_gap, prefetch_factor, drop_last
-        self.io_threads = io_threads
-        # checked now, chosen for the device in setup when "auto"
-        check_read_option("read_window", read_window, 1)
-        check_read_option("max_gap", max_gap, 0)
-        self.read_window, self.readahead, self.validate = read_window, readahead, validate
-        if warm_page_cache not in (True, False, "auto"):
-            raise ValueError(f"warm_page_cache must be True, False or 'auto', got {warm_page_cache!r}")
-        self.warm_page_cache = warm_page_cache
+        self.drop_last, self.validate = drop_last, validate
+        self.reads = reads if reads is not None else SolarReadOptions()
         self.cold_gap: int | None = None
-        if isinstance(storage, dict):
-            storage = StorageProfile(**storage)
-        if storage != "probe" and not isinstance(storage, StorageProfile):
-            raise ValueError(
-                f"storage must be 'probe' or a StorageProfile (or a dict of its fields: bandwidth_bytes_per_s, "
-                f"requests_per_s, overlap), got {storage!r}"
-            )
-        self.storage = storage
         self.read_plan: ReadPlan | None = None
         self.log_metrics = log_metrics
         self.schedule: SolarSchedule | None = None
@@ -285,11 +241,6 @@ class SolarDataModule(LightningDataModule):
         self._pending_state: dict[str, Any] | None = None
         self._identities: dict[str, FileIdentity] = {}
         self._fingerprint: dict[str, Any] | None = None
-
-    # Emulated slow storage for experiments: every read request of the readers built here then costs the throttle's
-    # latency + bytes / bandwidth (StorageThrottle() only counts). Set on an instance before ``train_dataloader``;
-    # not a constructor argument because it measures the loader rather than configuring it.
-    _storage_throttle: StorageThrottle | None = None
 
     # ------------------------------------------------------------------ schedule
     def _num_epochs(self, trainer: Trainer | None, steps_per_epoch: int) -> int:
@@ -388,11 +339,10 @@ class SolarDataModule(LightningDataModule):
 
     def _plan_cold_gap(self, capacity: int, plan: ReadPlan) -> int | None:
         """The gap for runs the page cache does not hold yet (``None``: no warming), with the plan's window."""
-        if self.warm_page_cache is False or plan.max_gap == 0 or self.num_workers > 0:
+        warm = self.reads.warm_page_cache
+        if warm is False or plan.max_gap == 0 or self.num_workers > 0:
             return None
-        if self.warm_page_cache == "auto" and (
-            self.max_gap != "auto" or not page_cache_holds(os.path.getsize(self.path))
-        ):
+        if warm == "auto" and (self.reads.max_gap != "auto" or not page_cache_holds(os.path.getsize(self.path))):
             return None  # a gap the user chose, or a plan that counts every transferred row (what a cold device pays)
         cold = self._plan_reads(capacity, window=plan.read_window, page_cache=False).max_gap
         return cold if cold < plan.max_gap else None  # the plan's runs are what a cold device pays for anyway
@@ -401,14 +351,13 @@ class SolarDataModule(LightningDataModule):
         """Window, gap and the memory split (buffer + read-ahead = ``buffer_size``) for this device."""
         assert self.info is not None
         if window is None:
-            window = check_read_option("read_window", self.read_window, 1)
-            gap = check_read_option("max_gap", self.max_gap, 0)
+            window, gap = self.reads.fixed_window, self.reads.fixed_gap
         else:
             gap = None
         if page_cache is None:
             page_cache = page_cache_holds(os.path.getsize(self.path))
-        storage = self.storage if isinstance(self.storage, StorageProfile) else FAST_LOCAL_STORAGE
-        if self.storage == "probe" and (window is None or gap is None):
+        storage = self.reads.storage if isinstance(self.reads.storage, StorageProfile) else FAST_LOCAL_STORAGE
+        if self.reads.storage == "probe" and (window is None or gap is None):
             storage = self._probe()
         sample = self.info.sample_nbytes
         with_buffer = capacity > 0
@@ -434,7 +383,7 @@ class SolarDataModule(LightningDataModule):
         """The training file's device, probed on rank 0 and shared, so every rank plans the same schedule."""
         trainer = self.trainer
         distributed = trainer is not None and self.world_size > 1
-        profile = probe_storage(self.path, self.io_threads) if self.rank == 0 or not distributed else None
+        profile = probe_storage(self.path, self.reads.io_threads) if self.rank == 0 or not distributed else None
         if distributed:
             assert trainer is not None
             profile = trainer.strategy.broadcast(profile, src=0)
@@ -442,8 +391,7 @@ class SolarDataModule(LightningDataModule):
         return profile
 
     def _build_schedule(self, plan: ReadPlan) -> None:
-        g = self.world_size * self.batch_size
-        steps = self.num_train // g if self.drop_last else -(-self.num_train // g)
+        steps = epoch_steps(self.num_train, self.world_size, self.batch_size, self.drop_last)
         if self.train_loader is not None:
             self.train_loader.close()
         self.train_loader = None
@@ -515,9 +463,8 @@ class SolarDataModule(LightningDataModule):
             identity=self._identities.get(path),
             # with the warmer, runs merge across the gaps a cold device pays for; it streams the long runs
             max_gap=self.cold_gap if self.cold_gap is not None and path == self.path else self.resolved_max_gap,
-            throttle=self._storage_throttle,
-            io_threads=self.io_threads,
-            readahead=self.readahead,
+            io_threads=self.reads.io_threads,
+            readahead=self.reads.readahead,
             validate=self.validate,
         )
 
@@ -534,7 +481,7 @@ class SolarDataModule(LightningDataModule):
                 self.input_key,
                 self.target_keys,
                 num_workers=self.num_workers,
-                prefetch_factor=self.prefetch_factor,
+                prefetch_factor=self.reads.prefetch_factor,
                 trainer=lambda: self.trainer,
                 batch_format=self.batch_format,
                 read_window=self.resolved_read_window,
@@ -613,7 +560,13 @@ class SolarDataModule(LightningDataModule):
         position = (
             self.train_loader.state_dict()
             if self.train_loader is not None
-            else {"epoch": 0, "step": 0, "schedule_hash": self.schedule.schedule_hash}
+            else {
+                "epoch": 0,
+                "step": 0,
+                "sample": 0,
+                "schedule_hash": self.schedule.schedule_hash,
+                "order_hash": self.schedule.order_hash,
+            }
         )
         assert self.read_plan is not None
         return {
@@ -636,6 +589,12 @@ class SolarDataModule(LightningDataModule):
             return
         if self.schedule is None:
             self._pending_state = state_dict
+            return
+        saved, current = state_dict.get("config", {}), self.schedule.config
+        resized = any(saved.get(k) != current[k] for k in ("world_size", "local_batch_size"))
+        if resized and self._elastic(state_dict):
+            self._check_data(state_dict.get("data"))
+            self._resume_position(state_dict["position"])
             return
         saved_plan = state_dict.get("read_plan")
         assert self.read_plan is not None  # set with the schedule in setup
@@ -666,11 +625,32 @@ class SolarDataModule(LightningDataModule):
                 "batch size, world size, buffer size, seed and SOLAR options, or start a new run."
             )
         self._check_data(state_dict.get("data"))
-        position = state_dict["position"]
+        self._resume_position(state_dict["position"])
+
+    def _resume_position(self, position: dict[str, Any]) -> None:
         if self.train_loader is not None:
             self.train_loader.load_state_dict(position)
         else:
             self._pending_position = position
+
+    def _elastic(self, state_dict: dict[str, Any]) -> bool:
+        """Whether a checkpoint of another world size or batch size can continue here: the same options otherwise
+        and the same global sample order. Raises when only the order differs (another buffer size with
+        ``epoch_order="tsp"``)."""
+        assert self.schedule is not None
+        saved, current = state_dict.get("config", {}), self.schedule.config
+        if any(saved.get(k) != current[k] for k in current if k not in ELASTIC_KEYS):
+            return False  # refused below, with the differences named
+        position = state_dict["position"]
+        if "sample" not in position or position.get("order_hash") != self.schedule.order_hash:
+            raise ValueError(
+                "the checkpoint's SOLAR run visited the samples in another order than this configuration would "
+                f"(world size {saved.get('world_size')} -> {current['world_size']}, batch size "
+                f"{saved.get('local_batch_size')} -> {current['local_batch_size']}), or was written by an older "
+                "lightning-sdp, so it cannot continue at the same sample. Resume with the world size and batch "
+                "size it was written with, or start a new run."
+            )
+        return True
 
     def _check_data(self, saved: dict[str, Any] | None) -> None:
         """Refuse a checkpoint written while training on other data (warn when it has no fingerprint)."""
@@ -731,6 +711,11 @@ class SolarDataModule(LightningDataModule):
     def teardown(self, stage: str) -> None:
         if self.train_loader is not None and stage == "fit":
             self.train_loader.close()
+
+
+ELASTIC_KEYS = ("world_size", "local_batch_size", "max_local_batch", "buffer_size")
+"""Schedule options a checkpoint may differ in and still continue at the same sample (the buffer's share of
+``buffer_size`` depends on the world size)."""
 
 
 def _plan_state(plan: ReadPlan) -> dict[str, int]:

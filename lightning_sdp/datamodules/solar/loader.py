@@ -25,6 +25,39 @@ from lightning_sdp.datamodules.solar.readplan import READ_AHEAD_WINDOWS
 from lightning_sdp.datamodules.solar.schedule import SolarSchedule
 
 
+def _same_requests(
+    a: Sequence[tuple[tuple[int, int], np.ndarray]], b: Sequence[tuple[tuple[int, int], np.ndarray]]
+) -> bool:
+    """Whether two lists of ``(key, ids)`` read requests are the same requests in the same order."""
+    return len(a) == len(b) and all(
+        ka == kb and np.array_equal(ia, ib) for (ka, ia), (kb, ib) in zip(a, b, strict=True)
+    )
+
+
+def _align_lightning_step(trainer: Any, step: int) -> None:
+    """Set the training loop's batch counters to ``step`` where a resume continues at another step than the loop
+    restored: a checkpoint of another world size or batch size, whose step counted other global batches.
+
+    Lightning ends an epoch when its counter reaches the loader's length, so after such a resume the counter must
+    count this schedule's steps, or the epoch would end early (more ranks: fewer, larger steps) or late.
+    """
+    if trainer is None or not getattr(trainer, "training", False):
+        return
+    loop = trainer.fit_loop.epoch_loop
+    current, total = loop.batch_progress.current, loop.batch_progress.total
+    delta = step - current.ready
+    if delta == 0:
+        return
+    for progress in (current, total):
+        progress.ready += delta
+        progress.started += delta
+        progress.processed += delta
+        progress.completed += delta
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is not None:
+        fetcher.fetched += delta
+
+
 def no_collate(item: Any) -> Any:
     """``collate_fn`` for datasets whose items are whole batches already (``DataLoader(batch_size=None)``)."""
     return item
@@ -394,25 +427,46 @@ class SolarLoader:
         """``(epoch, step)`` of the next batch the training loop has not processed yet."""
         trainer = self._trainer()
         if trainer is not None and getattr(trainer, "training", False):
-            progress = trainer.fit_loop.epoch_loop.batch_progress.current
-            return int(trainer.current_epoch), int(progress.processed)
+            epoch = int(trainer.current_epoch)
+            processed = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+            if processed >= self.schedule.steps_per_epoch:  # saved on the epoch's last batch: the next one is due
+                return epoch + 1, 0
+            return epoch, processed
         return self._next_pos
 
     def state_dict(self) -> dict[str, Any]:
-        """Position and schedule hash (the buffer content is not saved; it is re-read on resume)."""
-        epoch, step = self.position()
-        return {"epoch": epoch, "step": step, "schedule_hash": self.schedule.schedule_hash}
+        """Position (epoch, step, and the samples of the epoch's order already trained on) and the schedule's hashes
+        (the buffer content is not saved; it is re-read on resume)."""
+        epoch, step = self._resume if self._resume is not None else self.position()
+        return {
+            "epoch": epoch,
+            "step": step,
+            "sample": self.schedule.step_start(epoch, step),
+            "schedule_hash": self.schedule.schedule_hash,
+            "order_hash": self.schedule.order_hash,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue at ``state``'s position at the next ``iter``."""
-        if state.get("schedule_hash") != self.schedule.schedule_hash:
+        """Continue at ``state``'s position at the next ``iter``.
+
+        A position saved by a schedule of another world size or batch size (the same global sample order, see
+        :attr:`SolarSchedule.order_hash`) continues at the same sample of the epoch's order.
+        """
+        epoch = int(state["epoch"])
+        if state.get("schedule_hash") == self.schedule.schedule_hash:
+            step = int(state["step"])
+            if "sample" in state:  # the schedule may have to start the epoch mid-step, as when it was saved
+                step = self.schedule.resume_at(epoch, int(state["sample"]))
+        elif "sample" in state and state.get("order_hash") == self.schedule.order_hash:
+            step = self.schedule.resume_at(epoch, int(state["sample"]))
+        else:
             raise ValueError(
                 "this checkpoint's SOLAR schedule does not match the current configuration (schedule hash "
                 f"{state.get('schedule_hash')} != {self.schedule.schedule_hash}); resume with the same data, "
-                "batch size, world size, buffer size, seed and SOLAR options"
+                "seed and SOLAR options"
             )
-        self._resume = (int(state["epoch"]), int(state["step"]))
-        self._epoch_counter = int(state["epoch"])
+        self._resume = (epoch, step)
+        self._epoch_counter = epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Epoch of the next ``iter`` when no Trainer is attached."""
@@ -435,6 +489,17 @@ class SolarLoader:
         return self._loader
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor] | tuple[torch.Tensor, ...]]:
+        return self._epoch_batches()
+
+    def _epoch_batches(self) -> Iterator[dict[str, torch.Tensor] | tuple[torch.Tensor, ...]]:
+        # The epoch is read at the first batch, not at iter(): Lightning calls iter() before it restores the loop's
+        # epoch counter from a checkpoint (one saved on an epoch's last batch continues with the next epoch).
+        epoch, start = self._start()
+        _align_lightning_step(self._trainer(), start)
+        yield from self._generate(epoch, start)
+
+    def _start(self) -> tuple[int, int]:
+        """The ``(epoch, step)`` this iteration starts at; clears the store when it does not continue the last."""
         # an HDF5 file rewritten between epochs would be read at its old offsets: refuse it here, in the main process
         # (the reader checks again before each of its reads, in whichever process reads)
         self.reader.check_unchanged()
@@ -446,11 +511,12 @@ class SolarLoader:
         self._resume = None
         if (epoch, start) != self._next_pos:
             self.store.clear()  # the store no longer matches the plan: rebuild it from reads
-        return self._generate(epoch, start)
+        return epoch, start
 
-    def _requests(self, steps: list) -> list[tuple[int, np.ndarray]]:
-        """Per step: the plan's misses plus the planned hits the store lacks (after a resume)."""
-        have = set(self.store)
+    def _requests(self, steps: list, have: set[int]) -> tuple[list[tuple[int, np.ndarray]], set[int]]:
+        """Per step: the plan's misses plus the planned hits the store lacks (after a resume); and the ids the
+        store holds after these steps, given that it holds ``have`` before them."""
+        have = set(have)
         requests = []
         for sp in steps:
             rs = sp.ranks[self.rank]
@@ -461,7 +527,7 @@ class SolarLoader:
             have.difference_update(rs.evicts.tolist())
             have.update(rs.inserts.tolist())
             requests.append((sp.step, reads))
-        return requests
+        return requests, have
 
     def _windows(self, per_step: list[tuple[int, np.ndarray]]) -> list[tuple[int, np.ndarray]]:
         """``(first step, ids)`` per read window: ``read_window`` steps' reads joined into one request."""
@@ -474,21 +540,29 @@ class SolarLoader:
         item = ReadRequests(self.reader)[(key[1], ids)]  # the same read a worker process does
         return item["data"], item["bytes"]
 
-    def _thread_results(self, epoch: int, windows: list[tuple[int, np.ndarray]]) -> Iterator[dict[str, Any]]:
-        """This epoch's window results from the read-ahead thread, which then reads on into the next epoch."""
+    def _thread_results(
+        self, epoch: int, windows: list[tuple[int, np.ndarray]], store_after: set[int]
+    ) -> Iterator[dict[str, Any]]:
+        """This epoch's window results from the read-ahead thread, which then reads on into the next epoch.
+
+        Args:
+            epoch: the epoch.
+            windows: its read windows.
+            store_after: the ids the store will hold at the end of the epoch (the next epoch's reads refill the
+                planned hits it lacks, after a resume).
+        """
         if self._read_ahead is None:
             sample_nbytes = self.reader.info.sample_nbytes
             self._read_ahead = ReadAhead(self._read_for_thread, sample_nbytes, self.read_ahead_bytes)
         ra = self._read_ahead
-        keys = [(epoch, step) for step, _ in windows]
-        if ra.queued_keys != keys:  # not the continuation of what was queued (first epoch, resume, a jump)
+        wanted = [((epoch, step), ids) for step, ids in windows]
+        if not _same_requests(ra.queued(), wanted):  # not what was queued (first epoch, resume, a jump)
             ra.reset()
-            for key, (_, ids) in zip(keys, windows, strict=True):
+            for key, ids in wanted:
                 ra.submit(key, ids)
         if self.read_across_epochs and epoch + 1 < self.schedule.num_epochs:
-            # the next epoch continues from the plan's buffer, which then holds every planned hit: no refills
-            nxt = self.schedule.epoch_plan(epoch + 1)
-            for step, ids in self._windows([(sp.step, sp.ranks[self.rank].reads) for sp in nxt]):
+            requests, _ = self._requests(self.schedule.epoch_plan(epoch + 1), store_after)
+            for step, ids in self._windows(requests):
                 ra.submit((epoch + 1, step), ids)
         for _ in windows:
             res = ra.get()
@@ -506,8 +580,9 @@ class SolarLoader:
     def _generate(self, epoch: int, start: int) -> Iterator[dict[str, torch.Tensor] | tuple[torch.Tensor, ...]]:
         plan = self.schedule.epoch_plan(epoch)
         self.schedule.release(epoch)
-        steps = plan[start:]
-        windows = self._windows(self._requests(steps))
+        steps = [sp for sp in plan if sp.step >= start]
+        requests, store_after = self._requests(steps, set(self.store))
+        windows = self._windows(requests)
         self.epoch_stats = EpochStats()
         epoch_start = time.perf_counter()
         if not steps:
@@ -515,7 +590,7 @@ class SolarLoader:
         w = self.read_window
         if self.num_workers == 0:
             self._warm(windows)
-            results: Iterator[dict[str, Any]] = self._thread_results(epoch, windows)
+            results: Iterator[dict[str, Any]] = self._thread_results(epoch, windows, store_after)
         else:
             self._sampler.requests = windows
             results = iter(self._dataloader())
@@ -547,9 +622,11 @@ class SolarLoader:
                     if x not in read_pos:
                         arr[row] = self.store[x][key]
                 out[key] = arr
-            for x in rs.evicts.tolist():
+            # the plan's inserts, and the planned hits read back after a resume unless the plan evicts them now
+            evicts = set(rs.evicts.tolist())
+            for x in evicts:
                 self.store.pop(x, None)
-            keep = set(rs.inserts.tolist()) | {x for x in ids[rs.hit].tolist() if x in read_pos}
+            keep = set(rs.inserts.tolist()) | {x for x in ids[rs.hit].tolist() if x in read_pos and x not in evicts}
             for x in keep:
                 k = read_pos[x]
                 self.store[x] = {key: res["data"][key][k].clone() for key in out}
@@ -591,8 +668,8 @@ class SolarLoader:
             return
         layout = self.reader.direct_layout()
         if self._warmer is None:
-            if layout is None or self.reader.throttle is not None:
-                self.warm_rows = None  # chunked or filtered datasets, or an emulated device: nothing to stream
+            if layout is None:
+                self.warm_rows = None  # chunked, filtered or linked datasets: nothing to stream
                 return
             reader = self.reader
             self._warmer = PageCacheWarmer(

@@ -72,10 +72,14 @@ class ReadAhead:
     @property
     def queued_keys(self) -> list[tuple[int, int]]:
         """Keys of the requests read and not yet taken, being read, and queued, in order."""
+        return [key for key, _ in self.queued()]
+
+    def queued(self) -> list[tuple[tuple[int, int], np.ndarray]]:
+        """``(key, ids)`` of the requests read and not yet taken, being read, and queued, in order."""
         with self._cond:
-            done = [r.key for r in self._done if isinstance(r, ReadResult)]
+            done = [(r.key, r.ids) for r in self._done if isinstance(r, ReadResult)]
             reading = [self._reading] if self._reading is not None else []
-            return done + reading + [k for k, _ in self._pending]
+            return done + reading + list(self._pending)
 
     def submit(self, key: tuple[int, int], ids: np.ndarray) -> None:
         """Queue one request (read after those queued before it)."""
@@ -125,7 +129,7 @@ class ReadAhead:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=60)
 
-    _reading: tuple[int, int] | None = None
+    _reading: tuple[tuple[int, int], np.ndarray] | None = None
 
     def _run(self) -> None:
         while True:
@@ -135,7 +139,7 @@ class ReadAhead:
                 if self._closed:
                     return
                 key, ids = self._pending.popleft()
-                generation, self._reading = self._generation, key
+                generation, self._reading = self._generation, (key, ids)
                 size = len(ids) * self.sample_nbytes
                 self._held += size
                 self.peak_held_bytes = max(self.peak_held_bytes, self._held)
@@ -178,7 +182,10 @@ class PageCacheWarmer:
         hi: end of the share (exclusive).
         chunk_bytes: bytes per request (the block layer's request size).
         yield_to: while it returns ``True`` (rows a step waits for are being read past the cache), the thread sends
-            no request, so those reads have the device to themselves. Default: never.
+            no request, so those reads have the device to themselves, for at most ``max_yield_s`` per chunk: a reader
+            that always has a read in flight (loading alone, with the read-ahead never full) would otherwise stop the
+            stream the plan counts on, and its short runs would be read from a cold device all epoch. Default: never.
+        max_yield_s: the longest pause before the next chunk is read anyway. Default 0.05.
     """
 
     def __init__(
@@ -189,6 +196,7 @@ class PageCacheWarmer:
         hi: int,
         chunk_bytes: int = 2**20,
         yield_to: Callable[[], bool] | None = None,
+        max_yield_s: float = 0.05,
     ) -> None:
         import os
 
@@ -205,6 +213,7 @@ class PageCacheWarmer:
         self._first: list[tuple[int, int]] = []
         self._closed = False
         self._yield_to = yield_to or (lambda: False)
+        self.max_yield_s = float(max_yield_s)
         self.device_bytes = 0  # bytes that were not already cached
         self.passes_done = 0
         self._thread = threading.Thread(target=self._run, name="solar-page-cache", daemon=True)
@@ -246,14 +255,16 @@ class PageCacheWarmer:
                         break
                 for start in range(offset, offset + length, len(self._scratch)):
                     self._read(start, min(len(self._scratch), offset + length - start))
-            row = self.lo
+            row, paused = self.lo, 0.0
             while row < self.hi:
                 with self._cond:
                     if self._closed or self._passes != done:
                         break  # closed, or a new pass asked for: start over
-                if self._yield_to():
+                if paused < self.max_yield_s and self._yield_to():
                     time.sleep(0.002)
+                    paused += 0.002
                     continue
+                paused = 0.0
                 end = min(self.hi, row + self.rows_per_chunk)
                 for offset, nbytes in self.regions:
                     self._read(offset + row * nbytes, (end - row) * nbytes)

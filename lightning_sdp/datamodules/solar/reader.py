@@ -2,16 +2,14 @@
 
 h5py is imported lazily. A reader opens its file on first use in each process (h5py handles survive neither
 ``fork`` nor pickling), with HDF5's chunk cache off (``rdcc_nbytes=0``) because the SOLAR buffer is the cache.
-:class:`ThrottledFile` emulates shared storage (latency + bandwidth per request, counting bytes) for benchmarks.
+Contiguous datasets are read with positional reads (:class:`PositionalFile`) at their file offsets.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import threading
-import time
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -82,74 +80,32 @@ def read_per_sample(dset: Any, ids: Sequence[int] | np.ndarray) -> np.ndarray:
     return out
 
 
-def check_read_option(name: str, value: int | str, low: int) -> int | None:
-    """``value`` as an int, or ``None`` for ``"auto"`` (chosen by :func:`~.readplan.plan_reads` at ``setup``).
-
-    Args:
-        name: ``"read_window"`` (steps, ``low`` 1) or ``"max_gap"`` (rows, ``low`` 0).
-        value: what the user gave.
-        low: the least int allowed.
-
-    Raises:
-        ValueError: neither ``"auto"`` nor an int of at least ``low``.
-    """
-    if value == "auto":
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < low:
-        raise ValueError(f"{name} must be 'auto' or an int >= {low}, got {value!r}")
-    return int(value)
-
-
 VALIDATE_MODES = ("warn", "raise", "off")
 
 
-@dataclass(frozen=True)
-class StorageThrottle:
-    """Emulated shared storage: every request costs ``latency_s + bytes / bandwidth_bytes_per_s``.
-
-    Args:
-        latency_s: seconds per request (e.g. 0.002 for a busy parallel file system).
-        bandwidth_bytes_per_s: bytes per second of one client; ``0`` means unlimited.
-    """
-
-    latency_s: float = 0.0
-    bandwidth_bytes_per_s: float = 0.0
-
-    def cost(self, nbytes: int) -> float:
-        """Seconds one request of ``nbytes`` takes."""
-        bw = self.bandwidth_bytes_per_s
-        return self.latency_s + (nbytes / bw if bw > 0 else 0.0)
-
-
-class ThrottledFile(io.RawIOBase):
-    """A read-only file object for ``h5py.File(fileobj)`` that sleeps per request and counts bytes and requests.
+class PositionalFile:
+    """A read-only descriptor for positional reads (``os.preadv``) that counts bytes and requests; thread-safe.
 
     Args:
         path: file to open.
-        throttle: the per-request cost; ``None`` only counts.
         readahead: keep the kernel's readahead for this descriptor (default). ``False`` advises
             ``POSIX_FADV_RANDOM``: every read then fetches exactly the bytes asked for, in one request, instead of
             also pulling the device's readahead window (up to megabytes) into the page cache.
     """
 
-    def __init__(
-        self, path: str | os.PathLike, throttle: StorageThrottle | None = None, readahead: bool = True
-    ) -> None:
-        super().__init__()
+    def __init__(self, path: str | os.PathLike, readahead: bool = True) -> None:
         self.fd = os.open(os.fspath(path), os.O_RDONLY)
         if not readahead and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
-        self.throttle = throttle
-        self.pos = 0
+        self.size = os.fstat(self.fd).st_size
         self.bytes_read = 0
         self.requests = 0
-        self.size = os.fstat(self.fd).st_size
         self._lock = threading.Lock()
 
     def pread_into(self, buffer: Any, offset: int) -> int:
-        """Fill ``buffer`` from ``offset`` as one request (thread-safe; the throttle sleeps without the GIL)."""
+        """Fill ``buffer`` from ``offset`` as one request; returns the bytes read."""
         view = memoryview(buffer).cast("B")
-        start, done = time.perf_counter(), 0
+        done = 0
         while done < len(view):
             n = os.preadv(self.fd, [view[done:]], offset + done)
             if n == 0:
@@ -158,66 +114,13 @@ class ThrottledFile(io.RawIOBase):
         with self._lock:
             self.bytes_read += done
             self.requests += 1
-        if self.throttle is not None:
-            left = self.throttle.cost(done) - (time.perf_counter() - start)
-            if left > 0:
-                time.sleep(left)
         return done
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_SET:
-            self.pos = offset
-        elif whence == io.SEEK_CUR:
-            self.pos += offset
-        else:
-            self.pos = self.size + offset
-        return self.pos
-
-    def readinto(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        start = time.perf_counter()
-        n = os.preadv(self.fd, [view], self.pos)
-        self.pos += n
-        with self._lock:
-            self.bytes_read += n
-            self.requests += 1
-        if self.throttle is not None:
-            left = self.throttle.cost(n) - (time.perf_counter() - start)
-            if left > 0:
-                time.sleep(left)
-        return n
-
-    def drop_page_cache(self) -> None:
-        """Ask the kernel to forget this file's cached pages (``POSIX_FADV_DONTNEED``)."""
-        drop_page_cache(self.fd)
-
     def close(self) -> None:
-        if not self.closed:
+        """Close the descriptor (idempotent)."""
+        if self.fd >= 0:
             os.close(self.fd)
-        super().close()
-
-
-def drop_page_cache(path_or_fd: str | os.PathLike | int) -> None:
-    """Evict a file from the OS page cache with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (no-op where missing)."""
-    if not hasattr(os, "posix_fadvise"):
-        return
-    if isinstance(path_or_fd, int):
-        os.posix_fadvise(path_or_fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        return
-    fd = os.open(os.fspath(path_or_fd), os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+            self.fd = -1
 
 
 class FileChangedError(RuntimeError):
@@ -450,6 +353,21 @@ def data_fingerprint(path: str | os.PathLike, keys: Sequence[str]) -> dict[str, 
     }
 
 
+def _contiguous_offset(f: Any, key: str) -> int | None:
+    """Byte offset in ``f``'s file of dataset ``key``'s rows, or ``None`` when positional reads of that file would not
+    find them there: a dataset behind an external link (its rows are in the linked file), a virtual, chunked,
+    filtered, compact or externally stored one, one not yet written, or one in a non-native byte order."""
+    import h5py
+
+    d = f[key]
+    if d.id.fileno != f.id.fileno:  # an external link: the offset is the linked file's
+        return None
+    if d.id.get_create_plist().get_layout() != h5py.h5d.CONTIGUOUS or d.external or not d.dtype.isnative:
+        return None
+    offset = d.id.get_offset()
+    return None if offset is None else int(offset)
+
+
 class HDF5Reader:
     """Reads samples of several equal-length datasets of one HDF5 file, opening it lazily per process.
 
@@ -458,7 +376,6 @@ class HDF5Reader:
         keys: dataset names to read (e.g. input and target keys).
         max_gap: merge runs separated by at most this many unrequested rows. Default 0.
         rdcc_nbytes: HDF5 chunk cache bytes; 0 (default) because the SOLAR buffer is the cache.
-        throttle: emulate shared storage through a :class:`ThrottledFile`. Default ``None`` (plain file).
         coalesce: one slice read per run (default); ``False`` reads sample by sample (the baseline).
         io_threads: with more than 1, the runs of a request are read concurrently by this many threads with
             positional reads at the datasets' file offsets (contiguous, unfiltered layouts only; chunked or
@@ -486,7 +403,6 @@ class HDF5Reader:
         keys: Sequence[str],
         max_gap: int = 0,
         rdcc_nbytes: int = 0,
-        throttle: StorageThrottle | None = None,
         coalesce: bool = True,
         io_threads: int = 1,
         readahead: bool = False,
@@ -504,7 +420,6 @@ class HDF5Reader:
         self.keys = list(keys)
         self.max_gap = int(max_gap)
         self.rdcc_nbytes = int(rdcc_nbytes)
-        self.throttle = throttle
         self.coalesce = coalesce
         self.readahead = bool(readahead)
         check_h5_path(self.path)
@@ -512,9 +427,8 @@ class HDF5Reader:
         self.info = inspect_h5(self.path, self.keys)
         self.identity.check(self.path)  # the layout just read belongs to the file the identity describes
         self._file: Any = None
-        self._fileobj: ThrottledFile | None = None
         self._pid: int | None = None
-        self._raw: ThrottledFile | None = None
+        self._raw: PositionalFile | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._layout: dict[str, tuple[int, int]] | None = None
         self.bytes_read = 0
@@ -523,7 +437,7 @@ class HDF5Reader:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_file=None, _fileobj=None, _pid=None, _raw=None, _pool=None, _layout=None)
+        state.update(_file=None, _pid=None, _raw=None, _pool=None, _layout=None)
         return state
 
     def check_unchanged(self) -> None:
@@ -534,33 +448,36 @@ class HDF5Reader:
         if self._file is None or self._pid != os.getpid():
             self._file = self._raw = self._pool = self._layout = None  # never close handles inherited through fork
             self.check_unchanged()
-            if self.throttle is not None:
-                self._fileobj = ThrottledFile(self.path, self.throttle, readahead=self.readahead)
-                self._file = _open_h5(self.path, self._fileobj, self.rdcc_nbytes)
-            else:
-                self._file = _open_h5(self.path, None, self.rdcc_nbytes)
+            self._file = self._open_h5()
             self._pid = os.getpid()
         return self._file
 
+    def _open_h5(self) -> Any:
+        """The h5py file this process reads metadata and non-contiguous datasets through."""
+        return _open_h5(self.path, None, self.rdcc_nbytes)
+
+    def _open_positional(self) -> PositionalFile:
+        """The descriptor this process's positional reads of contiguous datasets go through."""
+        return PositionalFile(self.path, readahead=self.readahead)
+
     def direct_layout(self) -> dict[str, tuple[int, int]] | None:
-        """``{key: (file offset, row bytes)}`` when every key is contiguous and unfiltered, else ``None``."""
+        """``{key: (file offset, row bytes)}`` when every key's rows lie in ``path`` itself at one offset, else
+        ``None`` (the rows are then read through h5py, which follows links and mappings and applies filters)."""
         f = self._handle()
         if self._layout is None:
             layout: dict[str, tuple[int, int]] = {}
             for key in self.keys:
-                d = f[key]
-                offset = d.id.get_offset()
-                if d.chunks is not None or offset is None or d.external or not d.dtype.isnative:
+                offset = _contiguous_offset(f, key)
+                if offset is None:
                     return None
-                layout[key] = (int(offset), int(np.prod(d.shape[1:], dtype=np.int64)) * d.dtype.itemsize)
+                d = f[key]
+                layout[key] = (offset, int(np.prod(d.shape[1:], dtype=np.int64)) * d.dtype.itemsize)
             self._layout = layout
         return self._layout
 
     def _read_direct(self, ids: np.ndarray, layout: dict[str, tuple[int, int]]) -> dict[str, np.ndarray]:
         if self._raw is None:
-            self._raw = (
-                self._fileobj if self._fileobj is not None else ThrottledFile(self.path, readahead=self.readahead)
-            )
+            self._raw = self._open_positional()
             if self.io_threads > 1:
                 self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="solar-io")
         raw = self._raw
@@ -649,8 +566,6 @@ class HDF5Reader:
             if self._pool is not None:
                 self._pool.shutdown()
             self._file.close()
-            if self._raw is not None and self._raw is not self._fileobj:
+            if self._raw is not None:
                 self._raw.close()
-            if self._fileobj is not None:
-                self._fileobj.close()
-        self._file = self._fileobj = self._raw = self._pool = self._layout = None
+        self._file = self._raw = self._pool = self._layout = None

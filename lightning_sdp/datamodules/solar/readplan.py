@@ -22,7 +22,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,10 +90,10 @@ def probe_storage(path: str | os.PathLike, io_threads: int = 4, seed: int = 0) -
     """Measure a file's device: small random reads per second and large-read bandwidth, at ``io_threads`` at once.
 
     The file's cached pages are dropped first (``POSIX_FADV_DONTNEED``) and reads are advised random, so the reads
-    reach the device. It times pages, 64 KiB reads and 1 MiB reads at random offsets, each kind for
-    :data:`PROBE_PHASE_S` after a few untimed reads (a throttled device lets a burst through first) or until its
-    region of the file runs out: about a second and a half on a slow device, less on a fast one. The medium reads tell
-    how a request's fixed cost and its transfer combine (``overlap``). Results are kept per file
+    reach the device. It times pages, 64 KiB reads and 1 MiB reads at random offsets (:func:`profile_reads`), each
+    kind for :data:`PROBE_PHASE_S` after :data:`PROBE_WARM_S` of untimed reads (a throttled device lets a burst
+    through first) or until its region of the file runs out: about two seconds on a slow device, less on a fast one.
+    The medium reads tell how a request's fixed cost and its transfer combine (``overlap``). Results are kept per file
     system for the life of the process. A file under 8 MiB is not probed (:data:`FAST_LOCAL_STORAGE`).
 
     Args:
@@ -115,41 +115,82 @@ def probe_storage(path: str | os.PathLike, io_threads: int = 4, seed: int = 0) -
 
 PROBE_PHASE_S = 0.4
 """Seconds each kind of probe read is timed for (after its untimed burst), unless its region runs out first."""
+PROBE_WARM_S = 0.15
+"""Seconds of untimed reads before each kind is timed: longer than a cgroup's throttle slice (0.1 s), whose
+budget a throttled device serves at once."""
 
 
 def _probe(path: str, size: int, threads: int, seed: int) -> StorageProfile:
-    rng = random.Random(seed)
-    page = 4096
-    quarter = size // 4 // page
-    # disjoint regions (large reads: first half; medium: third quarter; small: last quarter), so no read is served
-    # from pages another one brought in; offsets are drawn without repeats for the same reason
-    kinds = {"small": (page, 3 * quarter, 4 * quarter), "mid": (64 * 1024, 2 * quarter, 3 * quarter),
-             "big": (2**20, 0, 2 * quarter)}  # fmt: skip
+    """:func:`profile_reads` of positional reads of ``path``, its cached pages dropped before and after."""
     fd = os.open(path, os.O_RDONLY)
-    seconds, nbytes, counts = {}, {}, {}
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
 
-        def read(job: tuple[int, int]) -> int:
-            return len(os.pread(fd, job[1], job[0]))
+        def read(offset: int, length: int) -> int:
+            return len(os.pread(fd, length, offset))
 
-        with ThreadPoolExecutor(threads) as pool:
-            for name, (length, lo, hi) in kinds.items():
-                slots = range(lo, hi - length // page, length // page)
-                jobs = [(k * page, length) for k in rng.sample(slots, min(len(slots), 4096))]
-                warm, batch = max(2, len(jobs) // 16), 4 * threads
-                # a throttled device lets a burst through first: the first reads are not timed
-                list(pool.map(read, jobs[:warm]))
-                done, total, t0 = warm, 0, time.perf_counter()
-                while done < len(jobs) and (done == warm or time.perf_counter() - t0 < PROBE_PHASE_S):
-                    total += sum(pool.map(read, jobs[done : done + batch]))
-                    done += len(jobs[done : done + batch])
-                seconds[name] = max(time.perf_counter() - t0, 1e-6)
-                nbytes[name], counts[name] = total, done - warm
+        profile = profile_reads(read, size, threads=threads, seed=seed)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+    return profile
+
+
+def profile_reads(
+    read: Callable[[int, int], int],
+    size: int,
+    *,
+    threads: int = 4,
+    seed: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
+) -> StorageProfile:
+    """The :class:`StorageProfile` of a device from timed reads at random offsets of a file of ``size`` bytes.
+
+    Pages, 64 KiB reads and 1 MiB reads, each in its own region of the file (large: the first half; medium: the
+    third quarter; small: the last quarter) and at offsets drawn without repeats, so that no read is served from pages
+    another one brought in. Each kind is read untimed for :data:`PROBE_WARM_S` first (a throttled device serves a
+    burst at once), then timed for :data:`PROBE_PHASE_S`; the untimed reads stop at half of the kind's offsets at
+    most, the timed ones when the offsets run out.
+
+    Args:
+        read: ``read(offset, length)`` reads from the device and returns the bytes read.
+        size: the file's size in bytes.
+        threads: reads in flight at once.
+        seed: seed of the random offsets.
+        clock: seconds (``time.perf_counter``; a test passes the clock of a simulated device).
+    """
+    rng = random.Random(seed)
+    page = 4096
+    quarter = size // 4 // page
+    kinds = {
+        "small": (page, 3 * quarter, 4 * quarter),
+        "mid": (64 * 1024, 2 * quarter, 3 * quarter),
+        "big": (2**20, 0, 2 * quarter),
+    }
+    seconds, nbytes, counts = {}, {}, {}
+    batch = 4 * threads
+
+    def read_all(jobs: list[tuple[int, int]]) -> int:
+        return sum(pool.map(lambda job: read(*job), jobs))
+
+    with ThreadPoolExecutor(threads) as pool:
+        for name, (length, lo, hi) in kinds.items():
+            slots = range(lo, hi - length // page, length // page)
+            jobs = [(k * page, length) for k in rng.sample(slots, min(len(slots), 4096))]
+            # a throttled device lets a burst through first (a cgroup's throttle slice of bytes and requests):
+            # reads are untimed until PROBE_WARM_S has passed, not for a count of reads, which on a fast burst
+            # would time the burst itself (bandwidths of GB/s measured on a 40 MB/s device)
+            warm, w0, half = 0, clock(), len(jobs) // 2
+            while warm < half and (warm < 2 or clock() - w0 < PROBE_WARM_S):
+                read_all(jobs[warm : min(warm + batch, half)])
+                warm = min(warm + batch, half)
+            done, total, t0 = warm, 0, clock()
+            while done < len(jobs) and (done == warm or clock() - t0 < PROBE_PHASE_S):
+                total += read_all(jobs[done : done + batch])
+                done += len(jobs[done : done + batch])
+            seconds[name] = max(clock() - t0, 1e-6)
+            nbytes[name], counts[name] = total, done - warm
     rate = counts["small"] / seconds["small"]
     # 1 MiB reads are bound by the transfer (their fixed cost, where it adds, makes the bandwidth conservative)
     bandwidth = nbytes["big"] / seconds["big"]
@@ -185,6 +226,74 @@ def page_cache_holds(file_bytes: int) -> bool:
 
 
 @dataclass(frozen=True)
+class ReadCosts:
+    """Device seconds per epoch of the two ways to read an epoch's misses, on one device.
+
+    Args:
+        through_gaps_s: the whole file streamed (in requests of :data:`SPLIT_REQUEST_BYTES`): every miss is then a
+            copy from the page cache.
+        misses_s: the misses alone, one request per missed sample per dataset: the fewest bytes, the most requests.
+    """
+
+    through_gaps_s: float
+    misses_s: float
+
+    @property
+    def seconds(self) -> float:
+        """The cheaper of the two: the device's bound on an epoch of these reads."""
+        return min(self.through_gaps_s, self.misses_s)
+
+    @property
+    def through_gaps(self) -> bool:
+        """Whether streaming the file is faster than reading the misses alone by more than a tie
+        (:data:`EQUAL_WITHIN`, :data:`EQUAL_WITHIN_S`); on a tie the misses win (fewer bytes, a buffer that pays)."""
+        return self.misses_s > max(self.through_gaps_s * (1 + EQUAL_WITHIN), self.through_gaps_s + EQUAL_WITHIN_S)
+
+    def describe(self) -> str:
+        """``"through the gaps (device s/epoch: the file streamed 2.52, the misses alone 11.52)"``."""
+        chosen = "through the gaps" if self.through_gaps else "only the misses"
+        return (
+            f"{chosen} (device s/epoch: the file streamed {self.through_gaps_s:.2f}, the misses alone "
+            f"{self.misses_s:.2f})"
+        )
+
+
+def read_costs(
+    *,
+    num_samples: int,
+    world_size: int,
+    ranks_per_device: int,
+    buffer_samples: int,
+    row_nbytes: Sequence[int],
+    storage: StorageProfile,
+) -> ReadCosts:
+    """The device seconds per epoch of streaming the file and of reading only the misses (:class:`ReadCosts`).
+
+    The device serves ``ranks_per_device`` ranks; each misses ``num_samples / world_size * (1 - hit)`` samples per
+    epoch, hit = ``buffer_samples / num_samples`` (the schedule's bound). Streaming reads the file once per device
+    (the page-cache warmers of a node's ranks split it); reading the misses costs one request per missed sample per
+    dataset. Both are priced by ``storage`` (:meth:`StorageProfile.seconds`): on a device with separate byte and
+    request limits (``overlap`` 0) and few requests per stream, the file's bytes at the bandwidth against the misses'
+    requests at the request rate (or their bytes at the bandwidth, if more).
+
+    Args:
+        num_samples: training samples.
+        world_size: ranks.
+        ranks_per_device: ranks that share one device.
+        buffer_samples: buffer over all ranks.
+        row_nbytes: bytes of one row of each dataset read.
+        storage: the device.
+    """
+    sample_nbytes = sum(row_nbytes)
+    file_nbytes = num_samples * sample_nbytes
+    misses = ranks_per_device * num_samples / world_size * (1 - min(1.0, buffer_samples / num_samples))
+    return ReadCosts(
+        through_gaps_s=storage.seconds(file_nbytes, file_nbytes / SPLIT_REQUEST_BYTES),
+        misses_s=storage.seconds(misses * sample_nbytes, misses * len(row_nbytes)),
+    )
+
+
+@dataclass(frozen=True)
 class ReadPlan:
     """How a rank reads: the window, the gap and the memory split, with the prediction that chose them.
 
@@ -197,6 +306,8 @@ class ReadPlan:
         predicted_bytes: predicted bytes per epoch per rank.
         predicted_requests: predicted device requests per epoch per rank.
         storage: the device profile used.
+        costs: the two ways to read the misses that chose between gaps and none (``None``: a fixed gap, or no page
+            cache to stream the file into).
     """
 
     read_window: int
@@ -207,14 +318,16 @@ class ReadPlan:
     predicted_bytes: float
     predicted_requests: float
     storage: StorageProfile
+    costs: ReadCosts | None = None
 
     def describe(self) -> str:
         """One line for logs."""
+        chose = f"; reads {self.costs.describe()}" if self.costs is not None else ""
         return (
             f"read window {self.read_window} steps, gaps up to {self.max_gap} rows read through, buffer "
             f"{self.buffer_samples} + read-ahead {self.read_ahead_samples} samples; predicted "
             f"{self.predicted_epoch_s:.2f} s of device time per epoch ({self.predicted_bytes / 2**20:.1f} MiB, "
-            f"{self.predicted_requests:,.0f} requests per rank) on {self.storage.describe()}"
+            f"{self.predicted_requests:,.0f} requests per rank) on {self.storage.describe()}{chose}"
         )
 
 
@@ -231,8 +344,9 @@ def window_reads(
 ) -> list[tuple[float, float, float]]:
     """Per ``max_gap``: ``(runs, rows transferred, distinct rows)`` one rank reads in one epoch.
 
-    One epoch of a rank is drawn from the model the schedule guarantees: its misses are a random ``1 - hit`` of its
-    id range (the whole file, or with ``balance`` a contiguous ``1 / world_size`` of it), taken in random order,
+    One epoch of a rank is drawn from the model the schedule guarantees: its misses, ``1 - hit`` of its
+    ``num_samples / world_size`` samples, lie at random in its id range (the whole file, or with ``balance`` a
+    contiguous ``1 / world_size`` of it) and come in random order,
     ``read_window`` steps of them at a time; each window's ids are sorted and merged into runs across gaps of up to
     ``max_gap`` unwanted rows. Rows transferred count every read; distinct rows count a row read twice in the epoch
     once (the page cache served the second read).
@@ -249,7 +363,8 @@ def window_reads(
     """
     span = max(1, num_samples // world_size if balance else num_samples)
     hit = min(1.0, buffer_samples / num_samples)
-    misses = int(round(span * (1 - hit)))
+    # a rank misses (1 - hit) of its num_samples / world_size samples, drawn from its span
+    misses = int(round(max(1, num_samples // world_size) * (1 - hit)))
     if misses == 0:
         return [(0.0, 0.0, 0.0) for _ in max_gaps]
     steps = max(1, math.ceil(num_samples / (world_size * batch_size)))
@@ -290,6 +405,12 @@ def plan_reads(
 ) -> ReadPlan:
     """The read window and gap of least predicted device time, and the buffer / read-ahead split of the memory.
 
+    Where the page cache holds the file, a gap read through costs its rows once an epoch, and streaming the file is
+    the limit of long gaps: then the plan reads through gaps (``max_gap > 0``) exactly when streaming the file costs
+    less than reading only the misses, both priced by ``storage`` (:func:`read_costs`), and the misses alone
+    (``max_gap = 0``) otherwise. Without the page cache a row read through is read again by every window that spans
+    it, and every gap is weighed by its predicted runs and rows (:func:`window_reads`).
+
     Each rank holds :data:`READ_AHEAD_WINDOWS` windows of read samples (about ``W * batch_size * (1 - hit rate)``
     each) besides its share of the buffer; the buffer gets what remains of ``memory_samples``. A window that
     leaves no buffer is still allowed (the buffer may be worth less than long requests). Among plans within
@@ -311,8 +432,22 @@ def plan_reads(
         page_cache: rows read twice in an epoch reach the device once (the OS page cache keeps the file for an
             epoch: see :func:`page_cache_holds`); ``False``: every transferred row counts.
     """
+    costs = read_costs(
+        num_samples=num_samples,
+        world_size=world_size,
+        ranks_per_device=ranks_per_device,
+        buffer_samples=memory_samples if with_buffer else 0,
+        row_nbytes=row_nbytes,
+        storage=storage,
+    )
     windows = [read_window] if read_window is not None else list(WINDOW_CANDIDATES)
-    gaps = [max_gap] if max_gap is not None else list(GAP_CANDIDATES)
+    if max_gap is not None:
+        gaps = [max_gap]
+    elif page_cache:
+        gaps = [g for g in GAP_CANDIDATES if g > 0] if costs.through_gaps else [0]
+    else:
+        gaps = list(GAP_CANDIDATES)
+    chosen_by = costs if max_gap is None and page_cache else None
     sample_nbytes = sum(row_nbytes)
     plans: list[ReadPlan] = []
     for w in windows:
@@ -333,7 +468,7 @@ def plan_reads(
             nbytes = (distinct if page_cache else rows) * sample_nbytes
             requests = runs * len(row_nbytes) + rows * sample_nbytes / SPLIT_REQUEST_BYTES
             seconds = ranks_per_device * storage.seconds(nbytes, requests)
-            plans.append(ReadPlan(w, g, buffer, read_ahead, seconds, nbytes, requests, storage))
+            plans.append(ReadPlan(w, g, buffer, read_ahead, seconds, nbytes, requests, storage, chosen_by))
     fastest = min(p.predicted_epoch_s for p in plans)
     close = [p for p in plans if p.predicted_epoch_s <= max(fastest * (1 + EQUAL_WITHIN), fastest + EQUAL_WITHIN_S)]
     return min(close, key=lambda p: (p.read_ahead_samples, p.predicted_bytes, p.read_window))

@@ -29,7 +29,7 @@ from lightning_sdp.datamodules.solar.buffer import EVICTION_POLICIES, Buffer, ma
 
 EPOCH_ORDERS = ("identity", "tsp")
 _NEVER = np.int64(2**62)
-_SCHEDULE_VERSION = 1
+_SCHEDULE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,23 @@ class _SimState:
     plans: dict[int, list[StepPlan]] = field(default_factory=dict)
 
 
+def epoch_steps(num_samples: int, world_size: int, local_batch_size: int, drop_last: bool = False) -> int:
+    """Steps per epoch: ``ceil(N / G)``, less one when the last global batch would have fewer samples than ranks
+    (those samples join the step before, so that no rank gets an empty batch); ``floor(N / G)`` with ``drop_last``.
+
+    Args:
+        num_samples: samples per epoch (``N``).
+        world_size: ranks (``P``).
+        local_batch_size: nominal per-rank batch (``G = P * B``).
+        drop_last: drop the smaller last global batch.
+    """
+    global_batch = world_size * local_batch_size
+    full, tail = divmod(num_samples, global_batch)
+    if drop_last or (0 < tail < world_size and full > 0):
+        return full
+    return full + (tail > 0)
+
+
 def even_split(total: int, parts: int) -> np.ndarray:
     """Sizes of ``parts`` contiguous chunks of ``total`` items, as even as possible (first chunks larger)."""
     base, extra = divmod(total, parts)
@@ -168,6 +185,10 @@ class SolarSchedule:
             neighbour + 2-opt).
         max_local_batch: cap on a rank's local batch when balancing. Default ``2 * local_batch_size``.
         drop_last: drop the last, smaller global batch of each epoch. Default False (every sample once per epoch).
+
+    Every rank gets at least one sample at every step: a last global batch with fewer samples than ranks joins the
+    step before (:func:`epoch_steps`), and a rank that re-routing and balancing would leave empty takes a sample from
+    the fullest rank (it reads it from storage).
     """
 
     def __init__(
@@ -206,6 +227,10 @@ class SolarSchedule:
                 "a global batch cannot be split across the ranks"
             )
         global_batch = world_size * local_batch_size
+        if num_samples < world_size:
+            raise ValueError(
+                f"{num_samples} samples cannot give each of {world_size} ranks a sample; use fewer ranks or more data"
+            )
         if drop_last and num_samples < global_batch:
             raise ValueError(
                 f"drop_last=True with {num_samples} samples and a global batch of {global_batch} "
@@ -224,13 +249,11 @@ class SolarSchedule:
         self.max_local_batch = int(max_local_batch)
         self.drop_last = bool(drop_last)
         self.global_batch_size = global_batch
-        if drop_last:
-            self.steps_per_epoch = num_samples // global_batch
-        else:
-            self.steps_per_epoch = -(-num_samples // global_batch)
+        self.steps_per_epoch = epoch_steps(num_samples, world_size, local_batch_size, drop_last)
         self.rank_capacity = even_split(self.buffer_size, self.world_size)
         self._perm_cache: dict[int, np.ndarray] = {}
         self._order = self._epoch_sequence()
+        self._partial: tuple[int, int] | None = None
         self._state = self._fresh_state()
         self._hash: str | None = None
 
@@ -263,6 +286,55 @@ class SolarSchedule:
             h.update(self.permutation(0).tobytes())
             self._hash = h.hexdigest()
         return self._hash
+
+    @property
+    def order_hash(self) -> str:
+        """SHA-256 of what fixes every epoch's global sample order (seed, samples, epoch order): equal for schedules
+        of any world size and batch size that visit the samples in the same order."""
+        h = hashlib.sha256()
+        h.update(json.dumps({"v": _SCHEDULE_VERSION, "num_samples": self.num_samples, "seed": self.seed}).encode())
+        h.update(np.asarray(self._order, dtype=np.int64).tobytes())
+        return h.hexdigest()
+
+    def step_start(self, epoch: int, step: int) -> int:
+        """Position in ``epoch``'s permutation of the first sample of ``step`` (``num_samples``: past the end)."""
+        if step >= self.steps_per_epoch:
+            return self.num_samples
+        if self._partial is not None and self._partial[0] == epoch:
+            first = self.epoch_plan(epoch)[0].step
+            start = self._partial[1] + (step - first) * self.global_batch_size
+            return max(start, self._partial[1])
+        return step * self.global_batch_size
+
+    def resume_at(self, epoch: int, sample: int) -> int:
+        """Plan ``epoch`` from position ``sample`` of its permutation (what a checkpoint of another world size or
+        batch size reached) and return the step to continue at.
+
+        Where ``sample`` starts a step of this schedule, that step is returned and nothing changes. Otherwise the rest
+        of the epoch, ``permutation(epoch)[sample:]``, is split into global batches of this schedule's size, numbered
+        so that the last is step ``steps_per_epoch - 1``; later epochs are planned as usual.
+
+        Args:
+            epoch: the epoch the checkpoint is in.
+            sample: samples of the epoch's permutation already trained on.
+        """
+        if not 0 <= sample <= self.num_samples:
+            raise ValueError(f"sample position {sample} is outside 0..{self.num_samples}")
+        g = self.global_batch_size
+        if sample % g == 0 and sample // g < self.steps_per_epoch or sample == self.num_samples:
+            if self._partial is not None and self._partial[0] == epoch:
+                self._partial = None
+                self._state = self._fresh_state()
+            return self.steps_per_epoch if sample == self.num_samples else sample // g
+        if self.num_samples - sample < self.world_size:
+            raise ValueError(
+                f"a resumed epoch with {self.num_samples - sample} samples left cannot give each of {self.world_size} "
+                "ranks a sample; resume on fewer ranks, or from an earlier checkpoint"
+            )
+        if self._partial != (epoch, sample):
+            self._partial = (epoch, sample)
+            self._state = self._fresh_state()  # the plans from this epoch on change
+        return self.epoch_plan(epoch)[0].step
 
     @property
     def bound(self) -> float:
@@ -305,8 +377,15 @@ class SolarSchedule:
     def global_batch(self, epoch: int, step: int) -> np.ndarray:
         """Sample ids of the global batch (positions ``[t*G, (t+1)*G)`` of the epoch's permutation)."""
         self._check_step(step)
+        start, stop = self._step_bounds(step)
+        return self.permutation(epoch)[start:stop]
+
+    def _step_bounds(self, step: int) -> tuple[int, int]:
+        """Positions ``[start, stop)`` of the step's global batch in the epoch's permutation (the last step runs to
+        the end of the epoch, unless ``drop_last``)."""
         g = self.global_batch_size
-        return self.permutation(epoch)[step * g : min((step + 1) * g, self.num_samples)]
+        last = step + 1 == self.steps_per_epoch and not self.drop_last
+        return step * g, self.num_samples if last else (step + 1) * g
 
     def _check_step(self, step: int) -> None:
         if not 0 <= step < self.steps_per_epoch:
@@ -334,7 +413,11 @@ class SolarSchedule:
     def step_plan(self, epoch: int, step: int) -> StepPlan:
         """The plan of one global step."""
         self._check_step(step)
-        return self.epoch_plan(epoch)[step]
+        plan = self.epoch_plan(epoch)
+        first = plan[0].step if plan else 0
+        if step < first:
+            raise IndexError(f"epoch {epoch} resumes at step {first}: step {step} is not planned")
+        return plan[step - first]
 
     def release(self, before_epoch: int) -> None:
         """Forget the plans of epochs before ``before_epoch`` (they are recomputed if asked for again)."""
@@ -349,6 +432,20 @@ class SolarSchedule:
         inv[self.permutation(nxt)] = np.arange(self.num_samples, dtype=np.int64)
         return inv, nxt * self.num_samples
 
+    def _epoch_steps(self, epoch: int) -> list[tuple[int, int, int]]:
+        """``(step, start, stop)`` of each planned step of ``epoch`` (a resumed epoch starts at its sample)."""
+        if self._partial is None or self._partial[0] != epoch:
+            return [(t, *self._step_bounds(t)) for t in range(self.steps_per_epoch)]
+        first = self._partial[1]
+        rest = self.num_samples - first
+        count = epoch_steps(rest, self.world_size, self.local_batch_size, self.drop_last)
+        offset = self.steps_per_epoch - count
+        g = self.global_batch_size
+        bounds = [(first + t * g, first + (t + 1) * g) for t in range(count)]
+        if bounds and not self.drop_last:
+            bounds[-1] = (bounds[-1][0], self.num_samples)
+        return [(offset + t, a, b) for t, (a, b) in enumerate(bounds)]
+
     def _simulate_epoch(self, state: _SimState, epoch: int) -> list[StepPlan]:
         perm = self.permutation(epoch)
         inv_next, base = self._next_use_base(epoch)
@@ -357,8 +454,8 @@ class SolarSchedule:
         if self.eviction == "artifact_fifo" and epoch > 0 and self.buffer_size > 0:
             prev_tail = set(self.permutation(epoch - 1)[-self.buffer_size :].tolist())
         load_steps = self.buffer_size // self.global_batch_size if prev_tail else 0
-        for t in range(self.steps_per_epoch):
-            ids = perm[t * self.global_batch_size : min((t + 1) * self.global_batch_size, self.num_samples)]
+        for t, start, stop in self._epoch_steps(epoch):
+            ids = perm[start:stop]
             if self.eviction == "artifact_fifo":
                 load_set = {x for x in ids.tolist() if x not in prev_tail} if t < load_steps else set()
                 for buf in state.buffers:
@@ -452,6 +549,7 @@ class SolarSchedule:
                 r = next(q for q in range(p) if need[q] > 0)
                 local[r].append(j)
                 need[r] -= 1
+        _fill_empty_ranks(local, [state.buffers[r] for r in range(p)], ids)
         return [np.asarray(sorted(pos), dtype=np.int64) for pos in local]
 
     def simulate(self, num_epochs: int | None = None, sample_nbytes: int | None = None) -> SimulationReport:
@@ -479,6 +577,22 @@ class SolarSchedule:
         total = sizes[0].sum() if sizes else 1
         rate = [float(hits[e].sum()) / max(int(total), 1) for e in range(epochs)]
         return SimulationReport(rate, self.bound, hits, reads, sizes, sample_nbytes)
+
+
+def _fill_empty_ranks(local: list[list[int]], buffers: list[Buffer], ids: np.ndarray) -> None:
+    """Give each rank without a sample one from the fullest rank, preferring one that rank does not buffer.
+
+    Re-routing can put a whole step on the ranks that buffer its samples; an empty local batch would make a mean loss
+    ``nan`` (and some layers fail), so the sample moves and is read from storage by its new rank.
+    """
+    for r in range(len(local)):
+        if local[r]:
+            continue
+        donor = max(range(len(local)), key=lambda q: (len(local[q]), -q))
+        unbuffered = [j for j in local[donor] if int(ids[j]) not in buffers[donor]]
+        j = unbuffered[-1] if unbuffered else local[donor][-1]
+        local[donor].remove(j)
+        local[r].append(j)
 
 
 def epoch_overlap_matrix(perms: list[np.ndarray], k: int) -> np.ndarray:

@@ -1,8 +1,9 @@
-"""The per-sample HDF5 baseline dataset that the demo and the SOLAR benchmarks compare SOLAR with."""
+"""The storage doubles of the SOLAR benchmarks: the per-sample HDF5 baseline and the emulated slow device."""
 
 from __future__ import annotations
 
 import pickle
+import time
 
 import h5py
 import numpy as np
@@ -10,7 +11,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_sdp.datamodules.solar import PerSampleHDF5Dataset, SolarDataModule, StorageThrottle, make_ptycho_h5
+from benchmarks.tools.storage import PerSampleHDF5Dataset, StorageThrottle, ThrottledFile, ThrottledReader
+from lightning_sdp.datamodules.solar import SolarDataModule, make_ptycho_h5
+from lightning_sdp.datamodules.solar.reader import HDF5Reader
 
 KEYS = ["diffraction", "amplitude", "phase"]
 
@@ -65,41 +68,24 @@ def test_throttle_costs_every_read_request(ptycho, monkeypatch):
     assert not PerSampleHDF5Dataset(ptycho, KEYS[0], KEYS[1:]).throttle  # plain file by default
 
 
-def test_a_private_hook_throttles_the_datamodules_reads(ptycho, monkeypatch):
-    requests = []
-
-    def cost(self, nbytes):
-        requests.append(nbytes)
-        return 0.0
-
-    monkeypatch.setattr(StorageThrottle, "cost", cost)
-
-    def epoch(throttle):
-        dm = SolarDataModule(
-            str(ptycho),
-            KEYS[0],
-            KEYS[1:],
-            batch_size=4,
-            buffer_size=6,
-            max_epochs=1,
-            val_split=0.25,
-            batch_format="dict",
-        )
-        if throttle is not None:
-            dm._storage_throttle = throttle
-        dm.setup("fit")
-        loader = dm.train_dataloader()
-        assert sum(len(b["index"]) for b in loader) == 18
-        return dm, loader
-
-    epoch(None)
-    assert requests == [], "plain files unless an experiment sets the hook"
-    dm, loader = epoch(StorageThrottle(latency_s=1e-3))
-    # every planned read is costed (plus h5py's metadata reads when it opens the file)
-    assert len(requests) >= loader.reader.requests > 0
-    before = len(requests)
-    next(iter(dm.val_dataloader()))
-    assert len(requests) > before, "validation reads too"
+def test_throttled_reader_costs_every_request_and_reads_the_same_rows(ptycho):
+    throttle = StorageThrottle(latency_s=0.005)
+    plain = HDF5Reader(ptycho, KEYS)
+    ids = np.arange(3, 20)
+    for io_threads in (1, 4):  # h5py hyperslab reads, and positional reads through the same file object
+        reader = ThrottledReader(ptycho, KEYS, throttle=throttle, io_threads=io_threads, max_gap=2)
+        start = time.perf_counter()
+        rows = reader.read(ids)
+        for key in KEYS:
+            assert np.array_equal(rows[key], plain.read(ids)[key])
+        fileobj = reader.fileobj
+        assert isinstance(fileobj, ThrottledFile)
+        assert fileobj.requests >= 1 and fileobj.bytes_read >= rows[KEYS[0]].nbytes
+        assert time.perf_counter() - start >= 0.005 * fileobj.requests * 0.9
+        clone = pickle.loads(pickle.dumps(reader))
+        assert clone.fileobj is None and np.array_equal(clone.read(ids)[KEYS[1]], rows[KEYS[1]])
+        reader.close()
+    assert StorageThrottle(0.001, 1e6).cost(10**6) == pytest.approx(1.001)
 
 
 def test_missing_dataset_is_named(ptycho):
@@ -107,3 +93,19 @@ def test_missing_dataset_is_named(ptycho):
         PerSampleHDF5Dataset(ptycho, KEYS[0], ["labels"])
     with pytest.raises(ValueError, match="target_keys"):
         PerSampleHDF5Dataset(ptycho, KEYS[0], [])
+
+
+def test_the_library_and_its_demo_import_nothing_from_the_benchmarks():
+    import ast
+    from pathlib import Path
+
+    import lightning_sdp
+
+    package = Path(lightning_sdp.__file__).parent
+    bad = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            bad += [f"{path.relative_to(package)}: {n}" for n in names if n.split(".")[0] == "benchmarks"]
+    assert not bad, "library code must not import the benchmarks:\n" + "\n".join(bad)

@@ -171,7 +171,7 @@ def test_test_and_predict_use_the_test_split_else_the_validation_split(labels, t
 
 
 def test_bad_batch_format_and_splits(labels):
-    with pytest.raises(ValueError, match=r"batch_format must be one of 'pair', 'dict', 'tuple'; got 'list'"):
+    with pytest.raises(ValueError, match=r"batch_format must be one of 'pair', 'dict', 'tuple', got 'list'"):
         SolarDataModule(str(labels), batch_format="list")
     with pytest.raises(ValueError, match="val_split \\+ test_split"):
         SolarDataModule(str(labels), val_split=0.5, test_split=0.5)

@@ -302,26 +302,40 @@ def test_fingerprint_reads_the_first_and_last_lines_of_large_rows(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"num_workers": -1}, r"num_workers must be an integer >= 0; got -1"),
+        ({"num_workers": -1}, r"num_workers must be an integer >= 0, got -1"),
         ({"val_batch_size": 0}, r"val_batch_size must be an integer >= 1"),
         ({"max_epochs": 0}, r"max_epochs must be an integer >= 1"),
         ({"max_local_batch": 4}, r"max_local_batch must be an integer >= 32 \(None allows 2 \* batch_size\)"),
         (
             {"eviction": "beladi"},
-            r"eviction must be one of 'belady', 'lru', .*'artifact_fifo'; got 'beladi' \(did you mean 'belady'\?\)",
+            r"eviction must be one of 'belady', 'lru', .*'artifact_fifo', got 'beladi' \(did you mean 'belady'\?\)",
         ),
-        ({"epoch_order": "TSP"}, r"epoch_order must be one of 'identity', 'tsp'; got 'TSP'"),
+        ({"epoch_order": "TSP"}, r"epoch_order must be one of 'identity', 'tsp', got 'TSP'"),
         (
             {"validate": "warning"},
-            r"validate must be one of 'warn', 'raise', 'off'; got 'warning' \(did you mean 'warn'\?\)",
+            r"validate must be one of 'warn', 'raise', 'off', got 'warning' \(did you mean 'warn'\?\)",
         ),
-        ({"batch_format": "tuples"}, r"batch_format must be one of 'pair', 'dict', 'tuple'; got 'tuples'"),
+        ({"batch_format": "tuples"}, r"batch_format must be one of 'pair', 'dict', 'tuple', got 'tuples'"),
         ({"buffer_size": "8 gigs"}, r"cannot parse buffer_size '8 gigs'"),
     ],
 )
 def test_bad_options_are_refused_in_init_with_the_allowed_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SolarDataModule("never_opened.h5", **kwargs)  # before any file is touched
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"batch_size": "32"}, r"SolarDataModule: batch_size must be an int, got '32' \(str\)"),
+        ({"num_workers": 1.0}, r"num_workers must be an int, got 1.0 \(float\)"),
+        ({"seed": True}, r"seed must be an int, got True \(bool\)"),
+        ({"eviction": 3}, r"eviction must be one of 'belady', .*, got 3 \(int\)"),
+    ],
+)
+def test_options_of_the_wrong_type_raise_type_error_naming_the_option(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        SolarDataModule("never_opened.h5", **kwargs)
 
 
 def test_directory_paths_say_an_hdf5_file_is_expected(ptycho, tmp_path):

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from lightning_sdp._imports import require
+from lightning_sdp._options import check_option
 from lightning_sdp.datamodules.solar.buffer import EVICTION_POLICIES, parse_size
 from lightning_sdp.datamodules.solar.loader import (
     BatchFormat,
@@ -58,7 +59,7 @@ DEFAULT_READ_AHEAD_BYTES = 64 * 2**20
 
 
 def _check_int(name: str, value: object, low: int | None, meaning: str = "") -> None:
-    """Raise a ``ValueError`` unless ``value`` is an integer (not a bool) of at least ``low``.
+    """Check an integer option: ``TypeError`` unless ``value`` is an integer (not a bool), ``ValueError`` under ``low``.
 
     Args:
         name: the option, as the user spells it.
@@ -66,11 +67,13 @@ def _check_int(name: str, value: object, low: int | None, meaning: str = "") -> 
         low: the smallest allowed value (``None``: any integer).
         meaning: a few words on the option's values for the message.
     """
-    ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-    if ok and (low is None or value >= low):  # type: ignore[operator]
+    if isinstance(value, np.integer):
+        value = int(value)
+    check_option(name, value, int, "SolarDataModule")
+    if low is None or value >= low:  # type: ignore[operator]
         return
-    need = "an integer" if low is None else f"an integer >= {low}"
-    raise ValueError(f"{name} must be {need}{f' ({meaning})' if meaning else ''}; got {value!r}")
+    need = f"an integer >= {low}"
+    raise ValueError(f"SolarDataModule: {name} must be {need}{f' ({meaning})' if meaning else ''}, got {value!r}.")
 
 
 def _is_solar_metrics(callback: object) -> bool:

@@ -183,7 +183,8 @@ def assemble_targets(arrays: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def check_choice(name: str, value: object, allowed: Sequence[str]) -> None:
-    """Raise a ``ValueError`` that lists the allowed values (and the closest one) unless ``value`` is one of them.
+    """Raise unless ``value`` is one of ``allowed``: ``TypeError`` for a non-string, else a ``ValueError`` that lists
+    the allowed values (and the closest one).
 
     Args:
         name: the option, as the user spells it.
@@ -192,9 +193,12 @@ def check_choice(name: str, value: object, allowed: Sequence[str]) -> None:
     """
     if isinstance(value, str) and value in allowed:
         return
-    close = difflib.get_close_matches(str(value), list(allowed), n=1)
+    options = ", ".join(map(repr, allowed))
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {options}, got {value!r} ({type(value).__name__}).")
+    close = difflib.get_close_matches(value, list(allowed), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}{hint}")
+    raise ValueError(f"{name} must be one of {options}, got {value!r}{hint}.")
 
 
 def check_batch_format(batch_format: str) -> None:

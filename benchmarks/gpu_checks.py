@@ -114,12 +114,12 @@ def _fastclip(epochs: int) -> dict[str, Any]:
 
     from lightning_sdp.callbacks import GammaScheduler, TemperatureScheduler, ZeroShotEvaluation
     from lightning_sdp.datamodules import ImageTextDataModule
-    from lightning_sdp.integrations.open_clip import TINY_NAME, register_tiny_config
+    from lightning_sdp.integrations.open_clip import register_config
     from lightning_sdp.models import FastCLIPModule
 
-    register_tiny_config()
+    tiny = register_config("tiny")
     batch, num_train = 32, 2048
-    dm = ImageTextDataModule(dataset="shapes", model=TINY_NAME, batch_size=batch, val_batch_size=256,
+    dm = ImageTextDataModule(dataset="shapes", model=tiny, batch_size=batch, val_batch_size=256,
                              num_train=num_train, num_val=512, seed=0, augment=False)  # fmt: skip
     dm.setup("fit")
     rows = []
@@ -127,7 +127,7 @@ def _fastclip(epochs: int) -> dict[str, Any]:
         pl.seed_everything(0, verbose=False)
         steps = epochs * (num_train // batch)
         module = FastCLIPModule(
-            model=TINY_NAME, loss=loss, lr=2e-3, weight_decay=0.1, warmup_steps=steps // 20, max_steps=steps,
+            model=tiny, loss=loss, lr=2e-3, weight_decay=0.1, warmup_steps=steps // 20, max_steps=steps,
             temperature=0.07, lr_tau=4e-4 if loss == "fastclip_v3" else None, rho=6.5 if loss == "fastclip_v3" else None,
         )  # fmt: skip
         zs = ZeroShotEvaluation()

@@ -95,11 +95,6 @@ def register_config(alias: str) -> str:
     return name
 
 
-def register_tiny_config() -> str:
-    """Register :data:`TINY_CONFIG` with open_clip (idempotent); returns its name. See :func:`register_config`."""
-    return register_config("tiny")
-
-
 def _private_dir(folder: Path) -> Path:
     """Create ``folder`` with mode 0700 if needed, and check that only the current user can use it.
 
@@ -232,7 +227,6 @@ __all__ = [
     "image_size_of",
     "preprocess_for",
     "register_config",
-    "register_tiny_config",
     "registered_name",
     "resolve_model_name",
     "tokenizer_for",

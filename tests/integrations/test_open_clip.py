@@ -10,7 +10,7 @@ import stat
 import pytest
 
 from lightning_sdp.integrations import open_clip as adapter
-from lightning_sdp.integrations.open_clip import TINY_CONFIG, TINY_NAME, register_tiny_config
+from lightning_sdp.integrations.open_clip import TINY_CONFIG, TINY_NAME, register_config
 
 pytestmark = pytest.mark.open_clip
 
@@ -37,7 +37,7 @@ def test_planted_symlinks_are_not_followed(fresh_registry, tmp_path):
     # the old predictable temporary name, and the config's own name, both pointing at the user's files
     (folder / f"{TINY_NAME}.{os.getpid()}.tmp").symlink_to(victim)
     (folder / f"{TINY_NAME}.json").symlink_to(other)
-    assert register_tiny_config() == TINY_NAME
+    assert register_config("tiny") == TINY_NAME
     assert victim.read_text() == "precious" and other.read_text() == "also precious"
     config = folder / f"{TINY_NAME}.json"
     assert not config.is_symlink() and json.loads(config.read_text()) == TINY_CONFIG
@@ -48,7 +48,7 @@ def test_planted_symlinks_are_not_followed(fresh_registry, tmp_path):
 
 
 def test_new_folder_is_private(fresh_registry):
-    register_tiny_config()
+    register_config("tiny")
     assert stat.S_IMODE(os.lstat(fresh_registry).st_mode) == 0o700
     assert [p.name for p in fresh_registry.iterdir()] == [f"{TINY_NAME}.json"]  # no temporary file left
 
@@ -58,11 +58,11 @@ def test_unsafe_folders_are_refused(fresh_registry, tmp_path, monkeypatch):
     folder.mkdir(mode=0o700)
     os.chmod(folder, 0o777)
     with pytest.raises(PermissionError, match=r"(?s)mode 777.*refusing.*TMPDIR"):
-        register_tiny_config()
+        register_config("tiny")
     assert list(folder.iterdir()) == []
     # a folder of ours that others may only read (as earlier versions made it) is tightened and used
     os.chmod(folder, 0o755)
-    assert register_tiny_config() == TINY_NAME
+    assert register_config("tiny") == TINY_NAME
     assert stat.S_IMODE(os.lstat(folder).st_mode) == 0o700
     # a symlink in place of the folder
     import open_clip.factory as factory
@@ -73,7 +73,7 @@ def test_unsafe_folders_are_refused(fresh_registry, tmp_path, monkeypatch):
     monkeypatch.setattr(os, "getuid", lambda: 4242)
     (tmp_path / "lightning_sdp_open_clip_4242").symlink_to(elsewhere)
     with pytest.raises(PermissionError, match="not a plain directory"):
-        register_tiny_config()
+        register_config("tiny")
     assert list(elsewhere.iterdir()) == []
 
 
@@ -83,7 +83,7 @@ def test_a_folder_of_another_user_is_refused(fresh_registry, tmp_path, monkeypat
     folder = tmp_path / f"lightning_sdp_open_clip_{real + 4242}"
     folder.mkdir(mode=0o700)
     with pytest.raises(PermissionError, match=rf"belongs to user id {real}, not to you"):
-        register_tiny_config()
+        register_config("tiny")
     assert list(folder.iterdir()) == []
 
 

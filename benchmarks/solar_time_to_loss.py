@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import sys
 import tempfile
@@ -34,7 +35,7 @@ from typing import Any
 
 from lightning.pytorch import Callback, Trainer
 
-from benchmarks.tools.loaders import SHUFFLES, WORKERS, Peers, solar_datamodule
+from benchmarks.tools.loaders import SHUFFLES, WORKERS, Peers, libraries_of, solar_datamodule
 
 LOADERS = ["memory", "dl2", "litdata", "litdata_tuned", "webdataset", "solar"]
 CONVERSIONS = {"litdata": ("litdata", "4MB"), "litdata_tuned": ("litdata", "256KB"), "webdataset": ("webdataset", "")}
@@ -86,6 +87,8 @@ def _train(cfg: dict[str, Any]) -> None:
     from lightning_sdp.models.ptychonn import PtychoNN
 
     torch.set_num_threads(1)
+    for module in cfg.get("imports", ()):  # a baseline run imports the libraries of the loader it calibrates
+        importlib.import_module(module)
     start = time.perf_counter()
     dm = solar_datamodule(cfg) if cfg["loader"].startswith("solar") else Peers(cfg)
     torch.manual_seed(0)
@@ -302,9 +305,12 @@ def main(argv: list[str] | None = None) -> int:
                     "out": str(tmp / f"{loader}_{ranks}.json"),
                 }
                 workers = WORKERS.get(loader, 0)
+                libraries = libraries_of(loader)
                 null = {**cfg, "loader": "null", "workers": workers, "epochs": 1, "out": str(tmp / "null.json")}
+                null["imports"] = libraries
                 # the reference keeps the whole file in memory: uncapped; every other loader gets baseline + budget
-                cap = None if loader == "memory" else arena.cap((ranks, workers), _child_cmd(null))
+                key = (ranks, workers, *libraries)
+                cap = None if loader == "memory" else arena.cap(key, _child_cmd(null))
                 run, result = run_json(arena, _child_cmd(cfg), Path(cfg["out"]), cap)
                 status = "ok" if run.ok else ("oom-killed" if run.oom_kills else f"failed ({run.rc})")
                 if not run.ok:
@@ -322,10 +328,11 @@ def main(argv: list[str] | None = None) -> int:
         f"processes on a {file_bytes / 2**30:.2f} GiB surrogate in acquisition order ({samples} overlapping scan "
         f"positions of one object whose phase range grows along the scan), on {facts['filesystem']} limited to "
         f"{args.bps}/s and {args.iops} read IOPS. Every run in the device's cgroup (v{facts['cgroup_version']}) with "
-        f"memory, page cache included, capped at its baseline (the same processes on zeros) + {budget / 2**20:.0f} "
+        f"memory, page cache included, capped at its baseline (the same processes on zeros, the loader's libraries imported) + {budget / 2**20:.0f} "
         f"MiB ({args.buffer_fraction:.0%} of the file); page cache dropped before each run; `memory` (the reference) "
         "uncapped; the baseline counts pinned memory only (anonymous, shared, mapped libraries, kernel; not the "
-        "unmapped page cache, which the kernel drops under the cap). Target: `memory`'s validation loss after {args.epochs} epochs x (1 + {args.tolerance}). Seconds "
+        "unmapped page cache, which the kernel drops under the cap). "
+        f"Target: `memory`'s validation loss after {args.epochs} epochs x (1 + {args.tolerance}). Seconds "
         "to target: training time to the first validation at or below it (validation passes excluded) plus the "
         f"conversion; loaders other than `memory` train up to {args.max_epochs} epochs, validated "
         f"{args.val_per_epoch} times per epoch. 'vs peer' > 1: this loader reaches the target sooner by that factor; "
@@ -333,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         + markdown_table(rows)
         + "\n\nConversions (in the cgroup, reading the source from the device): "
         + json.dumps({k: v[0] for k, v in conversions.items()})
-        + f"\n\nBaselines (MiB, by (ranks, workers)): {json.dumps(arena.baselines())}\n\n"
+        + f"\n\nBaselines (MiB, by (ranks, workers, libraries imported)): {json.dumps(arena.baselines())}\n\n"
         + f"Wall time {time.perf_counter() - start:.0f} s.\n"
     )
     print(md)

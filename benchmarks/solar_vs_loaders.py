@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import sys
@@ -51,7 +52,7 @@ from typing import Any
 
 from lightning.pytorch import Callback, Trainer
 
-from benchmarks.tools.loaders import LOADERS, SHUFFLES, WORKERS, Peers, solar_datamodule
+from benchmarks.tools.loaders import LOADERS, SHUFFLES, WORKERS, Peers, libraries_of, solar_datamodule
 
 CONVERSIONS = {"litdata": ("litdata", "4MB"), "litdata_tuned": ("litdata", "256KB"), "webdataset": ("webdataset", "16")}
 """Loaders that read a converted copy of the file: the conversion's kind and its chunk bytes or shard count."""
@@ -154,6 +155,8 @@ def _train(cfg: dict[str, Any]) -> None:
     from lightning_sdp.models.ptychonn import PtychoNN
 
     torch.set_num_threads(1)
+    for module in cfg.get("imports", ()):  # a baseline run imports the libraries of the loader it calibrates
+        importlib.import_module(module)
     dm = solar_datamodule(cfg) if cfg["loader"].startswith("solar") else Peers(cfg)
     torch.manual_seed(0)
     model = PtychoNN(image_size=cfg["size"], base_channels=cfg["channels"], depth=2)
@@ -313,9 +316,10 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 workers = args.solar_workers if loader == "solar" else WORKERS.get(loader, 0)
                 null = {**cfg, "loader": "null", "workers": workers, "epochs": 1, "out": str(Path(tmp) / "null.json")}
+                null["imports"] = libraries_of(loader)
                 # every loader's processes get their pinned baseline plus the budget; memory (the ceiling) is uncapped
                 capped = args.memory_cap and loader != "memory"
-                cap = arena.cap((ranks, workers), _child_cmd(null)) if capped else None
+                cap = arena.cap((ranks, workers, *null["imports"]), _child_cmd(null)) if capped else None
                 run, result = run_json(arena, _child_cmd(cfg), out, cap)
                 if result is None:
                     status = "oom-killed" if run.oom_kills else f"failed ({run.rc})"

@@ -33,6 +33,18 @@ WORKERS.update(memory=0, solar=0, solar_nowarm=0, solar_exact=0, solar_workers=1
 """Worker processes per rank of each loader (SOLAR's default reads in a thread of the rank's process)."""
 
 
+LIBRARIES = {"solar": ("h5py", "lightning_sdp.datamodules.solar"), "dl": ("h5py",), "litdata": ("litdata",)}
+LIBRARIES.update(webdataset=("webdataset",), torchdata=("h5py", "torchdata"))
+"""Modules each family of loaders imports (its code, not its data): a memory baseline imports them too, so that the
+budget pays for data and buffers only."""
+
+
+def libraries_of(loader: str) -> tuple[str, ...]:
+    """The modules ``loader`` imports (:data:`LIBRARIES`, by the loader's family: ``solar_exact`` is ``solar``)."""
+    family = next((f for f in sorted(LIBRARIES, key=len, reverse=True) if loader.startswith(f)), None)
+    return LIBRARIES[family] if family is not None else ()
+
+
 SHUFFLES = {
     "memory": "exact",
     "dl0": "exact",

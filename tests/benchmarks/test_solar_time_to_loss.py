@@ -33,6 +33,7 @@ def test_time_to_target_is_the_first_validation_at_or_below_it_plus_the_conversi
 
 @pytest.mark.slow
 @pytest.mark.bench
+@pytest.mark.timeout(900)
 def test_quick_run_reaches_a_target_with_memory_capped_runs():
     payload = run_quick("solar_time_to_loss", timeout=900)
     if payload is None:  # refused clearly: no root or no cgroup
@@ -44,6 +45,8 @@ def test_quick_run_reaches_a_target_with_memory_capped_runs():
         assert rows[name]["memory cap MiB"] > 0, "every contestant runs under a memory cap"
         assert rows[name]["memory peak MiB"] <= rows[name]["memory cap MiB"] + 1
     assert rows["solar"]["status"] == "ok" and rows["solar"]["device MiB"] > 0
+    # every baseline imports the libraries of the loader it calibrates (the budget pays for data, not code)
+    assert any("lightning_sdp.datamodules.solar" in key for key in payload["baselines_mib"])
     assert payload["conversions"]["litdata"][0]["seconds"] > 0
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from benchmarks._common import SHARED_DATA, markdown_table, write_results
 from benchmarks.heat_vs_peers import DATASETS, load_split, set_threads
 from lightning_sdp.recipes import (
-    DEFAULT_GRID,
+    CCL_GRID,
     SimpleXRunner,
     default_batch_size,
     evaluate_ranking,
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     train, val, num_items = split.train, split.val, split.num_items
     batch_size = default_batch_size(len(train[1]))
     runner = SimpleXRunner(train, num_items, batch_size, args.threads, args.seed, {})
-    configs = recipe_configs(DEFAULT_GRID, args.configs, args.seed)
+    configs = recipe_configs(CCL_GRID, args.configs, args.seed)
     runner.fit(configs[0], 1)  # compiles the kernel
     rows: list[dict[str, Any]] = []
     for config in configs:

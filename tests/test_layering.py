@@ -7,6 +7,7 @@ top of a module.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,45 @@ def test_benchmarks_use_only_public_package_names(path: Path) -> None:
     assert not bad, "benchmarks must import public names only:\n" + "\n".join(bad)
     assert "sys.path.insert" not in source, f"{path.name}: run benchmarks as `python -m benchmarks.<name>`"
     assert "noqa: E402" not in source, f"{path.name}: imports belong at the top (run as a module)"
+
+
+def _exported_names() -> list[tuple[Path, str]]:
+    """Every name a package module lists in ``__all__``, with its module."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+                items = getattr(node.value, "elts", [])
+                found += [(path, e.value) for e in items if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+    return found
+
+
+def _names_used(path: Path) -> set[str]:
+    """Names a module reads (``name``, ``obj.name``), not the ones it only defines or lists in ``__all__``."""
+    used = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            used.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            used.add(node.attr)
+    return used
+
+
+def test_the_library_exports_nothing_only_a_benchmark_uses() -> None:
+    # a public name the benchmarks use must also serve users: read by code of the package (outside the re-exports of
+    # an __init__), or shown in the README, a guide or an example; otherwise it belongs in benchmarks/tools
+    used_by_package = set().union(*(_names_used(p) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"))
+    user_text = "\n".join(
+        p.read_text(errors="ignore")
+        for p in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "examples").rglob("*")]
+        if p.is_file()
+    )
+    bench_text = "\n".join(p.read_text() for p in (ROOT / "benchmarks").rglob("*.py"))
+    only_for_benchmarks = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path, name in _exported_names()
+        if re.search(rf"\b{re.escape(name)}\b", bench_text)
+        and name not in used_by_package
+        and not re.search(rf"\b{re.escape(name)}\b", user_text)
+    ]
+    assert not only_for_benchmarks, "exported by the library only for benchmarks:\n" + "\n".join(only_for_benchmarks)

@@ -12,9 +12,7 @@ from lightning_sdp.recipes.budget import BudgetedFit, fit_simplex_within_budget
 from lightning_sdp.recipes.plan import BudgetPlan
 from lightning_sdp.recipes.runner import BASE_SETTINGS, SimpleXRunner, default_batch_size
 from lightning_sdp.recipes.search import (
-    DEFAULT_GRID,
     MIN_SPAN_RATIO,
-    WIDE_GRID,
     SuccessiveHalving,
     Trial,
     ValidationScorer,
@@ -26,10 +24,8 @@ from lightning_sdp.recipes.search import (
 __all__ = [
     "BASE_SETTINGS",
     "CCL_GRID",
-    "DEFAULT_GRID",
     "MIN_SPAN_RATIO",
     "SOFTMAX_GRID",
-    "WIDE_GRID",
     "BudgetPlan",
     "BudgetedFit",
     "SimpleXRunner",

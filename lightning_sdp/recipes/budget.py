@@ -334,7 +334,7 @@ def fit_simplex_within_budget(
             Default 0.3.
         grid: :class:`SimpleXModule` argument -> candidates; ``None`` (default) chooses it from the training data
             (:func:`~lightning_sdp.models.simplex.auto.auto_grid`: HEAT's softmax loss from 0.15% density up, the
-            cosine contrastive loss's :data:`~lightning_sdp.recipes.DEFAULT_GRID` below), said in ``notes``.
+            cosine contrastive loss's :data:`~lightning_sdp.recipes.CCL_GRID` below), said in ``notes``.
         num_configs: configurations tried: the anchor, the anchor at the grid's smallest ``dim`` and
             ``num_negatives``, then a seeded sample of the rest of the grid that covers every value first
             (:func:`~lightning_sdp.recipes.sample_configs`); fewer (from the front) when the search

@@ -22,24 +22,11 @@ import numpy as np
 
 from lightning_sdp.metrics import evaluate_ranking
 from lightning_sdp.models.simplex import SimpleXModule
-from lightning_sdp.models.simplex.auto import CCL_GRID
 from lightning_sdp.recipes.plan import BudgetPlan, shape_key
 from lightning_sdp.recipes.runner import SimpleXRunner
 
 _log = logging.getLogger(__name__)
 
-#: The search space on sparse data (``grid=None`` below 0.15% density, :func:`~lightning_sdp.models.simplex.auto.
-#: auto_grid`): the cosine contrastive loss; the first value of each list is the anchor configuration, always tried
-#: first (the Gowalla recipe of the HEAT guide at a smaller dimension).
-DEFAULT_GRID: dict[str, list[Any]] = CCL_GRID
-#: The CCL grid plus light negative terms and low margins. On a dense catalogue it lifts CCL well above the default
-#: grid (the softmax grid does better still); on a sparse one such as Gowalla its short search trials favour the
-#: light weights, which learn fast early and end low.
-WIDE_GRID: dict[str, list[Any]] = {
-    **DEFAULT_GRID,
-    "margin": [0.9, 0.8, 0.5, 0.0],
-    "negative_weight": [150.0, 50.0, 10.0, 1.0],
-}
 #: Validation users scored to time a scoring of the whole user sample (the time grows with the users scored).
 EVAL_TIMING_USERS = 1024
 #: Ratio of successive gains per doubling of the schedule assumed when a configuration has only two trials (each

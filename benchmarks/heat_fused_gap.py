@@ -10,7 +10,7 @@ through the same ``Trainer`` and ``InteractionsDataModule`` batches, for the sam
 
 ``fused_2t / fused_1t`` is what the collisions cost; ``fused_1t / reference`` is what per-sample SGD against batched
 Adam costs or buys. Each runs with both losses (``ccl``, ``softmax``) on every catalogue of the development suite
-(``benchmarks/interaction_suite.py``: 0.04% to 7.5% density), scored on the validation split carved from training
+(``benchmarks/tools/catalogues.py``: 0.04% to 7.5% density), scored on the validation split carved from training
 (the test split is not read), over ``--seeds`` seeds for the fused runs (their spread is the noise band).
 
 Run from the repo root: ``.venv/bin/python -m benchmarks.heat_fused_gap`` (about 15 minutes on 2 cores; ``--quick``:
@@ -28,7 +28,7 @@ import numpy as np
 from lightning.pytorch import Trainer
 
 from benchmarks._common import machine_info, machine_line, markdown_table, write_results
-from benchmarks.interaction_suite import SUITE
+from benchmarks.tools.catalogues import SUITE
 from lightning_sdp.datamodules.interactions import InteractionsDataModule
 from lightning_sdp.models.simplex import InteractionStats, SimpleXModule
 from lightning_sdp.plugins.heat import HEATAccelerator

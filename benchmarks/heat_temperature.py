@@ -5,7 +5,7 @@ This study trains the recipe's cheapest softmax shape (MF, d=64, 64 negatives, c
 linearly to 0, through the same :class:`~lightning_sdp.recipes.runner.SimpleXRunner` the recipe uses) for a fixed
 number of epochs at several fixed temperatures, and with the temperature annealed over the schedule (``1 / T``
 linear from ``1 / T0`` at the start to ``1 / T1`` at the end: a soft start that sharpens), on the softmax side of the
-development suite (``benchmarks/interaction_suite.py``). Scored on the validation split carved from training (10%
+development suite (``benchmarks/tools/catalogues.py``). Scored on the validation split carved from training (10%
 per user, seed 0, as ``heat_vs_peers``); the test split is not read. Quality only: the temperature does not change a
 step's cost.
 

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from benchmarks._common import RESULTS_DIR, SHARED_DATA, machine_info, markdown_table, write_results
-from benchmarks.interaction_suite import CATALOGUES, REAL, SUITE
+from benchmarks.tools.catalogues import CATALOGUES, REAL, SUITE
 from lightning_sdp.datamodules.interactions import InteractionsDataModule, split_validation
 from lightning_sdp.models.simplex import SimpleXModule
 from lightning_sdp.plugins.heat import set_cpu_threads
@@ -766,7 +766,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="gowalla",
         help="comma list of gowalla, lastfm, synthetic (dense, 3000 x 1500), synthetic_fresh (6000 x 4000), "
         "synthetic_holdout (12000 x 8000, scored once), synthetic_holdout2 (20000 x 15000, scored once), the "
-        "development suite's catalogues (benchmarks/interaction_suite.py), 'suite' for the real data sets and all "
+        "development suite's catalogues (benchmarks/tools/catalogues.py), 'suite' for the real data sets and all "
         "catalogues but the aside one",
     )
     parser.add_argument("--name", default=NAME, help="stem of the results files (another stem keeps the stored run)")

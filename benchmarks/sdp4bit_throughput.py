@@ -1,7 +1,7 @@
 """SDP4Bit against its peers on an emulated slow network: tokens/s, bytes on the wire and loss, side by side.
 
 One run, 2 emulated nodes x 2 processes (network namespaces joined by a veth pair whose egress is shaped with
-``tc tbf``, see ``benchmarks/emulated_cluster.py``), the same char GPT (>= 3M parameters), data, seed and steps for
+``tc tbf``, see ``benchmarks/tools/network.py``), the same char GPT (>= 3M parameters), data, seed and steps for
 every method:
 
 - ``ddp``: Lightning's DDPStrategy on gloo;
@@ -230,7 +230,7 @@ class _Meter(StepTimer):
         self.threads: dict[str, dict[str, float]] = {}
 
     def _mark(self, name: str) -> None:
-        from benchmarks.emulated_cluster import read_tx_bytes
+        from benchmarks.tools.network import read_tx_bytes
 
         self.marks[name] = (read_tx_bytes(self.ifname) if self.ifname else None, _sdp4bit_bytes(self.strategy))
         # the process's CPU time, all its threads (gloo's and the exchange threads' included)
@@ -463,7 +463,7 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    from benchmarks.emulated_cluster import shape_interface
+    from benchmarks.tools.network import shape_interface
 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     ifname = os.environ.get("EMULATED_CLUSTER_IFNAME")
@@ -504,7 +504,7 @@ def worker(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------------------ driver side
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Build the emulated cluster, run the sweep in one torchrun launch per node, return the result rows."""
-    from benchmarks.emulated_cluster import EmulatedCluster, require_root
+    from benchmarks.tools.network import EmulatedCluster, require_root
 
     require_root()
     out = Path(tempfile.mkdtemp(prefix="sdp4bit_throughput_")) / "results.jsonl"

@@ -354,7 +354,7 @@ def _measure_on_device(
 ) -> tuple[list[dict], dict[str, Any]] | None:
     """The ``device`` rows and the device (its facts and profiles), measured by a child inside a throttled loop
     device's cgroup; ``None``: the device could not be built (the reason is printed)."""
-    from benchmarks._throttled_storage import ThrottledStorage, parse_bytes
+    from benchmarks.tools.device import ThrottledStorage, parse_bytes
 
     size = f"{int(2 * os.path.getsize(path) / 2**20) + 256}MiB"
     try:

@@ -1,7 +1,7 @@
 """SOLAR against DataLoader + h5py on real slow storage (a throttled loop device), device bytes measured.
 
 Every configuration runs in its own child process inside the blkio (and memory) cgroup of
-:mod:`benchmarks._throttled_storage`; the page cache is dropped before every epoch; bytes and requests come from the
+:mod:`benchmarks.tools.device`; the page cache is dropped before every epoch; bytes and requests come from the
 cgroup's ``blkio.throttle.io_service_bytes`` / ``io_serviced``, not from the plan. Loading only, one rank (peers,
 DDP ranks and training in the loop: :mod:`benchmarks.solar_vs_loaders`).
 
@@ -83,7 +83,7 @@ def _child(mode: str, path: str, samples: int, epochs: int, batch: int, buffer: 
     import torch
     from torch.utils.data import DataLoader
 
-    from benchmarks._throttled_storage import ThrottleGroup
+    from benchmarks.tools.device import ThrottleGroup
     from benchmarks.tools.storage import PerSampleHDF5Dataset
     from lightning_sdp.datamodules.solar import SolarSchedule
     from lightning_sdp.datamodules.solar.loader import SolarLoader
@@ -238,7 +238,7 @@ def main(argv=None) -> int:
         _child(m, p, int(s), int(e), int(b), int(c), int(h))
         return 0
     from benchmarks._common import REPO_ROOT, machine_info, markdown_table, write_results
-    from benchmarks._throttled_storage import ThrottledStorage, parse_bytes
+    from benchmarks.tools.device import ThrottledStorage, parse_bytes
     from lightning_sdp.datamodules.solar.ptycho import make_ptycho_h5
 
     if args.quick:

@@ -251,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         _train(json.loads(args.child))
         return 0
     from benchmarks._common import REPO_ROOT, machine_info, markdown_table, write_results
-    from benchmarks._throttled_storage import ThrottledStorage
     from benchmarks.tools.arena import Arena, run_json
+    from benchmarks.tools.device import ThrottledStorage
     from benchmarks.tools.ptycho_scan import make_scan_h5, samples_for
 
     samples = samples_for(args.gib, args.size)

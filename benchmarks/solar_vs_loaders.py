@@ -1,7 +1,7 @@
 """SOLAR against the loaders users pick, training PtychoNN through ``Trainer`` with real DDP ranks on slow storage.
 
 One HDF5 file (and its litdata / webdataset conversions) lies on a throttled loop device
-(:mod:`benchmarks._throttled_storage`: cgroup ``read_bps`` + ``read_iops`` limits, page cache dropped before every
+(:mod:`benchmarks.tools.device`: cgroup ``read_bps`` + ``read_iops`` limits, page cache dropped before every
 epoch). Every run is capped in memory, page cache included, at its processes' pinned baseline plus the loaders'
 budget (:mod:`benchmarks.tools.arena`; ``--no-memory-cap`` lifts the cap); conversions run in the same cgroup. For every rank count P and loader, one child process inside the cgroups runs
 ``Trainer(accelerator="cpu", devices=P, strategy="ddp")`` (P real processes) fitting the PtychoNN-like surrogate
@@ -151,7 +151,7 @@ def _train(cfg: dict[str, Any]) -> None:
     """Child process: fit PtychoNN with one loader on ``cfg["ranks"]`` DDP ranks, recording through :class:`_Probe`."""
     import torch
 
-    from benchmarks._throttled_storage import ThrottleGroup
+    from benchmarks.tools.device import ThrottleGroup
     from lightning_sdp.models.ptychonn import PtychoNN
 
     torch.set_num_threads(1)
@@ -246,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         _train(json.loads(args.child))
         return 0
     from benchmarks._common import REPO_ROOT, machine_info, markdown_table, write_results
-    from benchmarks._throttled_storage import ThrottledStorage
     from benchmarks.tools.arena import Arena, run_json
+    from benchmarks.tools.device import ThrottledStorage
     from lightning_sdp.datamodules.solar.ptycho import make_ptycho_h5
 
     if args.quick:

@@ -1,7 +1,7 @@
 """A fair arena for data loaders: the same throttled device and the same memory, enforced by the kernel.
 
 Every training run is a child process (its DDP ranks and loader workers are its children) inside the cgroup of a
-:class:`~benchmarks._throttled_storage.ThrottledStorage`: reads of the device are limited in bytes and requests per
+:class:`~benchmarks.tools.device.ThrottledStorage`: reads of the device are limited in bytes and requests per
 second and counted by the cgroup, and the group's memory, **page cache included**, is capped at
 
     cap = baseline + budget
@@ -16,7 +16,7 @@ and the run reports the kill. The page cache is dropped before every run. Conver
 WebDataset shards) run in the group too, reading the source from the device: their time and device reads are
 reported so that they can be charged to the loader that needs them.
 
-Needs root (see :func:`benchmarks._throttled_storage.check_root`); without it :class:`Arena` raises
+Needs root (see :func:`benchmarks.tools.device.check_root`); without it :class:`Arena` raises
 ``PermissionError`` and the benchmarks print the reason and exit 2. The storage's context manager removes the groups,
 the mount and the loop device on exit, on errors and on signals.
 """
@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks._throttled_storage import ThrottledStorage
+from benchmarks.tools.device import ThrottledStorage
 
 
 @dataclass
@@ -82,7 +82,7 @@ class Arena:
     """Runs commands in the throttled device's cgroup, each under ``baseline + budget_bytes`` of memory.
 
     Args:
-        storage: an entered :class:`~benchmarks._throttled_storage.ThrottledStorage`.
+        storage: an entered :class:`~benchmarks.tools.device.ThrottledStorage`.
         budget_bytes: the memory every loader gets on top of its processes' baseline (all ranks together).
         timeout: seconds a child may run.
         cwd: working folder of the children (the repository root, so ``-m benchmarks...`` resolves).

@@ -3,7 +3,7 @@
 
 Both versions charge the page cache to the group whose process read the pages, so a memory limit bounds what a
 loader keeps in its own buffers *and* in the page cache. Only paths and counters are handled here; creating the loop
-device and mounting it is :mod:`benchmarks._throttled_storage`.
+device and mounting it is :mod:`benchmarks.tools.device`.
 
 =========================  ==================================  ======================================
 what                       v1                                  v2

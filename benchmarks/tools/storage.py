@@ -8,7 +8,7 @@
   key per ``__getitem__`` (optionally through a :class:`ThrottledFile`).
 - :func:`drop_page_cache`: forget one file's cached pages (``POSIX_FADV_DONTNEED``).
 
-A real throttled device (loop device + blkio cgroup) is :mod:`benchmarks._throttled_storage`; these doubles are for
+A real throttled device (loop device + blkio cgroup) is :mod:`benchmarks.tools.device`; these doubles are for
 machines without root and for tests.
 """
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import RESULTS_DIR
-from benchmarks._throttled_storage import check_root
+from benchmarks.tools.device import check_root
 from tests._warm_python import run_python
 
 REPO = Path(__file__).resolve().parents[2]

@@ -138,7 +138,7 @@ def test_merge_runs_puts_stored_runs_side_by_side_with_their_numbers_and_command
 
 
 def test_suite_catalogues_split_with_their_stated_shape_and_keep_the_aside_out() -> None:
-    from benchmarks.interaction_suite import ASIDE, CATALOGUES, SUITE
+    from benchmarks.tools.catalogues import ASIDE, CATALOGUES, SUITE
 
     assert not set(ASIDE) & set(SUITE) and set(CATALOGUES) <= set(hvp.DATASETS)
     densities = []
@@ -163,7 +163,7 @@ def test_suite_catalogues_split_with_their_stated_shape_and_keep_the_aside_out()
 
 @pytest.mark.shared_data
 def test_lastfm_is_real_data_of_the_suite(shared_data) -> None:
-    from benchmarks.interaction_suite import REAL
+    from benchmarks.tools.catalogues import REAL
 
     assert list(REAL) == ["gowalla", "lastfm"] and set(REAL) <= set(hvp.DATASETS)
     split = hvp.load_split("lastfm", str(shared_data / "gowalla"), 0.1, quick=False)

@@ -1,6 +1,6 @@
 """Pieces of ``benchmarks/sdp4bit_throughput.py`` that can be checked without the emulated cluster.
 
-The ``--quick`` sweep itself needs root and network namespaces (see ``tests/benchmarks/test_emulated_cluster.py``);
+The ``--quick`` sweep itself needs root and network namespaces (see ``tests/benchmarks/test_network_tool.py``);
 here the worker side of it (one method's run, timing and byte accounting) runs in 2 plain gloo processes.
 """
 

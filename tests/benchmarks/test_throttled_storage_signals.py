@@ -29,7 +29,7 @@ def _throttled_mounts() -> set[str]:
 def test_a_double_ctrl_c_to_the_process_group_leaves_nothing_behind() -> None:
     before = _throttled_mounts()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks._throttled_storage", "--size", "64MiB", "--", "sleep", "60"],
+        [sys.executable, "-m", "benchmarks.tools.device", "--size", "64MiB", "--", "sleep", "60"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     cgroup = (V2_ROOT if available_version() == 2 else V1_BLKIO) / f"solar_bench_{proc.pid}"

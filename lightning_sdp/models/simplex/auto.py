@@ -5,7 +5,7 @@ with a large weight; HEAT's softmax over ``cos / temperature`` shares one normal
 its negatives, with each gradient coordinate clipped. Which one ranks better depends on the data, and the one
 statistic that separated them on a development suite of interaction data (generated catalogues from 0.04% to 7.5%
 of all user-item pairs, with flat and steep popularity, long and short histories, and Gowalla; see
-``benchmarks/interaction_suite.py`` and ``benchmarks/README.md``) is the **density** of the training interactions:
+``benchmarks/tools/catalogues.py`` and ``benchmarks/README.md``) is the **density** of the training interactions:
 
 - below :data:`SOFTMAX_MIN_DENSITY` (very sparse catalogues, most items seen by a handful of users) the CCL recipe
   ranked better;

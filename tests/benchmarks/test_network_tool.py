@@ -1,4 +1,4 @@
-"""The emulated cluster of the benchmarks (``benchmarks/emulated_cluster.py``).
+"""The emulated cluster of the benchmarks (``benchmarks/tools/network.py``).
 
 The tests that build namespaces need root and a kernel that allows network namespaces, veth and ``tc tbf``; they
 skip elsewhere, saying why. The root check itself is tested everywhere.
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import emulated_cluster
-from benchmarks.emulated_cluster import EmulatedCluster
+from benchmarks.tools import network as emulated_cluster
+from benchmarks.tools.network import EmulatedCluster
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -110,7 +110,7 @@ def test_bridge_for_three_nodes_and_cleanup_on_error() -> None:
 @needs_netns
 def test_cli_removes_everything_on_sigterm() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.emulated_cluster", "--nodes", "2", "--rate-mbit", "100", "--",
+        [sys.executable, "-m", "benchmarks.tools.network", "--nodes", "2", "--rate-mbit", "100", "--",
          "sleep", "60"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     prefix = f"sdpc{proc.pid}"

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from benchmarks import _throttled_storage as ts
+from benchmarks.tools import device as ts
 
 
 def test_without_root_it_says_so_and_exits_non_zero(monkeypatch, capsys):

@@ -14,7 +14,7 @@ It needs root (``ip netns``, veth, ``tc``). Everything it creates (namespaces, l
 
 Run a command on every node (``{node}``, ``{nodes}``, ``{addr}``, ``{master}``, ``{ifname}`` are substituted)::
 
-    sudo .venv/bin/python -m benchmarks.emulated_cluster --nodes 2 --rate-mbit 100 -- \\
+    sudo .venv/bin/python -m benchmarks.tools.network --nodes 2 --rate-mbit 100 -- \\
         .venv/bin/torchrun --nnodes {nodes} --node-rank {node} --nproc-per-node 2 \\
         --master-addr {master} --master-port 29511 train.py
 
@@ -48,7 +48,7 @@ def require_root() -> None:
     if os.geteuid() != 0:
         raise SystemExit(
             "The emulated cluster needs root: it creates network namespaces, veth links and tc qdiscs. "
-            "Run it as root (e.g. `sudo .venv/bin/python -m benchmarks.emulated_cluster ...`) or on a machine "
+            "Run it as root (e.g. `sudo .venv/bin/python -m benchmarks.tools.network ...`) or on a machine "
             "where you are root (a container with CAP_NET_ADMIN works)."
         )
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]

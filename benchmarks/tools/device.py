@@ -18,7 +18,7 @@ doubles of :mod:`benchmarks.tools.storage` are for tests and machines without ro
 
 CLI::
 
-    python -m benchmarks._throttled_storage --bps 40MB --iops 400 --size 512MiB \\
+    python -m benchmarks.tools.device --bps 40MB --iops 400 --size 512MiB \\
         --copy data.h5 -- python my_bench.py /mnt/point/data.h5
 
 The command sees ``SOLAR_THROTTLED_MOUNT`` (the mount point), ``SOLAR_THROTTLED_CGROUP`` (the io/blkio group folder),

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks._common import RESULTS_DIR, markdown_table, write_results
-from benchmarks.fastclip_small_batch import add_training_args, cached_datamodule, fit_and_score, run_jobs, run_quietly
+from benchmarks.tools.fastclip import add_training_args, cached_datamodule, fit_and_score, run_jobs, run_quietly
 from lightning_sdp.integrations.open_clip import NANO_CONFIG
 
 # inherited by the spawned worker processes, which import torch after this is set

@@ -36,9 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import RESULTS_DIR, markdown_table, write_results
-from benchmarks.fastclip_small_batch import add_training_args, run_jobs, run_quietly
-from benchmarks.fastclip_small_batch_10k import _payload as small_batch_payload
-from benchmarks.fastclip_small_batch_10k import train_one as train_with_u_probe
+from benchmarks.tools.fastclip import add_training_args, run_jobs, run_quietly, small_batch_payload, train_with_u_probe
 
 # inherited by the spawned worker processes, which import torch after this is set
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -52,7 +50,7 @@ def train_one(loss: str, batch: int, seed: int, args: argparse.Namespace) -> dic
     probe added to FastCLIP-v3's first ``args.visit_probe_seeds`` seeds."""
     import torch
 
-    from benchmarks.fastclip_u_diagnostic import UDiagnosticProbe
+    from benchmarks.tools.fastclip import UDiagnosticProbe
 
     extra: tuple[Any, ...] = ()
     if loss == "fastclip_v3" and seed < args.visit_probe_seeds:

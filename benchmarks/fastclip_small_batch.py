@@ -19,81 +19,22 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from benchmarks._common import free_port, markdown_table, write_results
+from benchmarks.tools.fastclip import (
+    add_training_args,
+    bench_module,
+    cached_datamodule,
+    fit_and_score,
+    run_jobs,
+    run_quietly,
+)
 from lightning_sdp.integrations.open_clip import NANO_CONFIG
 
 # inherited by the spawned worker processes, which import torch after this is set
 os.environ.setdefault("OMP_NUM_THREADS", "2")
-
-_DATA: dict[Any, Any] = {}
-
-
-def cached_datamodule(args: argparse.Namespace, batch: int, seed: int, val_batch_size: int = 256) -> Any:
-    """One generated data set per worker process (generation and tokenisation are not what we measure).
-
-    Args:
-        args: the benchmark's arguments (``dataset``, ``num_train``, ``num_val``, ``data_seed``).
-        batch: training batch size of this run.
-        seed: seed of this run's training order.
-        val_batch_size: validation batch size.
-    """
-    from lightning_sdp.datamodules import ImageTextDataModule
-
-    key = (args.dataset, args.num_train, args.num_val, args.data_seed)
-    if key not in _DATA:
-        dm = ImageTextDataModule(
-            dataset=args.dataset,
-            model=NANO_CONFIG,
-            batch_size=batch,
-            val_batch_size=val_batch_size,
-            num_train=args.num_train,
-            num_val=args.num_val,
-            seed=args.data_seed,
-            augment=False,
-        )
-        dm.setup("fit")
-        _DATA[key] = dm
-    dm = _DATA[key]
-    dm.hparams.batch_size, dm.hparams.val_batch_size = batch, val_batch_size
-    dm.hparams.seed = seed  # the training order's seed
-    return dm
-
-
-def bench_module(loss: str, steps: int, args: argparse.Namespace) -> Any:
-    """The FastCLIP benchmarks' module: ``NANO_CONFIG``, 5 % warm-up, ``args.lr``/``temperature`` (SigLIP: its own
-    initial temperature), v3's ``rho`` and ``lr_tau`` from ``args``."""
-    from lightning_sdp.models import FastCLIPModule
-
-    v3 = loss == "fastclip_v3"
-    return FastCLIPModule(
-        model=NANO_CONFIG,
-        loss=loss,
-        lr=args.lr,
-        weight_decay=0.1,
-        warmup_steps=max(1, steps // 20),
-        max_steps=steps,
-        temperature=None if loss == "siglip" else args.temperature,
-        lr_tau=args.lr_tau if v3 else None,
-        rho=args.rho if v3 else None,
-    )
-
-
-def add_training_args(
-    parser: argparse.ArgumentParser, dataset: str, datasets: list[str], num_train: int, num_val: int
-) -> None:
-    """The data and loss options every FastCLIP benchmark shares (its own defaults for the data)."""
-    parser.add_argument("--dataset", default=dataset, choices=datasets)
-    parser.add_argument("--num-train", type=int, default=num_train)
-    parser.add_argument("--num-val", type=int, default=num_val)
-    parser.add_argument("--data-seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--temperature", type=float, default=0.07)
-    parser.add_argument("--lr-tau", type=float, default=4e-4, help="v3: logit_scale's lr")
-    parser.add_argument("--rho", type=float, default=6.5, help="v3: the paper's CC3M value")
 
 
 def train_one(loss: str, batch: int, seed: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -113,69 +54,8 @@ def train_one(loss: str, batch: int, seed: int, args: argparse.Namespace) -> dic
     return {"loss": loss, "batch": batch, "seed": seed, "steps": steps, **scores}
 
 
-def fit_and_score(module: Any, dm: Any, epochs: int, callbacks: list[Any]) -> dict[str, Any]:
-    """Train ``module`` on ``dm`` for ``epochs`` on the CPU, then score it once on the held-out split.
-
-    Returns zero-shot top-1/top-5, image-to-text / text-to-image R@1 and their mean, the final temperature and
-    the training wall time (evaluation included once, at the end).
-    """
-    import lightning.pytorch as pl
-
-    from lightning_sdp.callbacks import ZeroShotEvaluation
-
-    zs = ZeroShotEvaluation()
-    trainer = pl.Trainer(
-        max_epochs=epochs,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        check_val_every_n_epoch=epochs,
-        callbacks=[*callbacks, zs],
-    )
-    t0 = time.perf_counter()
-    trainer.fit(module, dm)
-    wall = time.perf_counter() - t0
-    m = zs.metrics
-    return {
-        "zeroshot_top1": m["val/zeroshot_top1"],
-        "zeroshot_top5": m["val/zeroshot_top5"],
-        "i2t_r1": m["val/i2t_r1"],
-        "t2i_r1": m["val/t2i_r1"],
-        "retrieval_r1": (m["val/i2t_r1"] + m["val/t2i_r1"]) / 2,
-        "final_tau": module.temperature,
-        "wall_s": wall,
-    }
-
-
-def run_quietly(train: Any, job: tuple[Any, ...]) -> dict[str, Any]:
-    """Run ``train(*job)`` in a worker process with Lightning's and Python's warnings silenced."""
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger().setLevel(logging.ERROR)
-    return train(*job)
-
-
 def _train_job(job: tuple[str, int, int, argparse.Namespace]) -> dict[str, Any]:
     return run_quietly(train_one, job)
-
-
-def run_jobs(train_job: Callable[[Any], dict[str, Any]], jobs: Iterable[Any], workers: int) -> Iterator[dict[str, Any]]:
-    """Results of ``train_job(job)`` for every job, as they finish: in ``workers`` spawned processes, or in this
-    process when ``workers == 1`` (no process start-up: what ``--quick`` uses)."""
-    if workers <= 1:
-        yield from map(train_job, jobs)
-        return
-    import multiprocessing as mp
-
-    with mp.get_context("spawn").Pool(workers) as pool:
-        yield from pool.imap_unordered(train_job, jobs)
 
 
 def _comm_rank(rank: int, world: int, port: int, local_batch: int, steps: int, queue: Any) -> None:

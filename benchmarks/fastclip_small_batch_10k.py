@@ -33,201 +33,20 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import RESULTS_DIR, markdown_table, write_results
-from benchmarks.fastclip_small_batch import (
+from benchmarks.tools.fastclip import (
     add_training_args,
-    bench_module,
-    cached_datamodule,
-    fit_and_score,
     run_jobs,
     run_quietly,
 )
-from lightning_sdp.integrations.open_clip import NANO_CONFIG
+from benchmarks.tools.fastclip import small_batch_payload as _payload
+from benchmarks.tools.fastclip import train_with_u_probe as train_one
 
 # inherited by the spawned worker processes, which import torch after this is set
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-GCL_LOSSES = ("fastclip_v0", "fastclip_v1", "fastclip_v2", "fastclip_v3", "sogclr", "isogclr")
-
-
-def _make_probe(args: argparse.Namespace, batch: int) -> Any:
-    """The u-error diagnostic as a Callback (built inside the worker so Lightning is imported there)."""
-    import torch
-    import torch.nn.functional as F
-    from lightning.pytorch import Callback
-
-    class UErrorProbe(Callback):
-        """Median relative error of u (and of a mini-batch estimate) against the full-data inner function."""
-
-        def __init__(self) -> None:
-            self.rows: list[dict[str, float]] = []
-            self._images: torch.Tensor | None = None
-
-        @torch.no_grad()
-        def _encode_train(self, trainer: Any, pl_module: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            ds = trainer.datamodule.train_set
-            images = self._images
-            if images is None or trainer.datamodule.hparams.augment:  # a random transform is redrawn every probe
-                images = torch.stack([ds.transform(ds.load_image(i)) for i in range(len(ds))])
-                self._images = None if trainer.datamodule.hparams.augment else images
-            was = pl_module.training
-            pl_module.eval()
-            e1, e2 = [], []
-            for start in range(0, len(ds), 1024):
-                e1.append(F.normalize(pl_module.model.encode_image(images[start : start + 1024]), dim=-1))
-                e2.append(F.normalize(pl_module.model.encode_text(ds.tokens[start : start + 1024]), dim=-1))
-            pl_module.train(was)
-            return torch.cat(e1).double(), torch.cat(e2).double()
-
-        def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-            loss = pl_module.gcl_loss
-            if loss is None:
-                return
-            e1, e2 = self._encode_train(trainer, pl_module)
-            n = e1.shape[0]
-            gen = torch.Generator().manual_seed(12345)
-            anchors = torch.randperm(n, generator=gen)[: args.probe_anchors]
-            s = 1.0 / pl_module.temperature
-            errs: dict[str, list[float]] = {"u": [], "minibatch": []}
-            for side, (a, o) in enumerate(((e1, e2), (e2, e1))):
-                pos = (a[anchors] * o[anchors]).sum(1, keepdim=True)
-                ex = torch.exp((a[anchors] @ o.T - pos) * s)  # (K, n)
-                ex[torch.arange(len(anchors)), anchors] = 0.0
-                g = ex.sum(1) / (n - 1)
-                u = (loss.u1 if side == 0 else loss.u2)[anchors].double()
-                errs["u"].append(((u - g).abs() / g)[u > 0])
-                # mini-batch estimate: B - 1 random negatives per anchor (several draws)
-                for _ in range(4):
-                    neg = torch.randint(0, n - 1, (len(anchors), batch - 1), generator=gen)
-                    neg = neg + (neg >= anchors[:, None]).long()  # skip the anchor itself
-                    gb = ex.gather(1, neg).mean(1)
-                    errs["minibatch"].append((gb - g).abs() / g)
-            u_err = torch.cat(errs["u"])
-            mb_err = torch.cat(errs["minibatch"])
-            self.rows.append(
-                {
-                    "epoch": trainer.current_epoch,
-                    "tau": pl_module.temperature,
-                    "gamma": loss.gamma,
-                    "u_rel_err_median": float(u_err.median()) if u_err.numel() else float("nan"),
-                    "u_rel_err_p90": float(u_err.quantile(0.9)) if u_err.numel() else float("nan"),
-                    "minibatch_rel_err_median": float(mb_err.median()),
-                    "minibatch_rel_err_p90": float(mb_err.quantile(0.9)),
-                    "visited": float((u_err.numel()) / (2 * len(anchors))),
-                }
-            )
-
-    return UErrorProbe()
-
-
-def train_one(
-    loss: str, batch: int, seed: int, args: argparse.Namespace, extra_callbacks: tuple[Any, ...] = ()
-) -> dict[str, Any]:
-    """One training run: zero-shot and retrieval scores, and the u diagnostic at the end of every epoch.
-
-    Args:
-        loss: the ``FastCLIPModule`` loss name.
-        batch: global batch size.
-        seed: seed of the initialisation and of the training order.
-        args: the benchmark's arguments.
-        extra_callbacks: more callbacks for the Trainer (e.g. another probe); they must not change the training.
-    """
-    import lightning.pytorch as pl
-    import torch
-
-    from lightning_sdp.callbacks import GammaScheduler, TemperatureScheduler
-
-    # One thread per process: on a loaded 2-core machine OpenMP threads spin-wait and cost ~10x the CPU time.
-    torch.set_num_threads(args.threads)
-    dm = cached_datamodule(args, batch, seed, val_batch_size=500)
-    pl.seed_everything(seed, verbose=False)
-    steps = args.epochs * (dm.data_size // batch)
-    module = bench_module(loss, steps, args)
-    probe = _make_probe(args, batch)
-    decay_epochs = max(1, round(args.epochs * args.gamma_decay_fraction))
-    gamma = GammaScheduler(gamma_min=args.gamma_min, decay_epochs=decay_epochs)
-    scores = fit_and_score(module, dm, args.epochs, [gamma, TemperatureScheduler(), probe, *extra_callbacks])
-    return {"loss": loss, "batch": batch, "seed": seed, "steps": steps, **scores, "u_probe": probe.rows}
-
 
 def _train_job(job: tuple[str, int, int, argparse.Namespace]) -> dict[str, Any]:
     return run_quietly(train_one, job)
-
-
-def summarise(runs: list[dict[str, Any]], losses: list[str], batches: list[int]) -> list[dict[str, Any]]:
-    """Mean, sample std and min-max range over seeds per (batch, loss); the last epoch's u diagnostic."""
-    import numpy as np
-
-    rows = []
-    for b in batches:
-        for loss in losses:
-            sel = [r for r in runs if r["loss"] == loss and r["batch"] == b]
-            if not sel:
-                continue
-            row: dict[str, Any] = {"batch": b, "loss": loss, "seeds": len(sel)}
-            for key in ("zeroshot_top1", "zeroshot_top5", "retrieval_r1"):
-                vals = np.array([r[key] for r in sel]) * 100
-                row[f"{key}_mean"] = float(vals.mean())
-                row[f"{key}_std"] = float(vals.std(ddof=1)) if len(vals) > 1 else 0.0
-                row[f"{key}_range"] = float(vals.max() - vals.min())
-            row["final_tau"] = float(np.mean([r["final_tau"] for r in sel]))
-            probes = [r["u_probe"][-1] for r in sel if r.get("u_probe")]
-            if probes:
-                row["u_err_median"] = float(np.mean([p["u_rel_err_median"] for p in probes]))
-                row["minibatch_err_median"] = float(np.mean([p["minibatch_rel_err_median"] for p in probes]))
-            row["wall_s"] = float(np.mean([r["wall_s"] for r in sel]))
-            rows.append(row)
-    return rows
-
-
-def comparisons(summary: list[dict[str, Any]], batches: list[int]) -> list[dict[str, Any]]:
-    """FastCLIP-v3 minus each peer, against the seed spread (the larger of the two min-max ranges)."""
-    out = []
-    for b in batches:
-        v3 = next((r for r in summary if r["batch"] == b and r["loss"] == "fastclip_v3"), None)
-        for peer in ("openclip", "siglip", "sogclr"):
-            o = next((r for r in summary if r["batch"] == b and r["loss"] == peer), None)
-            if not (v3 and o):
-                continue
-            for key in ("zeroshot_top1", "retrieval_r1"):
-                spread = max(v3[f"{key}_range"], o[f"{key}_range"])
-                delta = v3[f"{key}_mean"] - o[f"{key}_mean"]
-                out.append(
-                    {
-                        "batch": b,
-                        "peer": peer,
-                        "metric": key,
-                        "v3_minus_peer": delta,
-                        "seed_spread": spread,
-                        "seeds": min(v3["seeds"], o["seeds"]),
-                        "beats_by_more_than_spread": bool(delta > spread),
-                    }
-                )
-    return out
-
-
-def probe_table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (loss, batch, epoch): the u diagnostic averaged over seeds."""
-    import numpy as np
-
-    keys = sorted({(r["loss"], r["batch"]) for r in runs if r.get("u_probe")}, key=lambda k: (k[1], k[0]))
-    rows = []
-    for loss, b in keys:
-        sel = [r["u_probe"] for r in runs if r["loss"] == loss and r["batch"] == b and r.get("u_probe")]
-        for e in range(min(len(p) for p in sel)):
-            rows.append(
-                {
-                    "batch": b,
-                    "loss": loss,
-                    "epoch": e,
-                    "gamma": float(np.mean([p[e]["gamma"] for p in sel])),
-                    "tau": float(np.mean([p[e]["tau"] for p in sel])),
-                    "u_rel_err_median": float(np.mean([p[e]["u_rel_err_median"] for p in sel])),
-                    "minibatch_rel_err_median": float(np.mean([p[e]["minibatch_rel_err_median"] for p in sel])),
-                    "u_rel_err_p90": float(np.mean([p[e]["u_rel_err_p90"] for p in sel])),
-                    "minibatch_rel_err_p90": float(np.mean([p[e]["minibatch_rel_err_p90"] for p in sel])),
-                }
-            )
-    return rows
 
 
 def render_markdown(payload: dict[str, Any]) -> str:
@@ -321,25 +140,6 @@ def _figure(summary: list[dict[str, Any]], probe: list[dict[str, Any]], losses: 
     ax.legend(fontsize=6)
     fig.tight_layout()
     return fig
-
-
-def _payload(args: argparse.Namespace, runs: list[dict[str, Any]], planned: int, wall_s: float) -> dict[str, Any]:
-    losses = args.losses.split(",")
-    batches = [int(b) for b in args.batches.split(",")]
-    runs = sorted(runs, key=lambda r: (r["batch"], r["loss"], r["seed"]))
-    summary = summarise(runs, losses, batches)
-    return {
-        "args": vars(args),
-        "runs": runs,
-        "summary": summary,
-        "comparisons": comparisons(summary, batches),
-        "probe": probe_table(runs),
-        "bench_model": NANO_CONFIG,
-        "planned_runs": planned,
-        "complete": len(runs) == planned,
-        "total_wall_s": wall_s,
-        "data_sizes": {"train": args.num_train, "val": args.num_val},
-    }
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks._common import SHARED_DATA, markdown_table, write_results
-from benchmarks.heat_throughput import _pairs, measure_fused, measure_reference
+from benchmarks.tools.heat import measure_fused, measure_reference, shuffled_pairs
 from lightning_sdp.datamodules.interactions import InteractionsDataModule
 from lightning_sdp.models.simplex import SimpleXModule
 from lightning_sdp.plugins.heat import set_cpu_threads
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     name = args.name or (f"{NAME}_quick" if args.quick else NAME)
     dm.setup("fit")
     set_cpu_threads(args.threads)
-    users, items = _pairs(dm)
+    users, items = shuffled_pairs(dm)
     rows = []
     for dim in (int(x) for x in args.dims.split(",")):
         measured: dict[str, float] = {}

@@ -20,7 +20,7 @@ import os
 from typing import Any
 
 from benchmarks._common import SHARED_DATA, markdown_table, write_results
-from benchmarks.heat_vs_peers import DATASETS, load_split, set_threads
+from benchmarks.tools.heat import DATASETS, load_split, set_threads
 from lightning_sdp.recipes import (
     CCL_GRID,
     SimpleXRunner,

@@ -17,53 +17,18 @@ import inspect
 import json
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Trainer
 
 import lightning_sdp  # noqa: F401  (registers accelerator="heat")
-from benchmarks._common import SHARED_DATA, StepTimer, markdown_table, write_results
+from benchmarks._common import SHARED_DATA, markdown_table, write_results
+from benchmarks.tools.heat import ValidationHistory
 from lightning_sdp.datamodules.interactions import InteractionsDataModule
 from lightning_sdp.models.simplex import SimpleXModule
 
 PUBLISHED = {"MF-CCL": (0.1837, 0.1493), "SimpleX": (0.1872, 0.1557)}
-
-
-class ValidationHistory(Callback):
-    """Records (epoch, seconds since fit start, Recall@20, NDCG@20, load) after every validation.
-
-    Args:
-        timer: adds ``train_s``, the training time so far (batch starts to ends), when given.
-        extra: adds the entries it returns for the module (diagnostics), when given.
-    """
-
-    def __init__(self, timer: StepTimer | None = None, extra: Callable[[Any], dict] | None = None) -> None:
-        self.rows: list[dict] = []
-        self.start = time.perf_counter()
-        self.timer, self.extra = timer, extra
-
-    def on_fit_start(self, trainer, pl_module) -> None:
-        self.start = time.perf_counter()
-
-    def on_validation_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking:
-            return
-        m = trainer.callback_metrics
-        row = {
-            "epochs": trainer.current_epoch + (1 if trainer.state.fn == "fit" else 0),
-            "seconds": time.perf_counter() - self.start,
-            "recall@20": float(m["val/recall@20"]),
-            "ndcg@20": float(m["val/ndcg@20"]),
-            "load_avg_1m": round(os.getloadavg()[0], 2),
-        }
-        if self.timer is not None:
-            row["train_s"] = round(sum(self.timer.durations()), 1)
-        if self.extra is not None:
-            row.update(self.extra(pl_module))
-        self.rows.append(row)
-        print(row, flush=True)
 
 
 def run(name: str, g: float, args: argparse.Namespace, dm: InteractionsDataModule) -> dict:

@@ -23,7 +23,7 @@ import torch
 from lightning.pytorch import Trainer
 
 from benchmarks._common import RESULTS_DIR, SHARED_DATA, StepTimer, markdown_table, write_results
-from benchmarks.heat_gowalla_quality import ValidationHistory
+from benchmarks.tools.heat import ValidationHistory
 from lightning_sdp.datamodules.interactions import InteractionsDataModule
 from lightning_sdp.models.simplex import SimpleXModule
 from lightning_sdp.plugins.heat import HEATAccelerator

@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from benchmarks._common import SHARED_DATA, machine_info, markdown_table, write_results
-from benchmarks.heat_vs_peers import load_split
+from benchmarks.tools.heat import load_split
 from lightning_sdp.metrics import evaluate_ranking
 from lightning_sdp.models.simplex.auto import auto_grid
 from lightning_sdp.recipes.runner import SimpleXRunner, default_batch_size

@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from benchmarks._common import SHARED_DATA, machine_info, markdown_table, write_results
-from benchmarks.heat_vs_peers import _heat_batch, load_split, set_threads
+from benchmarks.tools.heat import heat_batch_size, load_split, set_threads
 from lightning_sdp.recipes import SimpleXRunner, evaluate_ranking
 
 NAME = "heat_refit"
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if split is None:
         return {}
     results: dict[str, Any] = {"args": vars(args), "config": config, "machine": machine_info(), "rows": []}
-    batch = _heat_batch(split)  # the recipe's batch size, the same for both
+    batch = heat_batch_size(split)  # the recipe's batch size, the same for both
     for data, train in (("train minus validation", split.train), ("whole train (refit)", split.full_train)):
         runner = SimpleXRunner(train, split.num_items, batch, args.threads, args.seed, {})
         steps = epochs * runner.steps_per_epoch

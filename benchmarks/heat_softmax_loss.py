@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from benchmarks._common import SHARED_DATA, markdown_table, write_results
-from benchmarks.heat_throughput import _pairs, measure_fused
+from benchmarks.tools.heat import measure_fused, shuffled_pairs
 from lightning_sdp.datamodules.interactions import InteractionsDataModule
 from lightning_sdp.metrics import NDCGAtK, RecallAtK
 from lightning_sdp.models.simplex import SimpleXModule
@@ -118,7 +118,7 @@ def throughput(
     dm: InteractionsDataModule, data: str, dims: list[int], threads_list: list[int], seconds: float
 ) -> list[dict]:
     """Positives/s of the fused step for each loss (64 negatives, uniform sampler, batches of 16,384)."""
-    users, items = _pairs(dm)
+    users, items = shuffled_pairs(dm)
     rows = []
     for dim in dims:
         for threads in threads_list:

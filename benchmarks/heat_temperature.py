@@ -23,7 +23,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from benchmarks._common import machine_info, markdown_table, write_results
-from benchmarks.heat_vs_peers import load_split
+from benchmarks.tools.heat import load_split
 from lightning_sdp.metrics import evaluate_ranking
 from lightning_sdp.recipes.runner import SimpleXRunner, default_batch_size
 

@@ -22,20 +22,11 @@ import os
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from benchmarks._common import SHARED_DATA, markdown_table, write_results
+from benchmarks.tools.heat import measure_fused, measure_reference, shuffled_pairs
 from lightning_sdp.datamodules.interactions import InteractionsDataModule
 from lightning_sdp.models.simplex import SimpleXModule
 from lightning_sdp.plugins.heat import set_cpu_threads
-
-
-def _pairs(dm: InteractionsDataModule, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    indptr, indices = dm.train_csr
-    users = np.repeat(np.arange(dm.num_users), np.diff(indptr))
-    order = np.random.default_rng(seed).permutation(len(users))
-    return torch.from_numpy(users[order].astype(np.int64)), torch.from_numpy(indices[order].astype(np.int64))
 
 
 def _model(
@@ -58,44 +49,6 @@ def _model(
     )
     m.set_interactions(*dm.train_csr)
     return m
-
-
-def measure_fused(
-    m: SimpleXModule, users: torch.Tensor, items: torch.Tensor, seconds: float, batch: int = 16384
-) -> float:
-    m.fused_step(users[:batch], items[:batch], 0.05)  # warm-up (and compile on first use)
-    done, start, pos = 0, time.perf_counter(), batch
-    while time.perf_counter() - start < seconds:
-        if pos + batch > len(users):
-            pos = 0
-        m.fused_step(users[pos : pos + batch], items[pos : pos + batch], 0.05)
-        pos += batch
-        done += batch
-    return done / (time.perf_counter() - start)
-
-
-def measure_reference(m: SimpleXModule, users: torch.Tensor, items: torch.Tensor, seconds: float, batch: int) -> float:
-    opt = torch.optim.Adam(m.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(0)
-
-    def step(lo: int) -> None:
-        u, i = users[lo : lo + batch], items[lo : lo + batch]
-        neg = torch.randint(0, m.num_items, (len(u), m.hparams.num_negatives), generator=gen)
-        loss, _ = m.reference_loss(u, i, neg)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
-    step(0)
-    step(batch)
-    done, start, pos = 0, time.perf_counter(), 2 * batch
-    while time.perf_counter() - start < seconds:
-        if pos + batch > len(users):
-            pos = 0
-        step(pos)
-        pos += batch
-        done += batch
-    return done / (time.perf_counter() - start)
 
 
 SAMPLER_LR = 1.0  # per-sample SGD, decayed linearly to 0 over the run (as in heat_gowalla_quality.py)
@@ -169,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         dm = InteractionsDataModule(args.data, batch_size=16384)
         dims, threads_list, seconds, sampler_epochs = [64, 128], [1, 2], args.seconds, args.sampler_epochs
     dm.setup()
-    users, items = _pairs(dm)
+    users, items = shuffled_pairs(dm)
     max_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads_list = [t for t in threads_list if t <= max_threads]
 

@@ -29,7 +29,6 @@ printed first. ``--quick`` runs tiny synthetic data in seconds.
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib.util
 import json
 import os
@@ -42,10 +41,9 @@ import numpy as np
 import torch
 
 from benchmarks._common import RESULTS_DIR, SHARED_DATA, machine_info, markdown_table, write_results
-from benchmarks.tools.catalogues import CATALOGUES, REAL, SUITE
-from lightning_sdp.datamodules.interactions import InteractionsDataModule, split_validation
+from benchmarks.tools.catalogues import REAL, SUITE
+from benchmarks.tools.heat import DATASETS, Split, heat_batch_size, load_split, set_threads
 from lightning_sdp.models.simplex import SimpleXModule
-from lightning_sdp.plugins.heat import set_cpu_threads
 from lightning_sdp.recipes import (
     CCL_GRID,
     SOFTMAX_GRID,
@@ -80,7 +78,6 @@ BUDGETED: dict[str, dict[str, Any]] = {
     "heat_budget_cycles": {"cycles": 3},
 }
 SCHEDULED = ("heat", "heat_attention", *BUDGETED)
-DATASETS = (*REAL, "synthetic", "synthetic_fresh", "synthetic_holdout", "synthetic_holdout2", *CATALOGUES)
 ONE_SHOT = ("cornac_ease",)
 ALL_METHODS = ITERATIVE[:4] + ONE_SHOT + SCHEDULED + ITERATIVE[4:]
 DEFAULT_METHODS = ("als", "bpr", "lightfm", "cornac_bpr", "cornac_ease", "heat", "heat_budget")
@@ -105,97 +102,9 @@ GRIDS: dict[str, dict[str, list[Any]]] = {
 
 
 # ---------------------------------------------------------------------------------------------------- data
-class Split:
-    """Train minus validation, validation, the full training set (masked at test) and test, as CSR arrays."""
-
-    def __init__(self, name: str, full_train: tuple, test: tuple, num_items: int, val_fraction: float) -> None:
-        self.name, self.num_items = name, num_items
-        self.full_train = (np.asarray(full_train[0]), np.asarray(full_train[1]))
-        self.test = (np.asarray(test[0]), np.asarray(test[1]))
-        tr, va = split_validation(self.full_train[0], self.full_train[1], val_fraction, 0)
-        self.train, self.val = (tr[0], tr[1]), (va[0], va[1])
-        self.num_users = len(self.train[0]) - 1
-        counts = np.diff(self.train[0])
-        self.train_users = np.repeat(np.arange(self.num_users), counts)
-
-    def refit(self) -> Split:
-        """This split with validation folded back into train: what the final, test-scored models train on."""
-        other = copy.copy(self)
-        other.train = self.full_train
-        other.train_users = np.repeat(np.arange(self.num_users), np.diff(self.full_train[0]))
-        return other
-
-    def matrix(self) -> Any:
-        """``scipy.sparse.csr_matrix`` of train minus validation (users x items, ones)."""
-        import scipy.sparse as sp
-
-        data = np.ones(len(self.train[1]), dtype=np.float32)
-        return sp.csr_matrix((data, self.train[1], self.train[0]), shape=(self.num_users, self.num_items))
-
-    def describe(self) -> dict[str, Any]:
-        n_train, n_val, n_test = len(self.train[1]), len(self.val[1]), len(self.test[1])
-        density = (n_train + n_val) / (self.num_users * self.num_items)
-        return {
-            "dataset": self.name,
-            "users": self.num_users,
-            "items": self.num_items,
-            "train": n_train,
-            "val": n_val,
-            "test": n_test,
-            "density": density,
-        }
-
-
-def real_folder(dataset: str, data: str) -> Path:
-    """The LightGCN folder of a real data set of the suite: ``data`` for Gowalla (``--data``), else its folder beside
-    Gowalla's (``../shared/data/<name>``)."""
-    return Path(data) if dataset == "gowalla" else Path(data).parent / REAL[dataset].folder
-
-
-def load_split(dataset: str, data: str, val_fraction: float, quick: bool) -> Split | None:
-    """A real LightGCN split of the suite (``None`` when absent) or a seeded synthetic catalogue."""
-    if dataset in REAL:
-        folder = real_folder(dataset, data)
-        if not folder.is_dir():
-            print(f"SKIP {dataset}: {folder} not found (see ../shared/data/README.md); pass --data or another set.")
-            return None
-        # Last.fm's LightGCN split has 2 test users with no training item: no method can rank for them
-        dm = InteractionsDataModule(str(folder), val_fraction=0.0, drop_cold_test_users=True)
-        dm.setup("fit")
-        return Split(dataset, tuple(dm.train_csr), tuple(dm.test_csr), dm.num_items or 0, val_fraction)
-    if dataset in CATALOGUES:
-        dm = InteractionsDataModule(val_fraction=0.0, **CATALOGUES[dataset].datamodule_kwargs())
-        dm.setup("fit")
-        return Split(dataset, tuple(dm.train_csr), tuple(dm.test_csr), dm.num_items or 0, val_fraction)
-    if dataset == "synthetic_fresh":
-        # a catalogue nothing was tuned on: other size, density, popularity skew, clusters and seed
-        users, items, per_user, extra = 6000, 4000, 25, {"alpha": 1.0, "num_clusters": 50, "seed": 1}
-    elif dataset == "synthetic_holdout":
-        # defined before any run on it, to score the recipe once after changes that synthetic_fresh's
-        # results motivated: sparser, flatter popularity, more and smaller clusters, another seed
-        users, items, per_user, extra = 12000, 8000, 12, {"alpha": 0.8, "num_clusters": 200, "seed": 2}
-    elif dataset == "synthetic_holdout2":
-        # defined before any run on it, to score the recipe once after the clock-driven final fit and
-        # the faster steps and scoring: larger and sparser (nearer Gowalla), 100 clusters, another seed
-        users, items, per_user, extra = 20000, 15000, 18, {"alpha": 0.9, "num_clusters": 100, "seed": 3}
-    else:
-        # dense synthetic catalogue: ~60 items per user over 1,500 (Gowalla: ~27 per user over 41k items)
-        users, items, per_user, extra = (300, 200, 20, {}) if quick else (3000, 1500, 60, {})
-    dm = InteractionsDataModule(
-        num_users=users, num_items=items, interactions_per_user=per_user, val_fraction=0.0, **extra
-    )
-    dm.setup("fit")
-    name = "synthetic_quick" if quick else dataset
-    return Split(name, tuple(dm.train_csr), tuple(dm.test_csr), items, val_fraction)
 
 
 # ---------------------------------------------------------------------------------------------------- threads
-def set_threads(n: int) -> Any:
-    """``n`` threads for numba, torch and BLAS; returns the threadpoolctl limiter (keep it alive)."""
-    set_cpu_threads(n)
-    from threadpoolctl import threadpool_limits
-
-    return threadpool_limits(limits=n)
 
 
 # ---------------------------------------------------------------------------------------------------- methods
@@ -378,7 +287,7 @@ def run_scheduled(
     method: str, config: dict[str, Any], split: Split, seconds: float, target: str, threads: int, seed: int
 ) -> dict[str, Any]:
     """One HEAT run whose linear schedule ends within ``seconds`` of training, scored on ``target``."""
-    runner = SimpleXRunner(split.train, split.num_items, _heat_batch(split), threads, seed, heat_kwargs(method))
+    runner = SimpleXRunner(split.train, split.num_items, heat_batch_size(split), threads, seed, heat_kwargs(method))
     model, steps, train_s, final_lr = runner.fit_for_seconds(config, seconds)
     known, goal = (split.train, split.val) if target == "val" else (split.full_train, split.test)
     start = time.perf_counter()
@@ -391,10 +300,6 @@ def run_scheduled(
         "ndcg@20": ndcg,
         "eval_s": time.perf_counter() - start,
     }
-
-
-def _heat_batch(split: Split) -> int:
-    return int(np.clip(len(split.train[1]) // 64, 1024, 16384))
 
 
 # ---------------------------------------------------------------------------------------------------- protocol

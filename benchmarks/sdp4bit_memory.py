@@ -126,7 +126,7 @@ def _run(method: str, model_name: str, steps: int, world: int, accelerator: str)
     import torch.distributed as dist
     from torch.utils.data import DataLoader, TensorDataset
 
-    from benchmarks.sdp4bit_throughput import build_method
+    from benchmarks.tools.sdp4bit import build_method
 
     codec = rss_bytes()
     if method.startswith("sdp4bit") and accelerator == "cpu" and importlib.util.find_spec("numba") is not None:

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from benchmarks._common import RESULTS_DIR
-from benchmarks.fastclip_u_diagnostic import UDiagnosticProbe, estimate_stats, merge_payloads, rare_term_stats
+from benchmarks.fastclip_u_diagnostic import merge_payloads
+from benchmarks.tools.fastclip import UDiagnosticProbe, estimate_stats, rare_term_stats
 from lightning_sdp.integrations.open_clip import NANO_CONFIG
 from tests._warm_python import run_python
 

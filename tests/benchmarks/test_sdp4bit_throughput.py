@@ -16,7 +16,6 @@ import pytest
 
 from benchmarks.sdp4bit_throughput import (
     _expected_node_egress,
-    _hooked_ddp_strategy,
     _parser,
     _run_method,
     chain_limit,
@@ -24,6 +23,7 @@ from benchmarks.sdp4bit_throughput import (
     merge_rounds,
     summarise,
 )
+from benchmarks.tools.sdp4bit import hooked_ddp_strategy
 from tests._distributed import run_distributed
 
 pytestmark = pytest.mark.bench
@@ -46,7 +46,7 @@ def _fit_with_hooks(rank: int, world: int) -> dict[str, int]:
     calls = {}
     strategies = {
         "lightning": DDPStrategy(ddp_comm_hook=_counting_fp16_hook, process_group_backend="gloo"),
-        "benchmark": _hooked_ddp_strategy(_counting_fp16_hook, lambda: None, timedelta(seconds=120)),
+        "benchmark": hooked_ddp_strategy(_counting_fp16_hook, lambda: None, timedelta(seconds=120)),
     }
     for name, strategy in strategies.items():
         _CALLS.clear()
@@ -232,7 +232,7 @@ def test_rounds_merge_into_medians_and_keep_the_first_rounds_quality() -> None:
 
 
 def test_method_names_map_to_strategy_arguments_through_the_table() -> None:
-    from benchmarks.sdp4bit_throughput import METHODS, SDP4BIT_METHODS, build_method
+    from benchmarks.tools.sdp4bit import METHODS, SDP4BIT_METHODS, build_method
 
     args = _parser().parse_args([])
     args.world = 4

@@ -13,8 +13,9 @@ from tests.benchmarks._throttled import run_quick
 
 @pytest.mark.slow
 @pytest.mark.bench
+@pytest.mark.timeout(900)
 def test_quick_run_trains_with_both_loaders_to_the_same_validation_loss():
-    payload = run_quick("solar_vs_loaders", timeout=400)
+    payload = run_quick("solar_vs_loaders", timeout=800)
     if payload is None:  # refused clearly: no root or no blkio cgroup
         return
     rows = {r["loader"]: r for r in payload["summary"]}

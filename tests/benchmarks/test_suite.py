@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import datetime as dt
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -121,3 +123,46 @@ def test_pages_are_rendered_again_from_the_stored_json(tmp_path, monkeypatch):
     assert runner.render(FAKE, tmp_path) == 0
     assert page.read_text() == first.replace("value 2.5", "value 7.5")
     assert runner.render(Configuration("x", module="json.decoder", summary="x", minutes=1), tmp_path) == 2
+
+
+def _benchmark_imports(path: Path) -> list[str]:
+    """Every ``benchmarks.<module>`` a file imports (``from benchmarks import x`` counts as ``benchmarks.x``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module == "benchmarks":
+            found += [f"benchmarks.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks."):
+            found.append(node.module or "")
+        elif isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names if alias.name.startswith("benchmarks.")]
+    return found
+
+
+SHARED = ("benchmarks._common", "benchmarks.suite", "benchmarks.tools")
+
+
+def test_no_benchmark_imports_another() -> None:
+    # what benchmarks share lives in _common (recording, results) or tools/ (data, emulators, method tables)
+    folder = Path(runner.__file__).parent
+    crossing = [
+        f"{path.relative_to(folder.parent)} imports {name}"
+        for path in sorted([*folder.glob("*.py"), *(folder / "tools").glob("*.py")])
+        for name in _benchmark_imports(path)
+        if not any(name == shared or name.startswith(f"{shared}.") for shared in SHARED) and path.name != "__main__.py"
+    ]
+    assert not crossing, "\n".join(crossing)
+
+
+def test_no_benchmark_loads_code_from_git() -> None:
+    # comparisons across commits check the commit out (python -m benchmarks --against REV); nothing reads old code
+    # out of git at run time
+    folder = Path(runner.__file__).parent
+    loading = [
+        str(path.relative_to(folder.parent))
+        for path in sorted([*folder.glob("*.py"), *(folder / "tools").glob("*.py")])
+        if path.name != "__main__.py"
+        and re.search(
+            r"[\"']git[\"'],\s*[\"'](show|archive|cat-file)[\"']|git (show|archive|cat-file) ", path.read_text()
+        )
+    ]
+    assert not loading, f"benchmarks that load code from git: {loading}"

@@ -226,6 +226,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _not_installed(loaders: list[str]) -> dict[str, str]:
+    """The peers among ``loaders`` whose package (the ``bench`` extra) is missing, with the package's name."""
+    import importlib.util
+
+    packages = {loader: CONVERSIONS[loader][0] for loader in loaders if loader in CONVERSIONS}
+    return {loader: package for loader, package in packages.items() if importlib.util.find_spec(package) is None}
+
+
 def _child_cmd(cfg: dict[str, Any]) -> list[str]:
     return [sys.executable, "-m", "benchmarks.solar_time_to_loss", "--child", json.dumps(cfg)]
 
@@ -255,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.tools.device import ThrottledStorage
     from benchmarks.tools.ptycho_scan import make_scan_h5, samples_for
 
+    not_installed = _not_installed(args.loaders)
+    for loader, package in not_installed.items():
+        print(f"skipping {loader}: {package} is not installed (pip install -e '.[bench]')", file=sys.stderr)
+    args.loaders = [loader for loader in args.loaders if loader not in not_installed]
     samples = samples_for(args.gib, args.size)
     runs: list[dict[str, Any]] = []
     conversions: dict[str, Any] = {}
@@ -340,12 +352,14 @@ def main(argv: list[str] | None = None) -> int:
         + markdown_table(rows)
         + "\n\nConversions (in the cgroup, reading the source from the device): "
         + json.dumps({k: v[0] for k, v in conversions.items()})
+        + (f"\n\nNot installed, not run: {json.dumps(not_installed)}" if not_installed else "")
         + f"\n\nBaselines (MiB, by (ranks, workers, libraries imported)): {json.dumps(arena.baselines())}\n\n"
         + f"Wall time {time.perf_counter() - start:.0f} s.\n"
     )
     print(md)
     payload = {
         "args": vars(args),
+        "not_installed": not_installed,
         "device": facts,
         "conversions": conversions,
         "baselines_mib": arena.baselines(),

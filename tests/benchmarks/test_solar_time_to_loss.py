@@ -38,16 +38,21 @@ def test_quick_run_reaches_a_target_with_memory_capped_runs():
     payload = run_quick("solar_time_to_loss", timeout=900)
     if payload is None:  # refused clearly: no root or no cgroup
         return
+    import importlib.util
+
     rows = {r["loader"]: r for r in payload["summary"]}
-    assert set(rows) == {"memory", "dl2", "litdata", "solar"}
+    has_litdata = importlib.util.find_spec("litdata") is not None  # a peer of the bench extra, skipped when absent
+    assert set(rows) == {"memory", "dl2", "solar", *(["litdata"] if has_litdata else [])}
+    assert payload["not_installed"] == ({} if has_litdata else {"litdata": "litdata"})
     assert rows["memory"]["memory cap MiB"] is None
-    for name in ("dl2", "litdata", "solar"):
+    for name in set(rows) - {"memory"}:
         assert rows[name]["memory cap MiB"] > 0, "every contestant runs under a memory cap"
         assert rows[name]["memory peak MiB"] <= rows[name]["memory cap MiB"] + 1
     assert rows["solar"]["status"] == "ok" and rows["solar"]["device MiB"] > 0
     # every baseline imports the libraries of the loader it calibrates (the budget pays for data, not code)
     assert any("lightning_sdp.datamodules.solar" in key for key in payload["baselines_mib"])
-    assert payload["conversions"]["litdata"][0]["seconds"] > 0
+    if has_litdata:
+        assert payload["conversions"]["litdata"][0]["seconds"] > 0
 
 
 def test_without_root_it_exits_2_saying_why(monkeypatch, capsys):

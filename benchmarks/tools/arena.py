@@ -86,10 +86,15 @@ class Arena:
         budget_bytes: the memory every loader gets on top of its processes' baseline (all ranks together).
         timeout: seconds a child may run.
         cwd: working folder of the children (the repository root, so ``-m benchmarks...`` resolves).
+        slack_bytes: added to every cap alike: room for a process's run-to-run memory noise where the budget is
+            smaller than that noise (the smoke runs' budgets of a few MiB). Default 0.
     """
 
-    def __init__(self, storage: ThrottledStorage, budget_bytes: int, timeout: float, cwd: Path) -> None:
+    def __init__(
+        self, storage: ThrottledStorage, budget_bytes: int, timeout: float, cwd: Path, slack_bytes: int = 0
+    ) -> None:
         self.storage, self.budget_bytes, self.timeout, self.cwd = storage, int(budget_bytes), timeout, cwd
+        self.slack_bytes = int(slack_bytes)
         self.group = storage.group
         if self.group.cgroups.memory_dir is None:
             raise PermissionError("the arena needs a memory cgroup controller to cap memory; none is mounted")
@@ -164,8 +169,8 @@ class Arena:
         return self._baselines[key]
 
     def cap(self, key: Any, baseline_cmd: Sequence[str]) -> int:
-        """``baseline(key) + budget``: the memory a loader's run gets."""
-        return self.baseline(key, baseline_cmd) + self.budget_bytes
+        """``baseline(key) + budget + slack``: the memory a loader's run gets."""
+        return self.baseline(key, baseline_cmd) + self.budget_bytes + self.slack_bytes
 
     def baselines(self) -> dict[str, float]:
         """The measured baselines in MiB, by key."""

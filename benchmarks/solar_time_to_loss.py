@@ -346,7 +346,13 @@ def main(argv: list[str] | None = None) -> int:
         f"positions of one object whose phase range grows along the scan), on {facts['filesystem']} limited to "
         f"{args.bps}/s and {args.iops} read IOPS. Every run in the device's cgroup (v{facts['cgroup_version']}) with "
         f"memory, page cache included, capped at its baseline (the same processes on zeros, the loader's libraries imported) + {budget / 2**20:.0f} "
-        f"MiB ({args.buffer_fraction:.0%} of the file); page cache dropped before each run; `memory` (the reference) "
+        f"MiB ({args.buffer_fraction:.0%} of the file)"
+        + (
+            f" + {SMOKE_SLACK // 2**20} MiB for every run alike (smoke run: its budget is below memory noise)"
+            if args.quick
+            else ""
+        )
+        + "; page cache dropped before each run; `memory` (the reference) "
         "uncapped; the baseline counts pinned memory only (anonymous, shared, mapped libraries, kernel; not the "
         "unmapped page cache, which the kernel drops under the cap). "
         f"Target: `memory`'s validation loss after {args.epochs} epochs x (1 + {args.tolerance}). Seconds "

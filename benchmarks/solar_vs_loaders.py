@@ -351,6 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     memory_note = (
         "every loader but memory in the cgroup capped at its pinned baseline (the same processes on zeros) + the "
         "budget, page cache included"
+        + (
+            f", + {SMOKE_SLACK // 2**20} MiB for every run alike (smoke run: its budget is below memory noise)"
+            if args.quick
+            else ""
+        )
         if args.memory_cap
         else "uncapped (--no-memory-cap)"
     )

@@ -10,7 +10,8 @@ the page cache (``echo 3 > /proc/sys/vm/drop_caches`` plus ``posix_fadvise(DONTN
 so each epoch reads from the device again; :meth:`ThrottleGroup.device_read_bytes` and
 :meth:`ThrottleGroup.device_read_requests` read what the device served the group; :meth:`ThrottleGroup.cap_memory`
 caps the group's memory, page cache included. Everything is undone on exit, on exceptions and on SIGINT/SIGTERM
-(unmount, detach, remove the group and the image).
+(unmount, detach, remove the group and the image); what a SIGKILLed run left, the next run removes
+(:func:`reap_stale`).
 
 Needs root, ``losetup``, ``mkfs.ext4``, ``mount`` and a cgroup hierarchy with an io (v2) or blkio (v1)
 controller. Without them it raises :class:`PermissionError` (the CLI prints the reason and exits 2). The in-process
@@ -41,7 +42,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.tools.cgroups import Cgroups, available_version
+from benchmarks.tools.cgroups import V1_BLKIO, V1_MEMORY, V2_ROOT, Cgroups, available_version
 
 _UNITS = {
     "": 1,
@@ -179,6 +180,65 @@ def drop_caches(mount: Path) -> None:
                     os.close(fd)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _owner(text: str) -> int | None:
+    """The pid a group name (``<name>_<pid>``) or an ``owner`` file names, or ``None``."""
+    tail = text.strip().rsplit("_", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+def reap_stale(
+    name: str = "solar_bench",
+    tmp_dir: Path | None = None,
+    cgroup_roots: Sequence[Path] = (V1_BLKIO, V1_MEMORY, V2_ROOT),
+) -> list[str]:
+    """Remove what a killed :class:`ThrottledStorage` left (its owner process is gone): its cgroups (their
+    processes killed first), its mount, loop device and image. A run that is SIGKILLed cannot clean up after itself;
+    the next one does. Returns what was removed."""
+    removed = []
+    for root in cgroup_roots:
+        for group in sorted(root.glob(f"{name}_*")) if root.is_dir() else []:
+            owner = _owner(group.name)
+            if owner is None or _alive(owner) or not group.is_dir():
+                continue
+            procs = group / "cgroup.procs"
+            for pid in procs.read_text().split() if procs.exists() else []:
+                with contextlib.suppress(OSError):
+                    os.kill(int(pid), signal.SIGKILL)
+            for _ in range(50):
+                try:
+                    group.rmdir()
+                    removed.append(str(group))
+                    break
+                except OSError:
+                    time.sleep(0.1)
+    for workdir in sorted(Path(tmp_dir or tempfile.gettempdir()).glob("throttled_*")):
+        owner_file = workdir / "owner"
+        owner = _owner(owner_file.read_text()) if owner_file.exists() else None
+        if owner is None or _alive(owner):
+            continue
+        mount = workdir / "mnt"
+        if os.path.ismount(mount):
+            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+        image = workdir / "disk.img"
+        if image.exists() and shutil.which("losetup"):
+            listed = subprocess.run(["losetup", "-j", str(image)], capture_output=True, text=True).stdout
+            for loop in (line.split(":", 1)[0] for line in listed.splitlines() if line.strip()):
+                subprocess.run(["losetup", "-d", loop], capture_output=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+        removed.append(str(workdir))
+    return removed
+
+
 class ThrottledStorage:
     """A throttled loop-device file system; use as ``with ThrottledStorage(...) as st:``.
 
@@ -239,8 +299,11 @@ class ThrottledStorage:
         raise SystemExit(128 + signum)
 
     def _create(self) -> None:
+        for leftover in reap_stale(self.name):
+            print(f"ThrottledStorage: removed {leftover}, left by a run that was killed", file=sys.stderr)
         if self._workdir_arg is None:
             self.workdir = Path(tempfile.mkdtemp(prefix="throttled_"))
+            (self.workdir / "owner").write_text(str(os.getpid()))  # lets a later run reap it if this one is killed
             self._own_workdir = True
         else:
             self.workdir = Path(self._workdir_arg)

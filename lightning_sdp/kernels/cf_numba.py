@@ -309,6 +309,7 @@ def _fused_sgd_kernel(  # noqa: C901  (a fused numba kernel: one pass per sample
     v_sync: int,
     num_chunks: int,
     exclude_positive: bool,
+    history_grad: bool,
     loss_options: tuple[int, float, float, np.ndarray, np.ndarray] | None,
 ) -> None:
     """The numba pass behind :func:`fused_sgd_step`: its tables, batch, history and state, then its settings.
@@ -616,14 +617,22 @@ def _fused_sgd_kernel(  # noqa: C901  (a fused numba kernel: one pass per sample
                 dp[t] -= self_coef * p[t]
             # ---- backward through the aggregator and the user row ---------------------------------------------
             if use_agg:
-                for r in range(d):
-                    dh[r] = 0.0
-                for t in range(d):
-                    gt = omg * dp[t]
+                if history_grad:
                     for r in range(d):
-                        dh[r] += V[t, r] * gt
-                        dV[t, r] += gt * h[r]
-                if use_att:
+                        dh[r] = 0.0
+                    for t in range(d):
+                        gt = omg * dp[t]
+                        for r in range(d):
+                            dh[r] += V[t, r] * gt
+                            dV[t, r] += gt * h[r]
+                else:  # HEAT's code: the history rows only feed the aggregator, so dh is never needed
+                    for t in range(d):
+                        gt = omg * dp[t]
+                        for r in range(d):
+                            dV[t, r] += gt * h[r]
+                if not history_grad:
+                    pass
+                elif use_att:
                     # h = sum_k a_k e_k, a = softmax(s), s_k = c . tanh(W e_k + b): through the weights and keys
                     sbar = np.float32(0.0)
                     for k in range(cnt):
@@ -839,6 +848,8 @@ class StepSettings:
         num_chunks: chunks processed in parallel (one per thread).
         exclude_positive: never draw a sample's positive as one of its negatives (a draw that hits it is replaced
             by a uniform draw among the other items); with given negatives this is the caller's business.
+        history_grad: whether the history rows get their share of the gradient (SimpleX); ``False`` is HEAT's code,
+            where they only feed the aggregator (needs the mean aggregator).
         loss: :data:`LOSS_CCL` or :data:`LOSS_SOFTMAX` (cross-entropy of the positive among itself and its negatives
             over ``cos / temperature``; ``margin`` and ``negative_weight`` unused).
         temperature: the softmax temperature; its float32 inverse must be finite.
@@ -862,6 +873,7 @@ class StepSettings:
     v_sync: int = 32
     num_chunks: int = 1
     exclude_positive: bool = True
+    history_grad: bool = True
     loss: int = LOSS_CCL
     temperature: float = 0.07
     grad_clip: float = 0.0
@@ -889,6 +901,8 @@ def _loss_options(settings: StepSettings, state: StepState) -> tuple[int, float,
         raise ValueError(f"fused_sgd_step: loss must be LOSS_CCL or LOSS_SOFTMAX, got {s.loss}.")
     if s.loss == LOSS_SOFTMAX and not (s.temperature > 0 and np.isfinite(np.float32(1.0) / np.float32(s.temperature))):
         raise ValueError(f"fused_sgd_step: the temperature's float32 inverse must be finite, got {s.temperature}.")
+    if not s.history_grad and s.aggregator != AGGREGATOR_MEAN:
+        raise ValueError("fused_sgd_step: history_grad=False (HEAT's rule) needs the mean aggregator.")
     if s.grad_clip > 0 and s.g < 1.0 and s.aggregator != AGGREGATOR_MEAN:
         # the attention keys' gradient reaches the item rows after the pass, summed over the batch: not per sample
         raise ValueError("fused_sgd_step: grad_clip needs the mean aggregator when g < 1.")
@@ -950,6 +964,7 @@ def fused_sgd_step(
         s.v_sync,
         s.num_chunks,
         s.exclude_positive,
+        s.history_grad,
         options,
     )
     if s.g >= 1.0 or s.aggregator == AGGREGATOR_MEAN:

@@ -307,6 +307,7 @@ def simplex_loss(
     temperature: float = 0.07,
     grad_clip: float | None = None,
     sample_weight: Tensor | None = None,
+    history_grad: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Batched SimpleX forward: the optimised objective and the per-sample loss.
 
@@ -347,14 +348,17 @@ def simplex_loss(
             mean aggregator when ``g < 1``. Default ``None``.
         sample_weight: ``(B,)`` weight of each positive: it multiplies that sample's loss (not the weight decay),
             so all the gradients the sample gives, or ``None`` for 1. Default ``None``.
+        history_grad: whether the history rows get gradient; ``False`` (HEAT's code) aggregates a detached copy
+            of the item table, so only ``V`` and the user row learn from the user vector. Default ``True``.
 
     Returns:
         ``(objective, per_sample_loss)``; the per-sample loss is weighted.
     """
     if loss not in ("ccl", "softmax"):
         raise ValueError(f"simplex_loss: unknown loss {loss!r}; use 'ccl' or 'softmax'.")
+    history_rows = item_emb if history_grad else item_emb.detach()
     if grad_clip is None:
-        p = user_vectors(user_emb, item_emb, V, users, g, history, items, aggregator, att_w, att_b, att_q)
+        p = user_vectors(user_emb, history_rows, V, users, g, history, items, aggregator, att_w, att_b, att_q)
         e_u = user_emb[users]
         e_pos = item_emb[items]
         e_neg = item_emb[negatives]
@@ -365,7 +369,7 @@ def simplex_loss(
             raise ValueError(f"simplex_loss: grad_clip needs the mean aggregator when g < 1, got {aggregator!r}.")
         # the gradient of the mean reaches each per-sample copy divided by B: clip it at grad_clip / B
         bound = grad_clip / len(users) if reduction == "mean" else grad_clip
-        p, e_u = _clipped_user_vectors(user_emb, item_emb, V, users, items, g, history, bound)
+        p, e_u = _clipped_user_vectors(user_emb, history_rows, V, users, items, g, history, bound)
         e_pos = clip_gradient(item_emb[items], bound)
         e_neg = clip_gradient(item_emb[negatives], bound)
     if loss == "softmax":

@@ -81,3 +81,30 @@ def test_cgroup_v1_memory_files(tmp_path):
     group = ts.ThrottleGroup(blkio, memory, "7:0", tmp_path)
     group.limit_memory(100)
     assert (memory / "memory.limit_in_bytes").read_text() == "800"
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_what_a_killed_run_left_is_reaped_and_live_runs_are_kept(tmp_path):
+    dead = _dead_pid()
+    blkio = tmp_path / "blkio"
+    (blkio / f"solar_bench_{dead}").mkdir(parents=True)  # an empty fake group: rmdir removes it
+    (blkio / f"solar_bench_{os.getpid()}").mkdir()
+    (blkio / "other_group_1").mkdir()
+    stale, live, foreign = tmp_path / "throttled_a", tmp_path / "throttled_b", tmp_path / "throttled_c"
+    for folder, owner in ((stale, dead), (live, os.getpid())):
+        (folder / "mnt").mkdir(parents=True)
+        (folder / "owner").write_text(str(owner))
+    foreign.mkdir()  # no owner file: not ours to remove
+    removed = ts.reap_stale("solar_bench", tmp_dir=tmp_path, cgroup_roots=(blkio, tmp_path / "absent"))
+    assert sorted(removed) == sorted([str(blkio / f"solar_bench_{dead}"), str(stale)])
+    assert not stale.exists() and live.exists() and foreign.exists()
+    assert (blkio / f"solar_bench_{os.getpid()}").exists() and (blkio / "other_group_1").exists()
+    assert ts.reap_stale("solar_bench", tmp_dir=tmp_path, cgroup_roots=(blkio,)) == []

@@ -318,6 +318,78 @@ def test_reference_aggregator_steps_by_the_batch_mean_as_the_artifact():
     np.testing.assert_allclose(model.aggregator.detach().numpy(), heat.W.T, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.numba
+@pytest.mark.parametrize("clip", [0.02, 1e9])
+def test_fused_history_rows_are_only_read_as_in_the_artifact(clip):
+    """history_grad=False with row buffers and HEAT's aggregator step: item rows (the history rows unchanged) and V
+    equal the transcription at gamma 0.4 (the user rows differ by design: HEAT writes p into the user row)."""
+    from lightning_sdp.kernels import cf_numba
+
+    samples, n, hist_len, d, gamma, lr = 32, 3, 4, 6, 0.4, 0.05
+    users, items, negatives, history, hist = _disjoint_simplex_batch(samples, n, hist_len, samples + 2)
+    num_items = samples * (1 + n + hist_len)
+    user_emb, item_emb = _tables(9, samples + 2, num_items, d)
+    W = (np.eye(d) + 0.2 * np.random.default_rng(10).normal(size=(d, d))).astype(np.float32)
+    heat = HeatArtifact(user_emb, item_emb, W, gamma=gamma, lr=lr, clip=clip)
+    for s in range(samples):
+        heat.forward_backward(int(users[s]), int(items[s]), list(negatives[s]), history[s])
+    common = dict(lr=lr, clip=clip, mode=cf_numba.CLIP_ROW_BUFFER, g=gamma, V=np.ascontiguousarray(W.T), hist=hist)
+    _, ie, v, *_ = _fused_sequence(
+        user_emb, item_emb, users, items, negatives, **common, v_lr=lr / 32, v_sync=32, history_grad=False
+    )
+    np.testing.assert_allclose(ie, heat.I, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(v, heat.W.T, rtol=1e-4, atol=1e-6)
+    history_rows = hist[1]
+    np.testing.assert_array_equal(ie[history_rows], item_emb[history_rows])
+    # SimpleX's rule (the default) moves the history rows
+    _, ie_simplex, *_ = _fused_sequence(user_emb, item_emb, users, items, negatives, **common, v_lr=lr / 32)
+    assert np.abs(ie_simplex[history_rows] - item_emb[history_rows]).max() > 1e-5
+
+
+def test_reference_history_rows_get_no_gradient_without_history_grad():
+    from lightning_sdp.models.simplex import SimpleXModule
+
+    samples, n, hist_len, d = 8, 3, 4, 6
+    num_users = samples + 2
+    users, items, negatives, _, hist = _disjoint_simplex_batch(samples, n, hist_len, num_users)
+    num_items = samples * (1 + n + hist_len)
+    grads = {}
+    for history_grad in (True, False):
+        model = SimpleXModule(
+            num_users,
+            num_items,
+            dim=d,
+            g=0.4,
+            backend="reference",
+            optimizer="sgd",
+            loss="softmax",
+            grad_clip=None,
+            num_negatives=n,
+            max_history=hist_len,
+            history_grad=history_grad,
+        )
+        model.set_interactions(*hist)
+        objective, _ = model.reference_loss(torch.tensor(users), torch.tensor(items), torch.tensor(negatives))
+        objective.backward()
+        grads[history_grad] = (model.item_embedding.weight.grad.clone(), model.aggregator.grad.clone())
+    history_rows = torch.from_numpy(hist[1])
+    assert grads[True][0][history_rows].abs().max() > 0
+    assert grads[False][0][history_rows].abs().max() == 0
+    others = torch.ones(num_items, dtype=torch.bool)
+    others[history_rows] = False
+    torch.testing.assert_close(grads[False][0][others], grads[True][0][others])  # positives and negatives as before
+    torch.testing.assert_close(grads[False][1], grads[True][1])  # V's gradient does not depend on it
+
+
+def test_history_grad_false_needs_the_mean_aggregator():
+    from lightning_sdp.models.simplex import SimpleXModule
+
+    with pytest.raises(ValueError, match="history_grad=False.*aggregator='mean'"):
+        SimpleXModule(10, 10, g=0.5, aggregator="user_attention", history_grad=False, grad_clip=None)
+    with pytest.raises(TypeError, match="history_grad"):
+        SimpleXModule(10, 10, history_grad="no")
+
+
 # ---------------------------------------------------------------------------------------------- negatives
 @pytest.mark.numba
 def test_kernel_negatives_never_equal_the_positive_and_are_uniform_over_the_others():

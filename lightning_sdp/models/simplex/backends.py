@@ -82,7 +82,7 @@ class ReferenceBackend(SimpleXBackend):
         assert isinstance(opt, ref.RowBufferSGD)  # SimpleXConfig allows row buffers with SGD only
         user_emb, item_emb = model.tables()
         touched = [items, negatives.reshape(-1)]
-        if model.config.uses_history:
+        if model.config.uses_history and model.config.history_grad:  # else the history rows are only read
             history = model.histories()
             rows = [history.indices[history.indptr[u] : history.indptr[u + 1]] for u in users.tolist()]
             touched.append(torch.from_numpy(np.concatenate(rows)))

@@ -63,6 +63,7 @@ class SimpleXConfig:
     grad_clip: float | Auto | None = "auto"
     grad_clip_mode: ClipMode = "sample"
     negatives_exclude_positive: bool = True
+    history_grad: bool = True
 
     def __post_init__(self) -> None:
         check_options(self, "SimpleXModule")  # types and Literal choices: TypeError / ValueError naming the option
@@ -87,6 +88,11 @@ class SimpleXConfig:
             self._fail(
                 "grad_clip_mode='row_buffer' (HEAT's running gradient buffers) clips those buffers: it needs a numeric "
                 f"grad_clip and optimizer='sgd', got grad_clip={clip!r}, optimizer={self.optimizer!r}."
+            )
+        if not self.history_grad and self.aggregator != "mean":
+            self._fail(
+                "history_grad=False (HEAT's code: the history rows only feed the aggregator) is a rule of the mean "
+                f"aggregator; use aggregator='mean' or history_grad=True, got aggregator={self.aggregator!r}."
             )
         if self.grad_clip_value is not None and self.uses_history and self.aggregator != "mean":
             # the attention keys pass gradient to the item rows summed over a batch, not sample by sample

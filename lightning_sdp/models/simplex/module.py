@@ -136,6 +136,9 @@ class SimpleXModule(VerifiedCheckpoints, LightningModule):
             replaced by a uniform draw among the other items, in both backends). HEAT's sampler skips such a draw
             and keeps that slot's negative from the thread's previous sample instead. ``False`` draws from every
             item. Default ``True``.
+        history_grad: whether the history rows get their share of the user vector's gradient (SimpleX, ``g < 1``).
+            ``False`` is HEAT's code: they only feed the mean aggregator (and skip the ``d x d`` product that
+            carries the gradient to them). Needs ``aggregator="mean"``. Default ``True``.
     """
 
     # buffers registered in __init__; declared so type checkers see Tensors, not nn.Module.__getattr__'s union
@@ -179,6 +182,7 @@ class SimpleXModule(VerifiedCheckpoints, LightningModule):
         grad_clip: float | Literal["auto"] | None = "auto",
         grad_clip_mode: Literal["sample", "row_buffer"] = "sample",
         negatives_exclude_positive: bool = True,
+        history_grad: bool = True,
     ) -> None:
         super().__init__()
         self.config = SimpleXConfig(
@@ -214,6 +218,7 @@ class SimpleXModule(VerifiedCheckpoints, LightningModule):
             grad_clip=grad_clip,
             grad_clip_mode=grad_clip_mode,
             negatives_exclude_positive=negatives_exclude_positive,
+            history_grad=history_grad,
         )
         self.save_hyperparameters()
         self.backend = make_backend(backend)
@@ -478,6 +483,7 @@ class SimpleXModule(VerifiedCheckpoints, LightningModule):
             temperature=c.temperature,
             grad_clip=None if c.grad_clip_mode == "row_buffer" else c.grad_clip_value,  # the buffers clip instead
             sample_weight=weights,
+            history_grad=c.history_grad,
         )
 
     @torch.no_grad()

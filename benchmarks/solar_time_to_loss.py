@@ -80,11 +80,6 @@ class _Curve(Callback):
             Path(self.out).write_text(json.dumps({"points": self.points}))
 
 
-SMOKE_SLACK = 64 * 2**20
-"""Bytes every capped run of ``--quick`` gets beyond baseline + budget alike: a smoke run's budget (a few MiB) is
-smaller than a process's run-to-run memory noise."""
-
-
 def _train(cfg: dict[str, Any]) -> None:
     """Child process: fit PtychoNN with one loader (``null``: zeros, for the memory baseline) on ``cfg["ranks"]``."""
     import torch
@@ -264,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         _train(json.loads(args.child))
         return 0
     from benchmarks._common import REPO_ROOT, machine_info, markdown_table, write_results
-    from benchmarks.tools.arena import Arena, run_json
+    from benchmarks.tools.arena import SMOKE_SLACK, SMOKE_SLACK_NOTE, Arena, run_json
     from benchmarks.tools.device import ThrottledStorage
     from benchmarks.tools.ptycho_scan import make_scan_h5, samples_for
 
@@ -347,11 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.bps}/s and {args.iops} read IOPS. Every run in the device's cgroup (v{facts['cgroup_version']}) with "
         f"memory, page cache included, capped at its baseline (the same processes on zeros, the loader's libraries imported) + {budget / 2**20:.0f} "
         f"MiB ({args.buffer_fraction:.0%} of the file)"
-        + (
-            f" + {SMOKE_SLACK // 2**20} MiB for every run alike (smoke run: its budget is below memory noise)"
-            if args.quick
-            else ""
-        )
+        + (SMOKE_SLACK_NOTE if args.quick else "")
         + "; page cache dropped before each run; `memory` (the reference) "
         "uncapped; the baseline counts pinned memory only (anonymous, shared, mapped libraries, kernel; not the "
         "unmapped page cache, which the kernel drops under the cap). "

@@ -37,6 +37,12 @@ from typing import Any
 
 from benchmarks.tools.device import ThrottledStorage
 
+SMOKE_SLACK = 64 * 2**20
+"""Bytes every capped run of a benchmark's ``--quick`` form gets beyond baseline + budget alike: a smoke run's budget
+(a few MiB) is smaller than a process's run-to-run memory noise."""
+SMOKE_SLACK_NOTE = f" + {SMOKE_SLACK // 2**20} MiB for every run alike (smoke run: its budget is below memory noise)"
+"""What a ``--quick`` page says about :data:`SMOKE_SLACK`."""
+
 
 @dataclass
 class ArenaRun:

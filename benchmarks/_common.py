@@ -1,5 +1,6 @@
-"""Shared helpers for benchmarks: machine facts, writing ``results/<name>.{json,md,png}``, a free TCP port and a
-step timer.
+"""Shared helpers for benchmarks: machine facts, writing ``results/<name>.{json,md,png}`` and a free TCP port
+(the step timer is :mod:`benchmarks.tools.step_timer`; this module imports no deep-learning library, so a
+benchmark that only writes results starts at once).
 
 Every benchmark measures the plugin and its baseline side by side in one run and calls :func:`write_results`.
 Benchmarks run as ``python -m benchmarks.<name>`` from the repository root (no ``sys.path`` edits).
@@ -16,8 +17,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch import Callback
-
 # Smoke tests point this at a temporary folder (tests/benchmarks/conftest.py) so they never touch the committed results.
 RESULTS_DIR = Path(os.environ.get("LIGHTNING_SDP_RESULTS_DIR") or Path(__file__).resolve().parent / "results")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -29,39 +28,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-class StepTimer(Callback):
-    """Wall and process-CPU time at the start and end of every training batch.
-
-    Put it first in ``callbacks`` so that its ``on_train_batch_start`` runs before any other callback's.
-    """
-
-    def __init__(self) -> None:
-        self.starts: list[float] = []
-        self.ends: list[float] = []
-        self.cpu_starts: list[float] = []
-
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self.starts.append(time.perf_counter())
-        self.cpu_starts.append(time.process_time())
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.ends.append(time.perf_counter())
-
-    def per_step(self, first: int = 0, last: int = -1) -> float:
-        """Mean seconds per step from the start of batch ``first`` to the end of batch ``last``."""
-        last = last % len(self.ends)
-        return (self.ends[last] - self.starts[first]) / (last - first + 1)
-
-    def intervals(self) -> list[float]:
-        """Wall seconds from each batch's start to the next batch's start."""
-        return [b - a for a, b in zip(self.starts[:-1], self.starts[1:], strict=True)]
-
-    def durations(self) -> list[float]:
-        """Wall seconds from each batch's start to its end."""
-        # A batch whose end never came (fit stopped inside it) has a start but no end: it has no duration.
-        return [e - s for s, e in zip(self.starts, self.ends, strict=False)]
 
 
 def _cpu_model() -> str:

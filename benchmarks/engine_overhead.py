@@ -44,7 +44,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks._common import StepTimer, machine_info, markdown_table, write_results
+from benchmarks._common import machine_info, markdown_table, write_results
+from benchmarks.tools.step_timer import StepTimer
 from lightning_sdp.callbacks.engine_profiler import EngineProfiler
 from lightning_sdp.models.gpt import GPT
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Trainer, seed_everything
 
-from benchmarks._common import SHARED_DATA, StepTimer, markdown_table, write_results
+from benchmarks._common import SHARED_DATA, markdown_table, write_results
+from benchmarks.tools.step_timer import StepTimer
 from lightning_sdp.datamodules.text import CharTextDataModule
 from lightning_sdp.models.gpt import GPT
 

@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Trainer
 
-from benchmarks._common import RESULTS_DIR, SHARED_DATA, StepTimer, markdown_table, write_results
+from benchmarks._common import RESULTS_DIR, SHARED_DATA, markdown_table, write_results
 from benchmarks.tools.heat import ValidationHistory
+from benchmarks.tools.step_timer import StepTimer
 from lightning_sdp.datamodules.interactions import InteractionsDataModule
 from lightning_sdp.models.simplex import SimpleXModule
 from lightning_sdp.plugins.heat import HEATAccelerator

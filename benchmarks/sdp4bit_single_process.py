@@ -26,7 +26,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import SHARED_DATA, StepTimer, markdown_table, write_results
+from benchmarks._common import SHARED_DATA, markdown_table, write_results
+from benchmarks.tools.step_timer import StepTimer
 
 STRATEGIES = ("auto", "sdp4bit")
 TARGET_RATIO = 1.05

@@ -59,8 +59,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import SHARED_DATA, StepTimer, free_port, machine_info, markdown_table, write_results
+from benchmarks._common import SHARED_DATA, free_port, machine_info, markdown_table, write_results
 from benchmarks.tools.sdp4bit import METHODS, build_method
+from benchmarks.tools.step_timer import StepTimer
 
 BANDWIDTHS = [50.0, 100.0, 200.0, 500.0, 1000.0, 10000.0]
 # extra steps an "auto" timing run may spend trying candidates before its timed window

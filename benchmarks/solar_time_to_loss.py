@@ -15,7 +15,7 @@ validation loss first reaches the target, plus the conversion it needed (``litda
 run in the same cgroup reading the source from the device); "never" where it does not within ``--max-epochs``.
 Loaders: see :mod:`benchmarks.tools.loaders` (``memory`` runs uncapped: it is the reference, not a contestant).
 
-Run as root (about 3 minutes with ``--quick``)::
+Run as root (about a minute with ``--quick``)::
 
     python -m benchmarks.solar_time_to_loss --quick
     python -m benchmarks.solar_time_to_loss --ranks 1      # one rank count per run; then 2, then 4
@@ -221,7 +221,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.gib, args.epochs, args.max_epochs, args.ranks, args.val_per_epoch = 0.01, 1, 2, [1], 2
         args.val_samples, args.channels, args.timeout, args.buffer_fraction = 64, 4, 600, 1.0
-        args.loaders = ["memory", "dl2", "litdata", "solar"]
+        args.loaders = ["memory", "litdata", "solar"]  # the reference, a converting peer, SOLAR
         args.name += "_quick"
     return args
 

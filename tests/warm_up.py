@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
+import tempfile
 import time
+import traceback
 
 HEAVY = (
     "torch",
@@ -45,36 +48,87 @@ def import_heavy() -> None:
 
 def compile_kernels() -> None:
     """One tiny fit per specialisation of the fused kernel (plain CCL; softmax with clipping), through the package's
-    own call path, so the cached signatures are the ones the tests and users hit."""
+    own call path, so the cached signatures are the ones the tests and users hit.
+
+    numba compiles each specialisation for about 20 s on one core, so the second one compiles in a forked child
+    (the heavy libraries are imported, no thread pool has started yet) while this process compiles the first and the
+    codec; their saves to the kernel's shared cache index take turns (:func:`_take_turns_saving`).
+    """
     try:
         import numba  # noqa: F401
     except ImportError:  # the cpu extra is not installed: no kernel to compile
         return
+    _take_turns_saving()
+    settings = (
+        # plain CCL (loss_options None), with the row projection and the dropout mask kernels; the loss is named:
+        # "auto" picks softmax on data this dense, and the plain specialisation would never be cached
+        {"loss": "ccl", "grad_clip": None, "row_norm": 1.0, "dropout": 0.1},
+        {"loss": "softmax", "grad_clip": 0.1},
+    )
+    child = os.fork()
+    if child == 0:  # the child compiles the softmax specialisation and leaves without running the parent's exit hooks
+        code = 1
+        try:
+            _fit_once(settings[1], plain=False)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _fit_once(settings[0], plain=True)
+    compile_codec()
+    _, status = os.waitpid(child, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError("warm-up: compiling the softmax specialisation failed (see above)")
+
+
+def _fit_once(settings: dict, plain: bool) -> None:
+    """One step of a tiny fit with ``settings``; raises unless it ran the plain-CCL specialisation iff ``plain``."""
     import logging
 
     from lightning.pytorch import Trainer
+    from numba.core import types
 
     from lightning_sdp import InteractionsDataModule, SimpleXModule
+    from lightning_sdp.kernels import cf_numba
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    settings = (
-        {"row_norm": 1.0, "dropout": 0.1},  # CCL, with the row projection and the dropout mask kernels
-        {"loss": "softmax", "grad_clip": 0.1},
+    data = InteractionsDataModule(num_users=64, num_items=32, batch_size=64)
+    model = SimpleXModule(dim=8, num_negatives=4, backend="fused", **settings)
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
-    for extra in settings:
-        data = InteractionsDataModule(num_users=64, num_items=32, batch_size=64)
-        model = SimpleXModule(dim=8, num_negatives=4, backend="fused", **extra)
-        trainer = Trainer(
-            accelerator="cpu",
-            max_steps=1,
-            limit_val_batches=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        trainer.fit(model, data)
-    compile_codec()
+    trainer.fit(model, data)
+    # the last argument, ``loss_options``, is None in the plain specialisation and a tuple in the other
+    ran = [sig[-1] == types.none for sig in cf_numba._fused_sgd_kernel.signatures]
+    if ran != [plain]:
+        raise RuntimeError(f"warm-up: {settings} ran {ran} (plain-CCL specialisation?), expected [{plain}]")
+
+
+def _take_turns_saving() -> None:
+    """Hold a lock file while numba saves a compiled kernel: its cache index is read, extended and rewritten on every
+    save, so two processes saving at once could both claim the same data file (numba itself does not lock)."""
+    import fcntl
+
+    from numba.core import caching
+
+    save = caching.IndexDataCacheFile.save
+    lock_path = os.path.join(tempfile.gettempdir(), "lightning_sdp_warm_up.lock")
+
+    def save_in_turn(self, key, data):  # type: ignore[no-untyped-def]
+        with open(lock_path, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return save(self, key, data)
+
+    caching.IndexDataCacheFile.save = save_in_turn
 
 
 def compile_codec() -> None:

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback
 
-from benchmarks._common import StepTimer
 from benchmarks.tools.catalogues import CATALOGUES, REAL
+from benchmarks.tools.step_timer import StepTimer
 from lightning_sdp.datamodules.interactions import InteractionsDataModule, split_validation
 from lightning_sdp.models.simplex import SimpleXModule
 from lightning_sdp.plugins.heat import set_cpu_threads

@@ -82,12 +82,13 @@ def make_scan_h5(
     """Write ``num_samples`` scan positions in acquisition order to ``path`` (replacing it) and return the path."""
     import h5py
 
+    from lightning_sdp._files import atomic_path
+
     rows, cols = scan_grid(num_samples)
     amplitude, phase = make_object(rows, cols, size, step, seed)
     corners = np.array([(r * step, c * step) for r in range(rows) for c in range(cols)][:num_samples])
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with h5py.File(tmp, "w") as f:
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
         dsets = {k: f.create_dataset(k, (num_samples, 1, size, size), dtype=np.float32) for k in KEYS}
         for start in range(0, num_samples, block):
             part = simulate_block(amplitude, phase, corners[start : start + block], size, photons, seed + 1 + start)
@@ -95,7 +96,6 @@ def make_scan_h5(
                 dsets[key][start : start + len(part[key])] = part[key]
         f.attrs["order"] = "acquisition (raster scan, row by row)"
         f.attrs["scan_grid"] = (rows, cols)
-    os.replace(tmp, path)
     return path
 
 

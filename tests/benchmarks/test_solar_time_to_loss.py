@@ -42,7 +42,7 @@ def test_quick_run_reaches_a_target_with_memory_capped_runs():
 
     rows = {r["loader"]: r for r in payload["summary"]}
     has_litdata = importlib.util.find_spec("litdata") is not None  # a peer of the bench extra, skipped when absent
-    assert set(rows) == {"memory", "dl2", "solar", *(["litdata"] if has_litdata else [])}
+    assert set(rows) == {"memory", "solar", *(["litdata"] if has_litdata else [])}
     assert payload["not_installed"] == ({} if has_litdata else {"litdata": "litdata"})
     assert rows["memory"]["memory cap MiB"] is None
     for name in set(rows) - {"memory"}:

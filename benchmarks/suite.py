@@ -203,7 +203,7 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
             *_GPT_3X320,
         ),
         needs=(ROOT, SHAKESPEARE),
-        minutes=12,
+        minutes=6,
     ),
     Configuration(
         "sdp4bit_throughput",
@@ -415,7 +415,7 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
         "default",
         "positives/s and Recall@20 at equal epochs against HEAT's own C++ code, built at run time (Gowalla)",
         needs=(GOWALLA,),
-        minutes=12,
+        minutes=6,
     ),
     Configuration(
         "heat_artifact",
@@ -423,7 +423,7 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
         "the same against HEAT's code, ours with its own rules (each sample's gradient clipped, history rows trained)",
         ("--clip-mode", "sample"),
         needs=(GOWALLA,),
-        minutes=12,
+        minutes=6,
     ),
     Configuration(
         "heat_first_run",
@@ -473,11 +473,9 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
     Configuration("heat_budget_curves", "default", "the recipe's learning curves", minutes=20),
     # EngineProfiler
     Configuration(
-        "engine_sequence_sweep", "default", "matrix/vector/memory shares of a GPT step, 64-2,048 tokens", minutes=20
+        "engine_sequence_sweep", "default", "matrix/vector/memory shares of a GPT step, 64-2,048 tokens", minutes=2
     ),
-    Configuration(
-        "engine_overhead", "default", "step time inside and outside the profiler's window, peers", minutes=20
-    ),
+    Configuration("engine_overhead", "default", "step time inside and outside the profiler's window, peers", minutes=5),
     Configuration(
         "engine_flops_peers",
         "default",

@@ -15,7 +15,7 @@ median relative error ``|u_i - g_i| / g_i`` of the estimators against it, next t
 mini-batch estimate that OpenCLIP's loss uses (the same mean over ``B - 1`` random negatives, B the global batch).
 If the estimators do their job, the first is clearly below the second.
 
-    .venv/bin/python -m benchmarks.fastclip_small_batch_10k            # full run (about 45 minutes on 2 shared cores)
+    .venv/bin/python -m benchmarks.fastclip_small_batch_10k            # full run (about 10 minutes on 2 idle cores)
     .venv/bin/python -m benchmarks.fastclip_small_batch_10k --quick    # smoke run (2 short runs in-process, < 1 min)
 
 Writes ``benchmarks/results/fastclip_small_batch_10k.{json,md,png}`` (``..._quick`` with ``--quick``), and after

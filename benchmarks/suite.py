@@ -126,7 +126,7 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
         "step time, wire bytes and loss over 50 Mbit/s-10 Gbit/s, every peer",
         ("--bandwidths", "50", "100", "200", "10000", "--methods", *_PEERS, *_SDP_FORMATS, "sdp4bit_none_tlq_hs_g8"),
         needs=(ROOT, SHAKESPEARE),
-        minutes=60,
+        minutes=20,
     ),
     Configuration(
         "sdp4bit_throughput",
@@ -260,7 +260,7 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
         "fastclip_small_batch_10k",
         "default",
         "zero-shot and retrieval at batch 16/32/64, 10,240 pairs, 3 seeds",
-        minutes=300,
+        minutes=10,
     ),
     Configuration(
         "fastclip_small_batch", "default", "the shapes set at batch 16-128; the two reductions' cost", minutes=90

@@ -148,7 +148,7 @@ def test_the_checker_reads_numbers_blocks_and_results_as_documented(tmp_path: Pa
     found = [block for block in blocks(doc) if quoted_numbers(block.text)]
     assert [block.line for block in found] == [3, 5]
     assert all(block.links == ("gpu_checks",) for block in found)
-    # the headline run's page writes 6.75 and -0.1398 (a gap quoted as 0.14%), never 6.76 or 12345.678
+    # the headline run's page writes 8.05 and -0.1727 (a gap quoted as 0.17%), never 8.04 or 12345.678
     stems = ("sdp4bit_throughput",)
-    assert is_in_results("6.75", stems) and is_in_results("0.14", stems)
-    assert not is_in_results("6.76", stems) and not is_in_results("12345.678", stems)
+    assert is_in_results("8.05", stems) and is_in_results("0.17", stems)
+    assert not is_in_results("8.04", stems) and not is_in_results("12345.678", stems)

@@ -86,12 +86,15 @@ def real_device_summary(path: Path) -> dict[str, Any]:
         path: ``solar_vs_loaders.json``.
 
     Returns:
-        ``{"source", "machine", "device", "rows"}``; each row has the rank count ``P``, samples/s of SOLAR (default
-        and exact plan), of the best DataLoader and of litdata with their ratios to that DataLoader, and the device
-        MiB and requests per epoch of SOLAR and of the best DataLoader.
+        ``{"source", "machine", "device", "rows", "failed"}``; each row has the rank count ``P``, samples/s of SOLAR
+        (default and exact plan), of the best DataLoader and of litdata with their ratios to that DataLoader, and the
+        device MiB and requests per epoch of SOLAR and of the best DataLoader; ``failed`` names the runs that did not
+        finish (timed out, killed for memory), which the rows leave out.
     """
     payload = json.loads(path.read_text())
-    summary = payload["summary"]
+    # a run that failed (timed out, killed for memory) has a status where its speed would be
+    failed = [f"{r['loader']} at P={r['P']} ({r['samples/s']})" for r in payload["summary"] if not _measured(r)]
+    summary = [r for r in payload["summary"] if _measured(r)]
     rows = []
     for p in sorted({r["P"] for r in summary}):
         at = {r["loader"]: r for r in summary if r["P"] == p}
@@ -127,7 +130,12 @@ def real_device_summary(path: Path) -> dict[str, Any]:
         "device": f"{device.get('filesystem', 'a device')} limited to {device.get('read_bps', 0) / 1e6:.0f} MB/s "
         f"and {device.get('read_iops', '?')} read IOPS, page cache dropped before every epoch",
         "rows": rows,
+        "failed": failed,
     }
+
+
+def _measured(row: dict[str, Any]) -> bool:
+    return isinstance(row.get("samples/s"), int | float)
 
 
 def _span(values: list[float]) -> str:
@@ -258,6 +266,8 @@ def run(out: Path, quick: bool) -> dict[str, Any]:
         )
         if all("litdata_vs_dataloader" in r for r in rows):
             headline += f" (litdata, chunk shuffle: {_span([r['litdata_vs_dataloader'] for r in rows])})"
+        unfinished = [run for run in real["failed"] if run.startswith("solar ")]
+        headline += f"; did not finish: {', '.join(unfinished)}" if unfinished else ""
         headline += f" ({Path(real['source']).name})"
         per_p = "; ".join(
             f"P={r['P']}: SOLAR {r['solar_vs_dataloader']:.2f}x"
@@ -271,6 +281,7 @@ def run(out: Path, quick: bool) -> dict[str, Any]:
             f"Speed on real storage, from {real['source']} (python -m benchmarks.solar_vs_loaders; "
             f"{real['machine']}; {real['device']}): PtychoNN trained through Trainer, samples/s relative to the "
             f"best DataLoader + h5py in the same run: {per_p}. litdata shuffles chunks, not samples."
+            + (f" Runs that did not finish: {', '.join(real['failed'])}." if real["failed"] else "")
         )
     else:
         headline += "; no real-device result here (run python -m benchmarks.solar_vs_loaders)"

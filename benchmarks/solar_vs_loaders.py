@@ -53,6 +53,7 @@ from typing import Any
 from lightning.pytorch import Callback, Trainer
 
 from benchmarks.tools.loaders import LOADERS, SHUFFLES, WORKERS, Peers, libraries_of, solar_datamodule
+from lightning_sdp._files import atomic_path
 
 CONVERSIONS = {"litdata": ("litdata", "4MB"), "litdata_tuned": ("litdata", "256KB"), "webdataset": ("webdataset", "16")}
 """Loaders that read a converted copy of the file: the conversion's kind and its chunk bytes or shard count."""
@@ -106,6 +107,7 @@ class _Probe(Callback):
         self.samples = 0
 
     def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        self._dump(trainer)  # the read plan, before anything can be killed
         self._drop_and_start(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
@@ -130,21 +132,28 @@ class _Probe(Callback):
                     **_solar_wait(trainer),
                 }
             )
+        self._dump(trainer)
         self._drop_and_start(trainer)
 
     def on_fit_end(self, trainer: Trainer, pl_module: Any) -> None:
-        if trainer.global_rank == 0:
-            val = trainer.callback_metrics.get("val/loss")
-            with open(self.out, "w") as fh:
-                plan = getattr(trainer.datamodule, "read_plan", None)
-                json.dump(
-                    {
-                        "epochs": self.rows,
-                        "val_loss": float(val) if val is not None else None,
-                        "read_plan": plan.describe() if plan is not None else None,
-                    },
-                    fh,
-                )
+        self._dump(trainer, finished=True)
+
+    def _dump(self, trainer: Trainer, finished: bool = False) -> None:
+        """Write what was measured so far (rank 0): a run killed for time or memory leaves its finished epochs."""
+        if trainer.global_rank != 0:
+            return
+        val = trainer.callback_metrics.get("val/loss")
+        plan = getattr(trainer.datamodule, "read_plan", None)
+        with atomic_path(self.out) as tmp, open(tmp, "w") as fh:
+            json.dump(
+                {
+                    "epochs": self.rows,
+                    "val_loss": float(val) if val is not None else None,
+                    "read_plan": plan.describe() if plan is not None else None,
+                    "finished": finished,
+                },
+                fh,
+            )
 
 
 def _train(cfg: dict[str, Any]) -> None:
@@ -177,6 +186,31 @@ def _train(cfg: dict[str, Any]) -> None:
     trainer.fit(model, dm)
 
 
+def _partial(out: Path) -> dict[str, Any]:
+    """What a run that did not finish wrote before it ended (its finished epochs, its read plan); ``{}``: nothing."""
+    with contextlib.suppress(OSError, ValueError):
+        return dict(json.loads(out.read_text()))
+    return {}
+
+
+def _last_line(text: str) -> str:
+    """The last non-empty line of a run's error output (the exception, or the last log line before a kill)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][-300:] if lines else ""
+
+
+def _failure(row: dict[str, Any] | None) -> str:
+    """``"timed out after 300 s, 2 epochs done (41.3 samples/s)"``: a run's status where its speed would be."""
+    if row is None:
+        return "failed"
+    status = {"failed (timeout)": f"timed out after {row.get('after_s', 0):.0f} s"}.get(row["failed"], row["failed"])
+    done = [e for e in row.get("epochs_done", []) if e.get("epoch", 0) > 0]
+    if not done:
+        return f"{status}, no epoch after the first done" if row.get("epochs_done") else status
+    sps = sum(e["samples_per_s"] for e in done) / len(done)
+    return f"{status}, {len(row['epochs_done'])} epochs done ({sps:.1f} samples/s after the first)"
+
+
 def _summarise(rows: list[dict[str, Any]], rank_counts: list[int], loaders: list[str]) -> list[dict[str, Any]]:
     """One row per (ranks, loader): means over the epochs after the first, relative to the best DataLoader and to
     the in-memory ceiling of the same rank count."""
@@ -192,7 +226,8 @@ def _summarise(rows: list[dict[str, Any]], rank_counts: list[int], loaders: list
         for loader in loaders:
             later = later_epochs(loader)
             if not later:
-                summary.append({"P": ranks, "loader": loader, "samples/s": "failed"})
+                failed = [r for r in rows if r["ranks"] == ranks and r["loader"] == loader and "failed" in r]
+                summary.append({"P": ranks, "loader": loader, "samples/s": _failure(failed[0] if failed else None)})
                 continue
             sps = sum(r["samples_per_s"] for r in later) / len(later)
             summary.append(
@@ -326,7 +361,20 @@ def main(argv: list[str] | None = None) -> int:
                 if result is None:
                     status = "oom-killed" if run.oom_kills else f"failed ({run.rc})"
                     print(f"P={ranks} {loader}: {status}\n{run.stderr_tail}", flush=True)
-                    rows.append({"ranks": ranks, "loader": loader, "failed": status})
+                    partial = _partial(out)
+                    if partial.get("read_plan"):
+                        plans[f"{loader} P={ranks}"] = partial["read_plan"]
+                    rows.append(
+                        {
+                            "ranks": ranks,
+                            "loader": loader,
+                            "failed": status,
+                            "after_s": round(run.seconds, 1),
+                            "memory_peak_mib": round(run.memory_peak_mib, 1),
+                            "epochs_done": partial.get("epochs", []),
+                            "error": _last_line(run.stderr_tail),
+                        }
+                    )
                     continue
                 costs = {"memory_cap_mib": run.memory_cap_mib, "pinned_peak_mib": run.pinned_peak_mib}
                 result = json.loads(out.read_text())

@@ -36,3 +36,26 @@ def test_without_root_it_exits_2_saying_why(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert solar_vs_loaders.main(["--quick"]) == 2
     assert "needs root" in capsys.readouterr().err
+
+
+def test_a_run_that_did_not_finish_is_summarised_with_why_and_what_it_finished(tmp_path):
+    from benchmarks.solar_vs_loaders import _last_line, _partial, _summarise
+
+    out = tmp_path / "solar_2.json"
+    assert _partial(out) == {}
+    out.write_text('{"epochs": [{"epoch": 0, "samples_per_s": 10.0}, {"epoch": 1, "samples_per_s": 30.0}]')
+    assert _partial(out) == {}  # a file cut short by the kill reads as nothing
+    out.write_text('{"epochs": [{"epoch": 0, "samples_per_s": 10.0}, {"epoch": 1, "samples_per_s": 30.0}]}')
+    done = _partial(out)["epochs"]
+    assert _last_line("epoch 2\nTraceback ...\nMemoryError: x\n\n") == "MemoryError: x"
+    rows = [
+        {"ranks": 2, "loader": "solar", "failed": "failed (timeout)", "after_s": 300.2, "epochs_done": done},
+        {"ranks": 2, "loader": "litdata", "failed": "oom-killed", "epochs_done": done[:1]},
+        {"ranks": 2, "loader": "dl0", "failed": "failed (1)", "epochs_done": []},
+    ]
+    summary = {r["loader"]: r["samples/s"] for r in _summarise(rows, [2], ["solar", "litdata", "dl0"])}
+    assert summary == {
+        "solar": "timed out after 300 s, 2 epochs done (30.0 samples/s after the first)",
+        "litdata": "oom-killed, no epoch after the first done",
+        "dl0": "failed (1)",
+    }

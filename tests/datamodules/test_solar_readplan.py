@@ -17,6 +17,8 @@ from lightning_sdp.datamodules.solar.readplan import (
     FAST_LOCAL_STORAGE,
     ReadCosts,
     StorageProfile,
+    available_memory,
+    memory_cgroup_limits,
     plan_reads,
     probe_storage,
     profile_reads,
@@ -298,3 +300,77 @@ def test_a_resume_keeps_the_checkpoints_plan_when_the_device_measures_differentl
         other = _dm(path, buffer_size=16)
         other.setup("fit")
         other.load_state_dict(state)
+
+
+def _fake_cgroups(tmp_path, membership, groups):
+    """A /proc/self/cgroup file and a cgroup mount holding ``{relative dir: {file: text}}``."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    proc = tmp_path / "cgroup"
+    proc.write_text(membership)
+    for relative, files in groups.items():
+        directory = tmp_path / "sys" / relative
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (directory / name).write_text(text)
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       8000000 kB\nMemAvailable:   4000000 kB\n")
+    return {"proc_cgroup": proc, "sysfs": tmp_path / "sys", "meminfo": meminfo}
+
+
+def _v1(limit, usage):
+    return {"memory.limit_in_bytes": str(limit), "memory.usage_in_bytes": str(usage)}
+
+
+def test_free_memory_counts_the_cap_of_the_processs_own_memory_cgroup_and_its_ancestors_v1(tmp_path):
+    unlimited = 2**63 - 4096
+    paths = _fake_cgroups(
+        tmp_path,
+        "4:memory:/arena/run\n7:blkio:/arena\n0::/\n",
+        {
+            "memory": _v1(unlimited, 5 * 2**30),
+            "memory/arena": _v1(2**30, 100 * 2**20),
+            "memory/arena/run": _v1(700 * 2**20, 650 * 2**20),  # a loader's run: 50 MiB left
+        },
+    )
+    assert available_memory(**paths) == 50 * 2**20
+    assert [limit.parent.name for limit, _ in memory_cgroup_limits(paths["proc_cgroup"], paths["sysfs"])] == [
+        "run",
+        "arena",
+        "memory",
+    ]
+    (tmp_path / "sys/memory/arena/run/memory.limit_in_bytes").write_text(str(unlimited))  # the ancestor's cap holds
+    assert available_memory(**paths) == 2**30 - 100 * 2**20
+
+
+def test_free_memory_reads_v2_caps_and_a_containers_own_root(tmp_path):
+    v2 = _fake_cgroups(
+        tmp_path / "v2",
+        "0::/job/step\n",
+        {
+            "": {"memory.max": "max", "memory.current": "0"},
+            "job": {"memory.max": str(300 * 2**20), "memory.current": str(200 * 2**20)},
+            "job/step": {"memory.max": "max", "memory.current": str(200 * 2**20)},
+        },
+    )
+    assert available_memory(**v2) == 100 * 2**20
+    # in a container the membership names a path above the mount, whose root is the container's own group
+    container = _fake_cgroups(tmp_path / "c", "4:memory:/docker/abc\n", {"memory": _v1(2**30, 2**29)})
+    assert available_memory(**container) == 2**29
+    no_cgroups = _fake_cgroups(tmp_path / "none", "", {})
+    assert available_memory(**no_cgroups) == 4000000 * 1024  # MemAvailable alone
+
+
+def test_a_file_larger_than_the_cgroups_free_memory_is_planned_without_the_page_cache(tmp_path, monkeypatch):
+    from lightning_sdp.datamodules.solar import readplan
+
+    path = make_ptycho_h5(tmp_path / "train.h5", num_samples=200, size=16, seed=1)
+    args = dict(input_key="diffraction", target_key=["amplitude", "phase"], batch_size=8, buffer_size=48)
+    slow = {"bandwidth_bytes_per_s": 4e7, "requests_per_s": 400.0, "overlap": 0.0}  # streaming beats the misses
+    monkeypatch.setattr(readplan, "available_memory", lambda: 2**40)
+    roomy = solar_datamodule(path, storage=slow, warm_page_cache=True, log_metrics=False, **args)
+    roomy.setup("fit")
+    monkeypatch.setattr(readplan, "available_memory", lambda: path.stat().st_size)  # under twice the file
+    tight = solar_datamodule(path, storage=slow, warm_page_cache=True, log_metrics=False, **args)
+    tight.setup("fit")
+    assert roomy.read_plan.costs is not None and roomy.cold_gap is not None
+    assert tight.read_plan.costs is None and tight.cold_gap is None  # no file streamed into a cache that evicts it

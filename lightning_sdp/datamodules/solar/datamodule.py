@@ -232,6 +232,7 @@ class SolarDataModule(LightningDataModule):
         self.drop_last, self.validate = drop_last, validate
         self.reads = reads if reads is not None else SolarReadOptions()
         self.cold_gap: int | None = None
+        self._page_cache = False
         self.read_plan: ReadPlan | None = None
         self.log_metrics = log_metrics
         self.schedule: SolarSchedule | None = None
@@ -327,6 +328,7 @@ class SolarDataModule(LightningDataModule):
             )
         if capacity > self.num_train:
             _log.info("SolarDataModule: buffer (%d samples) holds the whole training set", capacity)
+        self._page_cache = self._page_cache_holds()
         self.read_plan = self._plan_reads(capacity)
         self.cold_gap = self._plan_cold_gap(capacity, self.read_plan)
         warming = (
@@ -345,7 +347,7 @@ class SolarDataModule(LightningDataModule):
         warm = self.reads.warm_page_cache
         if warm is False or plan.max_gap == 0 or self.num_workers > 0:
             return None
-        if warm == "auto" and (self.reads.max_gap != "auto" or not page_cache_holds(os.path.getsize(self.path))):
+        if warm == "auto" and (self.reads.max_gap != "auto" or not self._page_cache):
             return None  # a gap the user chose, or a plan that counts every transferred row (what a cold device pays)
         cold = self._plan_reads(capacity, window=plan.read_window, page_cache=False).max_gap
         return cold if cold < plan.max_gap else None  # the plan's runs are what a cold device pays for anyway
@@ -358,7 +360,7 @@ class SolarDataModule(LightningDataModule):
         else:
             gap = None
         if page_cache is None:
-            page_cache = page_cache_holds(os.path.getsize(self.path))
+            page_cache = self._page_cache
         storage = self.reads.storage if isinstance(self.reads.storage, StorageProfile) else FAST_LOCAL_STORAGE
         if self.reads.storage == "probe" and (window is None or gap is None):
             storage = self._probe()
@@ -381,6 +383,18 @@ class SolarDataModule(LightningDataModule):
             with_buffer=with_buffer,
             page_cache=page_cache,
         )
+
+    def _page_cache_holds(self) -> bool:
+        """Whether the page cache can keep the training file for an epoch (:func:`page_cache_holds`: the memory the
+        machine and this process's memory cgroups leave free), decided on rank 0 and shared, so every rank plans the
+        same schedule."""
+        trainer = self.trainer
+        distributed = trainer is not None and self.world_size > 1
+        holds = page_cache_holds(os.path.getsize(self.path)) if self.rank == 0 or not distributed else None
+        if distributed:
+            assert trainer is not None
+            holds = trainer.strategy.broadcast(holds, src=0)
+        return bool(holds)
 
     def _probe(self) -> StorageProfile:
         """The training file's device, probed on rank 0 and shared, so every rank plans the same schedule."""

@@ -199,24 +199,71 @@ def profile_reads(
     return StorageProfile(bandwidth, rate, float(min(1.0, max(0.0, overlap))), "probe")
 
 
-def available_memory() -> int:
-    """Bytes this process's memory cgroup (v1 or v2) and the machine (``MemAvailable``) leave free; 0: unknown."""
+def memory_cgroup_limits(
+    proc_cgroup: str | os.PathLike = "/proc/self/cgroup", sysfs: str | os.PathLike = "/sys/fs/cgroup"
+) -> list[tuple[Path, Path]]:
+    """``(limit file, usage file)`` of this process's memory cgroup and of each of its ancestors, v1 or v2.
+
+    A cap on any ancestor caps this process too, so all are returned (those that exist; in a container the path in
+    ``/proc/self/cgroup`` may lie above the mounted hierarchy, whose root is then the process's own group).
+
+    Args:
+        proc_cgroup: the process's cgroup membership file.
+        sysfs: where the cgroup hierarchies are mounted.
+    """
+    sysfs = Path(sysfs)
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        lines = []
+    found: list[tuple[Path, Path]] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, relative = parts
+        if controllers == "":
+            root, names = sysfs, ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            root, names = sysfs / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        group = Path(relative.strip() or "/")
+        for level in (group, *group.parents):
+            directory = root / level.relative_to("/")
+            limit = directory / names[0]
+            if limit.exists() and (limit, directory / names[1]) not in found:
+                found.append((limit, directory / names[1]))
+    return found
+
+
+def available_memory(
+    proc_cgroup: str | os.PathLike = "/proc/self/cgroup",
+    sysfs: str | os.PathLike = "/sys/fs/cgroup",
+    meminfo: str | os.PathLike = "/proc/meminfo",
+) -> int:
+    """Bytes this process's memory cgroups (v1 or v2, its own group and every ancestor: page cache counts against
+    their caps) and the machine (``MemAvailable``) leave free; 0: unknown.
+
+    Args:
+        proc_cgroup: the process's cgroup membership file.
+        sysfs: where the cgroup hierarchies are mounted.
+        meminfo: the kernel's memory summary.
+    """
     free = []
     try:
-        with open("/proc/meminfo") as fh:
+        with open(meminfo) as fh:
             for line in fh:
                 if line.startswith("MemAvailable:"):
                     free.append(int(line.split()[1]) * 1024)
     except OSError:
         pass
-    for limit, usage in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-    ):
+    for limit, usage in memory_cgroup_limits(proc_cgroup, sysfs):
         with contextlib.suppress(OSError, ValueError):
-            cap = int(Path(limit).read_text().strip())
+            text = limit.read_text().strip()
+            cap = 2**63 if text == "max" else int(text)
             if cap < 2**60:
-                free.append(max(0, cap - int(Path(usage).read_text().strip())))
+                free.append(max(0, cap - int(usage.read_text().strip())))
     return min(free) if free else 0
 
 

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from lightning_sdp.datamodules.solar import make_ptycho_h5
+from lightning_sdp.datamodules.solar import make_ptycho_h5, prefetch
 from lightning_sdp.datamodules.solar.prefetch import ReadAhead
 from lightning_sdp.datamodules.solar.reader import coalesce_runs
 from lightning_sdp.datamodules.solar.readplan import (
@@ -374,3 +374,24 @@ def test_a_file_larger_than_the_cgroups_free_memory_is_planned_without_the_page_
     tight.setup("fit")
     assert roomy.read_plan.costs is not None and roomy.cold_gap is not None
     assert tight.read_plan.costs is None and tight.cold_gap is None  # no file streamed into a cache that evicts it
+
+
+def _anon_bytes():
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("RssAnon"))
+
+
+@pytest.mark.skipif(prefetch._MALLOC_TRIM is None, reason="glibc's malloc_trim: Linux with glibc only")
+def test_freed_window_rows_go_back_to_the_os():
+    # glibc keeps freed heap pages: after a large block is freed its mmap threshold rises, so the next window-sized
+    # arrays come from the heap, and the small arrays kept between them stop the heap from shrinking at its top
+    raised = np.ones(4 * 2**20, dtype=np.uint8)
+    del raised
+    windows, kept = [], []
+    for _ in range(64):
+        windows.append(np.ones(2**20, dtype=np.uint8))
+        kept.append(np.ones(2048))
+    windows.clear()
+    before = _anon_bytes()
+    prefetch.return_free_memory()
+    assert before - _anon_bytes() > 32 * 2**20

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from lightning_sdp.datamodules.solar.prefetch import PageCacheWarmer, ReadAhead
+from lightning_sdp.datamodules.solar.prefetch import PageCacheWarmer, ReadAhead, return_free_memory
 from lightning_sdp.datamodules.solar.reader import HDF5Reader, coalesce_runs
 from lightning_sdp.datamodules.solar.readplan import READ_AHEAD_WINDOWS
 from lightning_sdp.datamodules.solar.schedule import SolarSchedule
@@ -534,10 +534,12 @@ class SolarLoader:
         return requests, have
 
     def _windows(self, per_step: list[tuple[int, np.ndarray]]) -> list[tuple[int, np.ndarray]]:
-        """``(first step, ids)`` per read window: ``read_window`` steps' reads joined into one request."""
+        """``(first step, ids)`` per read window: ``read_window`` steps' reads joined into one request, in ascending
+        id order (the reader then returns its rows as read, without a reordered copy of the window)."""
         w = self.read_window
         return [
-            (per_step[i][0], np.concatenate([r for _, r in per_step[i : i + w]])) for i in range(0, len(per_step), w)
+            (per_step[i][0], np.unique(np.concatenate([r for _, r in per_step[i : i + w]])))
+            for i in range(0, len(per_step), w)
         ]
 
     def _read_for_thread(self, key: tuple[int, int], ids: np.ndarray) -> tuple[dict[str, torch.Tensor], int]:
@@ -609,6 +611,8 @@ class SolarLoader:
             fresh = i % w == 0
             window_done = (i + 1) % w == 0 or i + 1 == len(steps)
             if fresh:
+                res = {}  # the last window's rows are freed here, before the next is taken
+                return_free_memory()
                 res = next(results)
                 if res["tag"] != sp.step:
                     raise RuntimeError(f"SOLAR loader out of order: expected step {sp.step}, got {res['tag']}")

@@ -50,9 +50,8 @@ def read_coalesced(dset: Any, ids: Sequence[int] | np.ndarray, max_gap: int = 0)
         ``(rows, bytes_read, requests)``: the rows in request order, bytes transferred, slice reads issued.
     """
     ids = np.asarray(ids, dtype=np.int64)
-    out = np.empty((len(ids), *dset.shape[1:]), dtype=dset.dtype)
     if ids.size == 0:
-        return out, 0, 0
+        return np.empty((0, *dset.shape[1:]), dtype=dset.dtype), 0, 0
     n = dset.shape[0]
     if ids.min() < 0 or ids.max() >= n:
         bad = ids[(ids < 0) | (ids >= n)][0]
@@ -67,8 +66,14 @@ def read_coalesced(dset: Any, ids: Sequence[int] | np.ndarray, max_gap: int = 0)
         nbytes += (b - a) * row_bytes
         lo, hi = np.searchsorted(uniq, [a, b])
         rows[lo:hi] = block[uniq[lo:hi] - a]
-    out[:] = rows[inverse.reshape(-1)]
-    return out, nbytes, len(runs)
+    if _in_order(ids, uniq):  # asked in ascending order without repeats: no reordered copy
+        return rows, nbytes, len(runs)
+    return rows[inverse.reshape(-1)], nbytes, len(runs)
+
+
+def _in_order(ids: np.ndarray, uniq: np.ndarray) -> bool:
+    """Whether ``ids`` are their own ``np.unique``: ascending, no repeats."""
+    return len(ids) == len(uniq) and bool(np.array_equal(ids, uniq))
 
 
 def read_per_sample(dset: Any, ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -508,6 +513,8 @@ class HDF5Reader:
         finally:
             self.reads_in_flight -= 1
         self.requests += len(jobs)
+        if _in_order(ids, uniq):  # asked in ascending order without repeats: no reordered copy
+            return rows
         return {k: v[inverse.reshape(-1)] for k, v in rows.items()}
 
     def read(self, ids: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:

@@ -194,9 +194,11 @@ def _partial(out: Path) -> dict[str, Any]:
 
 
 def _last_line(text: str) -> str:
-    """The last non-empty line of a run's error output (the exception, or the last log line before a kill)."""
+    """The last non-empty line of a run's error output that is not a warning (the exception, or the last log line
+    before a kill)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1][-300:] if lines else ""
+    telling = [line for line in lines if "Warning" not in line and "deprecated" not in line]
+    return (telling or lines or [""])[-1][-300:]
 
 
 def _failure(row: dict[str, Any] | None) -> str:

@@ -48,6 +48,9 @@ def test_a_run_that_did_not_finish_is_summarised_with_why_and_what_it_finished(t
     out.write_text('{"epochs": [{"epoch": 0, "samples_per_s": 10.0}, {"epoch": 1, "samples_per_s": 30.0}]}')
     done = _partial(out)["epochs"]
     assert _last_line("epoch 2\nTraceback ...\nMemoryError: x\n\n") == "MemoryError: x"
+    assert _last_line("[rank: 1] Child process terminated with code -9\nx.py:21: `f` is deprecated\n").startswith(
+        "[rank"
+    )
     rows = [
         {"ranks": 2, "loader": "solar", "failed": "failed (timeout)", "after_s": 300.2, "epochs_done": done},
         {"ranks": 2, "loader": "litdata", "failed": "oom-killed", "epochs_done": done[:1]},

@@ -53,7 +53,6 @@ from typing import Any
 from lightning.pytorch import Callback, Trainer
 
 from benchmarks.tools.loaders import LOADERS, SHUFFLES, WORKERS, Peers, libraries_of, solar_datamodule
-from lightning_sdp._files import atomic_path
 
 CONVERSIONS = {"litdata": ("litdata", "4MB"), "litdata_tuned": ("litdata", "256KB"), "webdataset": ("webdataset", "16")}
 """Loaders that read a converted copy of the file: the conversion's kind and its chunk bytes or shard count."""
@@ -144,16 +143,17 @@ class _Probe(Callback):
             return
         val = trainer.callback_metrics.get("val/loss")
         plan = getattr(trainer.datamodule, "read_plan", None)
-        with atomic_path(self.out) as tmp, open(tmp, "w") as fh:
-            json.dump(
+        # a plain write: a run killed in the middle of it leaves a file that reads as nothing (see _partial)
+        Path(self.out).write_text(
+            json.dumps(
                 {
                     "epochs": self.rows,
                     "val_loss": float(val) if val is not None else None,
                     "read_plan": plan.describe() if plan is not None else None,
                     "finished": finished,
-                },
-                fh,
+                }
             )
+        )
 
 
 def _train(cfg: dict[str, Any]) -> None:

@@ -243,7 +243,7 @@ def available_memory(
     meminfo: str | os.PathLike = "/proc/meminfo",
 ) -> int:
     """Bytes this process's memory cgroups (v1 or v2, its own group and every ancestor: page cache counts against
-    their caps) and the machine (``MemAvailable``) leave free; 0: unknown.
+    their caps) and the machine (``MemAvailable``) leave free, the inactive page cache counted as free; 0: unknown.
 
     Args:
         proc_cgroup: the process's cgroup membership file.
@@ -263,8 +263,19 @@ def available_memory(
             text = limit.read_text().strip()
             cap = 2**63 if text == "max" else int(text)
             if cap < 2**60:
-                free.append(max(0, cap - int(usage.read_text().strip())))
+                # the group's working set: its usage less the inactive page cache, which the kernel reclaims first
+                # (files read once, e.g. at import); the same estimate container runtimes use
+                working = int(usage.read_text().strip()) - _inactive_file(limit.parent / "memory.stat")
+                free.append(max(0, cap - working))
     return min(free) if free else 0
+
+
+def _inactive_file(stat: Path) -> int:
+    """Inactive page-cache bytes of a memory cgroup (v1 ``total_inactive_file``, v2 ``inactive_file``); 0: unknown."""
+    with contextlib.suppress(OSError, ValueError):
+        fields = dict(line.split() for line in stat.read_text().splitlines() if line.count(" ") == 1)
+        return int(fields.get("total_inactive_file", fields.get("inactive_file", 0)))
+    return 0
 
 
 def page_cache_holds(file_bytes: int) -> bool:

@@ -10,9 +10,10 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -52,6 +53,8 @@ from lightning_sdp.datamodules.solar.readplan import (
     probe_storage,
 )
 from lightning_sdp.datamodules.solar.schedule import EPOCH_ORDERS, SolarSchedule, epoch_steps, even_split
+
+_T = TypeVar("_T")
 
 _log = logging.getLogger(__name__)
 DEFAULT_READ_AHEAD_BYTES = 64 * 2**20
@@ -386,26 +389,21 @@ class SolarDataModule(LightningDataModule):
 
     def _page_cache_holds(self) -> bool:
         """Whether the page cache can keep the training file for an epoch (:func:`page_cache_holds`: the memory the
-        machine and this process's memory cgroups leave free), decided on rank 0 and shared, so every rank plans the
-        same schedule."""
-        trainer = self.trainer
-        distributed = trainer is not None and self.world_size > 1
-        holds = page_cache_holds(os.path.getsize(self.path)) if self.rank == 0 or not distributed else None
-        if distributed:
-            assert trainer is not None
-            holds = trainer.strategy.broadcast(holds, src=0)
-        return bool(holds)
+        machine and this process's memory cgroups leave free), decided on rank 0."""
+        return bool(self._on_rank_zero(lambda: page_cache_holds(os.path.getsize(self.path))))
 
     def _probe(self) -> StorageProfile:
-        """The training file's device, probed on rank 0 and shared, so every rank plans the same schedule."""
+        """The training file's device, probed on rank 0."""
+        return self._on_rank_zero(lambda: probe_storage(self.path, self.reads.io_threads))
+
+    def _on_rank_zero(self, decide: Callable[[], _T]) -> _T:
+        """``decide()`` on rank 0, broadcast to every rank: inputs of the plan, which must be one plan for all."""
         trainer = self.trainer
-        distributed = trainer is not None and self.world_size > 1
-        profile = probe_storage(self.path, self.reads.io_threads) if self.rank == 0 or not distributed else None
-        if distributed:
-            assert trainer is not None
-            profile = trainer.strategy.broadcast(profile, src=0)
-        assert profile is not None
-        return profile
+        if trainer is None or self.world_size == 1:
+            return decide()
+        value = trainer.strategy.broadcast(decide() if self.rank == 0 else None, src=0)
+        assert value is not None  # rank 0 sent its decision
+        return value
 
     def _build_schedule(self, plan: ReadPlan) -> None:
         steps = epoch_steps(self.num_train, self.world_size, self.batch_size, self.drop_last)

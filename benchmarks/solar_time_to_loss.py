@@ -13,6 +13,7 @@ then a ``DataLoader`` over tensors) reaches after ``--epochs`` epochs at the sam
 ``1 + --tolerance``. For every loader the table gives the training time (validation passes excluded) until its
 validation loss first reaches the target, plus the conversion it needed (``litdata.optimize``, WebDataset shards,
 run in the same cgroup reading the source from the device); "never" where it does not within ``--max-epochs``.
+A run stops at its first validation at or below the target: later epochs cannot change the time to it.
 Loaders: see :mod:`benchmarks.tools.loaders` (``memory`` runs uncapped: it is the reference, not a contestant).
 
 Run as root (about a minute with ``--quick``)::
@@ -48,10 +49,12 @@ class _Curve(Callback):
     Args:
         out: JSON file written at the end of ``fit``.
         start: ``time.perf_counter()`` when ``fit`` was called.
+        stop_loss: stop training at the first validation at or below this loss (``None``: run every epoch). The
+            loss is synchronised across ranks, so every rank stops at the same step.
     """
 
-    def __init__(self, out: str, start: float) -> None:
-        self.out, self.start = out, start
+    def __init__(self, out: str, start: float, stop_loss: float | None = None) -> None:
+        self.out, self.start, self.stop_loss = out, start, stop_loss
         self.val_s = 0.0
         self.v0 = 0.0
         self.points: list[dict[str, Any]] = []
@@ -74,6 +77,8 @@ class _Curve(Callback):
                 "val_loss": float(loss),
             }
         )
+        if self.stop_loss is not None and float(loss) <= self.stop_loss:
+            trainer.should_stop = True  # the target is reached: later epochs cannot change the time to it
 
     def on_fit_end(self, trainer: Trainer, pl_module: Any) -> None:
         if trainer.global_rank == 0:
@@ -105,7 +110,7 @@ def _train(cfg: dict[str, Any]) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[_Curve(cfg["out"], start)],
+        callbacks=[_Curve(cfg["out"], start, cfg.get("stop_loss"))],
         num_sanity_val_steps=0,
     )
     trainer.fit(model, dm)
@@ -117,14 +122,20 @@ def time_to_target(points: list[dict[str, Any]], target: float) -> float | None:
     return next((p["train_s"] for p in points if p["val_loss"] <= target), None)
 
 
+def target_loss(reference: list[dict[str, Any]], epochs: int, tolerance: float) -> float | None:
+    """The in-memory reference's last validation loss of epoch ``epochs`` x ``(1 + tolerance)`` (``None``: it did not
+    get there)."""
+    at_epochs = [p for p in reference if p["epoch"] == epochs - 1]
+    return at_epochs[-1]["val_loss"] * (1 + tolerance) if at_epochs else None
+
+
 def summarise(runs: list[dict[str, Any]], epochs: int, tolerance: float) -> list[dict[str, Any]]:
     """One row per (ranks, loader): the target of its rank count, time to it with the conversion, the costs."""
     rows = []
     for ranks in sorted({r["ranks"] for r in runs}):
         here = [r for r in runs if r["ranks"] == ranks]
         reference = next((r for r in here if r["loader"] == "memory" and r.get("points")), None)
-        at_epochs = [p for p in (reference or {}).get("points", []) if p["epoch"] == epochs - 1]
-        target = at_epochs[-1]["val_loss"] * (1 + tolerance) if at_epochs else None
+        target = target_loss((reference or {}).get("points", []), epochs, tolerance)
         times: dict[str, float | None] = {}
         for r in here:
             reach = time_to_target(r.get("points") or [], target) if target is not None else None
@@ -218,6 +229,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--name", default="solar_time_to_loss")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    # the reference runs first: it sets the target the others stop at
+    args.loaders = sorted(args.loaders, key=lambda loader: loader != "memory")
     if args.quick:
         args.gib, args.epochs, args.max_epochs, args.ranks, args.val_per_epoch = 0.01, 1, 2, [1], 2
         args.val_samples, args.channels, args.timeout, args.buffer_fraction = 64, 4, 600, 1.0
@@ -293,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                 conversions[loader] = _convert(arena, loader, h5, storage.mount, samples, tmp)
                 print(f"conversion {loader}: {conversions[loader][0]}", flush=True)
         for ranks in args.ranks:
+            stop_loss = None
             for loader in args.loaders:
                 cfg = {
                     "loader": loader,
@@ -315,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                     "lr": args.lr,
                     "solar_workers": 0,
                     "out": str(tmp / f"{loader}_{ranks}.json"),
+                    "stop_loss": stop_loss,
                 }
                 workers = WORKERS.get(loader, 0)
                 libraries = libraries_of(loader)
@@ -331,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                 row["points"] = (result or {}).get("points", [])
                 row["conversion_s"] = conversions[loader][0]["seconds"] if loader in conversions else 0.0
                 runs.append(row)
+                if loader == "memory":  # the reference runs first and sets the target the others stop at
+                    stop_loss = target_loss(row["points"], args.epochs, args.tolerance)
                 last = row["points"][-1]["val_loss"] if row["points"] else float("nan")
                 print(f"P={ranks} {loader}: {status}, final val {last:.5f}, {run.seconds:.0f}s", flush=True)
         facts = storage.facts()
@@ -348,8 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         "unmapped page cache, which the kernel drops under the cap). "
         f"Target: `memory`'s validation loss after {args.epochs} epochs x (1 + {args.tolerance}). Seconds "
         "to target: training time to the first validation at or below it (validation passes excluded) plus the "
-        f"conversion; loaders other than `memory` train up to {args.max_epochs} epochs, validated "
-        f"{args.val_per_epoch} times per epoch. 'vs peer' > 1: this loader reaches the target sooner by that factor; "
+        f"conversion; loaders other than `memory` train up to {args.max_epochs} epochs and stop at the first "
+        f"validation at or below the target (final val loss: the last one), validated {args.val_per_epoch} times per "
+        "epoch. 'vs peer' > 1: this loader reaches the target sooner by that factor; "
         "device MiB/requests: the cgroup's counters for the run (all ranks).\n\n"
         + markdown_table(rows)
         + "\n\nConversions (in the cgroup, reading the source from the device): "

@@ -53,6 +53,9 @@ def test_quick_run_reaches_a_target_with_memory_capped_runs():
     assert any("lightning_sdp.datamodules.solar" in key for key in payload["baselines_mib"])
     if has_litdata:
         assert payload["conversions"]["litdata"][0]["seconds"] > 0
+    for name in set(rows) - {"memory"}:  # a run that reaches the target stops at that validation
+        if rows[name]["seconds to target"] != "never":
+            assert rows[name]["final val loss"] <= rows[name]["target loss"]
 
 
 def test_without_root_it_exits_2_saying_why(monkeypatch, capsys):

@@ -21,8 +21,9 @@ Modes (same ``--workers`` reader processes per rank everywhere):
 ``--storage device`` (root) measures on a real throttled loop device (``--bps``, ``--iops``, ``--readahead-kb``), each
 rank's epoch inside the device's cgroup, and reports beside each rate the device's bound (:func:`device_bound`): the
 cheaper of streaming the file at the bandwidth and reading only the misses at one request per sample per dataset,
-priced with the bandwidth and request rate probed on the device and with the configured limits. Mode ``solar_auto``
-runs on ``plain`` and ``device`` storage.
+priced with the bandwidth and request rate probed on the device and with the configured limits, and what the device
+served (bytes and requests from its cgroup's counters) with how busy that kept it. Mode ``solar_auto`` runs on
+``plain`` and ``device`` storage.
 
 Run: ``.venv/bin/python -m benchmarks.solar_loading`` (about 10 minutes on 2 busy cores), ``--quick`` for a smoke run;
 on the device: ``sudo .venv/bin/python -m benchmarks.solar_loading --storage device --modes baseline solar solar_auto``.
@@ -72,6 +73,26 @@ MODES = {
 }
 
 
+class _DeviceReads:
+    """What the throttled device served this process's cgroup during one rank's epoch (zeros outside one)."""
+
+    def __init__(self) -> None:
+        from benchmarks.tools.device import ThrottleGroup
+
+        self.group = ThrottleGroup.from_env()
+        self.bytes, self.requests = 0, 0
+
+    def __enter__(self) -> _DeviceReads:
+        if self.group is not None:
+            self._b0, self._r0 = self.group.device_read_bytes(), self.group.device_read_requests()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.group is not None:
+            self.bytes += self.group.device_read_bytes() - self._b0
+            self.requests += self.group.device_read_requests() - self._r0
+
+
 def run_baseline(path, n, ranks, batch, epochs, workers, throttle, seed, sample_bytes):
     dataset = PerSampleHDF5Dataset(path, INPUT_KEY, TARGET_KEYS, throttle=throttle)
     loaders = []
@@ -81,15 +102,26 @@ def run_baseline(path, n, ranks, batch, epochs, workers, throttle, seed, sample_
         loaders.append((sampler, DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=workers, **extra)))
     rows = []
     for e in range(epochs):
-        times, count = [], 0
+        times, count, device = [], 0, _DeviceReads()
         for sampler, loader in loaders:
             sampler.set_epoch(e)
             drop_page_cache(path)
             t0 = time.perf_counter()
-            for x, _ in loader:
-                count += len(x)
+            with device:
+                for x, _ in loader:
+                    count += len(x)
             times.append(time.perf_counter() - t0)
-        rows.append({"epoch": e, "rank_s": times, "hits": 0, "samples": count, "bytes": count * sample_bytes})
+        rows.append(
+            {
+                "epoch": e,
+                "rank_s": times,
+                "hits": 0,
+                "samples": count,
+                "bytes": count * sample_bytes,
+                "device_bytes": device.bytes,
+                "device_requests": device.requests,
+            }
+        )
     return rows
 
 
@@ -138,17 +170,28 @@ def _epochs(loaders: list[Any], epochs: int, path: str) -> list[dict]:
     """Each rank's loader runs each epoch alone after a cache drop; per epoch the ranks' times and counters."""
     rows = []
     for e in range(epochs):
-        times, hits, count, nbytes = [], 0, 0, 0
+        times, hits, count, nbytes, device = [], 0, 0, 0, _DeviceReads()
         for loader in loaders:
             loader.set_epoch(e)
             drop_page_cache(path)
             t0 = time.perf_counter()
-            for b in loader:
-                count += len(b["index"])
+            with device:
+                for b in loader:
+                    count += len(b["index"])
             times.append(time.perf_counter() - t0)
             hits += loader.epoch_stats.hits
             nbytes += loader.epoch_stats.storage_bytes
-        rows.append({"epoch": e, "rank_s": times, "hits": hits, "samples": count, "bytes": nbytes})
+        rows.append(
+            {
+                "epoch": e,
+                "rank_s": times,
+                "hits": hits,
+                "samples": count,
+                "bytes": nbytes,
+                "device_bytes": device.bytes,
+                "device_requests": device.requests,
+            }
+        )
     for loader in loaders:
         loader.close()
     return rows
@@ -209,6 +252,8 @@ def _measure(args: argparse.Namespace, path: str, buffer: int, sample_bytes: int
                             "samples_per_s": row["samples"] / epoch_s,
                             "hit_rate": row["hits"] / row["samples"],
                             "storage_mib": row["bytes"] / 2**20,
+                            "device_mib": row["device_bytes"] / 2**20,
+                            "device_requests": row["device_requests"],
                             "rank_s": [round(t, 3) for t in row["rank_s"]],
                         }
                     )
@@ -247,6 +292,7 @@ def _summarize(args: argparse.Namespace, results: list[dict], buffer: int, bound
                         "bound C/N": buffer / n,
                         "storage MiB/epoch (later)": float(np.mean([r["storage_mib"] for r in later])),
                         **_bound_columns(bounds, storage, ranks, sps),
+                        **_device_columns(bounds, storage, later),
                     }
                 )
     return summary
@@ -311,6 +357,21 @@ def _bound_columns(bounds: DeviceBounds | None, storage: str, ranks: int, sps: f
         return {}
     columns = bounds.columns(ranks, sps)
     return columns if storage == "device" else dict.fromkeys(columns)
+
+
+def _device_columns(bounds: DeviceBounds | None, storage: str, later: list[dict]) -> dict[str, Any]:
+    """What the device served per epoch (its cgroup's counters, all ranks) and how busy that kept it: the probed
+    profile's seconds for those bytes and requests over the ranks' summed epoch times (ranks run one after another,
+    so the device serves one rank at a time). ``None`` off the device."""
+    if bounds is None:
+        return {}
+    names = ["device MiB/epoch (later)", "device requests/epoch (later)", "device busy (probed)"]
+    if storage != "device":
+        return dict.fromkeys(names)
+    probed = bounds.profiles["probed"]
+    busy = [probed.seconds(r["device_mib"] * 2**20, r["device_requests"]) / sum(r["rank_s"]) for r in later]
+    values = [np.mean([r["device_mib"] for r in later]), np.mean([r["device_requests"] for r in later]), np.mean(busy)]
+    return {name: round(float(v), 3) for name, v in zip(names, values, strict=True)}
 
 
 def _figure(args: argparse.Namespace, summary: list[dict], results: list[dict], bound: float) -> Any:
@@ -406,7 +467,9 @@ def _device_note(args: argparse.Namespace, device: dict[str, Any]) -> str:
         f"(read_ahead_kb {facts.get('read_ahead_kb')}, cgroup v{facts.get('cgroup_version')}), each rank's epoch "
         f"in its cgroup; probed there: {probed.describe()}. Its bound per rank is the cheaper of streaming the file "
         "at the bandwidth and reading only the misses at one request per sample per dataset (device_bound), from "
-        "the probed profile and from the limits. "
+        "the probed profile and from the limits. 'storage MiB' counts what the loader read (page-cache hits "
+        "included); 'device MiB' and 'device requests' what the device served (its cgroup's counters, all ranks); "
+        "'device busy' is the probed device's time for those bytes and requests over the ranks' summed epoch times. "
     )
 
 

@@ -82,7 +82,9 @@ class _Curve(Callback):
 
     def on_fit_end(self, trainer: Trainer, pl_module: Any) -> None:
         if trainer.global_rank == 0:
-            Path(self.out).write_text(json.dumps({"points": self.points}))
+            plan = getattr(trainer.datamodule, "read_plan", None)  # SOLAR's: what it chose to read, and why
+            described = None if plan is None else plan.describe()
+            Path(self.out).write_text(json.dumps({"points": self.points, "plan": described}))
 
 
 def _train(cfg: dict[str, Any]) -> None:
@@ -104,6 +106,7 @@ def _train(cfg: dict[str, Any]) -> None:
         devices=ranks,
         strategy="ddp" if ranks > 1 else "auto",
         max_epochs=cfg["epochs"],
+        limit_train_batches=cfg.get("limit_train_batches", 1.0),  # a shorter diagnostic run; the benchmark: 1.0
         val_check_interval=1.0 / cfg["val_per_epoch"],
         use_distributed_sampler=False,
         logger=False,
@@ -344,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"P={ranks} {loader}: {status}\n{run.stderr_tail}", flush=True)
                 row = {"ranks": ranks, "loader": loader, "status": status, **run.to_dict()}
                 row["points"] = (result or {}).get("points", [])
+                row["plan"] = (result or {}).get("plan")
                 row["conversion_s"] = conversions[loader][0]["seconds"] if loader in conversions else 0.0
                 runs.append(row)
                 if loader == "memory":  # the reference runs first and sets the target the others stop at
@@ -373,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         + "\n\nConversions (in the cgroup, reading the source from the device): "
         + json.dumps({k: v[0] for k, v in conversions.items()})
         + (f"\n\nNot installed, not run: {json.dumps(not_installed)}" if not_installed else "")
+        + "".join(f"\n\nP={r['ranks']} {r['loader']}'s read plan: {r['plan']}" for r in runs if r.get("plan"))
         + f"\n\nBaselines (MiB, by (ranks, workers, libraries imported)): {json.dumps(arena.baselines())}\n\n"
         + f"Wall time {time.perf_counter() - start:.0f} s.\n"
     )

@@ -283,14 +283,6 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
         needs=(ROOT, "pkg:litdata", "pkg:webdataset"),
         minutes=60,
     ),
-    Configuration(
-        "solar_slow_storage",
-        "auto",
-        "loading alone on the throttled device: read plans",
-        ("--modes", "dl0", "dl2", "solar:1:0", "solar:16:8", "solar:auto"),
-        needs=(ROOT,),
-        minutes=20,
-    ),
     Configuration("solar_loading", "default", "loading alone, 1/2/4 simulated ranks, in-process throttle", minutes=15),
     Configuration(
         "solar_loading",

@@ -11,7 +11,7 @@ read-ahead), the DataLoaders' prefetched batches, litdata's ``max_cache_size``, 
   ``torchdata``: ``StatefulDataLoader``, the same, 2 workers.
 - ``litdata``: ``StreamingDataset(shuffle=True)`` over 4 MB chunks written by ``litdata.optimize`` (its default
   chunk shuffle); ``litdata_tuned``: chunks of 256 KB (about five samples: closer to a sample shuffle, more requests).
-- ``webdataset``: tar shards, ``shardshuffle`` + a shuffle buffer of the budget's samples.
+- ``webdataset``: tar shards, ``shardshuffle`` + shuffle buffers of the budget's samples (split between workers).
 - ``solar`` (defaults), ``solar_nowarm``, ``solar_workers``, ``solar_exact``: ``SolarDataModule``.
 - ``null``: zeros of the samples' shapes, no reads (calibrates a process's memory without data); ``null_workers``
   as many worker processes as a loader (``cfg["workers"]``).
@@ -136,7 +136,8 @@ def webdataset_loader(cfg: dict[str, Any], world: int) -> Any:
             seed=0,
         )
         .repeat()
-        .shuffle(cfg["budget_per_rank"])  # equal memory: a shuffle buffer of the budget's samples
+        # equal memory: every worker keeps its own shuffle buffer, so the budget's samples are split between them
+        .shuffle(max(1, cfg["budget_per_rank"] // WORKERS["webdataset"]))
         .decode()
         .to_tuple("x.npy", "y.npy")
         .map(lambda s: (torch.from_numpy(s[0]), torch.from_numpy(s[1])))

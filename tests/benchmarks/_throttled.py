@@ -21,16 +21,19 @@ def _storage_unavailable() -> str | None:
     return None
 
 
-def run_quick(name: str, timeout: int) -> dict[str, Any] | None:
-    """``python -m benchmarks.<name> --quick``: its quick results, or ``None`` after checking that it refused clearly.
+def run_quick(
+    name: str, timeout: int, extra: tuple[str, ...] = (), results: str | None = None
+) -> dict[str, Any] | None:
+    """``python -m benchmarks.<name> --quick [extra]``: its quick results (``<results or name>_quick.json``), or
+    ``None`` after checking that it refused clearly.
 
     Where the device cannot be built the benchmark must exit with code 2 and say why on stderr. The results are
     read from ``RESULTS_DIR`` (a temporary folder under pytest: ``tests/benchmarks/conftest.py``).
     """
-    res = run_python(["-m", f"benchmarks.{name}", "--quick"], cwd=REPO, timeout=timeout)
+    res = run_python(["-m", f"benchmarks.{name}", "--quick", *extra], cwd=REPO, timeout=timeout)
     reason = _storage_unavailable()
     if reason is not None:
         assert res.returncode == 2 and reason in res.stderr
         return None
     assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads((RESULTS_DIR / f"{name}_quick.json").read_text())
+    return json.loads((RESULTS_DIR / f"{results or name}_quick.json").read_text())

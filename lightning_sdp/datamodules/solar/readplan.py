@@ -469,8 +469,10 @@ def plan_reads(
     (``max_gap = 0``) otherwise. Without the page cache a row read through is read again by every window that spans
     it, and every gap is weighed by its predicted runs and rows (:func:`window_reads`).
 
-    Each rank holds :data:`READ_AHEAD_WINDOWS` windows of read samples (about ``W * batch_size * (1 - hit rate)``
-    each) besides its share of the buffer; the buffer gets what remains of ``memory_samples``. A window that
+    Each rank holds :data:`READ_AHEAD_WINDOWS` whole windows (``W * batch_size`` samples each, what a window with no
+    buffer hit reads) besides its share of the buffer; the buffer gets what remains of ``memory_samples``. Sized
+    for the average window instead, half the windows would not fit beside the one being trained on, and their reads
+    would wait for it: reading and training one after another instead of at once. A window that
     leaves no buffer is still allowed (the buffer may be worth less than long requests). Among plans within
     :data:`EQUAL_WITHIN` (or :data:`EQUAL_WITHIN_S`) of the fastest, the one holding the least read-ahead memory
     wins, then the fewest bytes: on a fast device, the buffer's hit rate and exact reads.
@@ -509,7 +511,7 @@ def plan_reads(
     sample_nbytes = sum(row_nbytes)
     plans: list[ReadPlan] = []
     for w in windows:
-        split = _split_memory(num_samples, world_size, batch_size, memory_samples, w, with_buffer)
+        split = _split_memory(world_size, batch_size, memory_samples, w, with_buffer)
         if split is None and (plans or w != windows[0]):
             continue  # its read-ahead alone exceeds the memory (the smallest window is always allowed)
         read_ahead, buffer = split if split is not None else (memory_samples, 0)
@@ -533,17 +535,10 @@ def plan_reads(
 
 
 def _split_memory(
-    num_samples: int, world_size: int, batch_size: int, memory: int, window: int, with_buffer: bool
+    world_size: int, batch_size: int, memory: int, window: int, with_buffer: bool
 ) -> tuple[int, int] | None:
     """``(read-ahead, buffer)`` samples over all ranks for ``window`` steps under ``memory``; ``None``: no fit."""
     full = READ_AHEAD_WINDOWS * window * batch_size * world_size
-    if not with_buffer:
-        return (full, 0) if full <= memory else None
-    # the read-ahead holds the misses only: (1 - hit) of its steps' samples, with hit = buffer / samples
-    read_ahead = min(memory, full)
-    for _ in range(4):  # fixed point of read_ahead = full * (1 - hit), hit = (memory - read_ahead) / N
-        buffer = max(0, memory - read_ahead)
-        read_ahead = math.ceil(full * (1 - min(1.0, buffer / num_samples)))
-    if read_ahead > memory:
+    if full > memory:
         return None
-    return read_ahead, memory - read_ahead
+    return full, memory - full if with_buffer else 0

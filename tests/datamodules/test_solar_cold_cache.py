@@ -125,3 +125,26 @@ def test_a_reader_that_never_pauses_does_not_starve_the_warmer(ptycho):
         assert warmer.passes_done == 1
     finally:
         warmer.close()
+
+
+def test_a_read_waits_for_the_stream_to_pass_its_rows(ptycho):
+    layout = HDF5Reader(ptycho, KEYS).direct_layout()
+    _drop(ptycho)
+    warmer = PageCacheWarmer(str(ptycho), layout, 0, 200, chunk_bytes=16 * 1024)
+    try:
+        warmer.wait_streamed(150)  # no pass asked for: nothing to wait for
+        warmer.start_pass()
+        warmer.wait_streamed(150)
+        assert warmer.passes_done == 1 or warmer._position > 150  # the stream is past the row when the wait ends
+        fd = os.open(ptycho, os.O_RDONLY)
+        try:
+            for offset, row in layout.values():  # row 150 is in the page cache: its read is a copy
+                buf = bytearray(row)
+                assert os.preadv(fd, [buf], offset + 150 * row, os.RWF_NOWAIT) == len(buf)
+        finally:
+            os.close(fd)
+        warmer.wait_streamed(10_000)  # a row past the share waits for the pass's end
+        assert warmer.passes_done == 1
+    finally:
+        warmer.close()
+    warmer.wait_streamed(10)  # closed: returns at once

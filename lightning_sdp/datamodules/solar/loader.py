@@ -20,8 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_sdp.datamodules.solar.prefetch import PageCacheWarmer, ReadAhead, return_free_memory
-from lightning_sdp.datamodules.solar.reader import HDF5Reader, coalesce_runs
-from lightning_sdp.datamodules.solar.readplan import READ_AHEAD_WINDOWS
+from lightning_sdp.datamodules.solar.reader import HDF5Reader
 from lightning_sdp.datamodules.solar.schedule import SolarSchedule
 
 
@@ -543,6 +542,8 @@ class SolarLoader:
         ]
 
     def _read_for_thread(self, key: tuple[int, int], ids: np.ndarray) -> tuple[dict[str, torch.Tensor], int]:
+        if self._warmer is not None and len(ids):  # the rows come from the page cache once the stream passed them
+            self._warmer.wait_streamed(int(ids.max()))
         item = ReadRequests(self.reader)[(key[1], ids)]  # the same read a worker process does
         return item["data"], item["bytes"]
 
@@ -595,7 +596,7 @@ class SolarLoader:
             return
         w = self.read_window
         if self.num_workers == 0:
-            self._warm(windows)
+            self._warm()
             results: Iterator[dict[str, Any]] = self._thread_results(epoch, windows, store_after)
         else:
             self._sampler.requests = windows
@@ -665,13 +666,10 @@ class SolarLoader:
             self._last_yield = time.perf_counter()
             yield batch
 
-    def _warm(self, windows: list[tuple[int, np.ndarray]]) -> None:
-        """Start this epoch's pass of the page-cache warmer (made on first use; positional reads of a plain file).
-
-        The pass first reads the rows of the window after the two the read-ahead holds at the epoch's start (the
-        reader's runs; the read-ahead copies them from the page cache once memory frees up), then streams the rank's
-        share of the file.
-        """
+    def _warm(self) -> None:
+        """Start this epoch's pass of the page-cache warmer (made on first use; positional reads of a plain file):
+        it streams the rank's share of the file, and the read-ahead reads each window once the stream has passed
+        its rows (:meth:`PageCacheWarmer.wait_streamed`), from the page cache."""
         if self.warm_rows is None:
             return
         layout = self.reader.direct_layout()
@@ -683,12 +681,7 @@ class SolarLoader:
             self._warmer = PageCacheWarmer(
                 reader.path, layout, *self.warm_rows, yield_to=lambda: reader.reads_in_flight > 0
             )
-        first: list[tuple[int, int]] = []
-        if len(windows) > READ_AHEAD_WINDOWS and layout is not None:
-            runs = coalesce_runs(np.unique(windows[READ_AHEAD_WINDOWS][1]), self.reader.max_gap)
-            for offset, row in sorted(layout.values()):
-                first += [(offset + a * row, (b - a) * row) for a, b in runs]
-        self._warmer.start_pass(first)
+        self._warmer.start_pass()
 
     @property
     def peak_read_ahead_bytes(self) -> int:

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,9 +197,9 @@ class PageCacheWarmer:
 
     A plan whose long reads count on the page cache pays when the cache is cold (the first epoch, or after the OS
     dropped the file): then a window's rows lie all over the file, and reading its runs whole waits for nearly all of
-    it. This thread streams the rows instead, in long requests (bandwidth-bound, few requests), while the training
-    reads use short runs: those already streamed are copied from memory, the others read at the cost of a cold
-    device. Rows the page cache already holds are copied, not read again (``RWF_NOWAIT`` first): a warm pass costs a
+    it. This thread streams the rows instead, in long requests (bandwidth-bound, few requests), and the training
+    reads wait for the stream to pass their rows (:meth:`wait_streamed`), then copy them from memory; rows outside
+    the share are read at the cost of a cold device. Rows the page cache already holds are copied, not read again (``RWF_NOWAIT`` first): a warm pass costs a
     memory copy. It only touches the page cache (one scratch chunk of its own), so it does not count against the
     loader's memory.
 
@@ -238,7 +238,7 @@ class PageCacheWarmer:
         self._scratch = bytearray(self.rows_per_chunk * max(row for _, row in self.regions))
         self._cond = threading.Condition()
         self._passes = 0  # passes asked for
-        self._first: list[tuple[int, int]] = []
+        self._position = self.lo  # rows below it are streamed in the current pass
         self._closed = False
         self._yield_to = yield_to or (lambda: False)
         self.max_yield_s = float(max_yield_s)
@@ -247,17 +247,24 @@ class PageCacheWarmer:
         self._thread = threading.Thread(target=self._run, name="solar-page-cache", daemon=True)
         self._thread.start()
 
-    def start_pass(self, first: Sequence[tuple[int, int]] = ()) -> None:
-        """Stream the share once more, from its first row (a pass in progress starts over).
-
-        Args:
-            first: ``(offset, length)`` byte ranges to read before the stream, in order (the rows of the windows the
-                read-ahead cannot hold yet: their reads start now, in the page cache, not when memory frees up).
-        """
+    def start_pass(self) -> None:
+        """Stream the share once more, from its first row (a pass in progress starts over)."""
         with self._cond:
-            self._first = list(first)
             self._passes += 1
             self._cond.notify_all()
+
+    def wait_streamed(self, row: int) -> None:
+        """Wait until the current pass has streamed ``row`` (its share's last row, for a row past the share), the
+        pass has ended, or the warmer is closed.
+
+        A read of rows the stream is about to pass would be a device request of its own, and on a device limited in
+        requests per second those requests, not the stream, set the epoch's time: waiting for the stream turns them
+        into copies from the page cache.
+        """
+        target = min(int(row), self.hi - 1)
+        with self._cond:
+            while not self._closed and self.passes_done < self._passes and self._position <= target:
+                self._cond.wait(0.1)
 
     def close(self) -> None:
         """Stop after the chunk in flight and close the descriptor."""
@@ -276,13 +283,7 @@ class PageCacheWarmer:
                     self._cond.wait()
                 if self._closed:
                     return
-                done, first = self._passes, self._first
-            for offset, length in first:
-                with self._cond:
-                    if self._closed or self._passes != done:
-                        break
-                for start in range(offset, offset + length, len(self._scratch)):
-                    self._read(start, min(len(self._scratch), offset + length - start))
+                done, self._position = self._passes, self.lo
             row, paused = self.lo, 0.0
             while row < self.hi:
                 with self._cond:
@@ -297,8 +298,13 @@ class PageCacheWarmer:
                 for offset, nbytes in self.regions:
                     self._read(offset + row * nbytes, (end - row) * nbytes)
                 row = end
+                with self._cond:
+                    self._position = row
+                    self._cond.notify_all()
             else:
-                self.passes_done += 1
+                with self._cond:
+                    self.passes_done += 1
+                    self._cond.notify_all()
 
     def _read(self, offset: int, length: int) -> None:
         os = self._os

@@ -38,8 +38,9 @@ class SolarReadOptions:
             read the whole file every epoch and the buffer saved nothing).
         warm_page_cache: when the plan's long runs count on the page cache (the file fits in free memory), each
             epoch a thread per rank streams its share of the node's file into the page cache in long requests, and
-            the training reads use the shorter runs a cold device pays for, so a cold cache (the first epoch, or a
-            file the OS dropped) does not stall a window until nearly the whole file is read. Default ``"auto"``: on
+            each training read waits for the stream to pass its rows and copies them from memory (rows of other
+            ranks' shares are read in the shorter runs a cold device pays for), so a cold cache (the first epoch, or
+            a file the OS dropped) costs one stream of the file, not a request per run. Default ``"auto"``: on
             exactly then, when ``max_gap`` is ``"auto"``; ``True``: on for any plan with gaps; ``False``: off.
         prefetch_factor: read requests in flight per worker process (``num_workers > 0``). Default 2.
     """

@@ -199,9 +199,9 @@ class PageCacheWarmer:
     dropped the file): then a window's rows lie all over the file, and reading its runs whole waits for nearly all of
     it. This thread streams the rows instead, in long requests (bandwidth-bound, few requests), and the training
     reads wait for the stream to pass their rows (:meth:`wait_streamed`), then copy them from memory; rows outside
-    the share are read at the cost of a cold device. Rows the page cache already holds are copied, not read again (``RWF_NOWAIT`` first): a warm pass costs a
-    memory copy. It only touches the page cache (one scratch chunk of its own), so it does not count against the
-    loader's memory.
+    the share are read at the cost of a cold device. Rows the page cache already holds are copied, not read again
+    (``RWF_NOWAIT`` first): a warm pass costs a memory copy. It only touches the page cache (one scratch chunk of its
+    own), so it does not count against the loader's memory.
 
     Args:
         path: the HDF5 file.

@@ -106,7 +106,6 @@ def _train(cfg: dict[str, Any]) -> None:
         devices=ranks,
         strategy="ddp" if ranks > 1 else "auto",
         max_epochs=cfg["epochs"],
-        limit_train_batches=cfg.get("limit_train_batches", 1.0),  # a shorter diagnostic run; the benchmark: 1.0
         val_check_interval=1.0 / cfg["val_per_epoch"],
         use_distributed_sampler=False,
         logger=False,

@@ -1,6 +1,8 @@
+import gc
 import os
 import shutil
 import time
+import weakref
 from pathlib import Path
 
 import h5py
@@ -545,6 +547,28 @@ def test_buffer_and_read_ahead_share_the_memory_budget(ptycho):
         < loader.peak_read_ahead_bytes
         <= max(loader.read_ahead_bytes, plan.read_window * 2 * dm.batch_size * dm.info.sample_nbytes)
     )
+
+
+def test_rows_alive_never_exceed_the_read_ahead_budget(ptycho):
+    # a window's rows are freed before their bytes go back to the read-ahead, which then reads the next window: no
+    # third window alive beside the two the plan counts (measured as arrays still reachable while training waits)
+    dm = _dm(ptycho, buffer_size=48, read_window=2, max_gap=0)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    read, alive = loader.reader.read, []
+
+    def recording_read(ids):
+        rows = read(ids)
+        alive.extend(weakref.ref(v) for v in rows.values())
+        return rows
+
+    loader.reader.read = recording_read
+    peaks = []
+    for _ in loader:
+        time.sleep(0.02)  # a slow training step: the read-ahead reads on to its budget meanwhile
+        gc.collect()
+        peaks.append(sum(r().nbytes for r in alive if r() is not None))
+    assert len(peaks) > 2 * loader.read_window and 0 < max(peaks) <= loader.read_ahead_bytes
 
 
 def test_read_window_and_gaps_yield_the_exact_plans_batches_in_fewer_requests(ptycho):

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from lightning_sdp.datamodules.solar.prefetch import PageCacheWarmer, ReadAhead, return_free_memory
+from lightning_sdp.datamodules.solar.prefetch import PageCacheWarmer, ReadAhead, ReadResult, return_free_memory
 from lightning_sdp.datamodules.solar.reader import HDF5Reader
 from lightning_sdp.datamodules.solar.schedule import SolarSchedule
 
@@ -572,17 +572,20 @@ class SolarLoader:
             for step, ids in self._windows(requests):
                 ra.submit((epoch + 1, step), ids)
         for _ in windows:
-            res = ra.get()
-            # a window read before the file changed holds the old samples; refuse the change at once all the same
-            self.reader.check_unchanged()
-            yield {
-                "tag": res.key[1],
-                "ids": res.ids,
-                "data": res.data,
-                "bytes": res.nbytes,
-                "seconds": res.seconds,
-                "result": res,
-            }
+            # yielded without a name in this frame: the consumer alone keeps the window, so it is freed once trained on
+            yield self._window_item(ra.get())
+
+    def _window_item(self, res: ReadResult) -> dict[str, Any]:
+        # a window read before the file changed holds the old samples; refuse the change at once all the same
+        self.reader.check_unchanged()
+        return {
+            "tag": res.key[1],
+            "ids": res.ids,
+            "data": res.data,
+            "bytes": res.nbytes,
+            "seconds": res.seconds,
+            "result": res,
+        }
 
     def _generate(self, epoch: int, start: int) -> Iterator[dict[str, torch.Tensor] | tuple[torch.Tensor, ...]]:
         plan = self.schedule.epoch_plan(epoch)
@@ -612,8 +615,6 @@ class SolarLoader:
             fresh = i % w == 0
             window_done = (i + 1) % w == 0 or i + 1 == len(steps)
             if fresh:
-                res = {}  # the last window's rows are freed here, before the next is taken
-                return_free_memory()
                 res = next(results)
                 if res["tag"] != sp.step:
                     raise RuntimeError(f"SOLAR loader out of order: expected step {sp.step}, got {res['tag']}")
@@ -661,8 +662,16 @@ class SolarLoader:
             if last:
                 self._epoch_counter = epoch + 1
             batch = make_batch(out, self.input_key, self.target_keys, ids, sp.loss_scale, self.batch_format)
-            if window_done and "result" in res and self._read_ahead is not None:
-                self._read_ahead.release(res["result"])  # the window is trained on: its bytes go back
+            if window_done:
+                # the window is trained on: free its rows before their bytes go back to the read-ahead, which reads
+                # the next window into them (otherwise three windows are alive where the plan counts two)
+                done, res, read_pos = res.get("result"), {}, {}
+                if done is not None:
+                    done.data = {}
+                    if self._read_ahead is not None:
+                        self._read_ahead.release(done)
+                done = None
+                return_free_memory()
             self._last_yield = time.perf_counter()
             yield batch
 

@@ -662,18 +662,20 @@ class SolarLoader:
             if last:
                 self._epoch_counter = epoch + 1
             batch = make_batch(out, self.input_key, self.target_keys, ids, sp.loss_scale, self.batch_format)
-            if window_done:
-                # the window is trained on: free its rows before their bytes go back to the read-ahead, which reads
-                # the next window into them (otherwise three windows are alive where the plan counts two)
+            if window_done:  # the window is trained on: free its rows before the read-ahead reads into them
                 done, res, read_pos = res.get("result"), {}, {}
-                if done is not None:
-                    done.data = {}
-                    if self._read_ahead is not None:
-                        self._read_ahead.release(done)
-                done = None
-                return_free_memory()
+                self._release(done)
             self._last_yield = time.perf_counter()
             yield batch
+
+    def _release(self, done: ReadResult | None) -> None:
+        """Drop a trained-on window's rows, then give its bytes back to the read-ahead (otherwise three windows are
+        alive where the plan counts two: this one, the next, and the one read into the freed budget)."""
+        if done is not None:
+            done.data = {}
+            if self._read_ahead is not None:
+                self._read_ahead.release(done)
+        return_free_memory()
 
     def _warm(self) -> None:
         """Start this epoch's pass of the page-cache warmer (made on first use; positional reads of a plain file):

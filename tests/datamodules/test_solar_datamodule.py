@@ -567,7 +567,7 @@ def test_rows_alive_never_exceed_the_read_ahead_budget(ptycho):
     for _ in loader:
         time.sleep(0.02)  # a slow training step: the read-ahead reads on to its budget meanwhile
         gc.collect()
-        peaks.append(sum(r().nbytes for r in alive if r() is not None))
+        peaks.append(sum(a.nbytes for a in (r() for r in alive) if a is not None))
     assert len(peaks) > 2 * loader.read_window and 0 < max(peaks) <= loader.read_ahead_bytes
 
 

@@ -663,7 +663,7 @@ class SolarLoader:
                 self._epoch_counter = epoch + 1
             batch = make_batch(out, self.input_key, self.target_keys, ids, sp.loss_scale, self.batch_format)
             if window_done:  # the window is trained on: free its rows before the read-ahead reads into them
-                done, res, read_pos = res.get("result"), {}, {}
+                done, res = res.get("result"), {}
                 self._release(done)
             self._last_yield = time.perf_counter()
             yield batch

@@ -84,6 +84,9 @@ class _Curve(Callback):
         if trainer.global_rank == 0:
             plan = getattr(trainer.datamodule, "read_plan", None)  # SOLAR's: what it chose to read, and why
             described = None if plan is None else plan.describe()
+            loader = getattr(trainer.datamodule, "train_loader", None)
+            if described is not None and loader is not None:
+                described += f"; rank 0's read-ahead waited for memory {loader.memory_waits} time(s)"
             Path(self.out).write_text(json.dumps({"points": self.points, "plan": described}))
 
 

@@ -19,6 +19,7 @@ from lightning_sdp.datamodules.solar.readplan import (
     FAST_LOCAL_STORAGE,
     ReadCosts,
     StorageProfile,
+    anonymous_headroom,
     available_memory,
     memory_cgroup_limits,
     plan_reads,
@@ -232,6 +233,64 @@ def test_read_ahead_keeps_order_stays_within_its_budget_and_reads_while_the_cons
     assert got == keys
     assert ra.peak_held_bytes == 2 * window
     ra.close()
+
+
+def test_read_ahead_waits_for_memory_beyond_its_first_window_and_reads_once_there_is_room():
+    window = 10 * 100
+    room = {"bytes": window}  # what the cgroup could give before the reads: the first window's worth
+    ra = ReadAhead(
+        _reader(),
+        sample_nbytes=100,
+        limit_bytes=3 * window,
+        memory_headroom=lambda: room["bytes"] - ra._held,  # what the reads held take from it
+        memory_sharers=2,
+    )
+    for step in range(3):
+        ra.submit((0, step), np.arange(10) + step)
+    first = ra.get()  # nothing held: read whatever the memory says
+    time.sleep(0.3)
+    assert first.key == (0, 0) and ra._held == window  # the budget has room for two more, the memory for none
+    assert ra.memory_waits == 1
+    room["bytes"] = 3 * window - 1  # one window's room, but two processes share it
+    time.sleep(0.3)
+    assert ra._held == window
+    room["bytes"] = 3 * window  # room for both processes' next window: the thread sees it without a notification
+    deadline = time.monotonic() + 10
+    while ra._held < 2 * window and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.2)
+    assert ra._held == 2 * window  # and no further: the third would not leave room for the other process's
+    ra.release(first)
+    assert [ra.get().key for _ in range(2)] == [(0, 1), (0, 2)]
+    ra.close()
+
+
+def test_anonymous_headroom_leaves_the_page_cache_out_of_every_capped_cgroup(tmp_path):
+    unlimited = 2**63 - 4096
+    v1 = _fake_cgroups(
+        tmp_path / "v1",
+        "4:memory:/arena/run\n",
+        {
+            "memory": _v1(unlimited, 5 * 2**30),
+            "memory/arena": _v1(2**30, 900 * 2**20),
+            "memory/arena/run": _v1(700 * 2**20, 690 * 2**20),
+        },
+    )
+    assert anonymous_headroom(**v1) == 4000000 * 1024  # no memory.stat: MemAvailable alone
+    (tmp_path / "v1/sys/memory/arena/run/memory.stat").write_text(
+        f"cache {400 * 2**20}\nrss {290 * 2**20}\ntotal_rss {290 * 2**20}\n"
+    )
+    assert anonymous_headroom(**v1) == 410 * 2**20  # 690 MiB used, 400 of it page cache the kernel reclaims first
+    (tmp_path / "v1/sys/memory/arena/memory.stat").write_text(f"total_rss {800 * 2**20}\n")
+    assert anonymous_headroom(**v1) == 224 * 2**20  # the ancestor's cap, less everything anonymous under it
+    v2 = _fake_cgroups(
+        tmp_path / "v2",
+        "0::/job\n",
+        {"job": {"memory.max": str(300 * 2**20), "memory.current": "0", "memory.stat": f"anon {250 * 2**20}\n"}},
+    )
+    assert anonymous_headroom(**v2) == 50 * 2**20
+    assert anonymous_headroom(**_fake_cgroups(tmp_path / "none", "", {})) == 4000000 * 1024
+    assert anonymous_headroom(tmp_path / "absent", tmp_path / "absent", tmp_path / "absent") is None
 
 
 def test_read_ahead_reset_drops_what_was_queued_and_errors_reach_the_consumer():

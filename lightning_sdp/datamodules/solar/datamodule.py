@@ -502,6 +502,7 @@ class SolarDataModule(LightningDataModule):
                 read_window=self.resolved_read_window,
                 read_ahead_bytes=self._read_ahead_bytes(),
                 warm_rows=self._warm_rows() if self.cold_gap is not None else None,
+                memory_sharers=self.trainer.num_devices if self.trainer is not None else 1,
             )
         if self._pending_position is not None:
             self.train_loader.load_state_dict(self._pending_position)

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_sdp.datamodules.solar.prefetch import PageCacheWarmer, ReadAhead, ReadResult, return_free_memory
 from lightning_sdp.datamodules.solar.reader import HDF5Reader
+from lightning_sdp.datamodules.solar.readplan import anonymous_headroom
 from lightning_sdp.datamodules.solar.schedule import SolarSchedule
 
 
@@ -377,6 +378,9 @@ class SolarLoader:
             :class:`~lightning_sdp.datamodules.solar.prefetch.PageCacheWarmer` streams rows ``lo..hi-1`` of the file
             into the page cache in long requests, so the reader's short runs mostly copy from memory. Default
             ``None``: no warming.
+        memory_sharers: processes on this machine reading ahead (a node's ranks): a read beyond the first window
+            waits until that many reads of its size fit in what the memory (its cgroup's cap, page cache left
+            out) can still give. Default 1.
     """
 
     def __init__(
@@ -394,6 +398,7 @@ class SolarLoader:
         read_ahead_bytes: int | None = None,
         read_across_epochs: bool = True,
         warm_rows: tuple[int, int] | None = None,
+        memory_sharers: int = 1,
     ) -> None:
         check_batch_format(batch_format)
         if read_window < 1:
@@ -420,6 +425,7 @@ class SolarLoader:
         self._read_ahead: ReadAhead | None = None
         self.read_across_epochs = bool(read_across_epochs)
         self.warm_rows = warm_rows
+        self.memory_sharers = int(memory_sharers)
         self._warmer: PageCacheWarmer | None = None
 
     def __len__(self) -> int:
@@ -560,7 +566,9 @@ class SolarLoader:
         """
         if self._read_ahead is None:
             sample_nbytes = self.reader.info.sample_nbytes
-            self._read_ahead = ReadAhead(self._read_for_thread, sample_nbytes, self.read_ahead_bytes)
+            self._read_ahead = ReadAhead(
+                self._read_for_thread, sample_nbytes, self.read_ahead_bytes, anonymous_headroom, self.memory_sharers
+            )
         ra = self._read_ahead
         wanted = [((epoch, step), ids) for step, ids in windows]
         if not _same_requests(ra.queued(), wanted):  # not what was queued (first epoch, resume, a jump)
@@ -698,6 +706,11 @@ class SolarLoader:
     def peak_read_ahead_bytes(self) -> int:
         """Most bytes of read samples the read-ahead thread held at once (0 without it)."""
         return self._read_ahead.peak_held_bytes if self._read_ahead is not None else 0
+
+    @property
+    def memory_waits(self) -> int:
+        """Reads the read-ahead thread held back because the memory had no room for them (0 without it)."""
+        return self._read_ahead.memory_waits if self._read_ahead is not None else 0
 
     def close(self) -> None:
         """Stop worker processes and the read-ahead thread, and drop the store."""

@@ -19,6 +19,9 @@ from typing import Any
 
 import numpy as np
 
+# Seconds between two looks at the memory while a read waits for room (what others free notifies no one).
+MEMORY_POLL_S = 0.05
+
 
 def _find_malloc_trim() -> Callable[[int], int] | None:
     """glibc's ``malloc_trim`` (``None`` elsewhere: other C libraries return freed memory on their own terms)."""
@@ -70,14 +73,19 @@ class ReadResult:
 class ReadAhead:
     """A thread that reads queued requests in order, holding at most ``limit_bytes`` of unreleased results.
 
-    A request is read when the results held plus its own size fit in ``limit_bytes``, or when nothing is held (so
-    one request larger than the budget still makes progress). :meth:`get` returns results in queue order;
+    A request is read when the results held plus its own size fit in ``limit_bytes`` and the memory has room for
+    it (``memory_headroom``), or when nothing is held (so one request larger than the budget still makes progress). :meth:`get` returns results in queue order;
     :meth:`release` gives a result's bytes back once the training loop is done with it.
 
     Args:
         read: ``read(key, ids) -> (data, bytes transferred)``.
         sample_nbytes: bytes one sample takes in a result.
         limit_bytes: the budget for results read and not yet released.
+        memory_headroom: bytes the process's memory can still allocate (``None``: unknown), asked before each read
+            beyond the first held: the plan's budget counts the samples, not what the process's other work holds,
+            so under a kernel-enforced cap (a memory cgroup) the read waits until ``memory_sharers`` reads of its
+            size fit instead of getting the ranks killed. ``None``: the budget alone decides.
+        memory_sharers: processes reading ahead from the same memory (a node's ranks).
     """
 
     def __init__(
@@ -85,8 +93,12 @@ class ReadAhead:
         read: Callable[[tuple[int, int], np.ndarray], tuple[dict[str, Any], int]],
         sample_nbytes: int,
         limit_bytes: int,
+        memory_headroom: Callable[[], int | None] | None = None,
+        memory_sharers: int = 1,
     ) -> None:
         self._read, self.sample_nbytes, self.limit_bytes = read, int(sample_nbytes), int(limit_bytes)
+        self._headroom, self.memory_sharers = memory_headroom, max(1, int(memory_sharers))
+        self.memory_waits = 0  # reads that waited for memory although the budget had room
         self._cond = threading.Condition()
         self._pending: deque[tuple[tuple[int, int], np.ndarray]] = deque()
         self._done: deque[ReadResult | BaseException] = deque()
@@ -163,7 +175,7 @@ class ReadAhead:
         while True:
             with self._cond:
                 while not self._closed and not (self._pending and self._fits(len(self._pending[0][1]))):
-                    self._cond.wait()
+                    self._cond.wait(MEMORY_POLL_S if self._waiting_for_memory else None)
                 if self._closed:
                     return
                 key, ids = self._pending.popleft()
@@ -188,8 +200,20 @@ class ReadAhead:
                     self._done.append(item)
                 self._cond.notify_all()
 
+    _waiting_for_memory = False
+
     def _fits(self, samples: int) -> bool:
-        return self._held == 0 or self._held + samples * self.sample_nbytes <= self.limit_bytes
+        size = samples * self.sample_nbytes
+        if self._held == 0:
+            return True
+        if self._held + size > self.limit_bytes:
+            return False
+        headroom = self._headroom() if self._headroom is not None else None
+        short = headroom is not None and headroom < size * self.memory_sharers
+        if short and not self._waiting_for_memory:
+            self.memory_waits += 1
+        self._waiting_for_memory = short
+        return not short
 
 
 class PageCacheWarmer:

@@ -270,12 +270,50 @@ def available_memory(
     return min(free) if free else 0
 
 
-def _inactive_file(stat: Path) -> int:
-    """Inactive page-cache bytes of a memory cgroup (v1 ``total_inactive_file``, v2 ``inactive_file``); 0: unknown."""
+def anonymous_headroom(
+    proc_cgroup: str | os.PathLike = "/proc/self/cgroup",
+    sysfs: str | os.PathLike = "/sys/fs/cgroup",
+    meminfo: str | os.PathLike = "/proc/meminfo",
+) -> int | None:
+    """Bytes this process's memory can still give to new allocations before the kernel runs out of page cache to
+    reclaim: every capped memory cgroup's cap less its anonymous memory (v1 ``total_rss``, v2 ``anon``), and the
+    machine's ``MemAvailable``; ``None``: unknown.
+
+    The page cache counts against a cgroup's cap but is reclaimed before anything is killed, so it is left out here,
+    unlike :func:`available_memory` (which decides whether the cache can hold a file).
+
+    Args:
+        proc_cgroup: the process's cgroup membership file.
+        sysfs: where the cgroup hierarchies are mounted.
+        meminfo: the kernel's memory summary.
+    """
+    room = []
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open(meminfo) as fh:
+            room += [int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:")]
+    for limit, _ in memory_cgroup_limits(proc_cgroup, sysfs):
+        with contextlib.suppress(OSError, ValueError):
+            text = limit.read_text().strip()
+            cap = 2**63 if text == "max" else int(text)
+            anon = _stat_field(limit.parent / "memory.stat", ("total_rss", "anon"))
+            if cap < 2**60 and anon is not None:
+                room.append(cap - anon)
+    return min(room) if room else None
+
+
+def _stat_field(stat: Path, names: Sequence[str]) -> int | None:
+    """The first of ``names`` in a memory cgroup's ``memory.stat``; ``None``: none of them, or unreadable."""
     with contextlib.suppress(OSError, ValueError):
         fields = dict(line.split() for line in stat.read_text().splitlines() if line.count(" ") == 1)
-        return int(fields.get("total_inactive_file", fields.get("inactive_file", 0)))
-    return 0
+        for name in names:
+            if name in fields:
+                return int(fields[name])
+    return None
+
+
+def _inactive_file(stat: Path) -> int:
+    """Inactive page-cache bytes of a memory cgroup (v1 ``total_inactive_file``, v2 ``inactive_file``); 0: unknown."""
+    return _stat_field(stat, ("total_inactive_file", "inactive_file")) or 0
 
 
 def page_cache_holds(file_bytes: int) -> bool:

@@ -74,8 +74,9 @@ class ReadAhead:
     """A thread that reads queued requests in order, holding at most ``limit_bytes`` of unreleased results.
 
     A request is read when the results held plus its own size fit in ``limit_bytes`` and the memory has room for
-    it (``memory_headroom``), or when nothing is held (so one request larger than the budget still makes progress). :meth:`get` returns results in queue order;
-    :meth:`release` gives a result's bytes back once the training loop is done with it.
+    it (``memory_headroom``), or when nothing is held (so one request larger than the budget still makes progress).
+    :meth:`get` returns results in queue order; :meth:`release` gives a result's bytes back once the training loop is
+    done with it.
 
     Args:
         read: ``read(key, ids) -> (data, bytes transferred)``.
@@ -99,6 +100,7 @@ class ReadAhead:
         self._read, self.sample_nbytes, self.limit_bytes = read, int(sample_nbytes), int(limit_bytes)
         self._headroom, self.memory_sharers = memory_headroom, max(1, int(memory_sharers))
         self.memory_waits = 0  # reads that waited for memory although the budget had room
+        self._waiting_for_memory = False  # the last check found no room: look again after MEMORY_POLL_S
         self._cond = threading.Condition()
         self._pending: deque[tuple[tuple[int, int], np.ndarray]] = deque()
         self._done: deque[ReadResult | BaseException] = deque()
@@ -199,8 +201,6 @@ class ReadAhead:
                         self._held -= size
                     self._done.append(item)
                 self._cond.notify_all()
-
-    _waiting_for_memory = False
 
     def _fits(self, samples: int) -> bool:
         size = samples * self.sample_nbytes

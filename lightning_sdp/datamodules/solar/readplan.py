@@ -250,23 +250,13 @@ def available_memory(
         sysfs: where the cgroup hierarchies are mounted.
         meminfo: the kernel's memory summary.
     """
-    free = []
-    try:
-        with open(meminfo) as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    free.append(int(line.split()[1]) * 1024)
-    except OSError:
-        pass
-    for limit, usage in memory_cgroup_limits(proc_cgroup, sysfs):
+    free = _mem_available(meminfo)
+    for limit, usage, cap in _capped_groups(proc_cgroup, sysfs):
         with contextlib.suppress(OSError, ValueError):
-            text = limit.read_text().strip()
-            cap = 2**63 if text == "max" else int(text)
-            if cap < 2**60:
-                # the group's working set: its usage less the inactive page cache, which the kernel reclaims first
-                # (files read once, e.g. at import); the same estimate container runtimes use
-                working = int(usage.read_text().strip()) - _inactive_file(limit.parent / "memory.stat")
-                free.append(max(0, cap - working))
+            # the group's working set: its usage less the inactive page cache, which the kernel reclaims first
+            # (files read once, e.g. at import); the same estimate container runtimes use
+            working = int(usage.read_text().strip()) - _inactive_file(limit.parent / "memory.stat")
+            free.append(max(0, cap - working))
     return min(free) if free else 0
 
 
@@ -287,18 +277,31 @@ def anonymous_headroom(
         sysfs: where the cgroup hierarchies are mounted.
         meminfo: the kernel's memory summary.
     """
-    room = []
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        with open(meminfo) as fh:
-            room += [int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:")]
-    for limit, _ in memory_cgroup_limits(proc_cgroup, sysfs):
+    room = _mem_available(meminfo)
+    for limit, _, cap in _capped_groups(proc_cgroup, sysfs):
+        anon = _stat_field(limit.parent / "memory.stat", ("total_rss", "anon"))
+        if anon is not None:
+            room.append(cap - anon)
+    return min(room) if room else None
+
+
+def _mem_available(meminfo: str | os.PathLike) -> list[int]:
+    """The machine's ``MemAvailable`` in bytes, as a list of zero or one value."""
+    with contextlib.suppress(OSError, ValueError, IndexError), open(meminfo) as fh:
+        return [int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:")]
+    return []
+
+
+def _capped_groups(proc_cgroup: str | os.PathLike, sysfs: str | os.PathLike) -> list[tuple[Path, Path, int]]:
+    """``(limit file, usage file, cap in bytes)`` of this process's memory cgroups that have a cap."""
+    capped = []
+    for limit, usage in memory_cgroup_limits(proc_cgroup, sysfs):
         with contextlib.suppress(OSError, ValueError):
             text = limit.read_text().strip()
             cap = 2**63 if text == "max" else int(text)
-            anon = _stat_field(limit.parent / "memory.stat", ("total_rss", "anon"))
-            if cap < 2**60 and anon is not None:
-                room.append(cap - anon)
-    return min(room) if room else None
+            if cap < 2**60:  # v1 writes "no cap" as a number near 2**63
+                capped.append((limit, usage, cap))
+    return capped
 
 
 def _stat_field(stat: Path, names: Sequence[str]) -> int | None:

@@ -33,13 +33,14 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.installed-all
 	$(BIN)/lightning-sdp demo
 
-# The suite runs the linters first, so CI (`.ci/run` = `make test`) keeps the tree lint-clean. The linters and the
-# site build use one core each; `warm` uses the other meanwhile (bytecode of the heavy imports, numba's kernel cache).
+# The suite runs the linters first, so CI (`.ci/run` = `make test`) keeps the tree lint-clean. `warm` (bytecode of the
+# heavy imports, numba's kernel cache: the longest of the three) starts first; the linters, then the site build, use
+# the other core meanwhile.
 # Two workers on the two cores; each test file stays on one worker (module fixtures such as the docs' fork server).
 XDIST ?= -n 2 --dist loadfile
 
 test: $(VENV)/.installed-test
-	$(MAKE) --no-print-directory -j2 --output-sync=target lint docs warm
+	$(MAKE) --no-print-directory -j2 --output-sync=target warm lint docs
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # Imports the heavy libraries once (so their bytecode is written) and compiles HEAT's numba kernels into their cache.

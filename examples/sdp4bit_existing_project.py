@@ -64,7 +64,7 @@ def main() -> None:
         gradient_compression=args.grads,
         intra_node_size=args.intra_node_size,
         weight_group_size=512,  # a small model: smaller groups keep the padding small
-        start_method="spawn",
+        start_method="forkserver",  # the ranks fork from a server that imported torch and Lightning once
     )
     trainer = Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps, logger=False,

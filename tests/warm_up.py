@@ -12,6 +12,7 @@ Nothing here is required: a test that runs first simply compiles what it needs i
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
 import tempfile
@@ -46,30 +47,27 @@ def import_heavy() -> None:
             pass
 
 
-def compile_kernels() -> None:
-    """One tiny fit per specialisation of the fused kernel (plain CCL; softmax with clipping), through the package's
-    own call path, so the cached signatures are the ones the tests and users hit.
+# plain CCL (loss_options None), with the row projection and the dropout mask kernels; the loss is named: "auto"
+# picks softmax on data this dense, and the plain specialisation would never be cached
+PLAIN = {"loss": "ccl", "grad_clip": None, "row_norm": 1.0, "dropout": 0.1}
+SOFTMAX = {"loss": "softmax", "grad_clip": 0.1}
 
-    numba compiles each specialisation for about 20 s on one core, so the second one compiles in a forked child
-    (the heavy libraries are imported, no thread pool has started yet) while this process compiles the first and the
-    codec; their saves to the kernel's shared cache index take turns (:func:`_take_turns_saving`).
+
+def start_softmax_compile() -> int | None:
+    """Fork a child that compiles the softmax specialisation (``None``: numba is not installed).
+
+    It forks before this process imports anything heavy (no thread pool exists yet), so the child's compilation
+    runs on the second core while this process writes the libraries' bytecode and then compiles the plain
+    specialisation and the codec.
     """
-    try:
-        import numba  # noqa: F401
-    except ImportError:  # the cpu extra is not installed: no kernel to compile
-        return
-    _take_turns_saving()
-    settings = (
-        # plain CCL (loss_options None), with the row projection and the dropout mask kernels; the loss is named:
-        # "auto" picks softmax on data this dense, and the plain specialisation would never be cached
-        {"loss": "ccl", "grad_clip": None, "row_norm": 1.0, "dropout": 0.1},
-        {"loss": "softmax", "grad_clip": 0.1},
-    )
+    if importlib.util.find_spec("numba") is None:  # the cpu extra is not installed: no kernel to compile
+        return None
     child = os.fork()
-    if child == 0:  # the child compiles the softmax specialisation and leaves without running the parent's exit hooks
+    if child == 0:  # the child leaves without running the parent's exit hooks
         code = 1
         try:
-            _fit_once(settings[1], plain=False)
+            _take_turns_saving()
+            _fit_once(SOFTMAX, plain=False)
             code = 0
         except BaseException:
             traceback.print_exc()
@@ -77,9 +75,23 @@ def compile_kernels() -> None:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
-    _fit_once(settings[0], plain=True)
+    return child
+
+
+def compile_kernels(softmax_child: int | None) -> None:
+    """One tiny fit per specialisation of the fused kernel (plain CCL; softmax with clipping), through the package's
+    own call path, so the cached signatures are the ones the tests and users hit.
+
+    numba compiles each specialisation for about 15 s of CPU, so the softmax one compiles in a child forked at the
+    start (:func:`start_softmax_compile`) while this process compiles the plain one and the codec; their saves to the
+    kernel's shared cache index take turns (:func:`_take_turns_saving`).
+    """
+    if softmax_child is None:
+        return
+    _take_turns_saving()
+    _fit_once(PLAIN, plain=True)
     compile_codec()
-    _, status = os.waitpid(child, 0)
+    _, status = os.waitpid(softmax_child, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError("warm-up: compiling the softmax specialisation failed (see above)")
 
@@ -151,9 +163,10 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TRITON_INTERPRET", "1")  # as the suite sets it (tests/conftest.py)
     start = time.perf_counter()
+    softmax_child = start_softmax_compile()
     import_heavy()
     imported = time.perf_counter()
-    compile_kernels()
+    compile_kernels(softmax_child)
     print(f"warm-up: imports {imported - start:.1f} s, kernels {time.perf_counter() - imported:.1f} s")
 
 

@@ -24,7 +24,7 @@ def _sdp4bit_fit(compress: bool, devices: int, intra: int, steps: int) -> dict[s
         gradient_compression="tlq_hs" if compress else "none",
         intra_node_size=intra,
         weight_group_size=512,
-        start_method="spawn",
+        start_method="forkserver",  # the ranks fork from a server that imported torch and Lightning once
     )
     trainer = Trainer(
         accelerator="cpu",

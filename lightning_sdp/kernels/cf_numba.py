@@ -272,8 +272,481 @@ def _apply_query(att_q: np.ndarray, dq: np.ndarray, lr: float) -> None:
         dq[t] = 0.0
 
 
+@njit(cache=True)
+def _longest_history(hist_indptr: np.ndarray, attention: bool) -> int:
+    """The longest history (rows of the attention aggregators' scratch); 1 without attention."""
+    longest = 1
+    if attention:
+        for u in range(hist_indptr.shape[0] - 1):
+            longest = max(longest, hist_indptr[u + 1] - hist_indptr[u])
+    return longest
+
+
+@njit(nogil=True, fastmath=_FASTMATH)
+def _fused_chunk(  # noqa: C901  (the per-sample pass of the fused kernel: its branches are the point)
+    c: int,
+    chunk: int,
+    hmax: int,
+    user_emb: np.ndarray,
+    item_emb: np.ndarray,
+    V: np.ndarray,
+    att_keys: np.ndarray,
+    att_key_grad: np.ndarray,
+    att_q: np.ndarray,
+    users: np.ndarray,
+    items: np.ndarray,
+    weights: np.ndarray,
+    given_negatives: np.ndarray,
+    given_masks: np.ndarray,
+    hist_indptr: np.ndarray,
+    hist_indices: np.ndarray,
+    user_acc: np.ndarray,
+    item_acc: np.ndarray,
+    rng_state: np.ndarray,
+    tiles: np.ndarray,
+    tile_left: np.ndarray,
+    losses: np.ndarray,
+    failure: np.ndarray,
+    aggregator: int,
+    num_negatives: int,
+    g: float,
+    margin: float,
+    negative_weight: float,
+    dropout: float,
+    lr: float,
+    v_lr: float,
+    weight_decay: float,
+    v_weight_decay: float,
+    adagrad_eps: float,
+    tile_refresh: int,
+    v_sync: int,
+    num_chunks: int,
+    exclude_positive: bool,
+    history_grad: bool,
+    loss_options: tuple[int, float, float, np.ndarray, np.ndarray] | None,
+) -> None:
+    """Chunk ``c`` (``chunk`` samples) of :func:`_fused_sgd_kernel`'s batch, with ``hmax`` attention scratch rows."""
+    start = c * chunk
+    stop = min(users.shape[0], start + chunk)
+    d = user_emb.shape[1]
+    n_items = item_emb.shape[0]
+    use_given = given_negatives.shape[0] > 0
+    n = given_negatives.shape[1] if use_given else num_negatives
+    tile_size = tiles.shape[1]
+    use_tile = tile_refresh > 0 and tile_size > 0
+    use_agg = g < 1.0
+    use_att = use_agg and aggregator != AGGREGATOR_MEAN
+    user_att = use_att and aggregator == AGGREGATOR_USER_ATTENTION
+    given_drop = given_masks.shape[0] > 0
+    use_drop = given_drop or dropout > 0.0
+    weighted = weights.shape[0] > 0
+    g32 = np.float32(g)
+    omg = np.float32(1.0 - g)
+    m32 = np.float32(margin)
+    wn = np.float32(negative_weight / n)
+    lr32 = np.float32(lr)
+    vlr32 = np.float32(v_lr)
+    wd32 = np.float32(weight_decay)
+    vwd32 = np.float32(v_weight_decay)
+    adaptive = user_acc.shape[0] > 0
+    eps32 = np.float32(adagrad_eps)
+    inv_d = np.float32(1.0 / d)
+    one = np.float32(1.0)
+    # ``loss_options`` is None for CCL without clipping: numba then compiles a specialisation in which the flags
+    # below are constants and the softmax and clipping code is dead
+    use_softmax = False
+    clip = False
+    inv_tau = np.float32(1.0)
+    bound = np.float32(np.inf)
+    user_buf = np.zeros((0, 0), np.float32)
+    item_buf = np.zeros((0, 0), np.float32)
+    if loss_options is not None:
+        use_softmax = loss_options[0] == LOSS_SOFTMAX
+        if use_softmax:
+            inv_tau = np.float32(1.0 / loss_options[1])
+        clip = loss_options[2] > 0.0
+        if clip:
+            bound = np.float32(loss_options[2])
+        user_buf = loss_options[3]
+        item_buf = loss_options[4]
+    buffered = user_buf.shape[0] > 0  # HEAT's row buffers: every touched row steps, even with a zero gradient
+    general = use_softmax or clip  # the path that writes each row's gradient out (and clips it)
+    zero = np.float32(0.0)
+    halt = failure[num_chunks]
+    p = np.empty(d, np.float32)
+    h = np.zeros(d, np.float32)
+    dp = np.empty(d, np.float32)
+    dh = np.empty(d, np.float32)
+    neg_ids = np.empty(n, np.int64)
+    neg_dot = np.empty(n, np.float32)
+    neg_norm = np.empty(n, np.float32)
+    neg_coef = np.empty(n if use_softmax else 1, np.float32)  # softmax: dL/dcos of each negative
+    gh = np.empty(d if clip and use_agg else 1, np.float32)  # clipping: each history row's gradient
+    gu = np.empty(d if buffered else 1, np.float32)  # row buffers: the user row's gradient
+    dV = np.zeros((d, d) if use_agg else (1, 1), np.float32)
+    # dropout: q = mask * p is what the items see; p itself sets the norm
+    mask = np.ones(d if use_drop else 1, np.float32)
+    q = np.empty(d, np.float32) if use_drop else p
+    # attention scratch: history ids, weights and their gradients
+    hid = np.empty(hmax if use_att else 1, np.int64)
+    alpha = np.empty(hmax if use_att else 1, np.float32)
+    da = np.empty(hmax if use_att else 1, np.float32)
+    de = np.empty(d if use_att else 1, np.float32)
+    dcv = np.zeros(d if use_att else 1, np.float32)
+    dq = np.zeros(att_q.shape[0] if use_att else 0, np.float32)
+    state = rng_state[c]
+    left = tile_left[c]
+    pending = 0
+    for b in range(start, stop):
+        if halt[0] != 0:  # another chunk read a non-finite value: stop before spreading it
+            break
+        u = users[b]
+        i = items[b]
+        wgt = weights[b] if weighted else one
+        # ---- forward: user vector ------------------------------------------------------------------------
+        cnt = 0
+        if use_att:
+            for k in range(hist_indptr[u], hist_indptr[u + 1]):
+                it = hist_indices[k]
+                if it != i:
+                    hid[cnt] = it
+                    cnt += 1
+            smax = np.float32(-np.inf)
+            for k in range(cnt):
+                it = hid[k]
+                s = np.float32(0.0)
+                for t in range(d):
+                    s += (user_emb[u, t] if user_att else att_q[t]) * att_keys[it, t]
+                alpha[k] = s
+                smax = max(smax, s)
+            total = np.float32(0.0)
+            for k in range(cnt):
+                alpha[k] = np.float32(np.exp(alpha[k] - smax))
+                total += alpha[k]
+            for t in range(d):
+                h[t] = 0.0
+            if cnt > 0:
+                inv = np.float32(1.0) / total
+                for k in range(cnt):
+                    alpha[k] *= inv
+                    ak = alpha[k]
+                    it = hid[k]
+                    for t in range(d):
+                        h[t] += ak * item_emb[it, t]
+            for t in range(d):
+                acc = np.float32(0.0)
+                for r in range(d):
+                    acc += V[t, r] * h[r]
+                p[t] = g32 * user_emb[u, t] + omg * acc
+        elif use_agg:
+            for t in range(d):
+                h[t] = 0.0
+            for k in range(hist_indptr[u], hist_indptr[u + 1]):
+                it = hist_indices[k]
+                if it == i:
+                    continue
+                for t in range(d):
+                    h[t] += item_emb[it, t]
+                cnt += 1
+            if cnt > 0:
+                inv = np.float32(1.0 / cnt)
+                for t in range(d):
+                    h[t] *= inv
+            for t in range(d):
+                acc = np.float32(0.0)
+                for r in range(d):
+                    acc += V[t, r] * h[r]
+                p[t] = g32 * user_emb[u, t] + omg * acc
+        else:
+            for t in range(d):
+                p[t] = user_emb[u, t]
+        pp = np.float32(0.0)
+        for t in range(d):
+            pp += p[t] * p[t]
+        if not np.isfinite(pp):
+            failure[c, 0], failure[c, 1], failure[c, 2] = b, FAILED_USER_VECTOR, u
+            halt[0] = 1
+            break
+        pn = max(np.float32(np.sqrt(pp)), _EPS)
+        qq = pp
+        if use_drop:
+            if given_drop:
+                for t in range(d):
+                    mask[t] = given_masks[b, t]
+            else:
+                state = draw_dropout_mask(state, dropout, mask)
+            qq = np.float32(0.0)
+            for t in range(d):
+                q[t] = mask[t] * p[t]
+                qq += q[t] * q[t]
+        # ---- forward: negatives (dot products and self-dots kept for the backward) -------------------------
+        if use_tile and left <= 0:
+            for t in range(tile_size):
+                state = _lcg(state)
+                tiles[c, t] = _draw(state, n_items)
+            left = tile_refresh
+        bad_negative = -1
+        for j in range(n):
+            if use_given:
+                neg = given_negatives[b, j]
+            elif use_tile:
+                state = _lcg(state)
+                neg = tiles[c, _draw(state, tile_size)]
+                if exclude_positive and neg == i:  # the tile may hold nothing else: draw among all others
+                    state, neg = _draw_negative(state, n_items, i, True)
+            else:
+                state, neg = _draw_negative(state, n_items, i, exclude_positive)
+            neg_ids[j] = neg
+            x = np.float32(0.0)
+            ss = np.float32(0.0)
+            for t in range(d):
+                e = item_emb[neg, t]
+                x += q[t] * e
+                ss += e * e
+            neg_dot[j] = x
+            neg_norm[j] = max(np.float32(np.sqrt(ss)), _EPS)
+            if bad_negative < 0 and not np.isfinite(x + ss):
+                bad_negative = neg
+        left -= 1
+        # ---- positive: forward, its share of dp, in-place update ------------------------------------------
+        x = np.float32(0.0)
+        ss = np.float32(0.0)
+        for t in range(d):
+            e = item_emb[i, t]
+            x += q[t] * e
+            ss += e * e
+        if not np.isfinite(x + ss):
+            failure[c, 0], failure[c, 1], failure[c, 2] = b, FAILED_POSITIVE, i
+            halt[0] = 1
+            break
+        if bad_negative >= 0:
+            failure[c, 0], failure[c, 1], failure[c, 2] = b, FAILED_NEGATIVE, bad_negative
+            halt[0] = 1
+            break
+        for t in range(d):
+            dp[t] = 0.0
+        self_coef = np.float32(0.0)  # dp = mask * sum_j G_j e_j / (|p||e_j|) - (sum_j G_j c_j / |p|^2) p
+        en = max(np.float32(np.sqrt(ss)), _EPS)
+        cos = x / (pn * en)
+        loss = np.float32(0.0)
+        if general:
+            # softmax loss or clipping: each row's gradient a q + bb e is written out coordinate by coordinate
+            # (the CCL path below folds it into one scale and one axpy)
+            G = -wgt  # dL/dcos of the positive (CCL: -1 while active), times the sample's weight
+            if use_softmax:
+                loss, G = _softmax_coefficients(cos, neg_dot, neg_norm, pn, inv_tau, neg_coef)
+                loss *= wgt
+                G *= wgt
+            a, bb = zero, wd32  # an inactive row's gradient is its decay alone (a = 0 leaves dp alone)
+            if use_softmax or cos < 1.0:
+                if not use_softmax:
+                    loss += wgt * (np.float32(1.0) - cos)
+                self_coef += G * cos / (pn * pn)
+                a = G / (pn * en)
+                bb = wd32 - G * cos / (en * en)
+            if a != zero or wd32 > 0.0 or buffered:
+                _clipped_row_step(item_emb, i, q, a, bb, bound, item_acc, item_buf, lr32, eps32, adaptive, inv_d, dp)
+            for j in range(n):
+                neg = neg_ids[j]
+                en = neg_norm[j]
+                cos = neg_dot[j] / (pn * en)
+                a, bb = zero, wd32
+                if use_softmax or cos > m32:
+                    Gj = neg_coef[j] * wgt if use_softmax else wn * wgt  # dL/dcos of this negative
+                    if not use_softmax:
+                        loss += wn * wgt * (cos - m32)
+                    self_coef += Gj * cos / (pn * pn)
+                    a = Gj / (pn * en)
+                    bb = wd32 - Gj * cos / (en * en)
+                if a != zero or wd32 > 0.0 or buffered:
+                    _clipped_row_step(
+                        item_emb, neg, q, a, bb, bound, item_acc, item_buf, lr32, eps32, adaptive, inv_d, dp
+                    )
+        elif cos < 1.0:
+            loss += wgt * (np.float32(1.0) - cos)
+            G = -wgt
+            self_coef += G * cos / (pn * pn)
+            a = G / (pn * en)
+            bb = wd32 - G * cos / (en * en)  # the row's gradient is a q + bb e
+            lr_i = _row_lr(item_acc, i, (a * a * qq + 2 * a * bb * x + bb * bb * ss) * inv_d, lr32, eps32, adaptive)
+            keep = np.float32(1.0) - lr_i * bb
+            step = lr_i * a
+            for t in range(d):
+                e = item_emb[i, t]
+                dp[t] += a * e
+                item_emb[i, t] = keep * e - step * q[t]
+        elif wd32 > 0.0:
+            keep = np.float32(1.0) - _row_lr(item_acc, i, wd32 * wd32 * ss * inv_d, lr32, eps32, adaptive) * wd32
+            for t in range(d):
+                item_emb[i, t] *= keep
+        # ---- negatives (CCL without clipping): their share of dp and in-place updates ---------------------
+        wnb = wn * wgt
+        for j in range(0 if general else n):
+            neg = neg_ids[j]
+            en = neg_norm[j]
+            cos = neg_dot[j] / (pn * en)
+            if cos > m32:
+                loss += wnb * (cos - m32)
+                self_coef += wnb * cos / (pn * pn)
+                a = wnb / (pn * en)
+                bb = wd32 - wnb * cos / (en * en)
+                gsq = (a * a * qq + 2 * a * bb * neg_dot[j] + bb * bb * en * en) * inv_d
+                lr_j = _row_lr(item_acc, neg, gsq, lr32, eps32, adaptive)
+                keep = np.float32(1.0) - lr_j * bb
+                step = lr_j * a
+                for t in range(d):
+                    e = item_emb[neg, t]
+                    dp[t] += a * e
+                    item_emb[neg, t] = keep * e - step * q[t]
+            elif wd32 > 0.0:
+                gsq = wd32 * wd32 * neg_norm[j] * neg_norm[j] * inv_d
+                keep = np.float32(1.0) - _row_lr(item_acc, neg, gsq, lr32, eps32, adaptive) * wd32
+                for t in range(d):
+                    item_emb[neg, t] *= keep
+        losses[b] = loss
+        if use_drop:
+            for t in range(d):
+                dp[t] *= mask[t]
+        for t in range(d):
+            dp[t] -= self_coef * p[t]
+        # ---- backward through the aggregator and the user row ---------------------------------------------
+        if use_agg:
+            if history_grad:
+                for r in range(d):
+                    dh[r] = 0.0
+                for t in range(d):
+                    gt = omg * dp[t]
+                    for r in range(d):
+                        dh[r] += V[t, r] * gt
+                        dV[t, r] += gt * h[r]
+            else:  # HEAT's code: the history rows only feed the aggregator, so dh is never needed
+                for t in range(d):
+                    gt = omg * dp[t]
+                    for r in range(d):
+                        dV[t, r] += gt * h[r]
+            if not history_grad:
+                pass
+            elif use_att:
+                # h = sum_k a_k e_k, a = softmax(s), s_k = c . tanh(W e_k + b): through the weights and keys
+                sbar = np.float32(0.0)
+                for k in range(cnt):
+                    it = hid[k]
+                    x = np.float32(0.0)
+                    for t in range(d):
+                        x += dh[t] * item_emb[it, t]
+                    da[k] = x
+                    sbar += alpha[k] * x
+                for k in range(cnt):
+                    it = hid[k]
+                    ds = alpha[k] * (da[k] - sbar)
+                    for t in range(d):
+                        zt = att_keys[it, t]
+                        cv = user_emb[u, t] if user_att else att_q[t]
+                        # the key's pre-activation gradient; its W_k, b_k and e_k parts are applied after the
+                        # pass, which keeps the per-sample cost O(|H| d) instead of O(|H| d^2)
+                        att_key_grad[it, t] += ds * cv * (np.float32(1.0) - zt * zt)
+                        dcv[t] += ds * zt
+                        de[t] = alpha[k] * dh[t]
+                    hsq = np.float32(0.0)
+                    if adaptive:
+                        for t in range(d):
+                            hsq += de[t] * de[t]
+                        hsq *= inv_d
+                    step = _row_lr(item_acc, it, hsq, lr32, eps32, adaptive)
+                    for t in range(d):
+                        item_emb[it, t] -= step * de[t]
+                if not user_att:
+                    for t in range(d):
+                        dq[t] += dcv[t]
+                        dcv[t] = 0.0
+            elif cnt > 0 and buffered:
+                inv_cnt = np.float32(1.0 / cnt)  # each history row's gradient is dh / cnt, the same for all
+                for t in range(d):
+                    gh[t] = dh[t] * inv_cnt
+                for k in range(hist_indptr[u], hist_indptr[u + 1]):
+                    it = hist_indices[k]
+                    if it != i:
+                        _buffered_step(item_emb, item_buf, it, gh, bound, lr32)
+            elif cnt > 0 and clip:
+                inv_cnt = np.float32(1.0 / cnt)  # each history row's gradient is dh / cnt, the same for all
+                hsq = np.float32(0.0)
+                for t in range(d):
+                    gh[t] = _clip(dh[t] * inv_cnt, bound)
+                    hsq += gh[t] * gh[t]
+                hsq *= inv_d
+                for k in range(hist_indptr[u], hist_indptr[u + 1]):
+                    it = hist_indices[k]
+                    if it == i:
+                        continue
+                    step = _row_lr(item_acc, it, hsq, lr32, eps32, adaptive)
+                    for t in range(d):
+                        item_emb[it, t] -= step * gh[t]
+            elif cnt > 0:
+                inv_cnt = np.float32(1.0 / cnt)  # each history row's gradient is dh / cnt
+                hsq = np.float32(0.0)
+                if adaptive:
+                    for t in range(d):
+                        hsq += dh[t] * dh[t]
+                    hsq *= inv_cnt * inv_cnt * inv_d
+                for k in range(hist_indptr[u], hist_indptr[u + 1]):
+                    it = hist_indices[k]
+                    if it == i:
+                        continue
+                    step = _row_lr(item_acc, it, hsq, lr32, eps32, adaptive) * inv_cnt
+                    for t in range(d):
+                        item_emb[it, t] -= step * dh[t]
+            pending += 1
+            if pending >= v_sync:
+                _apply_dv(V, dV, vlr32, vwd32, pending)
+                if use_att:
+                    _apply_query(att_q, dq, vlr32)
+                pending = 0
+        if user_att:  # the user row is also the attention query: its gradient adds dc
+            usq = np.float32(0.0)
+            if adaptive:
+                for t in range(d):
+                    gu_t = g32 * dp[t] + dcv[t] + wd32 * user_emb[u, t]
+                    usq += gu_t * gu_t
+            lr_u = _row_lr(user_acc, u, usq * inv_d, lr32, eps32, adaptive)
+            keep = np.float32(1.0) - lr_u * wd32
+            for t in range(d):
+                user_emb[u, t] = keep * user_emb[u, t] - lr_u * (g32 * dp[t] + dcv[t])
+                dcv[t] = 0.0
+            continue
+        if buffered:
+            for t in range(d):
+                gu[t] = g32 * dp[t] + wd32 * user_emb[u, t]
+            _buffered_step(user_emb, user_buf, u, gu, bound, lr32)
+            continue
+        usq = np.float32(0.0)
+        if clip:
+            if adaptive:
+                for t in range(d):
+                    gu_t = _clip(g32 * dp[t] + wd32 * user_emb[u, t], bound)
+                    usq += gu_t * gu_t
+            lr_u = _row_lr(user_acc, u, usq * inv_d, lr32, eps32, adaptive)
+            for t in range(d):
+                user_emb[u, t] -= lr_u * _clip(g32 * dp[t] + wd32 * user_emb[u, t], bound)
+            continue
+        if adaptive:
+            for t in range(d):
+                gu_t = g32 * dp[t] + wd32 * user_emb[u, t]
+                usq += gu_t * gu_t
+        lr_u = _row_lr(user_acc, u, usq * inv_d, lr32, eps32, adaptive)
+        keep = np.float32(1.0) - lr_u * wd32
+        gstep = lr_u * g32
+        for t in range(d):
+            user_emb[u, t] = keep * user_emb[u, t] - gstep * dp[t]
+    if use_agg and pending > 0:
+        _apply_dv(V, dV, vlr32, vwd32, pending)
+        if use_att:
+            _apply_query(att_q, dq, vlr32)
+    rng_state[c] = state
+    tile_left[c] = left
+
+
 @njit(parallel=True, nogil=True, fastmath=_FASTMATH, cache=True)
-def _fused_sgd_kernel(  # noqa: C901  (a fused numba kernel: one pass per sample, its branches are the point)
+def _fused_sgd_kernel(
     user_emb: np.ndarray,
     item_emb: np.ndarray,
     V: np.ndarray,
@@ -323,432 +796,52 @@ def _fused_sgd_kernel(  # noqa: C901  (a fused numba kernel: one pass per sample
     ``None`` for CCL without clipping, else ``(loss, temperature, grad_clip, user_buffer, item_buffer)`` (the
     buffers are ``(0, 0)`` unless clipping uses HEAT's row buffers).
     """
-    batch = users.shape[0]
-    d = user_emb.shape[1]
-    n_items = item_emb.shape[0]
-    use_given = given_negatives.shape[0] > 0
-    n = given_negatives.shape[1] if use_given else num_negatives
-    tile_size = tiles.shape[1]
-    use_tile = tile_refresh > 0 and tile_size > 0
-    use_agg = g < 1.0
-    use_att = use_agg and aggregator != AGGREGATOR_MEAN
-    user_att = use_att and aggregator == AGGREGATOR_USER_ATTENTION
-    given_drop = given_masks.shape[0] > 0
-    use_drop = given_drop or dropout > 0.0
-    weighted = weights.shape[0] > 0
-    g32 = np.float32(g)
-    omg = np.float32(1.0 - g)
-    m32 = np.float32(margin)
-    wn = np.float32(negative_weight / n)
-    lr32 = np.float32(lr)
-    vlr32 = np.float32(v_lr)
-    wd32 = np.float32(weight_decay)
-    vwd32 = np.float32(v_weight_decay)
-    adaptive = user_acc.shape[0] > 0
-    eps32 = np.float32(adagrad_eps)
-    inv_d = np.float32(1.0 / d)
-    one = np.float32(1.0)
-    # ``loss_options`` is None for CCL without clipping: numba then compiles a specialisation in which the flags
-    # below are constants and the softmax and clipping code is dead
-    use_softmax = False
-    clip = False
-    inv_tau = np.float32(1.0)
-    bound = np.float32(np.inf)
-    user_buf = np.zeros((0, 0), np.float32)
-    item_buf = np.zeros((0, 0), np.float32)
-    if loss_options is not None:
-        use_softmax = loss_options[0] == LOSS_SOFTMAX
-        if use_softmax:
-            inv_tau = np.float32(1.0 / loss_options[1])
-        clip = loss_options[2] > 0.0
-        if clip:
-            bound = np.float32(loss_options[2])
-        user_buf = loss_options[3]
-        item_buf = loss_options[4]
-    buffered = user_buf.shape[0] > 0  # HEAT's row buffers: every touched row steps, even with a zero gradient
-    general = use_softmax or clip  # the path that writes each row's gradient out (and clips it)
-    zero = np.float32(0.0)
-    halt = failure[num_chunks]
-    hmax = 1  # the longest history: scratch rows of the attention aggregators
-    if use_att:
-        for uu in range(hist_indptr.shape[0] - 1):
-            hmax = max(hmax, hist_indptr[uu + 1] - hist_indptr[uu])
-    chunk = (batch + num_chunks - 1) // num_chunks
+    hmax = _longest_history(hist_indptr, g < 1.0 and aggregator != AGGREGATOR_MEAN)
+    chunk = (users.shape[0] + num_chunks - 1) // num_chunks
     for c in prange(num_chunks):
-        start = c * chunk
-        stop = min(batch, start + chunk)
-        p = np.empty(d, np.float32)
-        h = np.zeros(d, np.float32)
-        dp = np.empty(d, np.float32)
-        dh = np.empty(d, np.float32)
-        neg_ids = np.empty(n, np.int64)
-        neg_dot = np.empty(n, np.float32)
-        neg_norm = np.empty(n, np.float32)
-        neg_coef = np.empty(n if use_softmax else 1, np.float32)  # softmax: dL/dcos of each negative
-        gh = np.empty(d if clip and use_agg else 1, np.float32)  # clipping: each history row's gradient
-        gu = np.empty(d if buffered else 1, np.float32)  # row buffers: the user row's gradient
-        dV = np.zeros((d, d) if use_agg else (1, 1), np.float32)
-        # dropout: q = mask * p is what the items see; p itself sets the norm
-        mask = np.ones(d if use_drop else 1, np.float32)
-        q = np.empty(d, np.float32) if use_drop else p
-        # attention scratch: history ids, weights and their gradients
-        hid = np.empty(hmax if use_att else 1, np.int64)
-        alpha = np.empty(hmax if use_att else 1, np.float32)
-        da = np.empty(hmax if use_att else 1, np.float32)
-        de = np.empty(d if use_att else 1, np.float32)
-        dcv = np.zeros(d if use_att else 1, np.float32)
-        dq = np.zeros(att_q.shape[0] if use_att else 0, np.float32)
-        state = rng_state[c]
-        left = tile_left[c]
-        pending = 0
-        for b in range(start, stop):
-            if halt[0] != 0:  # another chunk read a non-finite value: stop before spreading it
-                break
-            u = users[b]
-            i = items[b]
-            wgt = weights[b] if weighted else one
-            # ---- forward: user vector ------------------------------------------------------------------------
-            cnt = 0
-            if use_att:
-                for k in range(hist_indptr[u], hist_indptr[u + 1]):
-                    it = hist_indices[k]
-                    if it != i:
-                        hid[cnt] = it
-                        cnt += 1
-                smax = np.float32(-np.inf)
-                for k in range(cnt):
-                    it = hid[k]
-                    s = np.float32(0.0)
-                    for t in range(d):
-                        s += (user_emb[u, t] if user_att else att_q[t]) * att_keys[it, t]
-                    alpha[k] = s
-                    smax = max(smax, s)
-                total = np.float32(0.0)
-                for k in range(cnt):
-                    alpha[k] = np.float32(np.exp(alpha[k] - smax))
-                    total += alpha[k]
-                for t in range(d):
-                    h[t] = 0.0
-                if cnt > 0:
-                    inv = np.float32(1.0) / total
-                    for k in range(cnt):
-                        alpha[k] *= inv
-                        ak = alpha[k]
-                        it = hid[k]
-                        for t in range(d):
-                            h[t] += ak * item_emb[it, t]
-                for t in range(d):
-                    acc = np.float32(0.0)
-                    for r in range(d):
-                        acc += V[t, r] * h[r]
-                    p[t] = g32 * user_emb[u, t] + omg * acc
-            elif use_agg:
-                for t in range(d):
-                    h[t] = 0.0
-                for k in range(hist_indptr[u], hist_indptr[u + 1]):
-                    it = hist_indices[k]
-                    if it == i:
-                        continue
-                    for t in range(d):
-                        h[t] += item_emb[it, t]
-                    cnt += 1
-                if cnt > 0:
-                    inv = np.float32(1.0 / cnt)
-                    for t in range(d):
-                        h[t] *= inv
-                for t in range(d):
-                    acc = np.float32(0.0)
-                    for r in range(d):
-                        acc += V[t, r] * h[r]
-                    p[t] = g32 * user_emb[u, t] + omg * acc
-            else:
-                for t in range(d):
-                    p[t] = user_emb[u, t]
-            pp = np.float32(0.0)
-            for t in range(d):
-                pp += p[t] * p[t]
-            if not np.isfinite(pp):
-                failure[c, 0], failure[c, 1], failure[c, 2] = b, FAILED_USER_VECTOR, u
-                halt[0] = 1
-                break
-            pn = max(np.float32(np.sqrt(pp)), _EPS)
-            qq = pp
-            if use_drop:
-                if given_drop:
-                    for t in range(d):
-                        mask[t] = given_masks[b, t]
-                else:
-                    state = draw_dropout_mask(state, dropout, mask)
-                qq = np.float32(0.0)
-                for t in range(d):
-                    q[t] = mask[t] * p[t]
-                    qq += q[t] * q[t]
-            # ---- forward: negatives (dot products and self-dots kept for the backward) -------------------------
-            if use_tile and left <= 0:
-                for t in range(tile_size):
-                    state = _lcg(state)
-                    tiles[c, t] = _draw(state, n_items)
-                left = tile_refresh
-            bad_negative = -1
-            for j in range(n):
-                if use_given:
-                    neg = given_negatives[b, j]
-                elif use_tile:
-                    state = _lcg(state)
-                    neg = tiles[c, _draw(state, tile_size)]
-                    if exclude_positive and neg == i:  # the tile may hold nothing else: draw among all others
-                        state, neg = _draw_negative(state, n_items, i, True)
-                else:
-                    state, neg = _draw_negative(state, n_items, i, exclude_positive)
-                neg_ids[j] = neg
-                x = np.float32(0.0)
-                ss = np.float32(0.0)
-                for t in range(d):
-                    e = item_emb[neg, t]
-                    x += q[t] * e
-                    ss += e * e
-                neg_dot[j] = x
-                neg_norm[j] = max(np.float32(np.sqrt(ss)), _EPS)
-                if bad_negative < 0 and not np.isfinite(x + ss):
-                    bad_negative = neg
-            left -= 1
-            # ---- positive: forward, its share of dp, in-place update ------------------------------------------
-            x = np.float32(0.0)
-            ss = np.float32(0.0)
-            for t in range(d):
-                e = item_emb[i, t]
-                x += q[t] * e
-                ss += e * e
-            if not np.isfinite(x + ss):
-                failure[c, 0], failure[c, 1], failure[c, 2] = b, FAILED_POSITIVE, i
-                halt[0] = 1
-                break
-            if bad_negative >= 0:
-                failure[c, 0], failure[c, 1], failure[c, 2] = b, FAILED_NEGATIVE, bad_negative
-                halt[0] = 1
-                break
-            for t in range(d):
-                dp[t] = 0.0
-            self_coef = np.float32(0.0)  # dp = mask * sum_j G_j e_j / (|p||e_j|) - (sum_j G_j c_j / |p|^2) p
-            en = max(np.float32(np.sqrt(ss)), _EPS)
-            cos = x / (pn * en)
-            loss = np.float32(0.0)
-            if general:
-                # softmax loss or clipping: each row's gradient a q + bb e is written out coordinate by coordinate
-                # (the CCL path below folds it into one scale and one axpy)
-                G = -wgt  # dL/dcos of the positive (CCL: -1 while active), times the sample's weight
-                if use_softmax:
-                    loss, G = _softmax_coefficients(cos, neg_dot, neg_norm, pn, inv_tau, neg_coef)
-                    loss *= wgt
-                    G *= wgt
-                a, bb = zero, wd32  # an inactive row's gradient is its decay alone (a = 0 leaves dp alone)
-                if use_softmax or cos < 1.0:
-                    if not use_softmax:
-                        loss += wgt * (np.float32(1.0) - cos)
-                    self_coef += G * cos / (pn * pn)
-                    a = G / (pn * en)
-                    bb = wd32 - G * cos / (en * en)
-                if a != zero or wd32 > 0.0 or buffered:
-                    _clipped_row_step(
-                        item_emb, i, q, a, bb, bound, item_acc, item_buf, lr32, eps32, adaptive, inv_d, dp
-                    )
-                for j in range(n):
-                    neg = neg_ids[j]
-                    en = neg_norm[j]
-                    cos = neg_dot[j] / (pn * en)
-                    a, bb = zero, wd32
-                    if use_softmax or cos > m32:
-                        Gj = neg_coef[j] * wgt if use_softmax else wn * wgt  # dL/dcos of this negative
-                        if not use_softmax:
-                            loss += wn * wgt * (cos - m32)
-                        self_coef += Gj * cos / (pn * pn)
-                        a = Gj / (pn * en)
-                        bb = wd32 - Gj * cos / (en * en)
-                    if a != zero or wd32 > 0.0 or buffered:
-                        _clipped_row_step(
-                            item_emb, neg, q, a, bb, bound, item_acc, item_buf, lr32, eps32, adaptive, inv_d, dp
-                        )
-            elif cos < 1.0:
-                loss += wgt * (np.float32(1.0) - cos)
-                G = -wgt
-                self_coef += G * cos / (pn * pn)
-                a = G / (pn * en)
-                bb = wd32 - G * cos / (en * en)  # the row's gradient is a q + bb e
-                lr_i = _row_lr(item_acc, i, (a * a * qq + 2 * a * bb * x + bb * bb * ss) * inv_d, lr32, eps32, adaptive)
-                keep = np.float32(1.0) - lr_i * bb
-                step = lr_i * a
-                for t in range(d):
-                    e = item_emb[i, t]
-                    dp[t] += a * e
-                    item_emb[i, t] = keep * e - step * q[t]
-            elif wd32 > 0.0:
-                keep = np.float32(1.0) - _row_lr(item_acc, i, wd32 * wd32 * ss * inv_d, lr32, eps32, adaptive) * wd32
-                for t in range(d):
-                    item_emb[i, t] *= keep
-            # ---- negatives (CCL without clipping): their share of dp and in-place updates ---------------------
-            wnb = wn * wgt
-            for j in range(0 if general else n):
-                neg = neg_ids[j]
-                en = neg_norm[j]
-                cos = neg_dot[j] / (pn * en)
-                if cos > m32:
-                    loss += wnb * (cos - m32)
-                    self_coef += wnb * cos / (pn * pn)
-                    a = wnb / (pn * en)
-                    bb = wd32 - wnb * cos / (en * en)
-                    gsq = (a * a * qq + 2 * a * bb * neg_dot[j] + bb * bb * en * en) * inv_d
-                    lr_j = _row_lr(item_acc, neg, gsq, lr32, eps32, adaptive)
-                    keep = np.float32(1.0) - lr_j * bb
-                    step = lr_j * a
-                    for t in range(d):
-                        e = item_emb[neg, t]
-                        dp[t] += a * e
-                        item_emb[neg, t] = keep * e - step * q[t]
-                elif wd32 > 0.0:
-                    gsq = wd32 * wd32 * neg_norm[j] * neg_norm[j] * inv_d
-                    keep = np.float32(1.0) - _row_lr(item_acc, neg, gsq, lr32, eps32, adaptive) * wd32
-                    for t in range(d):
-                        item_emb[neg, t] *= keep
-            losses[b] = loss
-            if use_drop:
-                for t in range(d):
-                    dp[t] *= mask[t]
-            for t in range(d):
-                dp[t] -= self_coef * p[t]
-            # ---- backward through the aggregator and the user row ---------------------------------------------
-            if use_agg:
-                if history_grad:
-                    for r in range(d):
-                        dh[r] = 0.0
-                    for t in range(d):
-                        gt = omg * dp[t]
-                        for r in range(d):
-                            dh[r] += V[t, r] * gt
-                            dV[t, r] += gt * h[r]
-                else:  # HEAT's code: the history rows only feed the aggregator, so dh is never needed
-                    for t in range(d):
-                        gt = omg * dp[t]
-                        for r in range(d):
-                            dV[t, r] += gt * h[r]
-                if not history_grad:
-                    pass
-                elif use_att:
-                    # h = sum_k a_k e_k, a = softmax(s), s_k = c . tanh(W e_k + b): through the weights and keys
-                    sbar = np.float32(0.0)
-                    for k in range(cnt):
-                        it = hid[k]
-                        x = np.float32(0.0)
-                        for t in range(d):
-                            x += dh[t] * item_emb[it, t]
-                        da[k] = x
-                        sbar += alpha[k] * x
-                    for k in range(cnt):
-                        it = hid[k]
-                        ds = alpha[k] * (da[k] - sbar)
-                        for t in range(d):
-                            zt = att_keys[it, t]
-                            cv = user_emb[u, t] if user_att else att_q[t]
-                            # the key's pre-activation gradient; its W_k, b_k and e_k parts are applied after the
-                            # pass, which keeps the per-sample cost O(|H| d) instead of O(|H| d^2)
-                            att_key_grad[it, t] += ds * cv * (np.float32(1.0) - zt * zt)
-                            dcv[t] += ds * zt
-                            de[t] = alpha[k] * dh[t]
-                        hsq = np.float32(0.0)
-                        if adaptive:
-                            for t in range(d):
-                                hsq += de[t] * de[t]
-                            hsq *= inv_d
-                        step = _row_lr(item_acc, it, hsq, lr32, eps32, adaptive)
-                        for t in range(d):
-                            item_emb[it, t] -= step * de[t]
-                    if not user_att:
-                        for t in range(d):
-                            dq[t] += dcv[t]
-                            dcv[t] = 0.0
-                elif cnt > 0 and buffered:
-                    inv_cnt = np.float32(1.0 / cnt)  # each history row's gradient is dh / cnt, the same for all
-                    for t in range(d):
-                        gh[t] = dh[t] * inv_cnt
-                    for k in range(hist_indptr[u], hist_indptr[u + 1]):
-                        it = hist_indices[k]
-                        if it != i:
-                            _buffered_step(item_emb, item_buf, it, gh, bound, lr32)
-                elif cnt > 0 and clip:
-                    inv_cnt = np.float32(1.0 / cnt)  # each history row's gradient is dh / cnt, the same for all
-                    hsq = np.float32(0.0)
-                    for t in range(d):
-                        gh[t] = _clip(dh[t] * inv_cnt, bound)
-                        hsq += gh[t] * gh[t]
-                    hsq *= inv_d
-                    for k in range(hist_indptr[u], hist_indptr[u + 1]):
-                        it = hist_indices[k]
-                        if it == i:
-                            continue
-                        step = _row_lr(item_acc, it, hsq, lr32, eps32, adaptive)
-                        for t in range(d):
-                            item_emb[it, t] -= step * gh[t]
-                elif cnt > 0:
-                    inv_cnt = np.float32(1.0 / cnt)  # each history row's gradient is dh / cnt
-                    hsq = np.float32(0.0)
-                    if adaptive:
-                        for t in range(d):
-                            hsq += dh[t] * dh[t]
-                        hsq *= inv_cnt * inv_cnt * inv_d
-                    for k in range(hist_indptr[u], hist_indptr[u + 1]):
-                        it = hist_indices[k]
-                        if it == i:
-                            continue
-                        step = _row_lr(item_acc, it, hsq, lr32, eps32, adaptive) * inv_cnt
-                        for t in range(d):
-                            item_emb[it, t] -= step * dh[t]
-                pending += 1
-                if pending >= v_sync:
-                    _apply_dv(V, dV, vlr32, vwd32, pending)
-                    if use_att:
-                        _apply_query(att_q, dq, vlr32)
-                    pending = 0
-            if user_att:  # the user row is also the attention query: its gradient adds dc
-                usq = np.float32(0.0)
-                if adaptive:
-                    for t in range(d):
-                        gu_t = g32 * dp[t] + dcv[t] + wd32 * user_emb[u, t]
-                        usq += gu_t * gu_t
-                lr_u = _row_lr(user_acc, u, usq * inv_d, lr32, eps32, adaptive)
-                keep = np.float32(1.0) - lr_u * wd32
-                for t in range(d):
-                    user_emb[u, t] = keep * user_emb[u, t] - lr_u * (g32 * dp[t] + dcv[t])
-                    dcv[t] = 0.0
-                continue
-            if buffered:
-                for t in range(d):
-                    gu[t] = g32 * dp[t] + wd32 * user_emb[u, t]
-                _buffered_step(user_emb, user_buf, u, gu, bound, lr32)
-                continue
-            usq = np.float32(0.0)
-            if clip:
-                if adaptive:
-                    for t in range(d):
-                        gu_t = _clip(g32 * dp[t] + wd32 * user_emb[u, t], bound)
-                        usq += gu_t * gu_t
-                lr_u = _row_lr(user_acc, u, usq * inv_d, lr32, eps32, adaptive)
-                for t in range(d):
-                    user_emb[u, t] -= lr_u * _clip(g32 * dp[t] + wd32 * user_emb[u, t], bound)
-                continue
-            if adaptive:
-                for t in range(d):
-                    gu_t = g32 * dp[t] + wd32 * user_emb[u, t]
-                    usq += gu_t * gu_t
-            lr_u = _row_lr(user_acc, u, usq * inv_d, lr32, eps32, adaptive)
-            keep = np.float32(1.0) - lr_u * wd32
-            gstep = lr_u * g32
-            for t in range(d):
-                user_emb[u, t] = keep * user_emb[u, t] - gstep * dp[t]
-        if use_agg and pending > 0:
-            _apply_dv(V, dV, vlr32, vwd32, pending)
-            if use_att:
-                _apply_query(att_q, dq, vlr32)
-        rng_state[c] = state
-        tile_left[c] = left
+        # one call per chunk: numba's parfor passes then see a loop of one call, not the whole per-sample body
+        _fused_chunk(
+            np.int64(c),  # the same argument types here and in the parfor's gufunc (uint64 index): one compilation
+            chunk,
+            hmax,
+            user_emb,
+            item_emb,
+            V,
+            att_keys,
+            att_key_grad,
+            att_q,
+            users,
+            items,
+            weights,
+            given_negatives,
+            given_masks,
+            hist_indptr,
+            hist_indices,
+            user_acc,
+            item_acc,
+            rng_state,
+            tiles,
+            tile_left,
+            losses,
+            failure,
+            aggregator,
+            num_negatives,
+            g,
+            margin,
+            negative_weight,
+            dropout,
+            lr,
+            v_lr,
+            weight_decay,
+            v_weight_decay,
+            adagrad_eps,
+            tile_refresh,
+            v_sync,
+            num_chunks,
+            exclude_positive,
+            history_grad,
+            loss_options,
+        )
 
 
 _NO_ROWS = np.zeros((0, 0), np.float32)

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.bench
 def test_quick_run_times_both_strategies_and_writes_the_ratio():
     res = run_python(
-        ["-m", "benchmarks.sdp4bit_single_process", "--quick", "--data", "/nonexistent/input.txt"],
+        ["-m", "benchmarks.sdp4bit_single_process", "--quick", "--data", "/nonexistent/input.txt", "--threads", "1"],
         cwd=REPO,
         timeout=300,
     )

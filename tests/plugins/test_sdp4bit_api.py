@@ -74,6 +74,24 @@ def test_aliases_and_instance():
     assert s.alignment == 2048  # lcm of the weight group (2048), gradient group (128) and packing (2)
 
 
+def test_forkserver_preloads_torch_lightning_and_the_strategy_and_other_methods_leave_it_alone(monkeypatch):
+    import multiprocessing
+
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+    preloads: list[list[str]] = []
+    monkeypatch.setattr(multiprocessing, "set_forkserver_preload", preloads.append)
+    for method in ("spawn", "forkserver"):
+        strategy = SDP4BitStrategy(start_method=method)
+        Trainer(strategy=strategy, devices=2, accelerator="cpu")  # builds the launcher
+        assert isinstance(strategy.launcher, _MultiProcessingLauncher)
+        assert strategy.launcher._start_method == method
+    assert preloads == [
+        ["__main__", "torch", "torch.distributed", "lightning.pytorch", "lightning_sdp.plugins.sdp4bit"]
+    ]
+
+
 def test_yaml_config_builds_the_strategy(tmp_path):
     from lightning_sdp.cli import cli_main
 

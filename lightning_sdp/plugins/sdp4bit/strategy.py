@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import multiprocessing
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -74,6 +75,9 @@ from lightning_sdp.plugins.sdp4bit.topology import Topology, build_topology
 from lightning_sdp.utilities import rank_zero_say, unwrap_optimizer
 
 log = logging.getLogger(__name__)
+
+_FORK_SERVER_PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "lightning_sdp.plugins.sdp4bit")
+"""What the fork server of ``start_method="forkserver"`` imports before it forks the ranks."""
 
 _SUPPORTED_PRECISION = ("32-true", "32", "bf16-mixed", "bf16-true")
 
@@ -165,7 +169,8 @@ class SDP4BitStrategy(DDPStrategy):
         process_group_backend: ``"gloo"`` (CPU default) or ``"nccl"`` (CUDA default).
         timeout: how long a collective waits for a peer before it fails, on the default process group and on the
             strategy's own (intra-node, inter-node, weight all-gather) groups.
-        start_method: ``"popen"`` (default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        start_method: ``"popen"`` (default: each rank runs the script again), ``"spawn"``, ``"fork"`` or
+            ``"forkserver"`` (a server imports torch, Lightning and the strategy once; each rank forks from it).
 
     Raises:
         TypeError: an option of the wrong type (see :class:`SDP4BitConfig`).
@@ -319,6 +324,14 @@ class SDP4BitStrategy(DDPStrategy):
         if local and local.isdigit() and world % int(local) == 0:
             return int(local)
         return world
+
+    @override
+    def _configure_launcher(self) -> None:
+        if self._start_method == "forkserver":
+            # The server imports these once and every rank of every launch forks from it; spawn imports them again
+            # in each rank (seconds of CPU per rank). No effect once a fork server of this process has started.
+            multiprocessing.set_forkserver_preload(["__main__", *_FORK_SERVER_PRELOAD])
+        super()._configure_launcher()
 
     @override
     def configure_ddp(self) -> None:

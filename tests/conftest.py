@@ -22,7 +22,10 @@ if "LIGHTNING_SDP_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["LIGHTNING_SDP_CACHE_DIR"], ignore_errors=True)
 
 # Imported only after the environment above is set (lightning_sdp may import triton and torch reads it).
+import weakref
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -58,6 +61,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _seed_and_threads() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _close_solar_loaders() -> Iterator[None]:
+    """Close the SOLAR loaders a test module leaves open (after its last test, so module fixtures keep theirs).
+
+    Each holds a read-ahead thread and its I/O threads; left open they pile up in the test worker, and forking a
+    DataLoader worker from a process with dozens of idle threads once stalled the suite for ten minutes.
+    """
+    from lightning_sdp.datamodules.solar.loader import SolarLoader
+
+    created: weakref.WeakSet[SolarLoader] = weakref.WeakSet()
+    init = SolarLoader.__init__
+
+    def tracked_init(self: SolarLoader, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        created.add(self)
+
+    SolarLoader.__init__ = tracked_init  # type: ignore[method-assign]
+    yield
+    SolarLoader.__init__ = init  # type: ignore[method-assign]
+    for loader in list(created):
+        loader.close()
+        loader.reader.close()  # its I/O thread pool
 
 
 @pytest.fixture

@@ -227,7 +227,7 @@ def _specialisation(model: SimpleXModule) -> tuple[bool, bool]:
 def prepare_kernels(model: SimpleXModule) -> Preparation | None:
     """Compile (or load from the disk cache) the kernels ``model``'s training will call, before training starts.
 
-    numba compiles a kernel on its first call, about a minute for the fused step; called from the fused backend's
+    numba compiles a kernel on its first call, tens of seconds for the fused step; called from the fused backend's
     ``setup``, this happens before Lightning's ``Trainer`` starts the clock that ``max_time`` counts (its ``Timer``
     starts at ``on_train_start``), so a time budget buys training, not compilation. It runs one step on a tiny copy of
     the model's settings (the same argument types, so the same specialisation) and says, once per process, what it
@@ -240,7 +240,7 @@ def prepare_kernels(model: SimpleXModule) -> Preparation | None:
 
     rank_zero_info(
         "SimpleXModule: preparing HEAT's fused kernel before training starts: numba compiles it once per "
-        f"configuration (about a minute) and caches it in {cf_numba.cache_dir()}."
+        f"configuration (tens of seconds) and caches it in {cf_numba.cache_dir()}."
     )
     before = cf_numba.compile_counts()
     start = time.perf_counter()

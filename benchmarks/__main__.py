@@ -122,6 +122,7 @@ def run(
     env = dict(os.environ)
     env.update(
         LIGHTNING_SDP_RESULTS_DIR=str(out),
+        LIGHTNING_SDP_SHARED_DATA=str(_common.SHARED_DATA),
         LIGHTNING_SDP_RESULT_STEM=config.stem,
         LIGHTNING_SDP_BENCH_RUN=json.dumps(run_record),
         PYTHONPATH=os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")])),

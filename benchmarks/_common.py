@@ -21,7 +21,8 @@ from typing import Any
 # Smoke tests point this at a temporary folder (tests/benchmarks/conftest.py) so they never touch the committed results.
 RESULTS_DIR = Path(os.environ.get("LIGHTNING_SDP_RESULTS_DIR") or Path(__file__).resolve().parent / "results")
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+# The runner passes its own to every run, so a checkout of another commit (``--against``) reads the same data.
+SHARED_DATA = Path(os.environ.get("LIGHTNING_SDP_SHARED_DATA") or REPO_ROOT.parent / "shared" / "data")
 
 
 def free_port() -> int:

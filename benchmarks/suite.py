@@ -13,8 +13,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks._common import SHARED_DATA
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 # What a configuration may need, and how the runner tells whether this machine has it.
 ROOT, GPU = "root", "gpu"

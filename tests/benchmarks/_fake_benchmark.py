@@ -6,7 +6,7 @@ import argparse
 import time
 from typing import Any
 
-from benchmarks._common import write_results
+from benchmarks._common import SHARED_DATA, write_results
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--value", type=float, default=1.0)
     args = parser.parse_args(argv)
-    payload = {"started": time.time(), "quick": args.quick, "rows": [{"value": args.value}]}
+    payload = {"started": time.time(), "quick": args.quick, "rows": [{"value": args.value}], "data": str(SHARED_DATA)}
     write_results("fake_benchmark_own_name", payload, *render(payload))
 
 

@@ -70,6 +70,13 @@ def test_a_run_records_the_machine_before_it_starts_and_the_command(tmp_path):
     assert not list(tmp_path.glob("fake_benchmark_own_name*"))
 
 
+def test_every_run_reads_the_runners_shared_data_even_from_another_checkout(tmp_path, monkeypatch):
+    # a checkout of another commit (--against) lives where no ../shared/data is beside it
+    monkeypatch.setattr(runner._common, "SHARED_DATA", tmp_path / "data")
+    assert runner.run(FAKE, quick=False, out=tmp_path) == 0
+    assert json.loads((tmp_path / "fake_benchmark_tiny.json").read_text())["data"] == str(tmp_path / "data")
+
+
 def test_quick_runs_extra_arguments_and_background_jobs(tmp_path):
     assert runner.run(FAKE, quick=True, out=tmp_path, extra=["--value", "4"], background_jobs=1) == 0
     payload = json.loads((tmp_path / "fake_benchmark_tiny.json").read_text())

@@ -82,7 +82,7 @@ def compile_kernels(softmax_child: int | None) -> None:
     """One tiny fit per specialisation of the fused kernel (plain CCL; softmax with clipping), through the package's
     own call path, so the cached signatures are the ones the tests and users hit.
 
-    numba compiles each specialisation for about 15 s of CPU, so the softmax one compiles in a child forked at the
+    numba compiles each specialisation for tens of seconds of CPU, so the softmax one compiles in a child forked at the
     start (:func:`start_softmax_compile`) while this process compiles the plain one and the codec; their saves to the
     kernel's shared cache index take turns (:func:`_take_turns_saving`).
     """

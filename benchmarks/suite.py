@@ -119,6 +119,11 @@ _ASIDE = "suite_aside,suite_aside2,suite_aside3"
 _HEAT_RECIPE = ("--methods", "heat_budget", "--budgets", "60,180", "--configs", "3", "--trial-seconds", "8")
 _HEAT_ALS = ("--methods", "als,heat_budget", "--budgets", "60,180", "--configs", "24", "--trial-seconds", "4")
 
+_SDP_FAST_LINKS = (
+    *("--bandwidths", "1000", "10000", "--rounds", "3", "--timing-steps", "24"),
+    *("--methods", "ddp", "sdp4bit_auto", "sdp4bit_auto_shard", *_GPT_3X320),
+)
+
 CONFIGURATIONS: tuple[Configuration, ...] = (
     # SDP4Bit
     Configuration(
@@ -189,22 +194,18 @@ CONFIGURATIONS: tuple[Configuration, ...] = (
         "sdp4bit_throughput",
         "auto_fast_links",
         "the defaults against DDP on fast links (1 and 10 Gbit/s), GPT 3 x 320, three alternating rounds",
-        (
-            "--bandwidths",
-            "1000",
-            "10000",
-            "--rounds",
-            "3",
-            "--timing-steps",
-            "24",
-            "--methods",
-            "ddp",
-            "sdp4bit_auto",
-            "sdp4bit_auto_shard",
-            *_GPT_3X320,
-        ),
+        _SDP_FAST_LINKS,
         needs=(ROOT, SHAKESPEARE),
         minutes=6,
+    ),
+    Configuration(
+        "sdp4bit_throughput",
+        "auto_fast_links_loaded",
+        "the same with another job running (one busy process)",
+        _SDP_FAST_LINKS,
+        needs=(ROOT, SHAKESPEARE),
+        minutes=8,
+        background_jobs=1,
     ),
     Configuration(
         "sdp4bit_throughput",

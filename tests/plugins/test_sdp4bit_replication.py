@@ -5,7 +5,8 @@ One launch of 4 gloo processes (2 emulated nodes x 2) runs:
 - the mechanism with fixed uncompressed formats, switched between sharded and replicated steps by a callback (the
   strategy's private ``_set_replicated``, which ``"auto"`` calls): the weights must equal plain single-process
   training (AdamW with two param groups, an LR schedule and global-norm clipping), across a checkpoint written
-  sharded and resumed replicated;
+  sharded and resumed replicated; replicated steps run through torch's DDP reducer, also with layers frozen and
+  unfrozen between steps (a new reducer each time), a hook that edits a gradient, and a NaN on one rank;
 - ``"auto"`` on a fake clock on which DDP's exchange is the fastest: it is chosen, the same on every rank, and the
   decision says what memory it gave up; with no free memory it is not tried; ``optimizer_state="shard"`` removes it.
 
@@ -22,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from tests._distributed import run_distributed
@@ -49,16 +51,32 @@ def _optim(net: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_schedu
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3))
 
 
-def _module():
+def _module(
+    edit_grad: bool = False,
+    nan_at: tuple[int, int] | None = None,
+    unused_at: int | None = None,
+    edit_after_backward: bool = False,
+):
+    """The tiny regression; ``edit_grad``: ``on_before_optimizer_step`` zeroes the last bias' gradient; ``nan_at``:
+    ``(rank, step)`` whose loss is NaN; ``unused_at``: an output shift, a parameter that step does not use;
+    ``edit_after_backward``: rank 0 zeroes its own last bias gradient in ``on_after_backward``."""
     import lightning.pytorch as pl
 
     class Tiny(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.net = _net()
+            if unused_at is not None:
+                self.shift = nn.Parameter(torch.zeros(4))
 
         def training_step(self, batch, batch_idx):
-            return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+            out = self.net(batch[0])
+            if unused_at is not None and self.global_step != unused_at:
+                out = out + self.shift
+            loss = nn.functional.mse_loss(out, batch[1])
+            if nan_at == (self.global_rank, self.global_step):
+                loss = loss * float("nan")
+            return loss
 
         def configure_optimizers(self):
             opt, sched = _optim(self)
@@ -69,11 +87,21 @@ def _module():
             sampler = DistributedSampler(_data(), num_replicas=world, rank=rank, shuffle=False)
             return DataLoader(_data(), batch_size=GLOBAL_BATCH // world, sampler=sampler)
 
-    return Tiny()
+    class EditsGradients(Tiny):
+        def on_before_optimizer_step(self, optimizer):
+            self.net[2].bias.grad.zero_()
+
+    class EditsAfterBackward(Tiny):
+        def on_after_backward(self):
+            if self.global_rank == 0:
+                self.net[2].bias.grad.zero_()
+
+    return EditsGradients() if edit_grad else EditsAfterBackward() if edit_after_backward else Tiny()
 
 
-def _reference(epochs: int) -> np.ndarray:
-    """Plain torch on the global batch (rank r of W holds samples r, r + W, ...: together the same 16)."""
+def _reference(epochs: int, edit_grad: bool = False) -> np.ndarray:
+    """Plain torch on the global batch (rank r of W holds samples r, r + W, ...: together the same 16);
+    ``edit_grad``: as :func:`_module`."""
     net = _net()
     opt, sched = _optim(net)
     x, y = _data().tensors
@@ -81,6 +109,8 @@ def _reference(epochs: int) -> np.ndarray:
         for b in range(N_SAMPLES // GLOBAL_BATCH):
             sl = slice(b * GLOBAL_BATCH, (b + 1) * GLOBAL_BATCH)
             nn.functional.mse_loss(net(x[sl]), y[sl]).backward()
+            if edit_grad:
+                net[2].bias.grad.zero_()
             torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)
             opt.step()
             opt.zero_grad()
@@ -99,20 +129,30 @@ def _identical(values: np.ndarray) -> bool:
     return all(torch.equal(everyone[0], e) for e in everyone)
 
 
-def _switcher(at: dict[int, bool]):
-    """A callback that makes the strategy replicate (``True``) or shard (``False``) before the given steps."""
+def _switcher(at: dict[int, bool], frozen: tuple[int, ...] = ()):
+    """A callback that makes the strategy replicate (``True``) or shard (``False``) before the given steps, freezes
+    the first layer at the ``frozen`` steps, and records per step whether DDP's reducer ran it and on which
+    parameters (``reducer``)."""
     import lightning.pytorch as pl
 
     class Switch(pl.Callback):
+        def __init__(self) -> None:
+            self.reducer: list = []
+
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             flag = at.get(trainer.global_step)
             if flag is not None and trainer.strategy._formats.replicated != flag:
                 trainer.strategy._set_replicated(flag)
+            pl_module.net[0].requires_grad_(trainer.global_step not in frozen)
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            wrapped = isinstance(trainer.strategy.model, DistributedDataParallel)
+            self.reducer.append(trainer.strategy._reducer_signature if wrapped else None)
 
     return Switch()
 
 
-def _fit(strategy, world: int, epochs: int, callbacks=(), ckpt: str | None = None):
+def _fit(strategy, world: int, epochs: int, callbacks=(), ckpt: str | None = None, module=None):
     import lightning.pytorch as pl
 
     trainer = pl.Trainer(
@@ -129,7 +169,7 @@ def _fit(strategy, world: int, epochs: int, callbacks=(), ckpt: str | None = Non
         callbacks=list(callbacks),
         log_every_n_steps=1,
     )
-    module = _module()
+    module = module or _module()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, ckpt_path=ckpt)
@@ -154,7 +194,9 @@ def _mechanism(rank: int, world: int, tmp: str) -> dict:
     out: dict = {}
     # two epochs (8 steps): replicated from the first step, sharded again from the fifth
     strategy = SDP4BitStrategy("none", "none", intra_node_size=2)
-    trainer, module = _fit(strategy, world, 2, [_switcher({0: True, 4: False})])
+    switch = _switcher({0: True, 4: False})
+    trainer, module = _fit(strategy, world, 2, [switch])
+    out["reducer"] = [signature is not None for signature in switch.reducer]
     raw = unwrap_optimizer(trainer.optimizers[0])
     buckets = strategy._buckets[id(raw)]
     before, predicted = _state_bytes(raw, buckets), extra_bytes(raw, buckets)
@@ -171,6 +213,25 @@ def _mechanism(rank: int, world: int, tmp: str) -> dict:
     out["params"] = _flat(module)
     out["identical"] = _identical(out["params"])
     trainer.save_checkpoint(f"{tmp}/replicated.ckpt")
+    # replicated throughout, the first layer frozen at steps 2 and 3, a hook edits a gradient: through the reducer,
+    # and through the strategy's own all-reduce
+    for name in ("reducer", "own"):
+        switch = _switcher({0: True}, frozen=(2, 3))
+        strategy = SDP4BitStrategy("none", "none", intra_node_size=2)
+        if name == "own":
+            strategy._use_reducer = lambda replicated: None
+        _, module = _fit(strategy, world, 2, [switch], module=_module(edit_grad=True))
+        out[f"frozen/{name}"] = (_flat(module), switch.reducer)
+    # a NaN loss on rank 1 at step 2 only: the averaged gradient is NaN on every rank, so every rank skips the step
+    strategy = SDP4BitStrategy("none", "none", intra_node_size=2, nonfinite_gradients="skip")
+    _, module = _fit(strategy, world, 1, [_switcher({0: True})], module=_module(nan_at=(1, 2)))
+    out["nan_skipped"], out["nan_params"] = strategy.skipped_steps, _flat(module)
+    out["nan_identical"] = _identical(out["nan_params"])
+    # rank 0 edits its own gradient after backward: the reducer would apply that to the average on rank 0 alone
+    switch = _switcher({0: True})
+    strategy = SDP4BitStrategy("none", "none", intra_node_size=2)
+    _, module = _fit(strategy, world, 1, [switch], module=_module(edit_after_backward=True))
+    out["after_backward"] = (switch.reducer, _identical(_flat(module)))
     return out
 
 
@@ -211,7 +272,7 @@ def _ddp_is_fastest(formats) -> float:
 
 
 def _four(rank: int, world: int, tmp: str) -> dict:
-    from lightning_sdp.plugins.sdp4bit import replication
+    from lightning_sdp.plugins.sdp4bit import SDP4BitStrategy, replication
 
     out = _mechanism(rank, world, tmp)
     out["auto"] = _auto_fit(world, _ddp_is_fastest)
@@ -222,6 +283,13 @@ def _four(rank: int, world: int, tmp: str) -> dict:
     finally:
         replication.free_bytes = free
     out["auto_shard"] = _auto_fit(world, _ddp_is_fastest, optimizer_state="shard")
+    # every parameter had a gradient in the two steps before the reducer took over (so it does not search for unused
+    # ones); at step 4 one has none: refused before that step changes anything (the run ends; so it goes last)
+    strategy = SDP4BitStrategy("none", "none", intra_node_size=2)
+    try:
+        _fit(strategy, world, 2, [_switcher({2: True})], module=_module(unused_at=4))
+    except RuntimeError as error:
+        out["unused_error"] = (str(error), strategy._step)
     return out
 
 
@@ -249,10 +317,39 @@ def test_replicated_steps_equal_plain_training_across_switches_and_a_resume(laun
     four, _ = launched
     reference = _reference(epochs=3)
     for r in four:
+        assert r["reducer"] == [True] * 4 + [False] * 4  # torch's reducer ran exactly the replicated steps
         assert r["allreduce_steps"] > 0 and r["replicated_at_end"]
         assert r["last_step_bytes"] == ["grad_allreduce"]  # no weight all-gather while replicated
         assert r["identical"]
         np.testing.assert_allclose(r["params"], reference, rtol=1e-5, atol=1e-6)
+
+
+def test_the_reducer_follows_frozen_layers_and_gradient_edits_and_skips_a_nan_on_one_rank_everywhere(launched):
+    """Also: not used when a hook edits the gradients after backward (before the average, as each rank made it)."""
+    four, _ = launched
+    never_frozen = _reference(epochs=2, edit_grad=True)
+    everything, frozen = (True,) * 4, (False, False, True, True)
+    for r in four:
+        params, reducer = r["frozen/reducer"]
+        own, not_reducer = r["frozen/own"]
+        # a new reducer when the first layer is frozen, and again when it is trainable once more
+        assert reducer == [everything] * 2 + [frozen] * 2 + [everything] * 4 and not_reducer == [None] * 8
+        # the same steps as the strategy's own all-reduce (a frozen parameter keeps its group's Adam step count,
+        # unlike plain torch), and the freezing did change them
+        np.testing.assert_allclose(params, own, rtol=1e-5, atol=1e-6)
+        assert not np.allclose(params, never_frozen, rtol=1e-3, atol=1e-4)
+        assert r["nan_skipped"] == 1 and np.isfinite(r["nan_params"]).all() and r["nan_identical"]
+        # an on_after_backward hook keeps the strategy's own all-reduce, which sends the edited bucket
+        reducer, identical = r["after_backward"]
+        assert reducer == [None] * 4 and identical
+
+
+def test_a_parameter_unused_after_the_reducer_took_over_stops_the_run_before_its_step(launched):
+    four, _ = launched
+    for r in four:
+        message, steps_taken = r["unused_error"]
+        assert "step 4" in message and "['shift']" in message and "optimizer_state='shard'" in message
+        assert steps_taken == 4
 
 
 def test_extra_bytes_is_what_replicating_allocates(launched):

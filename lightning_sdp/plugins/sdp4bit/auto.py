@@ -134,7 +134,12 @@ def probe_links(topo: Topology, device: torch.device, agree: Agree) -> LinkSpeed
 
 
 def wire_bytes(
-    candidate: Candidate, topo: Topology, shard_sizes: Sequence[int], weight_itemsize: int, gradient_group: int
+    candidate: Candidate,
+    topo: Topology,
+    shard_sizes: Sequence[int],
+    weight_itemsize: int,
+    gradient_group: int,
+    replicated_values: int | None = None,
 ) -> tuple[float, float]:
     """Bytes this rank sends per optimizer step at each level, ``(intra, inter)``, as the exchange sends them.
 
@@ -144,12 +149,15 @@ def wire_bytes(
         shard_sizes: values per rank of every bucket.
         weight_itemsize: bytes of one model weight (uncompressed all-gather).
         gradient_group: values per gradient scale.
+        replicated_values: values DDP's exchange all-reduces (DDP's reducer sends the trainable parameters'
+            gradients); ``None``: the zero-padded buckets (the strategy's own all-reduce).
     """
     nodes, local, world = topo.inter_size, topo.intra_size, topo.world_size
     if candidate.replicated:
         # a ring all-reduce over the ranks, node by node: each rank sends 2 (W - 1) / W of the buffer, and one rank
         # per node sends across nodes (counted per rank, as the links' speeds are)
-        total = sum(2 * (world - 1) / world * 4 * world * s for s in shard_sizes)
+        values = sum(world * s for s in shard_sizes) if replicated_values is None else replicated_values
+        total = 2 * (world - 1) / world * 4 * values
         return (total * (local - 1) / local, total / local) if nodes > 1 else (total, 0.0)
     weight = candidate.weight
     weight_value = (
@@ -455,6 +463,7 @@ def build_auto(
     before_probe: Callable[[], None] = lambda: None,
     links: LinkSpeeds | None = None,
     fits: Callable[[Candidate], tuple[bool, str]] | None = None,
+    replicated_values: int | None = None,
 ) -> AutoCompression:
     """Probe the links (a collective) and return the controller that chooses among the config's candidate formats.
 
@@ -467,6 +476,7 @@ def build_auto(
         before_probe: called before a recheck's probe (wait for the exchanges in flight).
         links: links this set-up already probed (every rank passes them or none does); ``None``: probe them.
         fits: see :class:`AutoCompression` (DDP's exchange is a candidate with ``optimizer_state="auto"``).
+        replicated_values: see :func:`wire_bytes`.
     """
     replicated = config.optimizer_state == "auto"
     candidates = distinct_candidates(config.weight_candidates, config.gradient_candidates, topo, replicated)
@@ -476,7 +486,8 @@ def build_auto(
         links = known or probe_links(topo, device, agree)
         seconds = []
         for candidate in candidates:
-            intra, inter = wire_bytes(candidate, topo, shard_sizes, weight_itemsize, config.gradient_group_size)
+            group = config.gradient_group_size
+            intra, inter = wire_bytes(candidate, topo, shard_sizes, weight_itemsize, group, replicated_values)
             seconds.append(intra / (links.intra or float("inf")) + inter / (links.inter or float("inf")))
         return seconds, links
 

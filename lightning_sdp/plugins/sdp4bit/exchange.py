@@ -623,6 +623,12 @@ class GradientExchange:
         return reduce_rows(send, topo.inter_group if topo.intra_size > 1 else topo.world_group)
 
 
+def record_allreduce(stats: CommStats, numel: int, world: int) -> None:
+    """Count an fp32 ring all-reduce of ``numel`` values: each rank sends ``2 (W - 1) / W`` of them."""
+    sent = 2 * _sent_fraction(world) * numel
+    stats.record("grad_allreduce", 4 * sent, sent)
+
+
 class AllReduceExchange:
     """DDP's exchange of one bucket: an fp32 all-reduce of the whole buffer, so every rank gets every sum.
 
@@ -646,9 +652,7 @@ class AllReduceExchange:
         """All-reduce the buffer (a ring sends ``2 (W - 1) / W`` of its bytes from every rank)."""
         dist.all_reduce(self.flat, group=self.group)
         if self.stats is not None:
-            world = dist.get_world_size(self.group)
-            sent = 2 * _sent_fraction(world) * self.flat.numel()
-            self.stats.record("grad_allreduce", 4 * sent, sent)
+            record_allreduce(self.stats, self.flat.numel(), dist.get_world_size(self.group))
 
     def second(self) -> Tensor:
         """The summed buffer."""

@@ -8,6 +8,11 @@ there is no weight all-gather. That gives up sharding's memory saving, so it is 
 (:func:`replica_fits`), and ``optimizer_state="shard"`` forbids it. :func:`replicate` and :func:`shard` switch a
 sharded optimizer in place (both collectives); checkpoints are consolidated either way, so they do not depend on
 the choice, nor on the world size. Nothing here imports Lightning.
+
+With automatic optimization the all-reduce itself is torch's: :func:`reducer_wrapper` wraps the module in
+``DistributedDataParallel``, whose C++ reducer averages the gradients while backward runs (the same all-reduce
+issued from Python hooks and threads cost more CPU than DDP on a CPU-bound machine), and
+:func:`take_reduced_gradients` hands its result to the replicated optimizer step.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from lightning_sdp.plugins.sdp4bit.sharding import FlatBucket
@@ -80,6 +87,62 @@ def finish_replicated_step(buckets: list[FlatBucket]) -> None:
         if bucket.master is not bucket.model_flat:
             bucket.model_flat.copy_(bucket.master)
         bucket.store_to_params()
+
+
+def reducer_wrapper(module: Module, device: torch.device, find_unused_parameters: bool) -> DistributedDataParallel:
+    """``module`` wrapped in ``DistributedDataParallel`` with DDP's defaults, the gradients left in its buckets.
+
+    The ranks' weights are already identical (replicated steps), so nothing is broadcast at construction. The
+    wrapper only covers the parameters that require a gradient now: build a new one when that set changes.
+
+    Args:
+        module: the LightningModule.
+        device: this rank's device.
+        find_unused_parameters: let the reducer skip parameters that got no gradient in a step (DDP's option).
+    """
+    return DistributedDataParallel(
+        module,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        find_unused_parameters=find_unused_parameters,
+        init_sync=False,
+        gradient_as_bucket_view=True,  # no copy back from the buckets: take_reduced_gradients copies them once
+    )
+
+
+@torch.no_grad()
+def take_reduced_gradients(buckets: list[FlatBucket]) -> dict[int, list[int]]:
+    """After a backward through :func:`reducer_wrapper`: the averaged gradients become the masters' ``.grad``.
+
+    They are identical on every rank, so nothing needs agreeing. The parameters' fp32 ``.grad`` become views of the
+    master's gradient, so hooks that read or edit them (``on_before_optimizer_step``) see what the optimizer steps.
+
+    Returns:
+        Per bucket (by ``id``), the parameters without a gradient (unused on every rank: the reducer leaves them
+        ``None``); their slots of the master's gradient are zero.
+    """
+    absent: dict[int, list[int]] = {}
+    for bucket in buckets:
+        has_grad = [p.grad is not None for p in bucket.params]
+        if not any(has_grad):
+            bucket.master.grad = None  # the optimizer leaves the whole group alone, as torch does
+            continue
+        flat = bucket.gather_grads()
+        for p, view in zip(bucket.params, bucket.views(flat), strict=True):
+            if p.grad is not None and p.dtype == flat.dtype:
+                p.grad = view
+        if not all(has_grad):
+            absent[id(bucket)] = [i for i, has in enumerate(has_grad) if not has]
+        bucket.master.grad = flat
+    return absent
+
+
+def reduced_nonfinite_names(buckets: list[FlatBucket]) -> list[str] | None:
+    """``None`` when every master gradient is finite, else the parameters holding NaN/Inf (identical on every rank
+    after an all-reduce; empty when only the sum over ranks left the fp32 range)."""
+    grads = [b.master.grad for b in buckets if b.master.grad is not None]
+    if all(bool(torch.isfinite(g.sum())) or bool(torch.isfinite(g).all()) for g in grads):
+        return None  # one sum per bucket is the common case; finite values may still overflow it, hence the check
+    return [name for b in buckets for name in b.non_finite_names()]
 
 
 def extra_bytes(optimizer: Optimizer, buckets: list[FlatBucket]) -> int:

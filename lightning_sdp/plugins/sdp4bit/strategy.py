@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -40,16 +41,26 @@ from lightning_sdp._registry import register_class_aliases
 from lightning_sdp.plugins.sdp4bit.auto import AutoCompression, Candidate, Decision, build_auto
 from lightning_sdp.plugins.sdp4bit.bucket_size import bucket_numel
 from lightning_sdp.plugins.sdp4bit.config import SDP4BitConfig
-from lightning_sdp.plugins.sdp4bit.exchange import CommStats, RoundingRNG, TimedOps, TorchOps, select_ops
+from lightning_sdp.plugins.sdp4bit.exchange import (
+    CommStats,
+    RoundingRNG,
+    TimedOps,
+    TorchOps,
+    record_allreduce,
+    select_ops,
+)
 from lightning_sdp.plugins.sdp4bit.formats import ActiveFormats, GradientCompression, WeightCompression
 from lightning_sdp.plugins.sdp4bit.overlap import ExchangeContext, GradientOverlap, Pipeline, WeightOverlap
 from lightning_sdp.plugins.sdp4bit.precision import ClipKind, ShardedClippingPrecision
 from lightning_sdp.plugins.sdp4bit.replication import (
     extra_bytes,
     finish_replicated_step,
+    reduced_nonfinite_names,
+    reducer_wrapper,
     replica_fits,
     replicate,
     shard,
+    take_reduced_gradients,
 )
 from lightning_sdp.plugins.sdp4bit.sharding import (
     AbsentSnapshot,
@@ -91,7 +102,8 @@ class SDP4BitStrategy(DDPStrategy):
     two-level quantisation and Hadamard smoothing (TLq-HS: 8-bit all-to-all inside a node, 4-bit all-to-all
     between nodes), the optimizer step on the shard, and one weight all-gather of 4-bit quantised weight
     differences (qWD) against the weights every rank already holds. The model is not wrapped in
-    ``DistributedDataParallel``; the initial weights are broadcast from rank 0.
+    ``DistributedDataParallel`` (the initial weights are broadcast from rank 0), except while ``"auto"`` runs DDP's
+    exchange with automatic optimization: then torch's DDP reducer all-reduces the gradients during backward.
 
     With one process (world size 1 at ``fit``) nothing is communicated: the strategy warns once and steps like plain
     training, leaving the model, the user's optimizer (still checked as above) and the precision plugin as they are.
@@ -287,6 +299,14 @@ class SDP4BitStrategy(DDPStrategy):
         self._bucket_numel: int | None = None  # values per bucket of this fit (``bucket_size_mb`` may be "auto")
         self._validation_paused = False  # validation's time is left out of auto's trials
         self._gradients_in_hooks = False  # this fit all-gathers the reduced gradients for on_before_optimizer_step
+        # While torch's DDP reducer runs the replicated exchange: which parameters required a gradient when it was
+        # built (it covers only those). Whether every trainable parameter had a gradient on every rank in the last
+        # step of the strategy's own exchange (None: no such step yet), which lets the reducer skip the search for
+        # unused parameters.
+        self._reducer: DistributedDataParallel | None = None
+        self._reducer_allowed = False  # automatic optimization, and no hook edits the gradients after backward
+        self._reducer_signature: tuple[bool, ...] | None = None
+        self._every_param_reduced: bool | None = None
 
     # ------------------------------------------------------------------------------------------------ set-up
 
@@ -353,6 +373,7 @@ class SDP4BitStrategy(DDPStrategy):
             return
         self._check_trainable()
         self._auto = None
+        self._every_param_reduced = None
         self._single_process = self.world_size == 1
         if self._single_process:
             self._setup_single_process()
@@ -371,6 +392,10 @@ class SDP4BitStrategy(DDPStrategy):
                 rank_zero_warn(warning)
         self._index_params()
         self._gradients_in_hooks = self._hooks_read_gradients()
+        # DDP's reducer averages during backward, so `on_after_backward` would edit averaged gradients; the strategy's
+        # own exchange sends an edited bucket again (the edit counts before the average, as each rank made it)
+        automatic = self.lightning_module is not None and self.lightning_module.automatic_optimization
+        self._reducer_allowed = automatic and not self._hook_owners("on_after_backward")
         if self.config.auto:
             assert self.topology is not None and self.lightning_module is not None
             itemsize = max(p.element_size() for p in self.lightning_module.parameters())
@@ -384,6 +409,7 @@ class SDP4BitStrategy(DDPStrategy):
                 before_probe=self._wait_all_weights,
                 links=links,
                 fits=self._replica_fits,
+                replicated_values=self._reducer_values(),
             )
             self._auto_seen_step = -1
         # Global-norm and value clipping on the shards (Lightning clips through the precision plugin).
@@ -393,12 +419,8 @@ class SDP4BitStrategy(DDPStrategy):
     def _hooks_read_gradients(self) -> bool:
         """Whether to all-gather the reduced gradients into ``.grad`` before ``on_before_optimizer_step``: when the
         module or a callback overrides it and ``gradients_in_hooks`` (says which once; warns when it is off)."""
-        module = self.lightning_module
-        assert module is not None
         hook = "on_before_optimizer_step"
-        owners = [type(module).__name__] if is_overridden(hook, module) else []
-        callbacks: list[pl.Callback] = getattr(module.trainer, "callbacks", [])  # set by the Trainer at run time
-        owners += [type(cb).__name__ for cb in callbacks if is_overridden(hook, cb, parent=pl.Callback)]
+        owners = self._hook_owners(hook)
         if not owners:
             return False
         where = f"{hook} of {', '.join(owners)}"
@@ -415,6 +437,14 @@ class SDP4BitStrategy(DDPStrategy):
             "lightning_sdp.plugins.sdp4bit.grad_norm, or pass `gradients_in_hooks=True`."
         )
         return False
+
+    def _hook_owners(self, hook: str) -> list[str]:
+        """The LightningModule's and callbacks' class names that override ``hook``."""
+        module = self.lightning_module
+        assert module is not None
+        owners = [type(module).__name__] if is_overridden(hook, module) else []
+        callbacks: list[pl.Callback] = getattr(module.trainer, "callbacks", [])  # set by the Trainer at run time
+        return owners + [type(cb).__name__ for cb in callbacks if is_overridden(hook, cb, parent=pl.Callback)]
 
     def _check_trainable(self) -> None:
         assert self.lightning_module is not None
@@ -528,20 +558,27 @@ class SDP4BitStrategy(DDPStrategy):
         self._absent = {}
         self._restore = []
 
+        reducer = self._reducer_active  # the backward in the closure all-reduces through torch's DDP reducer
+
         def closure_with_exchange() -> Any:
-            self._gradients.start(buckets)
+            if not reducer:
+                self._gradients.start(buckets)
             try:
                 result = closure()
                 self._note_uncovered()
                 self._wait_all_weights()  # the forward waited per bucket; the step below rewrites the masters
             except BaseException:
-                self._gradients.abandon()
+                if not reducer:
+                    self._gradients.abandon()
                 raise
-            self._exchange_gradients(buckets)
+            if reducer:
+                self._take_reduced_gradients(buckets)
+            else:
+                self._exchange_gradients(buckets)
             self._exchanged = True
             self._apply_pending_clip(raw)
             self._restore = snapshot_absent(raw, buckets, self._absent)
-            if self._gradients_in_hooks:
+            if self._gradients_in_hooks and not reducer:
                 expose_gradients(buckets, self._absent)  # for on_before_optimizer_step, which runs next
             return result
 
@@ -558,7 +595,7 @@ class SDP4BitStrategy(DDPStrategy):
             self._pending_clip.pop(id(raw), None)
             for bucket in buckets:
                 bucket.master.grad = None
-                if self._gradients_in_hooks:
+                if self._gradients_in_hooks or reducer:  # views of the master's gradient: no longer theirs
                     bucket.zero_model_grads()
         if self._formats.replicated:
             finish_replicated_step(buckets)  # no weight all-gather: every rank stepped every value
@@ -588,6 +625,12 @@ class SDP4BitStrategy(DDPStrategy):
         if reduced.nonfinite:
             self._handle_nonfinite(buckets, reduced.bad_names)
             return
+        self._every_param_reduced = all(
+            c == self.world_size
+            for bucket, count in zip(buckets, reduced.grad_counts, strict=True)
+            for p, c in zip(bucket.params, count, strict=True)
+            if p.requires_grad
+        )
         for bucket, count in zip(buckets, reduced.grad_counts, strict=True):
             bucket.zero_model_grads()
             absent = [i for i, c in enumerate(count) if c == 0]
@@ -601,6 +644,29 @@ class SDP4BitStrategy(DDPStrategy):
                 for a, b in bucket.master_ranges(absent):
                     shard[a:b].zero_()
             bucket.master.grad = shard
+
+    def _take_reduced_gradients(self, buckets: list[FlatBucket]) -> None:
+        """The reducer averaged the gradients during backward: hand them to the replicated step (the same on every
+        rank, so nothing is agreed on; see ``replication``)."""
+        self._absent = take_reduced_gradients(buckets)
+        reducer = self._reducer
+        if reducer is not None and not reducer.find_unused_parameters:
+            unused = [b.names[i] for b in buckets for i in self._absent.get(id(b), []) if b.params[i].requires_grad]
+            if unused:
+                raise RuntimeError(
+                    f"SDP4BitStrategy: at optimizer step {self._step} the trainable parameters {unused} got no "
+                    "gradient, but every parameter had one in the steps `auto` timed, so it ran DDP's exchange "
+                    "without searching for unused parameters; the gradients of their buckets were not averaged, so "
+                    "this step was not taken. Pass `optimizer_state='shard'` (the strategy's own exchange handles "
+                    "unused parameters), or freeze parameters a step does not use (`requires_grad_(False)`)."
+                )
+        for bucket in buckets:
+            if bucket.master.grad is not None:
+                numel = sum(p.numel() for p in bucket.params if p.requires_grad)
+                record_allreduce(self.comm_stats, numel, self.world_size)
+        bad = reduced_nonfinite_names(buckets)
+        if bad is not None:
+            self._handle_nonfinite(buckets, bad if self.global_rank == 0 else [])  # every rank holds the same sums
 
     def _handle_nonfinite(self, buckets: list[FlatBucket], bad_local: list[str]) -> None:
         names: list[Any] = [bad_local]
@@ -866,6 +932,8 @@ class SDP4BitStrategy(DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """With ``"auto"``: time the optimizer steps and switch formats between them (see ``auto``)."""
         super().on_train_batch_start(batch, batch_idx)
+        if self._reducer_active:
+            self._use_reducer(True)  # a new wrapper if parameters were frozen or unfrozen since the last one
         if self._auto is None or self._step == self._auto_seen_step:
             return  # not a new optimizer step (gradient accumulation)
         self._auto_seen_step, decided = self._step, len(self._auto.decisions)
@@ -886,6 +954,40 @@ class SDP4BitStrategy(DDPStrategy):
             if buckets is not None:
                 (replicate if replicated else shard)(raw, buckets)
         self._formats.replicated = replicated
+        self._use_reducer(replicated)
+
+    def _reducer_values(self) -> int | None:
+        """How many gradient values DDP's reducer all-reduces per step (``None``: no reducer, manual optimization)."""
+        module = self.lightning_module
+        if module is None or not self._reducer_allowed:
+            return None
+        return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+    @property
+    def _reducer_active(self) -> bool:
+        return isinstance(self.model, DistributedDataParallel)
+
+    def _use_reducer(self, replicated: bool) -> None:
+        """Run replicated steps of automatic optimization through torch's DDP reducer (``replication``); every
+        other step through the strategy's own exchange on the unwrapped module.
+
+        While ``"auto"`` tries candidates the wrapper is kept between its turns: a reducer whose forward did not
+        run ignores backward, and its buckets are rebuilt once, in its second step, as under DDP.
+        """
+        module = self.lightning_module
+        assert module is not None
+        if not (replicated and self._reducer_allowed):
+            self.model = module
+            if self._auto is None or not self._auto.trialling:
+                self._reducer, self._reducer_signature = None, None  # its buckets hold a copy of the gradients
+            return
+        signature = tuple(p.requires_grad for p in module.parameters())
+        if self._reducer is None or signature != self._reducer_signature:
+            self.model, self._reducer = module, None  # the old reducer goes first, and with it its gradient hooks
+            find_unused = self._every_param_reduced is not True
+            self._reducer = reducer_wrapper(module, self.root_device, find_unused_parameters=find_unused)
+            self._reducer_signature = signature
+        self.model = self._reducer
 
     def _replica_fits(self, candidate: Candidate) -> tuple[bool, str]:
         """Whether every rank has the memory to replicate its optimizer state (a collective; see ``replication``)."""
@@ -893,6 +995,7 @@ class SDP4BitStrategy(DDPStrategy):
         for opt in self.optimizers:
             raw = unwrap_optimizer(opt)
             needed += extra_bytes(raw, self._buckets.get(id(raw), []))
+        needed += 4 * (self._reducer_values() or 0)  # the reducer's buckets: an fp32 copy of the gradients
         return replica_fits(needed, self.root_device)
 
     @property
@@ -952,6 +1055,8 @@ class SDP4BitStrategy(DDPStrategy):
     def teardown(self) -> None:
         """Destroy the intra/inter-node process groups created at set-up (one set per ``fit``), then as DDP."""
         self._wait_quietly()
+        if self._reducer is not None:
+            self.model, self._reducer, self._reducer_signature = self.lightning_module, None, None
         self._gradients.teardown()
         self._weights.teardown()
         self._pipeline.shutdown()

@@ -38,13 +38,15 @@ def _grid() -> Topology:
     return Topology(rank=0, world_size=4, intra_size=2, inter_size=2)
 
 
-def _drive(auto: AutoCompression, step_time, steps: int) -> list[Candidate]:
-    """Run ``steps`` optimizer steps on a simulated clock; ``step_time(candidate)`` is each step's duration."""
-    now, used = 0.0, []
+def _drive(auto: AutoCompression, step_time, steps: int, cpu_time=None) -> list[Candidate]:
+    """Run ``steps`` optimizer steps on a simulated clock; ``step_time(candidate)`` is each step's duration,
+    ``cpu_time(candidate)`` its CPU time (default: the duration)."""
+    now, cpu, used = 0.0, 0.0, []
     for step in range(steps):
-        active = auto.observe(step, now)
+        active = auto.observe(step, now, cpu)
         used.append(active)
         now += step_time(active)
+        cpu += (cpu_time or step_time)(active)
     return used
 
 
@@ -102,6 +104,31 @@ def test_the_faster_exact_exchange_is_kept_and_an_exact_tie_goes_to_the_sharded_
     assert auto.decisions[0].skipped == [
         f"{candidates[6].describe()} (its optimizer state would not fit: 2.0 MiB more per rank)"
     ]
+
+
+def test_equally_fast_exact_exchanges_are_told_apart_by_their_cpu_time_lossy_ones_are_not():
+    config = SDP4BitConfig(weight_group_size=256)
+    candidates = distinct_candidates(config.weight_candidates, config.gradient_candidates, _grid(), replicated=True)
+    # the machine's noise makes both exact exchanges' steps 0.300 +- 10%; the CPU time, which the noise leaves alone,
+    # says which one costs less (DDP's exchange in C++, or the sharded one from Python threads)
+    for cpu_ddp, chosen in ((0.110, 6), (0.130, 5)):
+        rng = random.Random(0)
+        compute = [0.5, 0.5, 0.5, 0.5, 0.5, 0.300, 0.300]
+        cpu = [0.1, 0.1, 0.1, 0.1, 0.1, 0.120, cpu_ddp]
+        auto = AutoCompression(candidates, [0.001] * 7, 3, 0, lambda v: list(v), LINKS)
+        _drive(
+            auto,
+            lambda c, compute=compute, rng=rng: compute[candidates.index(c)] * (1 + rng.uniform(-0.1, 0.1)),
+            60,
+            lambda c, cpu=cpu: cpu[candidates.index(c)],
+        )
+        assert auto.decisions[0].chosen == candidates[chosen]
+        assert f"CPU {cpu_ddp:.3f} s" in auto.decisions[0].describe()
+    # a lossy format as fast and cheaper in CPU still loses to the exact one: CPU only separates equal trust
+    compute, cpu = [0.300, 0.5, 0.5, 0.5, 0.5, 0.300, 0.5], [0.05, 0.1, 0.1, 0.1, 0.1, 0.120, 0.1]
+    auto = AutoCompression(candidates, [0.001] * 7, 3, 0, lambda v: list(v), LINKS)
+    _drive(auto, lambda c: compute[candidates.index(c)], 60, lambda c: cpu[candidates.index(c)])
+    assert auto.decisions[0].chosen == candidates[5]
 
 
 def test_wire_bytes_orders_by_compression():

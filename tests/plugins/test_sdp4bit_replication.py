@@ -152,7 +152,7 @@ def _switcher(at: dict[int, bool], frozen: tuple[int, ...] = ()):
     return Switch()
 
 
-def _fit(strategy, world: int, epochs: int, callbacks=(), ckpt: str | None = None, module=None):
+def _fit(strategy, world: int, epochs: int, callbacks=(), ckpt: str | None = None, module=None, accumulate: int = 1):
     import lightning.pytorch as pl
 
     trainer = pl.Trainer(
@@ -168,6 +168,7 @@ def _fit(strategy, world: int, epochs: int, callbacks=(), ckpt: str | None = Non
         use_distributed_sampler=False,
         callbacks=list(callbacks),
         log_every_n_steps=1,
+        accumulate_grad_batches=accumulate,
     )
     module = module or _module()
     with warnings.catch_warnings():
@@ -213,15 +214,17 @@ def _mechanism(rank: int, world: int, tmp: str) -> dict:
     out["params"] = _flat(module)
     out["identical"] = _identical(out["params"])
     trainer.save_checkpoint(f"{tmp}/replicated.ckpt")
-    # replicated throughout, the first layer frozen at steps 2 and 3, a hook edits a gradient: through the reducer,
-    # and through the strategy's own all-reduce
+    # replicated throughout, the first layer frozen at steps 2 and 3, a hook edits a gradient; then gradients
+    # accumulated over two batches: through the reducer, and through the strategy's own all-reduce
     for name in ("reducer", "own"):
-        switch = _switcher({0: True}, frozen=(2, 3))
-        strategy = SDP4BitStrategy("none", "none", intra_node_size=2)
-        if name == "own":
-            strategy._use_reducer = lambda replicated: None
-        _, module = _fit(strategy, world, 2, [switch], module=_module(edit_grad=True))
-        out[f"frozen/{name}"] = (_flat(module), switch.reducer)
+        for case, frozen, accumulate in (("frozen", (2, 3), 1), ("accumulated", (), 2)):
+            switch = _switcher({0: True}, frozen=frozen)
+            strategy = SDP4BitStrategy("none", "none", intra_node_size=2)
+            if name == "own":
+                strategy._use_reducer = lambda replicated: None
+            module = _module(edit_grad=True)
+            _, module = _fit(strategy, world, 2, [switch], module=module, accumulate=accumulate)
+            out[f"{case}/{name}"] = (_flat(module), switch.reducer)
     # a NaN loss on rank 1 at step 2 only: the averaged gradient is NaN on every rank, so every rank skips the step
     strategy = SDP4BitStrategy("none", "none", intra_node_size=2, nonfinite_gradients="skip")
     _, module = _fit(strategy, world, 1, [_switcher({0: True})], module=_module(nan_at=(1, 2)))
@@ -324,7 +327,7 @@ def test_replicated_steps_equal_plain_training_across_switches_and_a_resume(laun
         np.testing.assert_allclose(r["params"], reference, rtol=1e-5, atol=1e-6)
 
 
-def test_the_reducer_follows_frozen_layers_and_gradient_edits_and_skips_a_nan_on_one_rank_everywhere(launched):
+def test_the_reducer_follows_frozen_layers_accumulation_and_gradient_edits_and_skips_a_nan_everywhere(launched):
     """Also: not used when a hook edits the gradients after backward (before the average, as each rank made it)."""
     four, _ = launched
     never_frozen = _reference(epochs=2, edit_grad=True)
@@ -338,6 +341,9 @@ def test_the_reducer_follows_frozen_layers_and_gradient_edits_and_skips_a_nan_on
         # unlike plain torch), and the freezing did change them
         np.testing.assert_allclose(params, own, rtol=1e-5, atol=1e-6)
         assert not np.allclose(params, never_frozen, rtol=1e-3, atol=1e-4)
+        (params, reducer), (own, _) = r["accumulated/reducer"], r["accumulated/own"]
+        assert reducer == [everything] * 4  # 8 batches, 4 optimizer steps
+        np.testing.assert_allclose(params, own, rtol=1e-5, atol=1e-6)
         assert r["nan_skipped"] == 1 and np.isfinite(r["nan_params"]).all() and r["nan_identical"]
         # an on_after_backward hook keeps the strategy's own all-reduce, which sends the edited bucket
         reducer, identical = r["after_backward"]

@@ -77,8 +77,8 @@ class Candidate:
     @property
     def trust(self) -> tuple[int, int]:
         """Larger for the candidate to keep among equally fast ones: the least compressed. Equally exact candidates
-        (the sharded and the replicated fp32 exchange) are told apart by their measured steps instead: the noise
-        margin guards against lossy formats, not against the faster of two exact ones."""
+        (the sharded and the replicated fp32 exchange) are told apart by their CPU time per step instead: the noise
+        margin guards against lossy formats, not against the cheaper of two exact ones."""
         return self.exactness
 
 
@@ -234,7 +234,7 @@ def trial_spread(samples: Sequence[float]) -> float:
 
 @dataclass
 class Decision:
-    """One choice of ``"auto"``: when, what, and the step times (s) it was chosen from with their spreads."""
+    """One choice of ``"auto"``: when, what, and the step times (s) it was chosen from, their spreads and CPU time."""
 
     step: int
     chosen: Candidate
@@ -243,13 +243,17 @@ class Decision:
     skipped: list[str] = field(default_factory=list)
     spread: dict[str, float] = field(default_factory=dict)
     note: str = ""
+    cpu: dict[str, float] = field(default_factory=dict)
 
     def describe(self) -> str:
         """The decision in words, as logged."""
-        others = "; ".join(
-            f"{name}: {seconds:.3f} s" + (f" (spread {self.spread[name]:.3f} s)" if name in self.spread else "")
-            for name, seconds in self.measured.items()
-        )
+
+        def details(name: str) -> str:
+            parts = [f"spread {self.spread[name]:.3f} s"] if name in self.spread else []
+            parts += [f"CPU {self.cpu[name]:.3f} s"] if name in self.cpu else []
+            return f" ({', '.join(parts)})" if parts else ""
+
+        others = "; ".join(f"{name}: {seconds:.3f} s{details(name)}" for name, seconds in self.measured.items())
         text = f"SDP4Bit auto (step {self.step}): {self.chosen.describe()}. Step times tried: {others}."
         if self.skipped:
             text += f" Not tried: {'; '.join(self.skipped)}."
@@ -277,6 +281,7 @@ class AutoCompression:
     Attributes:
         clock: the seconds :meth:`observe` reads when it is given no time (``time.perf_counter``); measure what you
             pass to :meth:`exclude` with it.
+        cpu_clock: the process's CPU seconds, all threads (``time.process_time``), read with :attr:`clock`.
     """
 
     def __init__(
@@ -297,8 +302,11 @@ class AutoCompression:
         self.agree, self.links, self.remeasure, self.fits = agree, links, remeasure, fits
         self.decisions: list[Decision] = []
         self.clock: Callable[[], float] = time.perf_counter
+        self.cpu_clock: Callable[[], float] = time.process_time
         self._last: float | None = None
+        self._last_cpu = 0.0
         self._excluded, self._paused, self._paused_at = 0.0, 0, 0.0
+        self._excluded_cpu, self._paused_at_cpu = 0.0, 0.0
         self._start_trials(warm_up=True)
 
     @property
@@ -316,36 +324,43 @@ class AutoCompression:
         self._schedule: list[int] | None = [first] * ((2 if warm_up else 1) + self.trial_steps)
         self._timed_from, self._position = len(self._schedule) - self.trial_steps, 0
         self._samples: dict[int, list[float]] = {}
+        self._cpu_samples: dict[int, list[float]] = {}
         self._measured: dict[int, float] = {}
+        self._cpu: dict[int, float] = {}
         self._skipped: dict[int, str] = {}
         self._memory: dict[int, str] = {}
         self._pruned = False
         self.active = self.candidates[first]
         self._decided_at: int | None = None
 
-    def exclude(self, seconds: float) -> None:
-        """Leave ``seconds`` out of the step that is running (time the training loop spent outside the step:
-        validation, checkpoints, the strategy re-arranging its state)."""
+    def exclude(self, seconds: float, cpu_seconds: float = 0.0) -> None:
+        """Leave ``seconds`` (and ``cpu_seconds`` of CPU time) out of the step that is running (time the training
+        loop spent outside the step: validation, checkpoints, the strategy re-arranging its state)."""
         self._excluded += seconds
+        self._excluded_cpu += cpu_seconds
 
     def pause(self) -> None:
         """Stop counting the running step's time until the matching :meth:`resume` (pauses nest: a checkpoint
         saved during validation is left out once)."""
         if self._paused == 0:
-            self._paused_at = self.clock()
+            self._paused_at, self._paused_at_cpu = self.clock(), self.cpu_clock()
         self._paused += 1
 
     def resume(self) -> None:
         """Count the step's time again (see :meth:`pause`)."""
         self._paused -= 1
         if self._paused == 0:
-            self.exclude(self.clock() - self._paused_at)
+            self.exclude(self.clock() - self._paused_at, self.cpu_clock() - self._paused_at_cpu)
 
-    def observe(self, step: int, now: float | None = None) -> Candidate:
-        """Note that optimizer step ``step`` starts (a collective when a trial ends); returns the formats to use."""
+    def observe(self, step: int, now: float | None = None, cpu: float | None = None) -> Candidate:
+        """Note that optimizer step ``step`` starts (a collective when a trial ends); returns the formats to use.
+
+        ``now`` and ``cpu``: the clocks' readings (default: :attr:`clock` and :attr:`cpu_clock`)."""
         now = self.clock() if now is None else now
+        cpu = self.cpu_clock() if cpu is None else cpu
         elapsed = None if self._last is None else max(0.0, now - self._last - self._excluded)
-        self._last, self._excluded = now, 0.0
+        cpu_elapsed = max(0.0, cpu - self._last_cpu - self._excluded_cpu)
+        self._last, self._excluded, self._last_cpu, self._excluded_cpu = now, 0.0, cpu, 0.0
         if self._schedule is None:
             if self.recheck_every and self._decided_at is not None and step - self._decided_at >= self.recheck_every:
                 if self.remeasure is not None:
@@ -357,6 +372,7 @@ class AutoCompression:
         # the step that just ended ran the candidate at the current position of the schedule
         if self._position >= self._timed_from:
             self._samples.setdefault(self._schedule[self._position], []).append(elapsed)
+            self._cpu_samples.setdefault(self._schedule[self._position], []).append(cpu_elapsed)
         self._position += 1
         if self._position == len(self._schedule):
             self._end_of_schedule(step)
@@ -367,9 +383,14 @@ class AutoCompression:
     def _end_of_schedule(self, step: int) -> None:
         """Agree on the step times; after the first candidate, prune by wire time and interleave the rest with it."""
         ids = list(self._samples)
-        agreed = iter(self.agree([t for i in ids for t in self._samples[i]]))
+        # one collective for both clocks: the slowest rank's step, and the busiest rank's CPU
+        agreed = iter(
+            self.agree([t for samples in (self._samples, self._cpu_samples) for i in ids for t in samples[i]])
+        )
         self._samples = {i: [next(agreed) for _ in self._samples[i]] for i in ids}
+        self._cpu_samples = {i: [next(agreed) for _ in self._cpu_samples[i]] for i in ids}
         self._measured = {i: statistics.median(self._samples[i]) for i in ids}
+        self._cpu = {i: statistics.median(self._cpu_samples[i]) for i in ids}
         fastest = min(self._measured, key=lambda i: (self._measured[i], i))
         best = self._measured[fastest]
         if not self._pruned:
@@ -382,13 +403,14 @@ class AutoCompression:
                 # every candidate alike
                 ring = [self._order[0], *survivors]
                 self._schedule = ring * (1 + self.trial_steps)
-                self._timed_from, self._position, self._samples = len(ring), 0, {}
+                self._timed_from, self._position, self._samples, self._cpu_samples = len(ring), 0, {}, {}
                 return
         chosen = self._choose(fastest)
         self.active, self._schedule, self._decided_at = self.candidates[chosen], None, step
         order = sorted(self._measured, key=lambda i: self._measured[i])
         measured = {self.candidates[i].describe(): self._measured[i] for i in order}
         spread = {self.candidates[i].describe(): trial_spread(self._against(i, fastest)) for i in order}
+        cpu = {self.candidates[i].describe(): self._cpu[i] for i in order}
         skipped = [f"{self.candidates[i].describe()} ({why})" for i, why in self._skipped.items()]
         note = ""
         if self.active.replicated:
@@ -396,7 +418,7 @@ class AutoCompression:
                 f"The optimizer state is replicated: {self._memory.get(chosen, 'sharding is off')}; that is the memory sharding saved. "
                 "Pass optimizer_state='shard' to keep it sharded."
             )
-        self.decisions.append(Decision(step, self.active, measured, self.links, skipped, spread, note))
+        self.decisions.append(Decision(step, self.active, measured, self.links, skipped, spread, note, cpu))
 
     def _fits(self, i: int) -> bool:
         """Whether candidate ``i`` may be tried: always, unless it replicates an optimizer state that does not fit."""
@@ -428,7 +450,8 @@ class AutoCompression:
         A candidate ties with the fastest when, round by round, its step is longer by a median of at most the
         spread of those differences (or 3% of the fastest step), and so is its wire time: trial steps can all be
         slow (the fit's first steps), which hides a wire-time difference that every later step would pay. Round by
-        round, a machine whose speed drifts adds no spread.
+        round, a machine whose speed drifts adds no spread. Of the ties, the least compressed; of equally exact ones,
+        the one with the least CPU per step (the busiest rank's median).
         """
         best = self._measured[fastest]
 
@@ -440,9 +463,16 @@ class AutoCompression:
             return statistics.median(differences) <= margin and self.wire[i] - self.wire[fastest] <= margin
 
         close = [i for i in self._measured if ties(i)]
-        # measured equal: the sharded one (it keeps the optimizer-memory saving)
+        # equally fast and exact (sharded and replicated fp32): the one that costs less CPU per step, which the clock
+        # of a shared or CPU-bound machine scatters less than the step; then the sharded one (it saves memory)
         return max(
-            close, key=lambda i: (self.candidates[i].trust, -self._measured[i], not self.candidates[i].replicated)
+            close,
+            key=lambda i: (
+                self.candidates[i].trust,
+                -round(self._cpu[i], 3),
+                -self._measured[i],
+                not self.candidates[i].replicated,
+            ),
         )
 
     def metrics(self) -> dict[str, float]:

@@ -120,7 +120,7 @@ class _Meter(StepTimer):
         self.backward_starts: list[float] = []
         self.backward_ends: list[float] = []
         self.first_bucket_ready: list[float] = []  # seconds from backward's start to the first bucket's last gradient
-        self._first_ready = math.nan
+        self._first_ready = self._last_ready = math.nan
         self.marks: dict[str, tuple[int | None, dict[str, float] | None]] = {}
         self.cpu: dict[str, float] = {}
         self.threads: dict[str, dict[str, float]] = {}
@@ -134,20 +134,24 @@ class _Meter(StepTimer):
         self.threads[name] = thread_cpu_seconds()
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        # when backward has produced the first bucket's gradients (the link cannot start before)
+        # when backward has produced the first bucket's gradients (the link cannot start before), and its last one
+        # (gradient hooks rather than `on_after_backward`: a hook there keeps SDP4Bit from handing DDP's exchange to
+        # torch's reducer)
         for p in first_bucket_params(self.strategy, pl_module) or []:
             p.register_post_accumulate_grad_hook(self._gradient_ready)
+        for p in pl_module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._any_gradient_ready)
 
     def _gradient_ready(self, param: Any) -> None:
         self._first_ready = time.perf_counter()  # the last of the bucket's hooks to fire leaves its time
 
+    def _any_gradient_ready(self, param: Any) -> None:
+        self._last_ready = time.perf_counter()  # the last gradient of backward leaves its time
+
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         self.backward_starts.append(time.perf_counter())
-        self._first_ready = math.nan
-
-    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
-        self.backward_ends.append(time.perf_counter())
-        self.first_bucket_ready.append(self._first_ready - self.backward_starts[-1])
+        self._first_ready = self._last_ready = math.nan
 
     def profile(self, first: int) -> dict[str, float | None]:
         """Median forward (batch start to backward start), backward, and first bucket's backward seconds of the
@@ -164,6 +168,8 @@ class _Meter(StepTimer):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.backward_ends.append(self._last_ready)
+        self.first_bucket_ready.append(self._first_ready - self.backward_starts[-1])
         self.losses.append(float(outputs["loss"]))
         if self.auto and self.warmup < 0 and self.strategy.auto_decisions:
             self.warmup = self.strategy.auto_decisions[0].step + 2

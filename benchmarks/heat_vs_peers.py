@@ -745,7 +745,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown_data:
         raise SystemExit(f"unknown datasets {unknown_data}; choose from {', '.join(DATASETS)}")
     if args.quick:
-        datasets, args.budgets, args.configs = ["synthetic"], [1.5, 3.0], 2
+        # budgets of a few seconds: the probe and the search must leave a step on a loaded 2-core machine
+        datasets, args.budgets, args.configs = ["synthetic"], [2.5, 3.0], 2
         args.trial_seconds, args.curve_points = 0.3, 2
     print(
         f"heat_vs_peers: methods {methods}, datasets {datasets}, budgets {args.budgets} s, {args.configs} configs "

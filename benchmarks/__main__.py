@@ -139,8 +139,10 @@ def run(
 
 @contextlib.contextmanager
 def busy_processes(count: int) -> Iterator[None]:
-    """``count`` processes that each keep one core busy (plain Python arithmetic) until the block ends."""
-    jobs = [subprocess.Popen([sys.executable, "-c", "while True: sum(range(10000))"]) for _ in range(count)]
+    """``count`` processes that each keep one core busy (plain Python arithmetic) until the block ends, or until
+    this process ends without reaching ``finally`` (a SIGTERM): each job stops once it has another parent."""
+    busy = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: sum(range(10000))"
+    jobs = [subprocess.Popen([sys.executable, "-c", busy]) for _ in range(count)]
     try:
         yield
     finally:

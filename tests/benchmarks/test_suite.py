@@ -102,6 +102,23 @@ def test_background_jobs_run_during_the_block_and_end_with_it():
     assert _eventually(lambda: len(_busy_jobs()) == before)
 
 
+def test_background_jobs_end_when_the_runner_is_terminated():
+    import signal
+    import subprocess
+    import sys
+
+    before = len(_busy_jobs())
+    block = "from benchmarks.__main__ import busy_processes\nimport time\nwith busy_processes(1):\n    time.sleep(60)"
+    runner_process = subprocess.Popen([sys.executable, "-c", block], cwd=Path(__file__).resolve().parents[2])
+    try:
+        assert _eventually(lambda: len(_busy_jobs()) == before + 1, 30.0)
+        runner_process.send_signal(signal.SIGTERM)  # no `finally` runs: the job must notice by itself
+        runner_process.wait(10)
+        assert _eventually(lambda: len(_busy_jobs()) == before)
+    finally:
+        runner_process.kill()
+
+
 def _eventually(check, seconds: float = 10.0) -> bool:
     """``check()`` turned true within ``seconds`` (a loaded machine may take a moment to show a new process)."""
     import time

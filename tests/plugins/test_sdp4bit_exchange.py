@@ -325,7 +325,7 @@ def test_rounding_streams_differ_across_buckets_ranks_steps_and_repeat():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_one_pass_finiteness_check_matches_isfinite(dtype):
-    from lightning_sdp.plugins.sdp4bit.overlap import _all_finite
+    from lightning_sdp.plugins.sdp4bit.overlap import all_finite
 
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     for trial in range(40):
@@ -333,5 +333,5 @@ def test_one_pass_finiteness_check_matches_isfinite(dtype):
         if trial % 4:
             where = torch.randint(0, x.numel(), (int(torch.randint(1, 4, (), generator=gen)),), generator=gen)
             x[where] = [float("nan"), float("inf"), -float("inf")][trial % 3]
-        assert _all_finite(x) == bool(torch.isfinite(x).all())
-    assert _all_finite(torch.empty(0))
+        assert all_finite(x) == bool(torch.isfinite(x).all())
+    assert all_finite(torch.empty(0))

@@ -317,7 +317,7 @@ class GradientOverlap:
         limit = max_safe_scale(first_level_bits(ctx.topology, fmt), ctx.world_size, fmt.hadamard) if quantized else 0.0
 
         def first() -> None:
-            job.finite = _all_finite(flat)
+            job.finite = all_finite(flat)
             encoded = exchange.encode()
             if encoded is not None and job.finite:
                 job.overflow = self._overflow_names(bucket, encoded[1], limit, fmt)
@@ -326,7 +326,7 @@ class GradientOverlap:
         def second() -> Tensor:
             result = exchange.second()
             if quantized and job.finite and not job.overflow:
-                job.result_finite = _all_finite(result)  # a kernel or a sum gone wrong shows here
+                job.result_finite = all_finite(result)  # a kernel or a sum gone wrong shows here
             return result
 
         job.future = ctx.pipeline.submit(first, second)
@@ -410,7 +410,7 @@ class GradientOverlap:
         again = [self._jobs[pos] for pos in (*redo, *dirty)]
         bad = sum(job is not None and (not job.finite or job.needs_redo) for job in again)
         redone = [job for job in (self._jobs[pos] for pos in redo) if job is not None]
-        unusable = sum(not _all_finite(job.future.result()) for job in redone)  # fp32 sums beyond fp32
+        unusable = sum(not all_finite(job.future.result()) for job in redone)  # fp32 sums beyond fp32
         return float(all_reduce_sum(torch.tensor([float(bad + unusable)]).to(self._ctx.device)).cpu()[0]) > 0
 
     def _n_nonfinite(self) -> float:
@@ -631,7 +631,7 @@ class WeightOverlap:
         return new
 
 
-def _all_finite(tensor: Tensor) -> bool:
+def all_finite(tensor: Tensor) -> bool:
     """Whether every value is finite, in one pass: min and max are NaN when any value is NaN, and +-inf shows in
     them (``torch.isfinite(t).all()`` makes three passes and a bool tensor)."""
     if tensor.numel() == 0:

@@ -29,6 +29,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from lightning_sdp.plugins.sdp4bit.overlap import all_finite
 from lightning_sdp.plugins.sdp4bit.sharding import FlatBucket
 
 # Replicate only if the ranks sharing one memory need at most this share of what it has free (the rest is headroom
@@ -139,9 +140,8 @@ def take_reduced_gradients(buckets: list[FlatBucket]) -> dict[int, list[int]]:
 def reduced_nonfinite_names(buckets: list[FlatBucket]) -> list[str] | None:
     """``None`` when every master gradient is finite, else the parameters holding NaN/Inf (identical on every rank
     after an all-reduce; empty when only the sum over ranks left the fp32 range)."""
-    grads = [b.master.grad for b in buckets if b.master.grad is not None]
-    if all(bool(torch.isfinite(g.sum())) or bool(torch.isfinite(g).all()) for g in grads):
-        return None  # one sum per bucket is the common case; finite values may still overflow it, hence the check
+    if all(all_finite(b.master.grad) for b in buckets if b.master.grad is not None):
+        return None
     return [name for b in buckets for name in b.non_finite_names()]
 
 

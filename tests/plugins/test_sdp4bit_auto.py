@@ -106,6 +106,30 @@ def test_the_faster_exact_exchange_is_kept_and_an_exact_tie_goes_to_the_sharded_
     ]
 
 
+def test_the_first_step_after_the_optimizer_state_switches_layout_is_not_timed():
+    config = SDP4BitConfig(weight_group_size=256)
+    candidates = distinct_candidates(config.weight_candidates, config.gradient_candidates, _grid(), replicated=True)
+    compute = [0.5, 0.5, 0.5, 0.5, 0.5, 0.300, 0.280]  # DDP's exchange is the fastest when it runs step after step
+    auto = AutoCompression(candidates, [0.001] * 7, 3, 0, lambda v: list(v), LINKS)
+    now, used = 0.0, []
+    for step in range(80):
+        active = auto.observe(step, now)
+        # the first step after a switch between the replicated and the sharded state pays for the switch's memory
+        switched = bool(used) and used[-1].replicated != active.replicated
+        used.append(active)
+        now += compute[candidates.index(active)] + (0.040 if switched else 0.0)
+    decision = auto.decisions[0]
+    assert decision.chosen == candidates[6]
+    assert decision.measured[candidates[6].describe()] == pytest.approx(0.280)
+    assert decision.measured[candidates[5].describe()] == pytest.approx(0.300)
+    # each of the 4 rounds enters DDP's exchange once and leaves it once (the first round only enters it): one
+    # untimed step before each, and no other candidate runs twice in a row
+    rounds = used[5 : decision.step]
+    assert decision.step == 2 + 3 + 4 * 7 + 7 and len(rounds) == 35
+    repeated = [a for a, b in zip(rounds, rounds[1:], strict=False) if a == b]
+    assert repeated == [candidates[6]] + [candidates[0], candidates[6]] * 3
+
+
 def test_equally_fast_exact_exchanges_are_told_apart_by_their_cpu_time_lossy_ones_are_not():
     config = SDP4BitConfig(weight_group_size=256)
     candidates = distinct_candidates(config.weight_candidates, config.gradient_candidates, _grid(), replicated=True)
@@ -380,7 +404,7 @@ def _auto_run(rank: int, world: int, tmp: str) -> dict:
     strategy = SDP4BitStrategy(
         intra_node_size=2, weight_group_size=256, auto_trial_steps=1, auto_recheck_every_n_steps=4
     )
-    trainer, module, record = fit(strategy, 44)
+    trainer, module, record = fit(strategy, 50)
     topo, buckets = strategy.topology, strategy.buckets
     assert topo is not None
     shards = [b.shard_size for b in buckets]
@@ -403,7 +427,7 @@ def _auto_run(rank: int, world: int, tmp: str) -> dict:
     }
     trainer.save_checkpoint(f"{tmp}/auto.ckpt")
     resumed = SDP4BitStrategy(intra_node_size=2, weight_group_size=256, auto_trial_steps=1)
-    _, module2, record2 = fit(resumed, 48, ckpt=f"{tmp}/auto.ckpt")
+    _, module2, record2 = fit(resumed, 54, ckpt=f"{tmp}/auto.ckpt")
     out["resumed_steps"] = len(record2.rows)
     out["resumed_first"] = record2.rows[0][0].describe()
     out["resumed_losses"] = module2.losses
@@ -438,7 +462,7 @@ def test_training_goes_on_across_switches_and_resumes(auto_four):
     r = auto_four[0]
     assert all(math.isfinite(v) for v in r["losses"])
     assert sum(r["losses"][-4:]) < sum(r["losses"][:4])
-    assert r["resumed_steps"] == 4  # 44 -> 48: the step count is resumed
+    assert r["resumed_steps"] == 4  # 50 -> 54: the step count is resumed
     assert r["resumed_first"].startswith("weights 4-bit qwd")  # trials start over on resume, most compressed first
     assert {"sdp4bit/auto_trialling", "sdp4bit/link_intra_mbit_s", "sdp4bit/link_inter_mbit_s"} <= set(r["metrics"])
     assert all(speed > 0 for speed in r["links"])
@@ -482,7 +506,7 @@ def _trials_with_validation_and_checkpoints(rank: int, world: int, tmp: str) -> 
         strategy=strategy,
         devices=world,
         accelerator="cpu",
-        max_steps=20,
+        max_steps=26,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

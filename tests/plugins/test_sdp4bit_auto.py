@@ -239,6 +239,35 @@ def test_equal_trial_steps_do_not_hide_a_longer_wire_time():
     assert auto.decisions[0].chosen == auto.candidates[1]
 
 
+def test_a_tie_made_only_by_scatter_is_tried_again_and_broken_when_every_round_is_slower():
+    # 8-bit codes between nodes put 0.09 s more on a slow link every step; the trials scatter them by up to 0.22 s
+    # (a busy machine), so three rounds tie them by the range of their differences although every round is slower
+    wire = [0.05, 0.06, 2.0, 2.0, 2.0, 4.0]
+    chosen, extended = [], []
+    for seed in range(20):
+        auto, rng = _auto(wire), random.Random(seed)
+
+        def step(c: Candidate, auto=auto, rng=rng) -> float:
+            return 0.47 + rng.uniform(-0.07, 0.15) if auto.candidates.index(c) else 0.38
+
+        used = _drive(auto, step, 60)
+        decision = auto.decisions[0]
+        chosen.append(decision.chosen == auto.candidates[0])
+        # the first alone (2 + 3), 4 rounds of two, and when they tied, 4 more rounds of the same two
+        assert decision.step in (2 + 3 + 2 * (1 + 3), 2 + 3 + 2 * (1 + 3) + 2 * (1 + 3))
+        extended.append(decision.step > 13)
+        assert set(used[: decision.step]) == set(auto.candidates[:2])
+    assert all(chosen) and sum(extended) >= 5
+    # equal steps scattered alike are not slower in every round: the less compressed is kept, in most fits at once
+    again, exact = 0, 0
+    for seed in range(20):
+        auto, rng = _auto(wire), random.Random(seed)
+        _drive(auto, lambda c, rng=rng: 0.40 + rng.uniform(-0.06, 0.06), 60)
+        again += auto.decisions[0].step > 13
+        exact += auto.decisions[0].chosen == auto.candidates[1]
+    assert again <= 6 and exact >= 16
+
+
 def _noisy_choices(noise: float, seeds: int = 100) -> float:
     """Share of simulated fits choosing uncompressed formats over the paper's, 5% faster, with step times scattered
     uniformly by +-``noise`` (the wire alone decides nothing here)."""

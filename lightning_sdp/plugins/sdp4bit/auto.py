@@ -333,7 +333,7 @@ class AutoCompression:
         self._cpu: dict[int, float] = {}
         self._skipped: dict[int, str] = {}
         self._memory: dict[int, str] = {}
-        self._pruned = False
+        self._pruned = self._extended = False
         self.active = self.candidates[first]
         self._decided_at: int | None = None
 
@@ -405,8 +405,18 @@ class AutoCompression:
             if survivors:
                 # rounds of one step per candidate, the first round to settle: a machine whose speed drifts slows
                 # every candidate alike
-                self._schedule, self._timed = self._rounds([self._order[0], *survivors])
+                self._schedule, self._timed = self._rounds([self._order[0], *survivors], self._order[0])
                 self._position, self._samples, self._cpu_samples = 0, {}, {}
+                return
+        if not self._extended:
+            self._extended = True
+            doubtful = self._slower_every_round(fastest)
+            if doubtful:
+                # a tie only by the trials' scatter, yet slower in every round: as many rounds again for these (the
+                # samples so far are kept), then the tie must survive a slower step in none of twice the rounds
+                assert self._schedule is not None
+                self._schedule, self._timed = self._rounds([fastest, *doubtful], self._schedule[-1])
+                self._position = 0
                 return
         chosen = self._choose(fastest)
         self.active, self._schedule, self._decided_at = self.candidates[chosen], None, step
@@ -423,10 +433,11 @@ class AutoCompression:
             )
         self.decisions.append(Decision(step, self.active, measured, self.links, skipped, spread, note, cpu))
 
-    def _rounds(self, ring: list[int]) -> tuple[list[int], list[bool]]:
+    def _rounds(self, ring: list[int], previous: int) -> tuple[list[int], list[bool]]:
         """The interleaved schedule: ``1 + trial_steps`` rounds of one timed step per candidate of ``ring`` (the
-        first round untimed), each turn that switches the optimizer state's layout preceded by an untimed step."""
-        schedule, timed = [ring[0]], [False]  # ring[0] ran last: its first turn switches nothing
+        first round untimed), each turn that switches the optimizer state's layout preceded by an untimed step
+        (``previous``: the candidate of the step before)."""
+        schedule, timed = [previous], [False]
         for round_ in range(1 + self.trial_steps):
             for i in ring:
                 if self.candidates[schedule[-1]].replicated != self.candidates[i].replicated:
@@ -435,6 +446,31 @@ class AutoCompression:
                 schedule.append(i)
                 timed.append(round_ > 0)
         return schedule[1:], timed[1:]
+
+    def _slower_every_round(self, fastest: int) -> list[int]:
+        """The candidates that would be kept over the fastest (as exact or more, tying with it; see :meth:`_choose`)
+        although every round measured them slower by more than :data:`EQUAL_WITHIN`: the scatter of a few rounds
+        made them ties."""
+        floor, trust = EQUAL_WITHIN * self._measured[fastest], self.candidates[fastest].trust
+        return [
+            i
+            for i in self._measured
+            if i != fastest
+            and self.candidates[i].trust >= trust
+            and self._ties(i, fastest)
+            and all(d > floor for d in self._against(i, fastest) or [0.0])
+        ]
+
+    def _ties(self, i: int, fastest: int) -> bool:
+        """Whether candidate ``i`` is as fast as the fastest within the noise (see :meth:`_choose`)."""
+        if i == fastest:
+            return True
+        best = self._measured[fastest]
+        differences = self._against(i, fastest) or [self._measured[i] - best]
+        margin = max(trial_spread(differences), EQUAL_WITHIN * best)
+        if self._extended and len(differences) > self.trial_steps and min(differences) > EQUAL_WITHIN * best:
+            return False  # slower in each of twice the rounds: not the scatter
+        return statistics.median(differences) <= margin and self.wire[i] - self.wire[fastest] <= margin
 
     def _fits(self, i: int) -> bool:
         """Whether candidate ``i`` may be tried: always, unless it replicates an optimizer state that does not fit."""
@@ -469,16 +505,7 @@ class AutoCompression:
         round, a machine whose speed drifts adds no spread. Of the ties, the least compressed; of equally exact ones,
         the one with the least CPU per step (the busiest rank's median).
         """
-        best = self._measured[fastest]
-
-        def ties(i: int) -> bool:
-            if i == fastest:
-                return True
-            differences = self._against(i, fastest) or [self._measured[i] - best]
-            margin = max(trial_spread(differences), EQUAL_WITHIN * best)
-            return statistics.median(differences) <= margin and self.wire[i] - self.wire[fastest] <= margin
-
-        close = [i for i in self._measured if ties(i)]
+        close = [i for i in self._measured if self._ties(i, fastest)]
         # equally fast and exact (sharded and replicated fp32): the one that costs less CPU per step, which the clock
         # of a shared or CPU-bound machine scatters less than the step; then the sharded one (it saves memory)
         return max(

@@ -16,9 +16,10 @@ may not), on the CPU or GPU that runs the codec, and on the model. :class:`AutoC
    numbers.
 3. A compressed (lossy) candidate is kept only when it wins by more than the noise of the trials. Each candidate is
    compared with the fastest round by round; it ties when the median of its step minus the fastest one's is within
-   the spread of those differences (:func:`trial_spread`) or 3%, and so is its extra wire time. Of the fastest and
-   those tying with it, the least compressed is kept (as fast, and cheaper to trust); of equally exact ones, the
-   fastest, so DDP's exchange runs whenever it measured fastest (its state fitting). Trials are repeated every
+   the spread of those differences (:func:`trial_spread`) or 3%, and so is its extra wire time. A tie that only the
+   scatter of a few rounds makes (slower by more than 3% in every round) is tried for as many rounds again, and
+   loses if it was slower in all of them. Of the fastest and those tying with it, the least compressed is kept (as
+   fast, and cheaper to trust); of equally exact ones, the one with less CPU per step. Trials are repeated every
    ``recheck_every`` steps.
 
 Every trial step is a real training step; only its format differs. The time the training loop spends outside the

@@ -141,7 +141,9 @@ def run(
 def busy_processes(count: int) -> Iterator[None]:
     """``count`` processes that each keep one core busy (plain Python arithmetic) until the block ends, or until
     this process ends without reaching ``finally`` (a SIGTERM): each job stops once it has another parent."""
-    busy = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: sum(range(10000))"
+    # the parent's pid is written in, not read at the job's start: a parent killed while the job's interpreter was
+    # still starting would leave it reading its new parent's pid and running on
+    busy = f"import os\nparent = {os.getpid()}\nwhile os.getppid() == parent: sum(range(10000))"
     jobs = [subprocess.Popen([sys.executable, "-c", busy]) for _ in range(count)]
     try:
         yield

@@ -503,6 +503,27 @@ def merge_rounds(rows: list[dict[str, Any]]) -> dict[tuple[str, float], dict[str
     return merged
 
 
+def round_resolution(by: dict[tuple[str, float], dict[str, Any]], fixed: Sequence[str], bw: float) -> dict[str, Any]:
+    """How finely this run can rank fixed settings at one bandwidth, from their rounds (needs two or more).
+
+    ``same setting``: the worst ratio of one setting's faster round to its slower one (1.0: rounds agree).
+    ``picked by one round``: the best setting of each round, scored on the other rounds against their best (the
+    worst of those): what a choice made from a whole run of steps gets, so a ratio to the best fixed setting
+    (``auto``'s) cannot be judged finer than this.
+    """
+    steps = {m: by[(m, bw)]["rounds_median_step_s"] for m in fixed if (m, bw) in by}
+    steps = {m: s for m, s in steps.items() if len(s) > 1}
+    rounds = min((len(s) for s in steps.values()), default=0)
+    if rounds < 2:
+        return {}
+    same = min(min(s) / max(s) for s in steps.values())
+    picked = []
+    for k in range(rounds):
+        pick = min(steps, key=lambda m: steps[m][k])
+        picked += [min(s[j] for s in steps.values()) / steps[pick][j] for j in range(rounds) if j != k]
+    return {"Mbit/s": f"{bw:g}", "same setting, round vs round": same, "picked by one round, on another": min(picked)}
+
+
 def _median_profile(profiles: list[dict[str, Any]]) -> dict[str, Any]:
     """Each profile entry's median over the rounds (``None`` where a round did not measure it)."""
 
@@ -588,6 +609,10 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
             / (AUTO_RECHECK * a["median_step_s"]),
             "skipped (wire time too long)": len(a.get("auto_skipped", [])),
         })  # fmt: skip
+    fixed_methods = [
+        m for m in methods if m == "ddp" or (m.startswith("sdp4bit_") and not m.startswith("sdp4bit_auto"))
+    ]
+    resolution = [row for bw in bws if (row := round_resolution(by, fixed_methods, bw))]
     speedups, fractions, chains = [], [], []
     for m in methods:
         row: dict[str, Any] = {"method": m}
@@ -675,6 +700,18 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
         "",
         markdown_table(autos, floatfmt="{:.3g}") if autos else "(not run)",
         "",
+        *(
+            [
+                "How finely this run ranks the fixed settings (their rounds against each other): the worst ratio of a "
+                "setting's faster round to its slower one, and the best setting of one round scored on the others "
+                "against their best. `auto`'s ratio to the best fixed setting cannot be judged finer than the second.",
+                "",
+                markdown_table(resolution, floatfmt="{:.2f}"),
+                "",
+            ]
+            if resolution
+            else []
+        ),
         f"## Quality (validation on {args.val_batches} batches per rank, trained at {quality_bw:g} Mbit/s)",
         "",
         markdown_table(quality),
@@ -688,7 +725,7 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
         md += ["## Methods that did not run", ""] + [f"- `{m}`: {e}" for m, e in failed.items()] + [""]
     payload = {"args": vars(args), "rows": rows, "speedups": speedups, "fractions_of_limit": fractions,
                "fractions_of_chain_limit": chains, "quality": quality, "table": table, "auto": autos,
-               "failed": failed}  # fmt: skip
+               "resolution": resolution, "failed": failed}  # fmt: skip
     return payload, "\n".join(md), fig
 
 

@@ -21,6 +21,7 @@ from benchmarks.sdp4bit_throughput import (
     chain_limit,
     machine_limit,
     merge_rounds,
+    round_resolution,
     summarise,
 )
 from benchmarks.tools.sdp4bit import hooked_ddp_strategy
@@ -229,6 +230,21 @@ def test_rounds_merge_into_medians_and_keep_the_first_rounds_quality() -> None:
     assert sorted(ddp["rounds_median_step_s"]) == sorted(steps)
     assert ddp["cpu_s_per_step_by_thread"] == pytest.approx({"main": 0.19, "gloo": 0.02})
     assert merged[("sdp4bit_auto", 100.0)]["median_step_s"] == 0.3
+
+
+def test_resolution_scores_each_rounds_pick_on_the_other_rounds() -> None:
+    steps = {"sdp4bit_a": [1.0, 1.2], "sdp4bit_b": [1.1, 1.0], "sdp4bit_auto": [0.1, 0.1]}
+    rows = [
+        {"method": m, "bandwidth_mbit": 100.0, "round": k, "median_step_s": t, "tokens_per_s": 1.0}
+        for m, times in steps.items()
+        for k, t in enumerate(times)
+    ]
+    by = merge_rounds(rows)
+    row = round_resolution(by, ["sdp4bit_a", "sdp4bit_b"], 100.0)
+    assert row["same setting, round vs round"] == pytest.approx(1.0 / 1.2)
+    # round 0 picks a, which round 1 times at 1.2 against b's 1.0; round 1 picks b: 1.0 / 1.1 on round 0
+    assert row["picked by one round, on another"] == pytest.approx(1.0 / 1.2)
+    assert round_resolution(merge_rounds(rows[::2]), ["sdp4bit_a", "sdp4bit_b"], 100.0) == {}  # one round each
 
 
 def test_method_names_map_to_strategy_arguments_through_the_table() -> None:

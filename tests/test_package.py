@@ -57,13 +57,15 @@ def test_aliases_registered_when_lightning_is_imported_after_the_package():
 
 @pytest.fixture
 def test_alias(monkeypatch):
+    # imported before the aliases are patched: a first import of lightning.pytorch runs register_all (the import
+    # hook), which would register the test alias before the test does
+    from lightning.pytorch.strategies import StrategyRegistry
+
     alias = _Alias(
         "lsdp_test_ddp", "lightning.pytorch.strategies", "DDPStrategy", "test alias", {"start_method": "spawn"}
     )
     monkeypatch.setattr(_registry, "STRATEGY_ALIASES", (alias,))
     monkeypatch.setattr(_registry, "ACCELERATOR_ALIASES", ())
-    from lightning.pytorch.strategies import StrategyRegistry
-
     yield alias, StrategyRegistry
     StrategyRegistry.pop(alias.name, None)
 

@@ -363,7 +363,7 @@ def test_options_are_checked():
     with pytest.raises(ValueError, match="auto_recheck_every_n_steps"):
         SDP4BitConfig(auto_recheck_every_n_steps=-1)
     with pytest.raises(ValueError, match="weight_compression"):
-        SDP4BitConfig(weight_compression="automatic")  # type: ignore[arg-type]
+        SDP4BitConfig(weight_compression="automatic")
     with pytest.raises(ValueError, match="one wire time per candidate"):
         AutoCompression(_candidates(_grid()), [0.0], 1, 0, lambda v: list(v), LINKS)
 
@@ -528,8 +528,8 @@ def _trials_with_validation_and_checkpoints(rank: int, world: int, tmp: str) -> 
         now[0] += 100.0
         return nn.functional.mse_loss(module.net(batch[0]), batch[1])
 
-    module.validation_step = validation_step  # type: ignore[method-assign]
-    module.val_dataloader = module.train_dataloader  # type: ignore[method-assign]
+    module.validation_step = validation_step
+    module.val_dataloader = module.train_dataloader
     strategy = SDP4BitStrategy(weight_group_size=256, auto_trial_steps=2, checkpoint_io=SlowWrites())
     trainer = pl.Trainer(
         strategy=strategy,

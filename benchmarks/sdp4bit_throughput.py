@@ -695,8 +695,8 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
         "",
         "Each `sdp4bit_auto` run is timed from two steps after its decision; the steps it spent trying candidates "
         "before that cost the seconds below beyond the chosen format's pace (once per fit, and again at every "
-        f"re-check, by default every {AUTO_RECHECK} steps). Best fixed: the fastest other SDP4Bit method of this run "
-        "at that bandwidth.",
+        f"re-check, by default every {AUTO_RECHECK} steps). Best fixed: the fastest method of this run at that bandwidth "
+        "that runs one of `auto`'s candidates fixed (an SDP4Bit setting, or DDP for DDP's exchange).",
         "",
         markdown_table(autos, floatfmt="{:.3g}") if autos else "(not run)",
         "",
@@ -704,7 +704,7 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
             [
                 "How finely this run ranks the fixed settings (their rounds against each other): the worst ratio of a "
                 "setting's faster round to its slower one, and the best setting of one round scored on the others "
-                "against their best. `auto`'s ratio to the best fixed setting cannot be judged finer than the second.",
+                "against their best. `auto`'s ratio to the best fixed setting cannot be judged finer than these.",
                 "",
                 markdown_table(resolution, floatfmt="{:.2f}"),
                 "",

@@ -82,6 +82,11 @@ def test_ddps_exchange_is_a_candidate_unless_sharding_is_forced():
     assert sum(wire_bytes(grid[-1], Topology(0, 2, 2, 1), shards, 4, 128)) == pytest.approx(
         2 * 1 / 2 * 4 * 2 * sum(shards)
     )
+    # DDP's reducer sends the gradients in the parameters' dtype: bf16 parameters, half the bytes of fp32 ones
+    fp32, bf16 = (
+        sum(wire_bytes(grid[-1], topo, shards, 4, 128, n * itemsize)) for n, itemsize in ((1000, 4), (1000, 2))
+    )
+    assert bf16 == pytest.approx(fp32 / 2) and fp32 == pytest.approx(2 * 3 / 4 * 4 * 1000)
 
 
 def test_the_faster_exact_exchange_is_kept_and_an_exact_tie_goes_to_the_sharded_one():
@@ -438,7 +443,7 @@ def _auto_run(rank: int, world: int, tmp: str) -> dict:
     assert topo is not None
     shards = [b.shard_size for b in buckets]
     itemsize = next(module.parameters()).element_size()
-    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)  # what DDP's reducer sends
+    trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)  # DDP's reducer
     expected = [sum(wire_bytes(c, topo, shards, itemsize, 128, trainable)) for c, _ in record.rows]
     flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
     replicas = [torch.empty_like(flat) for _ in range(world)]

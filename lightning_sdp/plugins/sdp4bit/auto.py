@@ -143,7 +143,7 @@ def wire_bytes(
     shard_sizes: Sequence[int],
     weight_itemsize: int,
     gradient_group: int,
-    replicated_values: int | None = None,
+    replicated_bytes: int | None = None,
 ) -> tuple[float, float]:
     """Bytes this rank sends per optimizer step at each level, ``(intra, inter)``, as the exchange sends them.
 
@@ -153,15 +153,15 @@ def wire_bytes(
         shard_sizes: values per rank of every bucket.
         weight_itemsize: bytes of one model weight (uncompressed all-gather).
         gradient_group: values per gradient scale.
-        replicated_values: values DDP's exchange all-reduces (DDP's reducer sends the trainable parameters'
-            gradients); ``None``: the zero-padded buckets (the strategy's own all-reduce).
+        replicated_bytes: bytes DDP's exchange all-reduces (DDP's reducer sends the trainable parameters'
+            gradients, in their dtype); ``None``: the zero-padded fp32 buckets (the strategy's own all-reduce).
     """
     nodes, local, world = topo.inter_size, topo.intra_size, topo.world_size
     if candidate.replicated:
         # a ring all-reduce over the ranks, node by node: each rank sends 2 (W - 1) / W of the buffer, and one rank
         # per node sends across nodes (counted per rank, as the links' speeds are)
-        values = sum(world * s for s in shard_sizes) if replicated_values is None else replicated_values
-        total = 2 * (world - 1) / world * 4 * values
+        nbytes = 4 * sum(world * s for s in shard_sizes) if replicated_bytes is None else replicated_bytes
+        total = 2 * (world - 1) / world * nbytes
         return (total * (local - 1) / local, total / local) if nodes > 1 else (total, 0.0)
     weight = candidate.weight
     weight_value = (
@@ -537,7 +537,7 @@ def build_auto(
     before_probe: Callable[[], None] = lambda: None,
     links: LinkSpeeds | None = None,
     fits: Callable[[Candidate], tuple[bool, str]] | None = None,
-    replicated_values: int | None = None,
+    replicated_bytes: int | None = None,
 ) -> AutoCompression:
     """Probe the links (a collective) and return the controller that chooses among the config's candidate formats.
 
@@ -550,7 +550,7 @@ def build_auto(
         before_probe: called before a recheck's probe (wait for the exchanges in flight).
         links: links this set-up already probed (every rank passes them or none does); ``None``: probe them.
         fits: see :class:`AutoCompression` (DDP's exchange is a candidate with ``optimizer_state="auto"``).
-        replicated_values: see :func:`wire_bytes`.
+        replicated_bytes: see :func:`wire_bytes`.
     """
     replicated = config.optimizer_state == "auto"
     candidates = distinct_candidates(config.weight_candidates, config.gradient_candidates, topo, replicated)
@@ -561,7 +561,7 @@ def build_auto(
         seconds = []
         for candidate in candidates:
             group = config.gradient_group_size
-            intra, inter = wire_bytes(candidate, topo, shard_sizes, weight_itemsize, group, replicated_values)
+            intra, inter = wire_bytes(candidate, topo, shard_sizes, weight_itemsize, group, replicated_bytes)
             seconds.append(intra / (links.intra or float("inf")) + inter / (links.inter or float("inf")))
         return seconds, links
 

@@ -409,7 +409,7 @@ class SDP4BitStrategy(DDPStrategy):
                 before_probe=self._wait_all_weights,
                 links=links,
                 fits=self._replica_fits,
-                replicated_values=self._reducer_values(),
+                replicated_bytes=self._reducer_bytes(),
             )
             self._auto_seen_step = -1
         # Global-norm and value clipping on the shards (Lightning clips through the precision plugin).
@@ -956,12 +956,13 @@ class SDP4BitStrategy(DDPStrategy):
         self._formats.replicated = replicated
         self._use_reducer(replicated)
 
-    def _reducer_values(self) -> int | None:
-        """How many gradient values DDP's reducer all-reduces per step (``None``: no reducer, manual optimization)."""
+    def _reducer_bytes(self) -> int | None:
+        """Bytes of gradients DDP's reducer all-reduces per step, in the parameters' dtype (``None``: no reducer,
+        manual optimization)."""
         module = self.lightning_module
         if module is None or not self._reducer_allowed:
             return None
-        return sum(p.numel() for p in module.parameters() if p.requires_grad)
+        return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
 
     @property
     def _reducer_active(self) -> bool:
@@ -995,7 +996,7 @@ class SDP4BitStrategy(DDPStrategy):
         for opt in self.optimizers:
             raw = unwrap_optimizer(opt)
             needed += extra_bytes(raw, self._buckets.get(id(raw), []))
-        needed += 4 * (self._reducer_values() or 0)  # the reducer's buckets: an fp32 copy of the gradients
+        needed += self._reducer_bytes() or 0  # the reducer's buckets: a copy of the gradients
         return replica_fits(needed, self.root_device)
 
     @property

@@ -17,8 +17,9 @@ may not), on the CPU or GPU that runs the codec, and on the model. :class:`AutoC
 3. A compressed (lossy) candidate is kept only when it wins by more than the noise of the trials. Each candidate is
    compared with the fastest round by round; it ties when the median of its step minus the fastest one's is within
    the spread of those differences (:func:`trial_spread`) or 3%, and so is its extra wire time. A tie that only the
-   scatter of a few rounds makes (slower by more than 3% in every round) is tried for as many rounds again, and
-   loses if it was slower in all of them. Of the fastest and those tying with it, the least compressed is kept (as
+   scatter of a few rounds makes (slower by more than 3% in every round but at most one: one round of another
+   job's burst widens the spread) is tried for as many rounds again, and loses if it was slower in all of them but
+   one. Of the fastest and those tying with it, the least compressed is kept (as
    fast, and cheaper to trust); of equally exact ones, the one with less CPU per step. Trials are repeated every
    ``recheck_every`` steps.
 
@@ -231,6 +232,12 @@ def distinct_candidates(
     return list(seen.values())
 
 
+def _median_deviation(samples: Sequence[float]) -> float:
+    """The median absolute deviation from the median (one outlier does not move it)."""
+    median = statistics.median(samples)
+    return statistics.median(abs(x - median) for x in samples)
+
+
 def trial_spread(samples: Sequence[float]) -> float:
     """How far trial step times (or their differences) scatter: their range (0 for fewer than two)."""
     return max(samples) - min(samples) if len(samples) > 1 else 0.0
@@ -411,10 +418,10 @@ class AutoCompression:
                 return
         if not self._extended:
             self._extended = True
-            doubtful = self._slower_every_round(fastest)
+            doubtful = self._slower_in_nearly_every_round(fastest)
             if doubtful:
-                # a tie only by the trials' scatter, yet slower in every round: as many rounds again for these (the
-                # samples so far are kept), then the tie must survive a slower step in none of twice the rounds
+                # a tie only by the trials' scatter, yet slower in every round but one: as many rounds again for
+                # these (the samples so far are kept), then the tie must not be slower in two of twice the rounds
                 assert self._schedule is not None
                 self._schedule, self._timed = self._rounds([fastest, *doubtful], self._schedule[-1])
                 self._position = 0
@@ -448,19 +455,26 @@ class AutoCompression:
                 timed.append(round_ > 0)
         return schedule[1:], timed[1:]
 
-    def _slower_every_round(self, fastest: int) -> list[int]:
+    def _slower_in_nearly_every_round(self, fastest: int) -> list[int]:
         """The candidates that would be kept over the fastest (as exact or more, tying with it; see :meth:`_choose`)
-        although every round measured them slower by more than :data:`EQUAL_WITHIN`: the scatter of a few rounds
-        made them ties."""
-        floor, trust = EQUAL_WITHIN * self._measured[fastest], self.candidates[fastest].trust
+        although every round but at most one measured them slower by more than :data:`EQUAL_WITHIN`: the scatter of
+        a few rounds made them ties (one round of another job's burst is enough to)."""
+        trust = self.candidates[fastest].trust
         return [
             i
             for i in self._measured
             if i != fastest
             and self.candidates[i].trust >= trust
             and self._ties(i, fastest)
-            and all(d > floor for d in self._against(i, fastest) or [0.0])
+            and self._rounds_not_slower(i, fastest) <= 1
         ]
+
+    def _rounds_not_slower(self, i: int, fastest: int) -> int:
+        """Rounds in which candidate ``i`` was not slower than the fastest by more than :data:`EQUAL_WITHIN`
+        (all of them when they were never timed in the same rounds)."""
+        floor = EQUAL_WITHIN * self._measured[fastest]
+        differences = self._against(i, fastest)
+        return sum(d <= floor for d in differences) if differences else self.trial_steps
 
     def _ties(self, i: int, fastest: int) -> bool:
         """Whether candidate ``i`` is as fast as the fastest within the noise (see :meth:`_choose`)."""
@@ -469,8 +483,13 @@ class AutoCompression:
         best = self._measured[fastest]
         differences = self._against(i, fastest) or [self._measured[i] - best]
         margin = max(trial_spread(differences), EQUAL_WITHIN * best)
-        if self._extended and len(differences) > self.trial_steps and min(differences) > EQUAL_WITHIN * best:
-            return False  # slower in each of twice the rounds: not the scatter
+        doubled = len(differences) >= 2 * self.trial_steps - 1  # twice the rounds, a hiccup left out at most
+        if self._extended and doubled:
+            # slower in each of twice the rounds, or in all but one and by more than 3 times the differences' usual
+            # deviation (which the one round does not move): not the scatter
+            not_slower, median = self._rounds_not_slower(i, fastest), statistics.median(differences)
+            if not_slower == 0 or (not_slower == 1 and median > 3 * _median_deviation(differences)):
+                return False
         return statistics.median(differences) <= margin and self.wire[i] - self.wire[fastest] <= margin
 
     def _fits(self, i: int) -> bool:

@@ -18,10 +18,10 @@ may not), on the CPU or GPU that runs the codec, and on the model. :class:`AutoC
    compared with the fastest round by round; it ties when the median of its step minus the fastest one's is within
    the spread of those differences (:func:`trial_spread`) or 3%, and so is its extra wire time. A tie that only the
    scatter of a few rounds makes (slower by more than 3% in every round but at most one: one round of another
-   job's burst widens the spread) is tried for as many rounds again, and loses if it was slower in all of them but
-   one. Of the fastest and those tying with it, the least compressed is kept (as
-   fast, and cheaper to trust); of equally exact ones, the one with less CPU per step. Trials are repeated every
-   ``recheck_every`` steps.
+   job's burst widens the spread) is tried for as many rounds again, and loses if it was slower in all of them, or
+   in all but an outlier (the median difference beyond 3 times the differences' median absolute deviation). Of the
+   fastest and those tying with it, the least compressed is kept (as fast, and cheaper to trust); of equally exact
+   ones, the one with less CPU per step. Trials are repeated every ``recheck_every`` steps.
 
 Every trial step is a real training step; only its format differs. The time the training loop spends outside the
 steps (validation, checkpoints) is taken out of the step it falls in (:meth:`AutoCompression.exclude`). Nothing here
@@ -483,7 +483,8 @@ class AutoCompression:
         best = self._measured[fastest]
         differences = self._against(i, fastest) or [self._measured[i] - best]
         margin = max(trial_spread(differences), EQUAL_WITHIN * best)
-        doubled = len(differences) >= 2 * self.trial_steps - 1  # twice the rounds, a hiccup left out at most
+        # twice the rounds (a hiccup's round left out at most), never the first rounds alone
+        doubled = len(differences) > self.trial_steps and len(differences) >= 2 * self.trial_steps - 1
         if self._extended and doubled:
             # slower in each of twice the rounds, or in all but one and by more than 3 times the differences' usual
             # deviation (which the one round does not move): not the scatter

@@ -591,12 +591,14 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
             "gap vs ddp (%)": 100 * (q["val_loss"] / ddp_val - 1) if ddp_val and q["val_loss"] else float("nan"),
             f"train loss at step {check + 1} identical at every bandwidth": all(same),
         })  # fmt: skip
+    # every setting auto may choose, run fixed: the strategy's formats and DDP's exchange
+    fixed_methods = [
+        m for m in methods if m == "ddp" or (m.startswith("sdp4bit_") and not m.startswith("sdp4bit_auto"))
+    ]
     autos = []
     for bw in bws:
         a, d = by.get(("sdp4bit_auto", bw)), by.get(("ddp", bw))
-        # every setting auto may choose, fixed: the strategy's formats and DDP's exchange
-        fixed = {m: by[(m, bw)]["median_step_s"] for m in methods if (m.startswith("sdp4bit_") or m == "ddp")
-                 and not m.startswith("sdp4bit_auto") and (m, bw) in by}  # fmt: skip
+        fixed = {m: by[(m, bw)]["median_step_s"] for m in fixed_methods if (m, bw) in by}
         if a is None:
             continue
         best = min(fixed, key=fixed.__getitem__) if fixed else None
@@ -609,9 +611,6 @@ def summarise(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dic
             / (AUTO_RECHECK * a["median_step_s"]),
             "skipped (wire time too long)": len(a.get("auto_skipped", [])),
         })  # fmt: skip
-    fixed_methods = [
-        m for m in methods if m == "ddp" or (m.startswith("sdp4bit_") and not m.startswith("sdp4bit_auto"))
-    ]
     resolution = [row for bw in bws if (row := round_resolution(by, fixed_methods, bw))]
     speedups, fractions, chains = [], [], []
     for m in methods:

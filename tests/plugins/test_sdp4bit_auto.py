@@ -466,8 +466,8 @@ def _auto_run(rank: int, world: int, tmp: str) -> dict:
     assert topo is not None
     shards = [b.shard_size for b in buckets]
     itemsize = next(module.parameters()).element_size()
-    trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)  # DDP's reducer
-    expected = [sum(wire_bytes(c, topo, shards, itemsize, 128, trainable)) for c, _ in record.rows]
+    reducer_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    expected = [sum(wire_bytes(c, topo, shards, itemsize, 128, reducer_bytes)) for c, _ in record.rows]
     flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
     replicas = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(replicas, flat)

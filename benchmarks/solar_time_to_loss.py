@@ -328,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                     "buffer": int(args.buffer_fraction * samples),
                     "budget_per_rank": int(args.buffer_fraction * samples) // ranks,
                     "budget_bytes_per_rank": budget // ranks,
+                    "budget_bytes": budget,
                     "train_samples": (samples // (ranks * args.batch)) * ranks * args.batch,
                     "size": args.size,
                     "channels": args.channels,

@@ -221,7 +221,8 @@ def solar_datamodule(cfg: dict[str, Any]) -> Any:
         KEYS[0],
         KEYS[1:],
         batch_size=cfg["batch"],
-        buffer_size=cfg["buffer"],
+        # the budget in bytes, as a user under a memory cap gives it: SOLAR's working memory comes out of it too
+        buffer_size=f"{cfg['budget_bytes']}B" if "budget_bytes" in cfg else cfg["buffer"],
         # solar_workers: the same plan read by a worker process per rank, one epoch at a time (no read-ahead thread)
         num_workers=1 if cfg["loader"] == "solar_workers" else cfg["solar_workers"],
         seed=0,

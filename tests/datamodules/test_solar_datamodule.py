@@ -16,6 +16,7 @@ from lightning_sdp.callbacks import SolarMetrics
 from lightning_sdp.datamodules.solar import SolarDataModule, SolarReadOptions, make_ptycho_h5
 from lightning_sdp.datamodules.solar.loader import EpochStats, SolarLoader, StepStats
 from lightning_sdp.datamodules.solar.reader import FileChangedError, data_fingerprint
+from lightning_sdp.datamodules.solar.readplan import working_samples
 from lightning_sdp.models.ptychonn import PtychoNN
 from tests.datamodules._solar import solar_datamodule
 
@@ -417,7 +418,24 @@ def test_checkpoint_from_other_configuration_is_refused(ptycho, tmp_path):
         _run(ptycho, ckpt_path=str(ckpt), buffer_size=12)
 
 
-@pytest.mark.parametrize("buffer,expected", [(0, 0.0), (500, 1.0), ("1MB", 1.0)])
+def test_a_budget_in_bytes_holds_the_loaders_working_memory_and_says_when_it_cannot(ptycho):
+    sample = 3 * 16 * 16 * 4
+    dm = _dm(ptycho, buffer_size="5MiB")
+    dm.setup("fit")
+    plan = dm.read_plan
+    assert plan.working_samples == working_samples(8, plan.read_window, plan.max_gap, sample, dm.reads.io_threads)
+    assert plan.buffer_samples + plan.read_ahead_samples + plan.working_samples == 5 * 2**20 // sample
+    assert plan.buffer_samples > 0
+    counted = _dm(ptycho, buffer_size=5 * 2**20 // sample)  # the same size in samples: buffer and read-ahead only
+    counted.setup("fit")
+    assert counted.read_plan.working_samples == 0
+    assert counted.read_plan.buffer_samples + counted.read_plan.read_ahead_samples == 5 * 2**20 // sample
+    assert counted.read_plan.buffer_samples > plan.buffer_samples
+    with pytest.warns(UserWarning, match=r"less than the loaders' working memory.*Give buffer_size >= '5MiB'"):
+        _dm(ptycho, buffer_size="1MiB").setup("fit")
+
+
+@pytest.mark.parametrize("buffer,expected", [(0, 0.0), (500, 1.0), ("16MB", 1.0)])
 def test_buffer_zero_or_larger_than_data(ptycho, buffer, expected):
     dm = _dm(ptycho, buffer_size=buffer, max_epochs=2)
     dm.setup("fit")

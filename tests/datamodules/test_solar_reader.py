@@ -6,6 +6,7 @@ import h5py
 import numpy as np
 import pytest
 
+from lightning_sdp.datamodules.solar import reader as reader_module
 from lightning_sdp.datamodules.solar.ptycho import make_ptycho_h5, simulate_ptycho
 from lightning_sdp.datamodules.solar.reader import (
     HDF5Reader,
@@ -194,9 +195,11 @@ def test_a_failed_ptycho_write_leaves_no_temporary_file_and_keeps_the_old_one(tm
     assert [p.name for p in tmp_path.iterdir()] == ["old.h5"] and old.read_bytes() == before
 
 
-@pytest.mark.parametrize("max_gap", [0, 2])
-def test_threaded_direct_reads_match_hyperslab_reference(tmp_path, max_gap):
+@pytest.mark.parametrize("max_gap,piece_rows", [(0, None), (2, None), (3, 1), (6, 4)])
+def test_threaded_direct_reads_match_hyperslab_reference(tmp_path, monkeypatch, max_gap, piece_rows):
     path = make_ptycho_h5(tmp_path / "p.h5", num_samples=50, size=8, seed=2)
+    if piece_rows is not None:  # runs with gaps read in pieces of a few rows (one row of a dataset: 8 x 8 x 4 bytes)
+        monkeypatch.setattr(reader_module, "GAP_PIECE_BYTES", piece_rows * 8 * 8 * 4)
     keys = ["diffraction", "amplitude", "phase"]
     fast = HDF5Reader(path, keys, max_gap=max_gap, io_threads=4)
     ref = HDF5Reader(path, keys, max_gap=max_gap, readahead=True)  # h5py hyperslab reads

@@ -27,6 +27,7 @@ from lightning_sdp.datamodules.solar.readplan import (
     profile_reads,
     read_costs,
     window_reads,
+    working_samples,
 )
 from tests.datamodules._solar import solar_datamodule
 
@@ -108,6 +109,48 @@ def test_windows_that_need_more_memory_than_given_are_not_chosen():
     assert (tiny.buffer_samples, tiny.read_ahead_samples) == (0, 10)
     alone = _plan(SLOW, memory=64 * 4, with_buffer=False)
     assert alone.buffer_samples == 0 and alone.read_ahead_samples <= 256
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_a_memory_budget_holds_the_loaders_working_memory_beside_buffer_and_read_ahead(world_size):
+    sample = 3 * 16384
+    budget = 2048  # samples over all ranks: 96 MiB
+    for storage, page_cache in ((FAST_LOCAL_STORAGE, False), (SLOW, True)):
+        plain = _plan(storage, memory=budget, world_size=world_size, page_cache=page_cache, io_threads=4)
+        plan = _plan(
+            storage, memory=budget, world_size=world_size, page_cache=page_cache, io_threads=4, reserve_working=True
+        )
+        assert plain.working_samples == 0
+        # by hand: 4 MiB, the batches in flight and one window per rank; a 1 MiB piece per I/O thread with gaps
+        per_rank = 4 * 2**20 + (3 + plan.read_window) * 32 * sample + (4 * 2**20 if plan.max_gap else 0)
+        assert plan.working_samples == world_size * -(-per_rank // sample)
+        assert plan.working_samples == world_size * working_samples(32, plan.read_window, plan.max_gap, sample, 4)
+        assert plan.buffer_samples + plan.read_ahead_samples + plan.working_samples == budget
+        assert plan.read_ahead_samples == 2 * plan.read_window * 32 * world_size
+        assert f"working {plan.working_samples}" in plan.describe()
+    # without gaps no pieces are reserved: the exact plan keeps 1 MiB per thread more for its buffer
+    exact = _plan(
+        FAST_LOCAL_STORAGE,
+        memory=budget,
+        world_size=world_size,
+        io_threads=4,
+        reserve_working=True,
+        read_window=1,
+        max_gap=0,
+    )
+    gaps = _plan(
+        FAST_LOCAL_STORAGE,
+        memory=budget,
+        world_size=world_size,
+        io_threads=4,
+        reserve_working=True,
+        read_window=1,
+        max_gap=8,
+    )
+    piece = working_samples(32, 1, 8, sample, 4) - working_samples(32, 1, 0, sample, 4)
+    assert piece in (4 * 2**20 // sample, 4 * 2**20 // sample + 1)
+    assert gaps.working_samples - exact.working_samples == world_size * piece
+    assert exact.buffer_samples - gaps.buffer_samples == gaps.working_samples - exact.working_samples
 
 
 FILE_BYTES = 2048 * 3 * 16384  # _plan's training set

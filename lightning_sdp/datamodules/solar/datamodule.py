@@ -46,6 +46,7 @@ from lightning_sdp.datamodules.solar.reader import (
 )
 from lightning_sdp.datamodules.solar.readplan import (
     FAST_LOCAL_STORAGE,
+    READ_AHEAD_WINDOWS,
     ReadPlan,
     StorageProfile,
     page_cache_holds,
@@ -122,8 +123,10 @@ class SolarDataModule(LightningDataModule):
         target_key: dataset (or list of datasets) holding the targets. Default ``"y"``.
         batch_size: nominal per-rank batch size ``B`` (global batch ``P * B``). Default 32.
         buffer_size: the loaders' memory for all ranks together: an int number of samples, or bytes as a string
-            (``"8GB"``, ``"512MiB"``). The buffer and the read-ahead share it (:attr:`read_plan` says how); more than
-            the data caches everything. 0 (default): no buffer, and up to 64 MiB per rank of read-ahead.
+            (``"8GB"``, ``"512MiB"``). The read-ahead and the buffer share it (:attr:`read_plan` says how); a size in
+            bytes is a memory budget, and holds the loaders' working memory (their batches and threads) too, so
+            that a memory cap of the training's own needs plus ``buffer_size`` holds. More than the data caches
+            everything. 0 (default): no buffer, and up to 64 MiB per rank of read-ahead.
         num_workers: reader processes per rank for training. 0 (default): a background thread of the rank's
             process reads the plan's next windows while the model trains, on into the next epoch, within the
             read-ahead's share of ``buffer_size``; with workers, each reads ``prefetch_factor`` windows ahead within
@@ -334,6 +337,7 @@ class SolarDataModule(LightningDataModule):
         self._page_cache = self._page_cache_holds()
         self.read_plan = self._plan_reads(capacity)
         self.cold_gap = self._plan_cold_gap(capacity, self.read_plan)
+        self._warn_if_budget_short(capacity, self.read_plan)
         warming = (
             ""
             if self.cold_gap is None
@@ -344,6 +348,20 @@ class SolarDataModule(LightningDataModule):
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
+
+    def _warn_if_budget_short(self, capacity: int, plan: ReadPlan) -> None:
+        """Warn when ``buffer_size`` does not hold the loaders' working memory and one read window per rank."""
+        assert self.info is not None
+        needed = plan.working_samples + READ_AHEAD_WINDOWS * plan.read_window * self.batch_size * self.world_size
+        if capacity == 0 or needed <= capacity or not isinstance(self.buffer_size, str):
+            return
+        mib = needed * self.info.sample_nbytes / 2**20
+        rank_zero_warn(
+            f"SolarDataModule(buffer_size={self.buffer_size!r}) is {capacity} samples, less than the loaders' "
+            f"working memory and {READ_AHEAD_WINDOWS} read windows on each of {self.world_size} ranks ({needed} "
+            f"samples, {mib:.1f} MiB): the loaders will use more memory than buffer_size, and no buffer is kept. "
+            f"Give buffer_size >= '{math.ceil(mib)}MiB', or a smaller batch_size."
+        )
 
     def _plan_cold_gap(self, capacity: int, plan: ReadPlan) -> int | None:
         """The gap for runs the page cache does not hold yet (``None``: no warming), with the plan's window."""
@@ -385,6 +403,9 @@ class SolarDataModule(LightningDataModule):
             balance=self.balance,
             with_buffer=with_buffer,
             page_cache=page_cache,
+            io_threads=self.reads.io_threads,
+            # a size in bytes is a memory budget (e.g. a cgroup's): it holds the loaders' batches and threads too
+            reserve_working=with_buffer and isinstance(self.buffer_size, str),
         )
 
     def _page_cache_holds(self) -> bool:
@@ -616,12 +637,13 @@ class SolarDataModule(LightningDataModule):
         assert self.read_plan is not None  # set with the schedule in setup
         current_plan = _plan_state(self.read_plan)
         if saved_plan is not None and saved_plan != current_plan:
-            saved_memory = saved_plan["buffer_samples"] + saved_plan["read_ahead_samples"]
-            memory = current_plan["buffer_samples"] + current_plan["read_ahead_samples"]
+            # a checkpoint from before the working memory was planned counted it in the buffer
+            saved_memory = sum(saved_plan.get(k, 0) for k in _MEMORY_KEYS)
+            memory = sum(current_plan[k] for k in _MEMORY_KEYS)
             if saved_memory != memory:
                 raise ValueError(
                     f"the checkpoint's SOLAR memory budget does not match this configuration (buffer_size: "
-                    f"checkpoint {saved_memory} vs now {memory} samples, buffer and read-ahead together). Resume "
+                    f"checkpoint {saved_memory} vs now {memory} samples, buffer, read-ahead and working memory together). Resume "
                     "with the same buffer_size, or start a new run."
                 )
             # the same options, but the device measured differently: keep the checkpoint's plan and schedule
@@ -741,7 +763,11 @@ def _plan_state(plan: ReadPlan) -> dict[str, int]:
         "max_gap": plan.max_gap,
         "buffer_samples": plan.buffer_samples,
         "read_ahead_samples": plan.read_ahead_samples,
+        "working_samples": plan.working_samples,
     }
+
+
+_MEMORY_KEYS = ("buffer_samples", "read_ahead_samples", "working_samples")
 
 
 def _add_note(exception: BaseException, note: str) -> None:

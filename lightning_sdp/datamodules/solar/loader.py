@@ -23,6 +23,7 @@ from lightning_sdp.datamodules.solar.prefetch import PageCacheWarmer, ReadAhead,
 from lightning_sdp.datamodules.solar.reader import HDF5Reader
 from lightning_sdp.datamodules.solar.readplan import anonymous_headroom
 from lightning_sdp.datamodules.solar.schedule import SolarSchedule
+from lightning_sdp.datamodules.solar.store import SampleStore
 
 
 def _same_requests(
@@ -411,7 +412,11 @@ class SolarLoader:
         self.num_workers, self.prefetch_factor = int(num_workers), int(prefetch_factor)
         self.batch_format = batch_format
         self._trainer = trainer or (lambda: None)
-        self.store: dict[int, dict[str, torch.Tensor]] = {}
+        info = reader.info
+        keys = [input_key, *self.target_keys]
+        self.store = SampleStore(
+            {k: info.shapes[k] for k in keys}, {k: info.dtypes[k] for k in keys}, int(schedule.rank_capacity[rank])
+        )
         self._sampler = _RequestSampler()
         self._loader: DataLoader | None = None
         self._next_pos = (0, 0)
@@ -638,16 +643,16 @@ class SolarLoader:
                     arr[list(dst)] = res["data"][key][list(src)]
                 for row, x in enumerate(ids.tolist()):
                     if x not in read_pos:
-                        arr[row] = self.store[x][key]
+                        arr[row] = self.store.get(x, key)
                 out[key] = arr
             # the plan's inserts, and the planned hits read back after a resume unless the plan evicts them now
             evicts = set(rs.evicts.tolist())
             for x in evicts:
-                self.store.pop(x, None)
+                self.store.pop(x)
             keep = set(rs.inserts.tolist()) | {x for x in ids[rs.hit].tolist() if x in read_pos and x not in evicts}
             for x in keep:
                 k = read_pos[x]
-                self.store[x] = {key: res["data"][key][k].clone() for key in out}
+                self.store.put(x, {key: res["data"][key][k] for key in out})
             wait = time.perf_counter() - t0
             now = time.perf_counter()
             step_time = now - self._last_yield if self._last_yield is not None else wait

@@ -19,6 +19,10 @@ from typing import Any
 
 import numpy as np
 
+GAP_PIECE_BYTES = 2**20
+"""The most bytes one I/O thread holds of a run read through gaps (the block layer splits longer reads into requests
+of about this size anyway)."""
+
 
 def coalesce_runs(sorted_ids: np.ndarray, max_gap: int = 0) -> list[tuple[int, int]]:
     """Half-open runs ``[a, b)`` covering sorted, unique ids; ids at most ``max_gap`` apart share a run.
@@ -496,9 +500,17 @@ class HDF5Reader:
             offset, row = layout[key]
             if b - a == hi - lo:  # no gap rows: read straight into place
                 return raw.pread_into(rows[key][lo:hi], offset + a * row)
-            block = np.empty((b - a, *info.shapes[key]), dtype=info.dtypes[key])
-            n = raw.pread_into(block, offset + a * row)
-            rows[key][lo:hi] = block[uniq[lo:hi] - a]
+            # a run with gap rows is read in pieces through one scratch block: memory for the rows read and
+            # dropped stays at GAP_PIECE_BYTES per I/O thread, however long the run
+            piece = min(b - a, max(1, GAP_PIECE_BYTES // row))
+            block = np.empty((piece, *info.shapes[key]), dtype=info.dtypes[key])
+            wanted = uniq[lo:hi]
+            n = 0
+            for start in range(a, b, piece):
+                stop = min(start + piece, b)
+                n += raw.pread_into(block[: stop - start], offset + start * row)
+                i, j = np.searchsorted(wanted, [start, stop])
+                rows[key][lo + i : lo + j] = block[wanted[i:j] - start]
             return n
 
         jobs = [(key, a, b, lo, hi) for key in self.keys for (a, b), (lo, hi) in zip(runs, bounds, strict=True)]

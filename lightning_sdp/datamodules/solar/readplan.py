@@ -29,8 +29,16 @@ from pathlib import Path
 
 import numpy as np
 
+from lightning_sdp.datamodules.solar.reader import GAP_PIECE_BYTES
+
 READ_AHEAD_WINDOWS = 2
 """Windows a rank holds besides its buffer: the one being trained on and the one being read."""
+LOADER_FIXED_BYTES = 4 * 2**20
+"""Memory a rank's loader holds whatever its plan: its threads' stacks and heaps, file handles, the page-cache
+warmer's scratch."""
+BATCHES_IN_FLIGHT = 3
+"""Local batches alive beside the read-ahead's windows: the one being assembled, its gather's copy of the window's
+rows, and the one the model trains on."""
 WINDOW_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 GAP_CANDIDATES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 SPLIT_REQUEST_BYTES = 2**20
@@ -407,6 +415,8 @@ class ReadPlan:
         storage: the device profile used.
         costs: the two ways to read the misses that chose between gaps and none (``None``: a fixed gap, or no page
             cache to stream the file into).
+        working_samples: the loaders' own working memory (:func:`working_samples`) over all ranks, in samples: the
+            part of the budget that neither the buffer nor the read-ahead gets.
     """
 
     read_window: int
@@ -418,13 +428,15 @@ class ReadPlan:
     predicted_requests: float
     storage: StorageProfile
     costs: ReadCosts | None = None
+    working_samples: int = 0
 
     def describe(self) -> str:
         """One line for logs."""
         chose = f"; reads {self.costs.describe()}" if self.costs is not None else ""
         return (
             f"read window {self.read_window} steps, gaps up to {self.max_gap} rows read through, buffer "
-            f"{self.buffer_samples} + read-ahead {self.read_ahead_samples} samples; predicted "
+            f"{self.buffer_samples} + read-ahead {self.read_ahead_samples} + working {self.working_samples} "
+            "samples; predicted "
             f"{self.predicted_epoch_s:.2f} s of device time per epoch ({self.predicted_bytes / 2**20:.1f} MiB, "
             f"{self.predicted_requests:,.0f} requests per rank) on {self.storage.describe()}{chose}"
         )
@@ -501,6 +513,8 @@ def plan_reads(
     balance: bool = True,
     with_buffer: bool = True,
     page_cache: bool = False,
+    io_threads: int = 1,
+    reserve_working: bool = False,
 ) -> ReadPlan:
     """The read window and gap of least predicted device time, and the buffer / read-ahead split of the memory.
 
@@ -510,8 +524,9 @@ def plan_reads(
     (``max_gap = 0``) otherwise. Without the page cache a row read through is read again by every window that spans
     it, and every gap is weighed by its predicted runs and rows (:func:`window_reads`).
 
-    Each rank holds :data:`READ_AHEAD_WINDOWS` whole windows (``W * batch_size`` samples each, what a window with no
-    buffer hit reads) besides its share of the buffer; the buffer gets what remains of ``memory_samples``. Sized
+    Each rank holds its working memory (:func:`working_samples`) and :data:`READ_AHEAD_WINDOWS` whole windows
+    (``W * batch_size`` samples each, what a window with no buffer hit reads) besides its share of the buffer; the
+    buffer gets what remains of ``memory_samples``. Sized
     for the average window instead, half the windows would not fit beside the one being trained on, and their reads
     would wait for it: reading and training one after another instead of at once. A window that
     leaves no buffer is still allowed (the buffer may be worth less than long requests). Among plans within
@@ -532,6 +547,9 @@ def plan_reads(
         with_buffer: ``False``: no buffer; the whole memory is read-ahead.
         page_cache: rows read twice in an epoch reach the device once (the OS page cache keeps the file for an
             epoch: see :func:`page_cache_holds`); ``False``: every transferred row counts.
+        io_threads: threads per rank that read runs at once (each holds a piece of a run read through gaps).
+        reserve_working: ``memory_samples`` is a memory budget that holds the loaders' working memory too
+            (:func:`working_samples`); ``False``: buffer and read-ahead only.
     """
     costs = read_costs(
         num_samples=num_samples,
@@ -551,28 +569,54 @@ def plan_reads(
     chosen_by = costs if max_gap is None and page_cache else None
     sample_nbytes = sum(row_nbytes)
     plans: list[ReadPlan] = []
+    # plans that read through gaps hold a piece of a run per I/O thread: they are split apart from the exact ones
+    gap_groups = [group for group in ([g for g in gaps if g == 0], [g for g in gaps if g > 0]) if group]
     for w in windows:
-        split = _split_memory(world_size, batch_size, memory_samples, w, with_buffer)
-        if split is None and (plans or w != windows[0]):
-            continue  # its read-ahead alone exceeds the memory (the smallest window is always allowed)
-        read_ahead, buffer = split if split is not None else (memory_samples, 0)
-        reads = window_reads(
-            num_samples=num_samples,
-            world_size=world_size,
-            batch_size=batch_size,
-            buffer_samples=buffer,
-            read_window=w,
-            max_gaps=gaps,
-            balance=balance,
-        )
-        for g, (runs, rows, distinct) in zip(gaps, reads, strict=True):
-            nbytes = (distinct if page_cache else rows) * sample_nbytes
-            requests = runs * len(row_nbytes) + rows * sample_nbytes / SPLIT_REQUEST_BYTES
-            seconds = ranks_per_device * storage.seconds(nbytes, requests)
-            plans.append(ReadPlan(w, g, buffer, read_ahead, seconds, nbytes, requests, storage, chosen_by))
+        for group in gap_groups:
+            working = world_size * working_samples(batch_size, w, group[0], sample_nbytes, io_threads)
+            working *= reserve_working
+            split = _split_memory(world_size, batch_size, memory_samples - working, w, with_buffer)
+            if split is None and (plans or w != windows[0]):
+                continue  # its read-ahead alone exceeds the memory (the smallest window is always allowed)
+            read_ahead, buffer = split if split is not None else (max(0, memory_samples - working), 0)
+            reads = window_reads(
+                num_samples=num_samples,
+                world_size=world_size,
+                batch_size=batch_size,
+                buffer_samples=buffer,
+                read_window=w,
+                max_gaps=group,
+                balance=balance,
+            )
+            for g, (runs, rows, distinct) in zip(group, reads, strict=True):
+                nbytes = (distinct if page_cache else rows) * sample_nbytes
+                requests = runs * len(row_nbytes) + rows * sample_nbytes / SPLIT_REQUEST_BYTES
+                seconds = ranks_per_device * storage.seconds(nbytes, requests)
+                plans.append(ReadPlan(w, g, buffer, read_ahead, seconds, nbytes, requests, storage, chosen_by, working))
     fastest = min(p.predicted_epoch_s for p in plans)
     close = [p for p in plans if p.predicted_epoch_s <= max(fastest * (1 + EQUAL_WITHIN), fastest + EQUAL_WITHIN_S)]
     return min(close, key=lambda p: (p.read_ahead_samples, p.predicted_bytes, p.read_window))
+
+
+def working_samples(batch_size: int, read_window: int, max_gap: int, sample_nbytes: int, io_threads: int) -> int:
+    """Memory one rank's loader holds beyond its buffer share and its read-ahead windows, in samples (rounded up).
+
+    Measured on a loader's resident memory step by step: :data:`LOADER_FIXED_BYTES`, :data:`BATCHES_IN_FLIGHT`
+    local batches, one more window (the next is read while the last rows of the one before are still being
+    released), and, when runs are read through gaps, one piece of :data:`~lightning_sdp.datamodules.solar.reader.
+    GAP_PIECE_BYTES` per I/O thread. Under a memory cap (a cgroup charges every page) the budget must hold these too.
+
+    Args:
+        batch_size: nominal local batch.
+        read_window: steps per read window.
+        max_gap: rows read through between wanted runs (``0``: no gap pieces).
+        sample_nbytes: bytes of one sample.
+        io_threads: threads per rank that read runs at once.
+    """
+    nbytes = LOADER_FIXED_BYTES + (BATCHES_IN_FLIGHT + read_window) * batch_size * sample_nbytes
+    if max_gap > 0:
+        nbytes += max(1, io_threads) * GAP_PIECE_BYTES
+    return -(-nbytes // max(1, sample_nbytes))
 
 
 def _split_memory(

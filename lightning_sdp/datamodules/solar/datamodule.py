@@ -350,7 +350,7 @@ class SolarDataModule(LightningDataModule):
             self.load_state_dict(state)
 
     def _warn_if_budget_short(self, capacity: int, plan: ReadPlan) -> None:
-        """Warn when ``buffer_size`` does not hold the loaders' working memory and one read window per rank."""
+        """Warn when a byte ``buffer_size`` holds less than the loaders' working memory and the read-ahead's windows."""
         assert self.info is not None
         needed = plan.working_samples + READ_AHEAD_WINDOWS * plan.read_window * self.batch_size * self.world_size
         if capacity == 0 or needed <= capacity or not isinstance(self.buffer_size, str):
@@ -643,8 +643,8 @@ class SolarDataModule(LightningDataModule):
             if saved_memory != memory:
                 raise ValueError(
                     f"the checkpoint's SOLAR memory budget does not match this configuration (buffer_size: "
-                    f"checkpoint {saved_memory} vs now {memory} samples, buffer, read-ahead and working memory together). Resume "
-                    "with the same buffer_size, or start a new run."
+                    f"checkpoint {saved_memory} vs now {memory} samples, buffer, read-ahead and working memory "
+                    "together). Resume with the same buffer_size, or start a new run."
                 )
             # the same options, but the device measured differently: keep the checkpoint's plan and schedule
             self.read_plan = replace(self.read_plan, **saved_plan)

@@ -423,7 +423,7 @@ def test_a_budget_in_bytes_holds_the_loaders_working_memory_and_says_when_it_can
     dm = _dm(ptycho, buffer_size="5MiB")
     dm.setup("fit")
     plan = dm.read_plan
-    assert plan.working_samples == working_samples(8, plan.read_window, plan.max_gap, sample, dm.reads.io_threads)
+    assert plan.working_samples == working_samples(8, plan.max_gap, sample, dm.reads.io_threads)
     assert plan.buffer_samples + plan.read_ahead_samples + plan.working_samples == 5 * 2**20 // sample
     assert plan.buffer_samples > 0
     counted = _dm(ptycho, buffer_size=5 * 2**20 // sample)  # the same size in samples: buffer and read-ahead only

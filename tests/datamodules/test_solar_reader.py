@@ -220,3 +220,21 @@ def test_threaded_reader_falls_back_on_chunked_data(h5file):
     assert reader.direct_layout() is None
     ids = [4, 2, 2, 90]
     assert np.array_equal(reader.read(ids)["chunked"], HDF5Reader(h5file, ["chunked"]).read(ids)["chunked"])
+
+
+def test_large_arrays_of_read_rows_get_their_own_memory_map():
+    import mmap
+
+    big = reader_module.mapped_empty((64, 1, 32, 32), np.dtype("float32"))  # 256 KiB
+    small = reader_module.mapped_empty((2, 1, 32, 32), np.dtype("float32"))
+    assert big.shape == (64, 1, 32, 32) and big.dtype == np.float32 and big.flags.writeable
+
+    def owner(array):
+        while isinstance(array, np.ndarray):
+            array = array.base
+        return array.obj if isinstance(array, memoryview) else array
+
+    assert isinstance(owner(big), mmap.mmap) and len(owner(big)) == big.nbytes
+    assert owner(small) is None and small.shape == (2, 1, 32, 32)
+    big[:] = 3.0
+    assert float(big.sum()) == 3.0 * big.size

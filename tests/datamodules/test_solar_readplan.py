@@ -121,10 +121,10 @@ def test_a_memory_budget_holds_the_loaders_working_memory_beside_buffer_and_read
             storage, memory=budget, world_size=world_size, page_cache=page_cache, io_threads=4, reserve_working=True
         )
         assert plain.working_samples == 0
-        # by hand: 4 MiB, the batches in flight and one window per rank; a 1 MiB piece per I/O thread with gaps
-        per_rank = 4 * 2**20 + (3 + plan.read_window) * 32 * sample + (4 * 2**20 if plan.max_gap else 0)
+        # by hand: 4 MiB and the batches in flight per rank; a 1 MiB piece per I/O thread with gaps
+        per_rank = 4 * 2**20 + 3 * 32 * sample + (4 * 2**20 if plan.max_gap else 0)
         assert plan.working_samples == world_size * -(-per_rank // sample)
-        assert plan.working_samples == world_size * working_samples(32, plan.read_window, plan.max_gap, sample, 4)
+        assert plan.working_samples == world_size * working_samples(32, plan.max_gap, sample, 4)
         assert plan.buffer_samples + plan.read_ahead_samples + plan.working_samples == budget
         assert plan.read_ahead_samples == 2 * plan.read_window * 32 * world_size
         assert f"working {plan.working_samples}" in plan.describe()
@@ -147,7 +147,7 @@ def test_a_memory_budget_holds_the_loaders_working_memory_beside_buffer_and_read
         read_window=1,
         max_gap=8,
     )
-    piece = working_samples(32, 1, 8, sample, 4) - working_samples(32, 1, 0, sample, 4)
+    piece = working_samples(32, 8, sample, 4) - working_samples(32, 0, sample, 4)
     assert piece in (4 * 2**20 // sample, 4 * 2**20 // sample + 1)
     assert gaps.working_samples - exact.working_samples == world_size * piece
     assert exact.buffer_samples - gaps.buffer_samples == gaps.working_samples - exact.working_samples

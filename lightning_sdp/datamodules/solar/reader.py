@@ -8,6 +8,7 @@ Contiguous datasets are read with positional reads (:class:`PositionalFile`) at 
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import threading
 import warnings
@@ -22,6 +23,27 @@ import numpy as np
 GAP_PIECE_BYTES = 2**20
 """The most bytes one I/O thread holds of a run read through gaps (the block layer splits longer reads into requests
 of about this size anyway)."""
+MAPPED_MIN_BYTES = 128 * 2**10
+"""Arrays of read rows at least this large get their own memory map (glibc's default threshold for the same)."""
+
+
+def mapped_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array in its own anonymous memory map when it is large, so that its pages go back to the OS
+    the moment it is freed.
+
+    glibc raises its mmap threshold to the size of each large block freed, and serves later blocks of that size from
+    its heaps, which keep freed pages: window after window of read rows, the process held about one window more than
+    the loader does, memory a cgroup charges like any other.
+
+    Args:
+        shape: the array's shape.
+        dtype: its element type.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes < MAPPED_MIN_BYTES:
+        return np.empty(shape, dtype=dtype)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).reshape(shape)
 
 
 def coalesce_runs(sorted_ids: np.ndarray, max_gap: int = 0) -> list[tuple[int, int]]:
@@ -494,7 +516,7 @@ class HDF5Reader:
         runs = coalesce_runs(uniq, self.max_gap)
         bounds = [tuple(np.searchsorted(uniq, [a, b]).tolist()) for a, b in runs]
         info = self.info
-        rows = {k: np.empty((len(uniq), *info.shapes[k]), dtype=info.dtypes[k]) for k in self.keys}
+        rows = {k: mapped_empty((len(uniq), *info.shapes[k]), info.dtypes[k]) for k in self.keys}
 
         def job(key: str, a: int, b: int, lo: int, hi: int) -> int:
             offset, row = layout[key]
@@ -503,7 +525,7 @@ class HDF5Reader:
             # a run with gap rows is read in pieces through one scratch block: memory for the rows read and
             # dropped stays at GAP_PIECE_BYTES per I/O thread, however long the run
             piece = min(b - a, max(1, GAP_PIECE_BYTES // row))
-            block = np.empty((piece, *info.shapes[key]), dtype=info.dtypes[key])
+            block = mapped_empty((piece, *info.shapes[key]), info.dtypes[key])
             wanted = uniq[lo:hi]
             n = 0
             for start in range(a, b, piece):

@@ -573,7 +573,7 @@ def plan_reads(
     gap_groups = [group for group in ([g for g in gaps if g == 0], [g for g in gaps if g > 0]) if group]
     for w in windows:
         for group in gap_groups:
-            working = world_size * working_samples(batch_size, w, group[0], sample_nbytes, io_threads)
+            working = world_size * working_samples(batch_size, group[0], sample_nbytes, io_threads)
             working *= reserve_working
             split = _split_memory(world_size, batch_size, memory_samples - working, w, with_buffer)
             if split is None and (plans or w != windows[0]):
@@ -598,22 +598,21 @@ def plan_reads(
     return min(close, key=lambda p: (p.read_ahead_samples, p.predicted_bytes, p.read_window))
 
 
-def working_samples(batch_size: int, read_window: int, max_gap: int, sample_nbytes: int, io_threads: int) -> int:
+def working_samples(batch_size: int, max_gap: int, sample_nbytes: int, io_threads: int) -> int:
     """Memory one rank's loader holds beyond its buffer share and its read-ahead windows, in samples (rounded up).
 
-    Measured on a loader's resident memory step by step: :data:`LOADER_FIXED_BYTES`, :data:`BATCHES_IN_FLIGHT`
-    local batches, one more window (the next is read while the last rows of the one before are still being
-    released), and, when runs are read through gaps, one piece of :data:`~lightning_sdp.datamodules.solar.reader.
-    GAP_PIECE_BYTES` per I/O thread. Under a memory cap (a cgroup charges every page) the budget must hold these too.
+    What a loader's resident memory held step by step beyond its buffer and read-ahead: :data:`LOADER_FIXED_BYTES`,
+    :data:`BATCHES_IN_FLIGHT` local batches and, when runs are read through gaps, one piece of
+    :data:`~lightning_sdp.datamodules.solar.reader.GAP_PIECE_BYTES` per I/O thread. Under a memory cap (a cgroup
+    charges every page) the budget must hold these too.
 
     Args:
         batch_size: nominal local batch.
-        read_window: steps per read window.
         max_gap: rows read through between wanted runs (``0``: no gap pieces).
         sample_nbytes: bytes of one sample.
         io_threads: threads per rank that read runs at once.
     """
-    nbytes = LOADER_FIXED_BYTES + (BATCHES_IN_FLIGHT + read_window) * batch_size * sample_nbytes
+    nbytes = LOADER_FIXED_BYTES + BATCHES_IN_FLIGHT * batch_size * sample_nbytes
     if max_gap > 0:
         nbytes += max(1, io_threads) * GAP_PIECE_BYTES
     return -(-nbytes // max(1, sample_nbytes))

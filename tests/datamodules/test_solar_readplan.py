@@ -129,23 +129,9 @@ def test_a_memory_budget_holds_the_loaders_working_memory_beside_buffer_and_read
         assert plan.read_ahead_samples == 2 * plan.read_window * 32 * world_size
         assert f"working {plan.working_samples}" in plan.describe()
     # without gaps no pieces are reserved: the exact plan keeps 1 MiB per thread more for its buffer
-    exact = _plan(
-        FAST_LOCAL_STORAGE,
-        memory=budget,
-        world_size=world_size,
-        io_threads=4,
-        reserve_working=True,
-        read_window=1,
-        max_gap=0,
-    )
-    gaps = _plan(
-        FAST_LOCAL_STORAGE,
-        memory=budget,
-        world_size=world_size,
-        io_threads=4,
-        reserve_working=True,
-        read_window=1,
-        max_gap=8,
+    exact, gaps = (
+        _plan(FAST_LOCAL_STORAGE, memory=budget, world_size=world_size, io_threads=4, reserve_working=True, **fixed)
+        for fixed in ({"read_window": 1, "max_gap": 0}, {"read_window": 1, "max_gap": 8})
     )
     piece = working_samples(32, 8, sample, 4) - working_samples(32, 0, sample, 4)
     assert piece in (4 * 2**20 // sample, 4 * 2**20 // sample + 1)

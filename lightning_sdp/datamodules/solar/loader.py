@@ -23,7 +23,7 @@ from lightning_sdp.datamodules.solar.prefetch import PageCacheWarmer, ReadAhead,
 from lightning_sdp.datamodules.solar.reader import HDF5Reader
 from lightning_sdp.datamodules.solar.readplan import anonymous_headroom
 from lightning_sdp.datamodules.solar.schedule import SolarSchedule
-from lightning_sdp.datamodules.solar.store import SampleStore
+from lightning_sdp.datamodules.solar.store import SampleStore, torch_dtype
 
 
 def _same_requests(
@@ -619,7 +619,7 @@ class SolarLoader:
             results = iter(self._dataloader())
         self._last_yield = None
         shapes = self.reader.info.shapes
-        dtypes = self.reader.info.dtypes
+        dtypes = {key: torch_dtype(self.reader.info.dtypes[key]) for key in (self.input_key, *self.target_keys)}
         res: dict[str, Any] = {}
         read_pos: dict[int, int] = {}
         for i, sp in enumerate(steps):
@@ -636,7 +636,7 @@ class SolarLoader:
             n = len(ids)
             out = {}
             for key in (self.input_key, *self.target_keys):
-                arr = torch.empty((n, *shapes[key]), dtype=torch.from_numpy(np.empty(0, dtypes[key])).dtype)
+                arr = torch.empty((n, *shapes[key]), dtype=dtypes[key])
                 from_read = [(row, read_pos[x]) for row, x in enumerate(ids.tolist()) if x in read_pos]
                 if from_read:
                     dst, src = zip(*from_read, strict=False)

@@ -573,8 +573,9 @@ def plan_reads(
     gap_groups = [group for group in ([g for g in gaps if g == 0], [g for g in gaps if g > 0]) if group]
     for w in windows:
         for group in gap_groups:
-            working = world_size * working_samples(batch_size, group[0], sample_nbytes, io_threads)
-            working *= reserve_working
+            working = (
+                world_size * working_samples(batch_size, group[0], sample_nbytes, io_threads) if reserve_working else 0
+            )
             split = _split_memory(world_size, batch_size, memory_samples - working, w, with_buffer)
             if split is None and (plans or w != windows[0]):
                 continue  # its read-ahead alone exceeds the memory (the smallest window is always allowed)

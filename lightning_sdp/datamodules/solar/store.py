@@ -10,6 +10,7 @@ written, and freed slots are reused before untouched ones.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator, Mapping
 
 import numpy as np
@@ -17,6 +18,11 @@ import torch
 
 MIN_BLOCK_SAMPLES = 64
 """Slots added at once when the store outgrows its planned capacity (or has none)."""
+
+
+def torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """The torch dtype of a numpy dtype (the one ``torch.from_numpy`` gives)."""
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
 class SampleStore:
@@ -33,7 +39,7 @@ class SampleStore:
         if capacity < 0:
             raise ValueError(f"store capacity must be >= 0, got {capacity}")
         self._shapes = {k: tuple(v) for k, v in shapes.items()}
-        self._dtypes = {k: torch.from_numpy(np.empty(0, dtype=dtypes[k])).dtype for k in shapes}
+        self._dtypes = {k: torch_dtype(dtypes[k]) for k in shapes}
         self.capacity = int(capacity)
         self._blocks: list[dict[str, torch.Tensor]] = []
         self._block_starts: list[int] = []
@@ -101,5 +107,5 @@ class SampleStore:
         self._allocated += rows
 
     def _locate(self, slot: int) -> tuple[dict[str, torch.Tensor], int]:
-        i = int(np.searchsorted(self._block_starts, slot, side="right")) - 1
+        i = bisect.bisect_right(self._block_starts, slot) - 1
         return self._blocks[i], slot - self._block_starts[i]
